@@ -1,0 +1,1 @@
+"""Alembic migrations for Flywheel's tables (see proxy/tables.py). Applied by `flywheel migrate`."""

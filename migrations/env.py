@@ -1,0 +1,24 @@
+"""Alembic environment: the URL comes from `proxy.database.migrate` (or alembic.ini's -x url=...)."""
+
+from __future__ import annotations
+
+from alembic import context
+from sqlalchemy import create_engine, pool
+
+from proxy.tables import Base
+
+config = context.config
+url = config.attributes.get("url") or context.get_x_argument(as_dictionary=True).get("url")
+if not url:
+    raise SystemExit("no database URL: run `flywheel migrate` or `alembic -x url=postgresql+psycopg://...`")
+
+engine = create_engine(url, poolclass=pool.NullPool)
+with engine.connect() as connection:
+    # One migrator at a time: several proxies may start together against one database.
+    connection.exec_driver_sql("SELECT pg_advisory_lock(7239011)")
+    context.configure(connection=connection, target_metadata=Base.metadata, compare_type=True)
+    with context.begin_transaction():
+        context.run_migrations()
+    connection.exec_driver_sql("SELECT pg_advisory_unlock(7239011)")
+    connection.commit()
+engine.dispose()

@@ -1,0 +1,117 @@
+"""The policy alias: `policy` -> the current adapter (or the base model), `policy@N` -> version N.
+
+The current version is re-read from Postgres every `alias_refresh_s` by a background task, so the
+alias follows the trainer within a second without a database round trip per request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import orjson
+from sqlalchemy.ext.asyncio import async_sessionmaker
+
+from proxy import store
+from proxy.errors import ApiError
+from proxy.upstream import Upstream
+
+log = logging.getLogger(__name__)
+
+BASE_VERSION = 0  # the policy before any training: the base model itself
+
+
+class PolicyAlias:
+    def __init__(
+        self,
+        alias: str,
+        sessionmaker: async_sessionmaker,  # type: ignore[type-arg]
+        upstream: Upstream,
+        *,
+        base_model: str | None,
+        refresh_s: float,
+    ) -> None:
+        self.alias = alias
+        self._sessionmaker = sessionmaker
+        self._upstream = upstream
+        self.base_model = base_model
+        self._refresh_s = refresh_s
+        self.current: tuple[int, str] | None = None
+        self._names: dict[int, str] = {}  # version -> adapter name; versions never change name
+        self._versions: dict[str, int] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.refresh()
+        self._task = asyncio.create_task(self._poll(), name="flywheel-alias")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+
+    async def refresh(self) -> None:
+        try:
+            async with self._sessionmaker() as session:
+                current = await store.current_adapter(session=session)
+        except Exception as e:  # Postgres down: keep serving the version we know
+            log.debug("alias refresh failed: %s", e)
+            return
+        if current != self.current:
+            log.info("policy alias now -> %s", current[1] if current else "base model")
+            self.current = current
+        if current:
+            self._remember(*current)
+
+    async def _poll(self) -> None:
+        while True:
+            await asyncio.sleep(self._refresh_s)
+            await self.refresh()
+
+    def _remember(self, version: int, name: str) -> None:
+        self._names[version] = name
+        self._versions[name] = version
+
+    async def resolve(self, model: str) -> tuple[str, int | None]:
+        """The model name to send upstream, and the policy version it serves (None: not a policy)."""
+        if model == self.alias:
+            if self.current:
+                return self.current[1], self.current[0]
+            return await self._base(), BASE_VERSION
+        if model.startswith(self.alias + "@"):
+            return await self._pinned(model), int(model.partition("@")[2])
+        if model in self._versions:
+            return model, self._versions[model]
+        if model == self.base_model:
+            return model, BASE_VERSION
+        return model, None
+
+    async def _pinned(self, model: str) -> str:
+        suffix = model.partition("@")[2]
+        if not suffix.isdigit():
+            raise ApiError(
+                400, f"model {model!r}: the version after '@' must be a number, e.g. "
+                f"{self.alias}@3", param="model", code="invalid_model",
+            )
+        version = int(suffix)
+        if version == BASE_VERSION:
+            return await self._base()
+        if version not in self._names:
+            async with self._sessionmaker() as session:
+                name = await store.adapter_name(version, session=session)
+            if name is None:
+                raise ApiError(
+                    404, f"The model `{model}` does not exist: no adapter version {version}.",
+                    type="NotFoundError", param="model", code="model_not_found",
+                )
+            self._remember(version, name)
+        return self._names[version]
+
+    async def _base(self) -> str:
+        if self.base_model is None:
+            # The first model vLLM lists without a parent is the one it was started with.
+            status, body = await self._upstream.models()
+            if status != 200:
+                raise ApiError(502, "vLLM did not list its models", type="upstream_error")
+            models = orjson.loads(body)["data"]
+            self.base_model = next(m["id"] for m in models if not m.get("parent"))
+        return self.base_model

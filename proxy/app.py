@@ -1,0 +1,269 @@
+"""The proxy's HTTP app: `create_app(settings)` wires the parts; routes stay thin.
+
+Start-up: find the database (configured or embedded), migrate it, start the background writer
+(replaying any journal left from before), the upstream client and the alias poller.
+Shutdown: stop taking requests, then flush every recorded transition (to Postgres, or to the
+journal if Postgres can't take them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import orjson
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import Response
+
+from proxy import database, metrics, store
+from proxy.alias import PolicyAlias
+from proxy.config import ProxySettings
+from proxy.edge import EdgeMiddleware
+from proxy.errors import ApiError, error_response
+from proxy.forward import Forwarder
+from proxy.journal import Journal
+from proxy.recorder import OUTAGE_ERRORS, Recorder
+from proxy.schemas import MAX_REWARDS_PER_POST, RewardIn
+from proxy.tags import Tags, resolve
+from proxy.upstream import Upstream
+
+log = logging.getLogger(__name__)
+
+STORED_WAIT_S = 10.0  # how long a reward waits for its transitions to leave the writer's queue
+
+
+def create_app(settings: ProxySettings) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        url = await asyncio.to_thread(database.resolve_url, settings.database_url, settings.home)
+        await asyncio.to_thread(database.migrate, url)
+        engine = database.create_engine(url)
+        sessionmaker = database.create_sessionmaker(engine)
+        upstream = Upstream(
+            settings.upstream,
+            api_key=settings.upstream_api_key.get_secret_value()
+            if settings.upstream_api_key
+            else None,
+            timeout_s=settings.upstream_timeout_s,
+        )
+        await upstream.start()
+        recorder = Recorder(
+            sessionmaker,
+            Journal(settings.journal_dir),
+            batch_size=settings.writer_batch_size,
+            queue_max=settings.writer_queue_max,
+            retry_s=settings.journal_retry_s,
+            gamma=settings.credit_gamma,
+        )
+        recorder.start()
+        alias = PolicyAlias(
+            settings.policy_alias,
+            sessionmaker,
+            upstream,
+            base_model=settings.base_model,
+            refresh_s=settings.alias_refresh_s,
+        )
+        await alias.start()
+        app.state.sessionmaker = sessionmaker
+        app.state.recorder = recorder
+        app.state.upstream = upstream
+        app.state.alias = alias
+        app.state.forwarder = Forwarder(upstream, alias, recorder)
+        try:
+            yield
+        finally:
+            await alias.stop()
+            await recorder.stop()
+            await upstream.close()
+            await engine.dispose()
+
+    app = FastAPI(title="Flywheel proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(EdgeMiddleware, settings=settings)
+    _add_error_handlers(app)
+
+    async def completion(route: str, request: Request) -> Response:
+        body = await read_json(request, settings.max_body_bytes)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        forwarder: Forwarder = request.app.state.forwarder
+        return await forwarder.handle(route, request, body, tags_of(request))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await completion("chat", request)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await completion("completions", request)
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        status, payload = await request.app.state.upstream.models()
+        if status != 200:
+            return Response(payload, status_code=status, media_type="application/json")
+        data = orjson.loads(payload)
+        created = max((m.get("created", 0) for m in data.get("data", [])), default=0)
+        data.setdefault("data", []).append(
+            {"id": settings.policy_alias, "object": "model", "created": created,
+             "owned_by": "flywheel", "root": None, "parent": None}
+        )
+        return Response(orjson.dumps(data), media_type="application/json")
+
+    @app.post("/v1/rewards")
+    async def rewards(request: Request) -> Response:
+        body = await read_json(request, settings.max_body_bytes)
+        items = parse_rewards(body)
+        recorder: Recorder = request.app.state.recorder
+        for episode_id in {r.episode_id for r in items}:
+            step_ids = [str(r.transition_id) for r in items if r.episode_id == episode_id
+                        and r.transition_id is not None]
+            stored = await recorder.wait_stored(
+                episode_id, step_ids or None, timeout=STORED_WAIT_S
+            )
+            if not stored and step_ids:
+                raise ApiError(503, "the transitions of this reward are not stored yet "
+                               "(Postgres unreachable?); retry with the same idempotency_key",
+                               type="service_unavailable", code="not_stored_yet")
+        results = []
+        try:
+            async with request.app.state.sessionmaker.begin() as session:
+                for r in items:
+                    try:
+                        duplicate, credited = await store.add_reward(
+                            session=session, episode_id=r.episode_id, value=r.reward,
+                            transition_id=r.transition_id, idempotency_key=r.idempotency_key,
+                            gamma=settings.credit_gamma,
+                        )
+                    except store.UnknownTransition as e:
+                        raise ApiError(404, str(e), param="transition_id",
+                                       code="transition_not_found") from e
+                    except store.RewardConflict as e:
+                        raise ApiError(409, str(e), code="already_trained") from e
+                    results.append(
+                        {"object": "reward", "episode_id": r.episode_id,
+                         "transition_id": str(r.transition_id) if r.transition_id else None,
+                         "reward": r.reward, "status": "duplicate" if duplicate else "accepted",
+                         "credited_transitions": credited}
+                    )
+        except OUTAGE_ERRORS as e:
+            raise ApiError(503, f"database unavailable ({type(e).__name__}); nothing was stored, "
+                           "retry with the same idempotency_key", type="service_unavailable",
+                           code="database_unavailable") from e
+        for r, result in zip(items, results, strict=True):
+            metrics.rewards_ingested.labels(
+                "step" if r.transition_id else "final", result["status"]
+            ).inc()
+        out = results[0] if isinstance(body, dict) else {"object": "list", "data": results}
+        return Response(orjson.dumps(out), media_type="application/json")
+
+    @app.get("/v1/episodes/{episode_id}")
+    async def episode(episode_id: str, request: Request, tokens: bool = False) -> Response:
+        await request.app.state.recorder.wait_stored(episode_id, timeout=STORED_WAIT_S)
+        try:
+            async with request.app.state.sessionmaker() as session:
+                data = await store.get_episode(episode_id, session=session, tokens=tokens)
+        except OUTAGE_ERRORS as e:
+            raise ApiError(503, "database unavailable", type="service_unavailable") from e
+        if data is None:
+            raise ApiError(404, f"no episode {episode_id!r}", param="episode_id",
+                           code="episode_not_found")
+        return Response(orjson.dumps(data), media_type="application/json")
+
+    @app.get("/healthz")
+    async def healthz(request: Request) -> Response:
+        recorder: Recorder = request.app.state.recorder
+        return Response(orjson.dumps({
+            "status": "ok",
+            "database": "up" if recorder.database_up else "unreachable (journaling)",
+            "journal_pending": recorder.journal.pending,
+            "writer_queue": recorder.queue_depth,
+            "policy_version": request.app.state.alias.current[0]
+            if request.app.state.alias.current else 0,
+        }), media_type="application/json")
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def tags_of(request: Request) -> Tags:
+    return resolve(request.scope.get("flywheel.path_tags", {}), request.headers)  # type: ignore[arg-type]
+
+
+async def read_json(request: Request, max_bytes: int) -> Any:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {max_bytes}",
+                       code="payload_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise ApiError(413, f"request body exceeds the limit of {max_bytes} bytes",
+                           code="payload_too_large")
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw:
+        raise ApiError(400, "the request body is empty; send JSON")
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from e
+
+
+def parse_rewards(body: Any) -> list[RewardIn]:
+    raw = body if isinstance(body, list) else [body]
+    if not raw:
+        raise ApiError(400, "empty reward list: post at least one reward")
+    if len(raw) > MAX_REWARDS_PER_POST:
+        raise ApiError(400, f"{len(raw)} rewards in one post; at most {MAX_REWARDS_PER_POST}")
+    items = []
+    for i, item in enumerate(raw):
+        try:
+            items.append(RewardIn.model_validate(item))
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            param = f"[{i}].{where}" if isinstance(body, list) else where
+            raise ApiError(400, f"reward {param or 'body'}: {first['msg']}", param=param or None,
+                           code="invalid_reward") from e
+    keys = [r.idempotency_key for r in items if r.idempotency_key]
+    if len(keys) != len(set(keys)):
+        raise ApiError(400, "the same idempotency_key appears twice in one post",
+                       param="idempotency_key")
+    return items
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError) -> Response:
+        return e.response()
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, e: HTTPException) -> Response:
+        kind = "NotFoundError" if e.status_code == 404 else "invalid_request_error"
+        message = f"{request.method} {request.url.path}: {e.detail}"
+        return error_response(e.status_code, message, type=kind)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, e: RequestValidationError) -> Response:
+        first = e.errors()[0]
+        param = ".".join(str(p) for p in first["loc"])
+        return error_response(400, f"{param}: {first['msg']}", param=param)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, e: Exception) -> Response:
+        error_id = uuid.uuid4().hex[:12]
+        log.exception("unexpected error %s", error_id)
+        return error_response(500, f"internal error {error_id} (see the proxy's log)",
+                              type="server_error")

@@ -1,0 +1,93 @@
+"""Settings of the proxy process, built once at start-up and passed down.
+
+Every field is also an environment variable with the `FLYWHEEL_` prefix (e.g. `FLYWHEEL_UPSTREAM`).
+Lists (`upstream`, `api_keys`) are comma-separated in the environment.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,199}$"
+
+
+def _split_commas(value: object) -> object:
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+class ProxySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", extra="ignore")
+
+    upstream: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="vLLM base URL(s), e.g. http://127.0.0.1:8001 (no /v1). Several = replicas.",
+    )
+    host: str = Field("127.0.0.1", description="Address the proxy listens on.")
+    port: int = Field(8000, ge=1, le=65535, description="Port the proxy listens on.")
+    home: Path = Field(Path(".flywheel"), description="Data directory: embedded Postgres, journal.")
+    database_url: str | None = Field(
+        None,
+        description="Postgres URL (postgresql://...). Unset: an embedded Postgres under `home`.",
+    )
+    require_database_url: bool = Field(
+        False, description="Refuse to start the embedded Postgres (set in deployments)."
+    )
+    api_keys: Annotated[list[SecretStr], NoDecode] = Field(
+        default_factory=list,
+        description="If set, every /v1/* call needs `Authorization: Bearer <one of these>`.",
+    )
+    upstream_api_key: SecretStr | None = Field(None, description="Bearer key sent to vLLM.")
+    policy_alias: str = Field("policy", description="Model name that follows the trained adapter.")
+    base_model: str | None = Field(
+        None, description="Model the alias serves before any adapter exists (default: vLLM's first)."
+    )
+    max_body_bytes: int = Field(16 * 2**20, ge=1024, description="Larger request bodies get 413.")
+    upstream_timeout_s: float = Field(
+        600.0, gt=0, description="Total time allowed for one upstream call (generation can be slow)."
+    )
+    credit_gamma: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="Discount for credit assignment; unset = identical assignment (paper default).",
+    )
+    writer_batch_size: int = Field(500, ge=1, description="Most transitions per database write.")
+    journal_retry_s: float = Field(
+        1.0, gt=0, description="While Postgres is unreachable, how often a journal replay is tried."
+    )
+    writer_queue_max: int = Field(
+        200_000, ge=1, description="Transitions held in memory before they spill to the journal."
+    )
+    alias_refresh_s: float = Field(
+        0.5, gt=0, description="How often the current adapter version is re-read from Postgres."
+    )
+    log_level: str = Field("info", description="Python log level.")
+
+    _split = field_validator("upstream", "api_keys", mode="before")(_split_commas)
+
+    @field_validator("upstream")
+    @classmethod
+    def _check_upstream(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"upstream {url!r} must start with http:// or https://")
+        return [url.rstrip("/").removesuffix("/v1") for url in urls]
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> ProxySettings:
+        if self.require_database_url and not self.database_url:
+            raise ValueError(
+                "FLYWHEEL_DATABASE_URL is required here (FLYWHEEL_REQUIRE_DATABASE_URL is set); "
+                "set it to your Postgres URL, e.g. postgresql://user:pass@host:5432/flywheel"
+            )
+        return self
+
+    @property
+    def journal_dir(self) -> Path:
+        return self.home / "journal"

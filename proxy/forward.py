@@ -1,0 +1,360 @@
+"""Forwarding one completion call to vLLM and recording what came back.
+
+The request goes upstream as the client wrote it, except: the model alias is resolved, and vLLM
+is always asked for `return_token_ids` and sampled-token `logprobs`. On the way back those are
+removed again where the client did not ask for them, so the client sees what vLLM would have sent
+it. Each choice becomes one transition, handed to the background writer (never awaited here).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from proxy import metrics
+from proxy.alias import PolicyAlias
+from proxy.errors import ApiError, error_response
+from proxy.recorder import Recorder
+from proxy.tags import Tags
+from proxy.upstream import Upstream
+
+log = logging.getLogger(__name__)
+
+PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+MAX_CHOICES = 256  # n x prompts per call; more is almost certainly a client bug
+
+
+@dataclass
+class Choice:
+    """What one choice produced, accumulated from a response or from stream chunks."""
+
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
+    finish_reason: str | None = None
+
+
+@dataclass
+class Call:
+    route: str
+    tags: Tags
+    body: dict[str, Any]
+    model_used: str
+    policy_version: int | None
+    transition_ids: list[str]
+    requested_at: float = field(default_factory=time.time)
+    started: float = field(default_factory=time.perf_counter)
+    request_id: str = field(default_factory=lambda: str(uuid.uuid4()))
+    upstream_s: float = 0.0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        value = self.body.get("logprobs")
+        return value is not None and value is not False
+
+    @property
+    def wants_token_ids(self) -> bool:
+        return bool(self.body.get("return_token_ids"))
+
+    def headers(self) -> dict[str, str]:
+        version = "none" if self.policy_version is None else str(self.policy_version)
+        return {
+            "X-Episode-Id": self.tags.episode_id,
+            "X-Transition-Id": ",".join(self.transition_ids),
+            "X-Policy-Version": version,
+        }
+
+
+class Forwarder:
+    def __init__(self, upstream: Upstream, alias: PolicyAlias, recorder: Recorder) -> None:
+        self._upstream = upstream
+        self._alias = alias
+        self._recorder = recorder
+
+    async def handle(self, route: str, request: Request, body: dict[str, Any], tags: Tags) -> Response:
+        model = body.get("model")
+        if not isinstance(model, str) or not model:
+            raise ApiError(400, "`model` is required and must be a string", param="model")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool) and stream is not None:
+            raise ApiError(400, "`stream` must be a boolean", param="stream")
+        n = body.get("n", 1)
+        if n is None:
+            n = 1
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ApiError(400, "`n` must be a positive integer", param="n")
+        choices = n * _prompt_count(body) if route == "completions" else n
+        if choices > MAX_CHOICES:
+            raise ApiError(400, f"n x prompts = {choices} exceeds {MAX_CHOICES}", param="n")
+
+        model_used, version = await self._alias.resolve(model)
+        call = Call(
+            route=route,
+            tags=tags,
+            body=body,
+            model_used=model_used,
+            policy_version=version,
+            transition_ids=[str(uuid.uuid4()) for _ in range(choices)],
+        )
+        upstream_body = {**body, "model": model_used, "return_token_ids": True}
+        if route == "chat":
+            upstream_body["logprobs"] = True
+        elif not call.wants_logprobs:
+            upstream_body["logprobs"] = 0  # completions: 0 = the sampled token's logprob only
+
+        replica = self._upstream.pick(tags.episode_id)
+        sent = time.perf_counter()
+        try:
+            response = await self._upstream.post(replica, PATHS[route], orjson.dumps(upstream_body))
+        except (aiohttp.ClientError, TimeoutError) as e:
+            return self._failed_to_connect(call, e, sent)
+
+        if response.status != 200:
+            payload = await response.read()
+            response.release()
+            call.upstream_s = time.perf_counter() - sent
+            self._record_failure(call, response.status, payload)
+            return Response(
+                payload,
+                status_code=response.status,
+                media_type=response.content_type,
+                headers=call.headers(),
+            )
+        if stream:
+            return StreamingResponse(
+                self._relay(call, response, sent),
+                media_type="text/event-stream",
+                headers=call.headers(),
+            )
+        try:
+            payload = await response.read()
+        except (aiohttp.ClientError, TimeoutError) as e:
+            response.close()
+            return self._failed_to_connect(call, e, sent)
+        call.upstream_s = time.perf_counter() - sent
+        data = orjson.loads(payload)
+        collected = _collect(call, data)
+        if not (call.wants_logprobs and call.wants_token_ids):
+            _strip(call, data)
+            payload = orjson.dumps(data)
+        self._record(call, collected, status="ok", http_status=200)
+        return Response(payload, media_type="application/json", headers=call.headers())
+
+    async def _relay(
+        self, call: Call, response: aiohttp.ClientResponse, sent: float
+    ) -> AsyncIterator[bytes]:
+        """Pass SSE events through as they come, collecting each choice's tokens on the way."""
+        collected: dict[int, Choice] = {}
+        status, error = "aborted", None
+        try:
+            async for line in response.content:
+                if not line.startswith(b"data: "):
+                    continue
+                data_bytes = line[6:].rstrip(b"\r\n")
+                if data_bytes == b"[DONE]":
+                    status = "ok" if error is None else "failed"
+                    yield b"data: [DONE]\n\n"
+                    continue
+                chunk = orjson.loads(data_bytes)
+                if "error" in chunk:
+                    error = chunk
+                else:
+                    _collect_chunk(call, chunk, collected)
+                    if not (call.wants_logprobs and call.wants_token_ids):
+                        _strip(call, chunk)
+                        data_bytes = orjson.dumps(chunk)
+                yield b"data: " + data_bytes + b"\n\n"
+        except (aiohttp.ClientError, TimeoutError) as e:
+            status, error = "failed", {"error": {"message": f"upstream stream broke: {e}"}}
+            log.warning("upstream stream broke: %s", e)
+        finally:
+            # Reached on [DONE], on an upstream error, and when the client disconnects (the
+            # response task is cancelled): closing the connection makes vLLM abort the request.
+            if status == "ok":
+                response.release()
+            else:
+                response.close()
+            call.upstream_s = time.perf_counter() - sent
+            if error is not None:
+                self._record_failure(call, 200, orjson.dumps(error), partial=collected)
+            else:
+                self._record(call, collected, status=status, http_status=200)
+
+    # --- recording ------------------------------------------------------------------------
+
+    def _record(self, call: Call, collected: dict[int, Choice], *, status: str, http_status: int) -> None:
+        records = []
+        for index, transition_id in enumerate(call.transition_ids):
+            choice = collected.get(index, Choice())
+            records.append(
+                _record_base(call, index, transition_id, status, http_status)
+                | {
+                    "prompt_token_ids": choice.prompt_token_ids,
+                    "completion_token_ids": choice.token_ids,
+                    "logprobs": choice.logprobs,
+                    "text": "".join(choice.text),
+                    "tool_calls": [choice.tool_calls[i] for i in sorted(choice.tool_calls)] or None,
+                    "finish_reason": choice.finish_reason,
+                    "prompt_tokens": len(choice.prompt_token_ids or ()),
+                    "completion_tokens": len(choice.token_ids),
+                }
+            )
+        self._submit(call, records)
+
+    def _record_failure(
+        self, call: Call, http_status: int, payload: bytes, partial: dict[int, Choice] | None = None
+    ) -> None:
+        try:
+            error = orjson.loads(payload)
+        except orjson.JSONDecodeError:
+            error = {"raw": payload[:10_000].decode(errors="replace")}
+        record = _record_base(call, 0, call.transition_ids[0], "failed", http_status)
+        record["error"] = error if isinstance(error, dict) else {"raw": error}
+        if partial:
+            record["text"] = "".join(partial.get(0, Choice()).text)
+        self._submit(call, [record])
+
+    def _failed_to_connect(self, call: Call, e: Exception, sent: float) -> Response:
+        call.upstream_s = time.perf_counter() - sent
+        timeout = isinstance(e, TimeoutError)
+        status = 504 if timeout else 502
+        message = f"upstream vLLM {'timed out' if timeout else 'unreachable'}: {e!r}"
+        self._record_failure(call, status, orjson.dumps({"error": {"message": message}}))
+        return error_response(
+            status, message, type="upstream_error", code="upstream_timeout" if timeout else
+            "upstream_unreachable", headers=call.headers(),
+        )
+
+    def _submit(self, call: Call, records: list[dict[str, Any]]) -> None:
+        self._recorder.submit(records)
+        elapsed = time.perf_counter() - call.started
+        metrics.upstream_latency.labels(call.route).observe(call.upstream_s)
+        metrics.proxy_overhead.labels(call.route).observe(max(0.0, elapsed - call.upstream_s))
+
+
+def _record_base(call: Call, index: int, transition_id: str, status: str, http_status: int) -> dict[str, Any]:
+    body = call.body
+    if call.route == "chat":
+        messages = body.get("messages")
+        prompt_messages = messages if isinstance(messages, list) else []
+        params = {k: v for k, v in body.items() if k != "messages"}
+    else:
+        prompts = _prompts(body.get("prompt"))
+        n = len(call.transition_ids) // max(1, len(prompts))
+        prompt_messages = [{"prompt": prompts[index // max(1, n)]}] if prompts else []
+        params = {k: v for k, v in body.items() if k != "prompt"}
+    return {
+        "id": transition_id,
+        "episode_id": call.tags.episode_id,
+        "request_id": call.request_id,
+        "choice_index": index,
+        "task_id": call.tags.task_id,
+        "agent_name": call.tags.agent_name,
+        "requested_at": call.requested_at,
+        "route": call.route,
+        "status": status,
+        "http_status": http_status,
+        "model_requested": body.get("model"),
+        "model_used": call.model_used,
+        "policy_version": call.policy_version,
+        "messages": prompt_messages,
+        "params": params,
+        "latency_ms": call.upstream_s * 1000.0,
+    }
+
+
+# --- reading vLLM's responses ----------------------------------------------------------------
+
+
+def _collect(call: Call, data: dict[str, Any]) -> dict[int, Choice]:
+    collected: dict[int, Choice] = {}
+    prompt_ids = data.get("prompt_token_ids")  # chat: once per response
+    for c in data.get("choices") or ():
+        choice = collected.setdefault(c.get("index", 0), Choice())
+        choice.prompt_token_ids = c.get("prompt_token_ids") or prompt_ids
+        choice.token_ids = list(c.get("token_ids") or ())
+        choice.finish_reason = c.get("finish_reason")
+        if call.route == "chat":
+            message = c.get("message") or {}
+            choice.text.append(message.get("content") or "")
+            for i, tool_call in enumerate(message.get("tool_calls") or ()):
+                choice.tool_calls[i] = tool_call
+            content = (c.get("logprobs") or {}).get("content") or ()
+            choice.logprobs = [entry["logprob"] for entry in content]
+        else:
+            choice.text.append(c.get("text") or "")
+            choice.logprobs = list((c.get("logprobs") or {}).get("token_logprobs") or ())
+    return collected
+
+
+def _collect_chunk(call: Call, chunk: dict[str, Any], collected: dict[int, Choice]) -> None:
+    prompt_ids = chunk.get("prompt_token_ids")  # chat: in the first chunk only
+    for c in chunk.get("choices") or ():
+        choice = collected.setdefault(c.get("index", 0), Choice())
+        if choice.prompt_token_ids is None:
+            choice.prompt_token_ids = c.get("prompt_token_ids") or prompt_ids
+        choice.token_ids.extend(c.get("token_ids") or ())
+        if c.get("finish_reason") is not None:
+            choice.finish_reason = c["finish_reason"]
+        if call.route == "chat":
+            delta = c.get("delta") or {}
+            if delta.get("content"):
+                choice.text.append(delta["content"])
+            for tc in delta.get("tool_calls") or ():
+                _merge_tool_call(choice.tool_calls, tc)
+            content = (c.get("logprobs") or {}).get("content") or ()
+            choice.logprobs.extend(entry["logprob"] for entry in content)
+        else:
+            choice.text.append(c.get("text") or "")
+            choice.logprobs.extend((c.get("logprobs") or {}).get("token_logprobs") or ())
+
+
+def _merge_tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:
+    current = calls.setdefault(
+        delta.get("index", 0), {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+    )
+    if delta.get("id"):
+        current["id"] = delta["id"]
+    if delta.get("type"):
+        current["type"] = delta["type"]
+    function = delta.get("function") or {}
+    if function.get("name"):
+        current["function"]["name"] += function["name"]
+    if function.get("arguments"):
+        current["function"]["arguments"] += function["arguments"]
+
+
+def _strip(call: Call, data: dict[str, Any]) -> None:
+    """Undo what the proxy added to the request, in place, the way vLLM itself leaves it out."""
+    if not call.wants_token_ids:
+        if "prompt_token_ids" in data:
+            data["prompt_token_ids"] = None
+    for c in data.get("choices") or ():
+        if not call.wants_token_ids:
+            for key in ("token_ids", "prompt_token_ids"):
+                if key in c:
+                    c[key] = None
+        if not call.wants_logprobs and "logprobs" in c:
+            c["logprobs"] = None
+
+
+def _prompts(prompt: Any) -> list[Any]:
+    """A completions `prompt` as a list of single prompts (str, or list of token ids)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        return prompt
+    return [prompt] if prompt is not None else []
+
+
+def _prompt_count(body: dict[str, Any]) -> int:
+    return max(1, len(_prompts(body.get("prompt"))))

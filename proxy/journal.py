@@ -1,0 +1,63 @@
+"""The disk journal: where recorded transitions wait while Postgres is unreachable.
+
+Append-only JSON-lines segments, fsync'd before the writer moves on. A segment is deleted only
+after its rows are committed in Postgres, and replays are idempotent (rows carry their ids), so a
+crash at any point repeats rows at worst and never loses one. Rows that Postgres refuses as data
+(not as an outage) go to `rejected/` with the error beside them, for a person to look at.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+
+class Journal:
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self.rejected_dir = directory / "rejected"
+        self.rejected_dir.mkdir(parents=True, exist_ok=True)
+        self._seq = 0
+        self.pending = sum(_count_lines(p) for p in self.segments())
+
+    def segments(self) -> list[Path]:
+        return sorted(self.directory.glob("segment-*.jsonl"))
+
+    def append(self, records: list[dict[str, Any]]) -> None:
+        self._seq += 1
+        path = self.directory / f"segment-{time.time_ns():020d}-{os.getpid()}-{self._seq:06d}.jsonl"
+        _write_durably(path, b"".join(orjson.dumps(r) + b"\n" for r in records))
+        self.pending += len(records)
+
+    def read(self, segment: Path) -> list[dict[str, Any]]:
+        return [orjson.loads(line) for line in segment.read_bytes().splitlines()]
+
+    def remove(self, segment: Path, count: int) -> None:
+        segment.unlink()
+        self.pending = max(0, self.pending - count)
+
+    def reject(self, record: dict[str, Any], error: str) -> None:
+        path = self.rejected_dir / f"{record.get('id', 'unknown')}.json"
+        _write_durably(path, orjson.dumps({"error": error, "record": record}))
+
+
+def _write_durably(path: Path, data: bytes) -> None:
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.rename(tmp, path)  # whole segments only: a reader never sees half of one
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def _count_lines(path: Path) -> int:
+    return path.read_bytes().count(b"\n")

@@ -1,0 +1,42 @@
+"""Prometheus metrics of the proxy (served at GET /metrics). One place, so names stay consistent."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_OVERHEAD_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+requests = Counter("flywheel_requests_total", "HTTP requests served.", ["route", "status"])
+upstream_latency = Histogram(
+    "flywheel_upstream_latency_seconds",
+    "Time from sending to vLLM until its response ended.",
+    ["route"],
+    buckets=_LATENCY_BUCKETS,
+)
+proxy_overhead = Histogram(
+    "flywheel_proxy_overhead_seconds",
+    "Time spent in the proxy itself per completion call (total minus upstream).",
+    ["route"],
+    buckets=_OVERHEAD_BUCKETS,
+)
+transitions_recorded = Counter(
+    "flywheel_transitions_recorded_total", "Transitions written to Postgres.", ["status"]
+)
+transitions_journaled = Counter(
+    "flywheel_transitions_journaled_total", "Transitions written to the disk journal."
+)
+transitions_rejected = Counter(
+    "flywheel_transitions_rejected_total",
+    "Transitions Postgres refused as data (kept in the journal's rejected/ folder).",
+)
+writer_queue_depth = Gauge(
+    "flywheel_writer_queue_depth", "Transitions waiting in memory for the background writer."
+)
+journal_pending = Gauge(
+    "flywheel_journal_pending", "Transitions in the disk journal not yet replayed into Postgres."
+)
+database_up = Gauge("flywheel_database_up", "1 when the last database write succeeded.")
+rewards_ingested = Counter(
+    "flywheel_rewards_ingested_total", "Rewards accepted.", ["kind", "outcome"]
+)

@@ -1,0 +1,219 @@
+"""The background writer: recorded transitions reach Postgres in batches, never on a request's path.
+
+- `submit()` is synchronous and cheap; a single writer task drains the queue. While one batch is
+  written, the next accumulates, so batches grow with load without an artificial delay.
+- Postgres unreachable (or a write hanging): the batch goes to the disk journal, later batches
+  follow it there, and the journal is replayed once Postgres answers again.
+- Postgres refusing a row as data (a bug, not an outage) isolates that row into the journal's
+  `rejected/` folder; its neighbours are written and the writer keeps going.
+- Rewards and episode reads call `wait_stored()` first, so a reward posted after its completion's
+  response always finds the transition in Postgres.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import deque
+from typing import Any
+
+from sqlalchemy import exc as sa_exc
+from sqlalchemy.ext.asyncio import async_sessionmaker
+
+from proxy import metrics, store
+from proxy.journal import Journal
+
+log = logging.getLogger(__name__)
+
+# Errors that mean "Postgres is not there right now", as opposed to "Postgres refused this row".
+OUTAGE_ERRORS = (sa_exc.OperationalError, sa_exc.InterfaceError, OSError, TimeoutError)
+WRITE_TIMEOUT_S = 15.0  # a write hanging longer than this is an outage: journal and move on
+REPLAY_CHUNK = 5000
+
+
+class Recorder:
+    def __init__(
+        self,
+        sessionmaker: async_sessionmaker,  # type: ignore[type-arg]
+        journal: Journal,
+        *,
+        batch_size: int,
+        queue_max: int,
+        retry_s: float,
+        gamma: float | None,
+    ) -> None:
+        self._sessionmaker = sessionmaker
+        self.journal = journal
+        self._batch_size = batch_size
+        self._queue_max = queue_max
+        self._retry_s = retry_s
+        self._gamma = gamma
+        self._queue: deque[dict[str, Any]] = deque()
+        self._inflight: list[dict[str, Any]] = []
+        self._unstored: dict[str, set[str]] = {}  # episode id -> transition ids not in Postgres
+        self._wake = asyncio.Event()
+        self._stored = asyncio.Event()  # set and replaced after every write: "look again"
+        self._stopping = False
+        self._next_replay = 0.0
+        self._task: asyncio.Task[None] | None = None
+        for segment in journal.segments():
+            self._track(journal.read(segment))
+        metrics.journal_pending.set(journal.pending)
+
+    @property
+    def database_up(self) -> bool:
+        return not self.journal.pending
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._queue)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="flywheel-writer")
+
+    def submit(self, records: list[dict[str, Any]]) -> None:
+        self._track(records)
+        self._queue.extend(records)
+        if len(self._queue) > self._queue_max:
+            spill = list(self._queue)
+            self._queue.clear()
+            self._journal(spill)
+        metrics.writer_queue_depth.set(len(self._queue))
+        self._wake.set()
+
+    async def wait_stored(
+        self, episode_id: str, transition_ids: list[str] | None = None, *, timeout: float
+    ) -> bool:
+        """Wait until this episode's (or these) transitions recorded here are in Postgres."""
+
+        def done() -> bool:
+            pending = self._unstored.get(episode_id)
+            if not pending:
+                return True
+            return transition_ids is not None and pending.isdisjoint(transition_ids)
+
+        deadline = time.monotonic() + timeout
+        while not done():
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return False
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stored.wait(), remaining)
+        return True
+
+    async def stop(self, timeout: float = 30.0) -> None:
+        """Flush everything to Postgres, or to the journal if Postgres can't take it in time."""
+        self._stopping = True
+        self._wake.set()
+        if self._task is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout)
+        except TimeoutError:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            leftover = self._inflight + list(self._queue)
+            self._queue.clear()
+            if leftover:
+                self._journal(leftover)
+
+    # --- the writer task ------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            if not self._queue and not self._stopping:
+                wait = self._retry_s if self.journal.pending else None
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), wait)
+                self._wake.clear()
+            if self.journal.pending and time.monotonic() >= self._next_replay:
+                await self._replay()
+            batch = [self._queue.popleft() for _ in range(min(self._batch_size, len(self._queue)))]
+            metrics.writer_queue_depth.set(len(self._queue))
+            if batch:
+                self._inflight = batch
+                if self.journal.pending:
+                    self._journal(batch)  # keep going behind the journal until it is replayed
+                else:
+                    await self._write(batch)
+                self._inflight = []
+            if self._stopping and not self._queue:
+                if self.journal.pending:
+                    await self._replay()
+                return
+
+    async def _write(self, batch: list[dict[str, Any]]) -> None:
+        try:
+            await self._insert(batch)
+        except OUTAGE_ERRORS as e:
+            log.warning("Postgres unreachable (%s); journaling %d transitions", e, len(batch))
+            self._journal(batch)
+            self._next_replay = time.monotonic() + self._retry_s
+            metrics.database_up.set(0)
+            return
+        except Exception:
+            await self._isolate(batch)
+            return
+        self._mark_stored(batch)
+        metrics.database_up.set(1)
+
+    async def _insert(self, records: list[dict[str, Any]]) -> None:
+        async with asyncio.timeout(WRITE_TIMEOUT_S), self._sessionmaker.begin() as session:
+            await store.insert_transitions(records, session=session, gamma=self._gamma)
+        for r in records:
+            metrics.transitions_recorded.labels(r["status"]).inc()
+
+    async def _isolate(self, batch: list[dict[str, Any]]) -> None:
+        """One bad row must not cost its neighbours: write them one by one."""
+        for record in batch:
+            try:
+                await self._insert([record])
+            except OUTAGE_ERRORS:
+                self._journal([record])
+                continue
+            except Exception as e:
+                log.exception("Postgres refused transition %s; kept in rejected/", record.get("id"))
+                self.journal.reject(record, repr(e))
+                metrics.transitions_rejected.inc()
+            self._mark_stored([record])
+
+    async def _replay(self) -> None:
+        for segment in self.journal.segments():
+            records = self.journal.read(segment)
+            try:
+                for i in range(0, len(records), REPLAY_CHUNK):
+                    await self._insert(records[i : i + REPLAY_CHUNK])
+            except OUTAGE_ERRORS:
+                self._next_replay = time.monotonic() + self._retry_s
+                return
+            except Exception:
+                await self._isolate(records)
+            self.journal.remove(segment, len(records))
+            metrics.journal_pending.set(self.journal.pending)
+            self._mark_stored(records)
+        log.info("journal replayed; Postgres is back")
+        metrics.database_up.set(1)
+
+    # --- bookkeeping ----------------------------------------------------------------------
+
+    def _journal(self, records: list[dict[str, Any]]) -> None:
+        self.journal.append(records)
+        metrics.transitions_journaled.inc(len(records))
+        metrics.journal_pending.set(self.journal.pending)
+
+    def _track(self, records: list[dict[str, Any]]) -> None:
+        for r in records:
+            self._unstored.setdefault(r["episode_id"], set()).add(r["id"])
+
+    def _mark_stored(self, records: list[dict[str, Any]]) -> None:
+        for r in records:
+            pending = self._unstored.get(r["episode_id"])
+            if pending is not None:
+                pending.discard(r["id"])
+                if not pending:
+                    del self._unstored[r["episode_id"]]
+        self._stored.set()
+        self._stored = asyncio.Event()

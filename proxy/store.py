@@ -1,0 +1,350 @@
+"""All SQL of the proxy. Functions take `*, session` and never commit: the caller owns the transaction.
+
+Lock order, to make writer and reward transactions see each other: both first upsert the episode
+rows they touch (which row-locks them, in sorted id order), then read or write transitions. Whoever
+commits second sees the first one's rows, so a reward and its transitions always meet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import uuid
+from array import array
+from datetime import UTC, datetime
+from typing import Any
+
+import orjson
+from sqlalchemy import func, select, text, update
+from sqlalchemy.dialects.postgresql import insert
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from proxy.credit import Step, assign_returns
+from proxy.tables import AdapterVersion, Episode, Message, Reward, Transition
+
+# --- packing: token ids as int32, logprobs as float32, little-endian --------------------------
+
+
+def pack(values: list[int] | list[float] | None, typecode: str) -> bytes | None:
+    if values is None:
+        return None
+    packed = array(typecode, values)
+    if sys.byteorder == "big":
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def unpack(data: bytes | None, typecode: str) -> list[Any] | None:
+    if data is None:
+        return None
+    values = array(typecode)
+    values.frombytes(data)
+    if sys.byteorder == "big":
+        values.byteswap()
+    return values.tolist()
+
+
+def message_digest(body: Any) -> bytes:
+    return hashlib.blake2b(orjson.dumps(body, option=orjson.OPT_SORT_KEYS), digest_size=16).digest()
+
+
+# --- recording (the background writer) -------------------------------------------------------
+
+
+async def lock_episodes(episodes: dict[str, str | None], *, session: AsyncSession) -> None:
+    """Create missing episode rows and row-lock all of them, in id order (no deadlocks)."""
+    if not episodes:
+        return
+    rows = [{"id": eid, "task_id": episodes[eid]} for eid in sorted(episodes)]
+    stmt = insert(Episode).values(rows)
+    stmt = stmt.on_conflict_do_update(
+        index_elements=[Episode.id],
+        set_={"task_id": func.coalesce(Episode.task_id, stmt.excluded.task_id)},
+    )
+    await session.execute(stmt)
+
+
+async def insert_transitions(
+    records: list[dict[str, Any]], *, session: AsyncSession, gamma: float | None
+) -> None:
+    """Write recorded transitions (idempotent by id: journal replays may repeat some)."""
+    episodes: dict[str, str | None] = {}
+    for r in records:
+        episodes[r["episode_id"]] = episodes.get(r["episode_id"]) or r.get("task_id")
+    await lock_episodes(episodes, session=session)
+
+    messages: dict[bytes, Any] = {}
+    rows = []
+    for r in records:
+        digests = []
+        for body in r["messages"]:
+            digest = message_digest(body)
+            messages[digest] = body
+            digests.append(digest)
+        rows.append(_transition_row(r, digests))
+    if messages:
+        await session.execute(
+            insert(Message).on_conflict_do_nothing(),
+            [{"digest": d, "body": b} for d, b in sorted(messages.items())],
+        )
+    await session.execute(insert(Transition).on_conflict_do_nothing(), rows)
+    await credit_episodes(sorted(episodes), session=session, gamma=gamma)
+
+
+def _transition_row(r: dict[str, Any], digests: list[bytes]) -> dict[str, Any]:
+    return {
+        "id": uuid.UUID(r["id"]),
+        "episode_id": r["episode_id"],
+        "request_id": uuid.UUID(r["request_id"]),
+        "choice_index": r["choice_index"],
+        "task_id": r.get("task_id"),
+        "agent_name": r.get("agent_name"),
+        "requested_at": datetime.fromtimestamp(r["requested_at"], UTC),
+        "route": r["route"],
+        "status": r["status"],
+        "http_status": r["http_status"],
+        "model_requested": r.get("model_requested"),
+        "model_used": r.get("model_used"),
+        "policy_version": r.get("policy_version"),
+        "message_digests": digests,
+        "params": r.get("params") or {},
+        "prompt_token_ids": pack(r.get("prompt_token_ids"), "i"),
+        "completion_token_ids": pack(r.get("completion_token_ids"), "i"),
+        "logprobs": pack(r.get("logprobs"), "f"),
+        "text": r.get("text"),
+        "tool_calls": r.get("tool_calls"),
+        "finish_reason": r.get("finish_reason"),
+        "error": r.get("error"),
+        "latency_ms": r["latency_ms"],
+        "prompt_tokens": r.get("prompt_tokens"),
+        "completion_tokens": r.get("completion_tokens"),
+    }
+
+
+# --- credit ----------------------------------------------------------------------------------
+
+
+async def credit_episodes(
+    episode_ids: list[str], *, session: AsyncSession, gamma: float | None
+) -> int:
+    """(Re)compute the return of every untrained transition of these episodes that have a final
+    reward. Returns how many transitions were credited."""
+    if not episode_ids:
+        return 0
+    step_reward = (
+        select(func.coalesce(func.sum(Reward.value), 0.0))
+        .where(Reward.transition_id == Transition.id)
+        .scalar_subquery()
+    )
+    result = await session.execute(
+        select(
+            Transition.episode_id,
+            Transition.id,
+            Transition.request_id,
+            Transition.requested_at,
+            step_reward,
+            Episode.final_reward,
+        )
+        .join(Episode, Episode.id == Transition.episode_id)
+        .where(Transition.episode_id.in_(episode_ids), Episode.final_reward.is_not(None))
+    )
+    by_episode: dict[str, tuple[float, list[Step]]] = {}
+    for episode_id, tid, rid, at, r_step, final in result:
+        by_episode.setdefault(episode_id, (final, []))[1].append(Step(tid, rid, at, r_step))
+    returns: dict[uuid.UUID, float] = {}
+    for final, steps in by_episode.values():
+        returns.update(assign_returns(steps, final, gamma))
+    if not returns:
+        return 0
+    await session.execute(
+        text(
+            'UPDATE transition AS t SET "return" = u.ret, credited_at = now() '
+            "FROM unnest(CAST(:ids AS uuid[]), CAST(:rets AS float8[])) AS u(id, ret) "
+            "WHERE t.id = u.id AND t.trained_at IS NULL"
+        ),
+        {"ids": list(returns), "rets": list(returns.values())},
+    )
+    return len(returns)
+
+
+# --- rewards ---------------------------------------------------------------------------------
+
+
+class RewardConflict(Exception):
+    """The reward would change a return that training has already used."""
+
+
+class UnknownTransition(Exception):
+    pass
+
+
+async def add_reward(
+    *,
+    session: AsyncSession,
+    episode_id: str,
+    value: float,
+    transition_id: uuid.UUID | None,
+    idempotency_key: str | None,
+    gamma: float | None,
+) -> tuple[bool, int]:
+    """Record one reward and re-credit its episode. Returns (duplicate, transitions credited)."""
+    await lock_episodes({episode_id: None}, session=session)
+    if idempotency_key is not None:
+        seen = await session.scalar(
+            select(Reward.id).where(Reward.idempotency_key == idempotency_key)
+        )
+        if seen is not None:
+            return True, 0
+
+    trained = select(Transition.id).where(
+        Transition.episode_id == episode_id, Transition.trained_at.is_not(None)
+    )
+    if transition_id is None:
+        previous = await session.scalar(
+            select(Episode.final_reward).where(Episode.id == episode_id)
+        )
+        if previous is not None and previous != value and await session.scalar(trained.limit(1)):
+            raise RewardConflict(
+                f"episode {episode_id!r} was already trained on with final reward {previous}; "
+                "its final reward can no longer change"
+            )
+        await session.execute(
+            update(Episode)
+            .where(Episode.id == episode_id)
+            .values(final_reward=value, final_reward_at=func.now())
+        )
+    else:
+        row = (
+            await session.execute(
+                select(Transition.episode_id, Transition.trained_at).where(
+                    Transition.id == transition_id
+                )
+            )
+        ).first()
+        if row is None or row.episode_id != episode_id:
+            raise UnknownTransition(f"no transition {transition_id} in episode {episode_id!r}")
+        if row.trained_at is not None:
+            raise RewardConflict(f"transition {transition_id} was already trained on")
+
+    await session.execute(
+        insert(Reward).values(
+            episode_id=episode_id,
+            transition_id=transition_id,
+            value=value,
+            idempotency_key=idempotency_key,
+        )
+    )
+    return False, await credit_episodes([episode_id], session=session, gamma=gamma)
+
+
+# --- reading ---------------------------------------------------------------------------------
+
+
+async def get_episode(
+    episode_id: str, *, session: AsyncSession, tokens: bool
+) -> dict[str, Any] | None:
+    episode = await session.get(Episode, episode_id)
+    if episode is None:
+        return None
+    transitions = (
+        await session.scalars(
+            select(Transition)
+            .where(Transition.episode_id == episode_id)
+            .order_by(Transition.requested_at, Transition.request_id, Transition.choice_index)
+        )
+    ).all()
+    digests = {d for t in transitions for d in t.message_digests}
+    bodies: dict[bytes, Any] = {}
+    if digests:
+        rows = await session.execute(
+            select(Message.digest, Message.body).where(Message.digest.in_(digests))
+        )
+        bodies = {digest: body for digest, body in rows}
+    rewards = (
+        await session.scalars(
+            select(Reward).where(Reward.episode_id == episode_id).order_by(Reward.id)
+        )
+    ).all()
+    return {
+        "id": episode.id,
+        "object": "episode",
+        "task_id": episode.task_id,
+        "final_reward": episode.final_reward,
+        "created_at": episode.created_at.isoformat(),
+        "transitions": [_transition_json(t, bodies, tokens) for t in transitions],
+        "rewards": [
+            {
+                "id": r.id,
+                "transition_id": str(r.transition_id) if r.transition_id else None,
+                "reward": r.value,
+                "idempotency_key": r.idempotency_key,
+                "created_at": r.created_at.isoformat(),
+            }
+            for r in rewards
+        ],
+    }
+
+
+def _transition_json(t: Transition, bodies: dict[bytes, Any], tokens: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "id": str(t.id),
+        "request_id": str(t.request_id),
+        "choice_index": t.choice_index,
+        "task_id": t.task_id,
+        "agent_name": t.agent_name,
+        "requested_at": t.requested_at.isoformat(),
+        "route": t.route,
+        "status": t.status,
+        "http_status": t.http_status,
+        "model_requested": t.model_requested,
+        "model_used": t.model_used,
+        "policy_version": t.policy_version,
+        "messages": [bodies.get(d) for d in t.message_digests],
+        "params": t.params,
+        "text": t.text,
+        "tool_calls": t.tool_calls,
+        "finish_reason": t.finish_reason,
+        "error": t.error,
+        "latency_ms": t.latency_ms,
+        "usage": {"prompt_tokens": t.prompt_tokens, "completion_tokens": t.completion_tokens},
+        "return": t.return_,
+        "credited_at": t.credited_at.isoformat() if t.credited_at else None,
+        "trained_at": t.trained_at.isoformat() if t.trained_at else None,
+    }
+    if tokens:
+        out["prompt_token_ids"] = unpack(t.prompt_token_ids, "i")
+        out["completion_token_ids"] = unpack(t.completion_token_ids, "i")
+        out["logprobs"] = unpack(t.logprobs, "f")
+    return out
+
+
+async def stored_transition_ids(ids: list[uuid.UUID], *, session: AsyncSession) -> set[uuid.UUID]:
+    found = await session.scalars(select(Transition.id).where(Transition.id.in_(ids)))
+    return set(found)
+
+
+# --- adapter versions (the trainer writes them; the alias reads them) -------------------------
+
+
+async def current_adapter(*, session: AsyncSession) -> tuple[int, str] | None:
+    row = (
+        await session.execute(
+            select(AdapterVersion.version, AdapterVersion.name).where(AdapterVersion.is_current)
+        )
+    ).first()
+    return (row.version, row.name) if row else None
+
+
+async def adapter_name(version: int, *, session: AsyncSession) -> str | None:
+    name: str | None = await session.scalar(
+        select(AdapterVersion.name).where(AdapterVersion.version == version)
+    )
+    return name
+
+
+async def adapter_version_of(name: str, *, session: AsyncSession) -> int | None:
+    version: int | None = await session.scalar(
+        select(AdapterVersion.version).where(AdapterVersion.name == name)
+    )
+    return version
+

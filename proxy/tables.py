@@ -1,0 +1,152 @@
+"""All tables, as SQLAlchemy 2.0 typed classes. Alembic migrations must match these.
+
+Size matters here: a multi-turn episode repeats its history in every prompt. So
+- chat messages live once each in `message` (content-addressed by a 16-byte BLAKE2b digest); a
+  transition keeps only the list of digests of its prompt messages (a system prompt shared by
+  millions of calls is stored once);
+- token ids and logprobs are packed little-endian int32 / float32 `bytea` (4 bytes a token, no JSON).
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import (
+    BigInteger,
+    Boolean,
+    DateTime,
+    Double,
+    ForeignKey,
+    Identity,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    SmallInteger,
+    Text,
+    Uuid,
+    func,
+    text as sql,
+)
+from sqlalchemy.dialects.postgresql import ARRAY, JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {dict[str, Any]: JSONB, datetime: DateTime(timezone=True)}
+
+
+class Episode(Base):
+    """One run of an agent on one task. Rows appear with their first transition or reward."""
+
+    __tablename__ = "episode"
+
+    id: Mapped[str] = mapped_column(Text, primary_key=True)
+    task_id: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    final_reward: Mapped[float | None] = mapped_column(Double)
+    final_reward_at: Mapped[datetime | None]
+
+
+class Message(Base):
+    """A prompt message (or a completions prompt), stored once however many prompts repeat it."""
+
+    __tablename__ = "message"
+
+    digest: Mapped[bytes] = mapped_column(LargeBinary, primary_key=True)
+    body: Mapped[dict[str, Any]]
+
+
+class Transition(Base):
+    """One choice of one completion call: (input_t, output_t) of the paper, plus its return."""
+
+    __tablename__ = "transition"
+
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True)
+    episode_id: Mapped[str] = mapped_column(ForeignKey("episode.id"))
+    request_id: Mapped[uuid.UUID] = mapped_column(Uuid)
+    choice_index: Mapped[int] = mapped_column(SmallInteger)
+    task_id: Mapped[str | None] = mapped_column(Text)
+    agent_name: Mapped[str | None] = mapped_column(Text)
+    requested_at: Mapped[datetime]
+    route: Mapped[str] = mapped_column(Text)  # "chat" | "completions"
+    status: Mapped[str] = mapped_column(Text)  # "ok" | "aborted" | "failed"
+    http_status: Mapped[int] = mapped_column(SmallInteger)
+    model_requested: Mapped[str | None] = mapped_column(Text)
+    model_used: Mapped[str | None] = mapped_column(Text)
+    policy_version: Mapped[int | None] = mapped_column(Integer)
+    message_digests: Mapped[list[bytes]] = mapped_column(ARRAY(LargeBinary))
+    params: Mapped[dict[str, Any]]  # the request minus messages/prompt
+    prompt_token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
+    completion_token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
+    logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
+    text: Mapped[str | None] = mapped_column(Text)
+    tool_calls: Mapped[list[Any] | None] = mapped_column(JSONB)
+    finish_reason: Mapped[str | None] = mapped_column(Text)
+    error: Mapped[dict[str, Any] | None]
+    latency_ms: Mapped[float] = mapped_column(Double)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    return_: Mapped[float | None] = mapped_column("return", Double)
+    credited_at: Mapped[datetime | None]
+    trained_at: Mapped[datetime | None]
+
+    __table_args__ = (
+        Index("ix_transition_episode_id", "episode_id", "requested_at"),
+        # The trainer's "oldest credited, untrained, trainable" scan reads only this small index.
+        Index(
+            "ix_transition_trainable",
+            "credited_at",
+            postgresql_where=sql(
+                "status = 'ok' AND credited_at IS NOT NULL AND trained_at IS NULL"
+            ),
+        ),
+    )
+
+
+class Reward(Base):
+    """Every reward as posted: final (transition_id NULL) or intermediate (one step)."""
+
+    __tablename__ = "reward"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    episode_id: Mapped[str] = mapped_column(ForeignKey("episode.id"), index=True)
+    transition_id: Mapped[uuid.UUID | None] = mapped_column(
+        ForeignKey("transition.id"), index=True
+    )
+    value: Mapped[float] = mapped_column(Double)
+    idempotency_key: Mapped[str | None] = mapped_column(Text, unique=True)
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+
+
+class AdapterVersion(Base):
+    """A trained LoRA adapter; the trainer inserts rows, the proxy's alias follows `is_current`."""
+
+    __tablename__ = "adapter_version"
+
+    version: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    name: Mapped[str] = mapped_column(Text, unique=True)
+    path: Mapped[str] = mapped_column(Text)
+    base_model: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    is_current: Mapped[bool] = mapped_column(Boolean, server_default=sql("false"))
+
+    __table_args__ = (
+        Index(
+            "uq_adapter_version_current",
+            "is_current",
+            unique=True,
+            postgresql_where=sql("is_current"),
+        ),
+    )

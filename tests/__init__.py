@@ -1,0 +1,1 @@
+"""Flywheel tests: real Postgres, real clients, fake or real vLLM (see conftest.py)."""

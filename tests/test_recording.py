@@ -1,0 +1,118 @@
+"""What the proxy records, and that the client sees exactly what vLLM would have sent it."""
+
+from __future__ import annotations
+
+import struct
+
+import orjson
+
+from tests.conftest import RunningProxy
+from tests.fake_vllm import FakeVLLM
+
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 5}
+
+
+def transitions(proxy: RunningProxy, episode: str, expected: int) -> list[tuple]:
+    return proxy.wait_rows(
+        "SELECT id::text, status, choice_index, completion_tokens, policy_version, task_id, "
+        "agent_name FROM transition WHERE episode_id = %s ORDER BY choice_index",
+        expected,
+        episode,
+    )
+
+
+def test_chat_is_recorded_with_token_ids_and_stripped_for_the_client(
+    proxy: RunningProxy, fake_vllm: FakeVLLM
+) -> None:
+    with proxy.client(**{"X-Episode-Id": "e1", "X-Task-Id": "t1", "X-Agent-Name": "solver"}) as c:
+        r = c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    # The client asked for neither: vLLM would have sent them as null.
+    assert body["choices"][0]["logprobs"] is None
+    assert body["choices"][0]["token_ids"] is None
+    assert body["prompt_token_ids"] is None
+    # ...but the proxy asked vLLM for both.
+    sent = fake_vllm.requests[-1]["body"]
+    assert sent["return_token_ids"] is True and sent["logprobs"] is True
+    assert r.headers["x-episode-id"] == "e1"
+    assert r.headers["x-policy-version"] == "none"  # "demo" by name is not the policy alias
+    [row] = transitions(proxy, "e1", 1)
+    assert row[0] == r.headers["x-transition-id"]
+    assert row[1:] == ("ok", 0, 5, None, "t1", "solver")
+
+    episode = proxy.client().get("/v1/episodes/e1", params={"tokens": "true"}).json()
+    [t] = episode["transitions"]
+    assert t["text"] == body["choices"][0]["message"]["content"]
+    assert t["messages"] == CHAT["messages"]
+    assert len(t["completion_token_ids"]) == len(t["logprobs"]) == 5
+    assert t["prompt_token_ids"]
+
+
+def test_token_ids_recorded_equal_what_vllm_returned(proxy: RunningProxy) -> None:
+    with proxy.client(**{"X-Episode-Id": "e2"}) as c:
+        body = c.post(
+            "/v1/chat/completions", json={**CHAT, "return_token_ids": True, "logprobs": True}
+        ).json()
+    episode = proxy.client().get("/v1/episodes/e2?tokens=true").json()
+    [t] = episode["transitions"]
+    assert t["prompt_token_ids"] == body["prompt_token_ids"]
+    assert t["completion_token_ids"] == body["choices"][0]["token_ids"]
+    # vLLM computes logprobs in float32; the proxy stores float32: nothing is lost.
+    expected = [e["logprob"] for e in body["choices"][0]["logprobs"]["content"]]
+    assert t["logprobs"] == [struct.unpack("f", struct.pack("f", x))[0] for x in expected]
+
+
+def test_n_choices_give_one_transition_each(proxy: RunningProxy) -> None:
+    with proxy.client(**{"X-Episode-Id": "e3"}) as c:
+        r = c.post("/v1/chat/completions", json={**CHAT, "n": 3})
+    ids = r.headers["x-transition-id"].split(",")
+    assert len(ids) == 3 and len(set(ids)) == 3
+    rows = transitions(proxy, "e3", 3)
+    assert [row[0] for row in rows] == ids
+    assert [row[2] for row in rows] == [0, 1, 2]
+
+
+def test_streaming_chat_is_recorded_when_the_stream_ends(proxy: RunningProxy) -> None:
+    events = []
+    with proxy.client(**{"X-Episode-Id": "e4"}) as c, c.stream(
+        "POST", "/v1/chat/completions",
+        json={**CHAT, "stream": True, "stream_options": {"include_usage": True}},
+    ) as r:
+        assert r.status_code == 200
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]"
+    chunks = [orjson.loads(e[6:]) for e in events[:-1]]
+    assert chunks[0]["prompt_token_ids"] is None
+    assert all(ch["choices"][0].get("token_ids") is None for ch in chunks if ch["choices"])
+    assert "usage" in chunks[-1] and chunks[-1]["choices"] == []
+    text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks if ch["choices"])
+    [t] = proxy.client().get("/v1/episodes/e4?tokens=true").json()["transitions"]
+    assert t["status"] == "ok" and t["text"] == text
+    assert len(t["completion_token_ids"]) == 5 and len(t["logprobs"]) == 5 and t["prompt_token_ids"]
+
+
+def test_completions_route_records_each_prompt(proxy: RunningProxy) -> None:
+    with proxy.client(**{"X-Episode-Id": "e5"}) as c:
+        r = c.post("/v1/completions", json={"model": "demo", "prompt": ["a b", "c d"], "n": 2,
+                                             "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["logprobs"] is None
+    episode = proxy.client().get("/v1/episodes/e5?tokens=true").json()
+    assert len(episode["transitions"]) == 4
+    prompts = [t["messages"][0]["prompt"] for t in episode["transitions"]]
+    assert sorted(prompts) == ["a b", "a b", "c d", "c d"]
+    assert all(len(t["completion_token_ids"]) == 3 == len(t["logprobs"])
+               for t in episode["transitions"])
+
+
+def test_upstream_errors_pass_through_unchanged_and_are_recorded_failed(
+    proxy: RunningProxy, fake_vllm: FakeVLLM
+) -> None:
+    error = {"error": {"message": "boom", "type": "BadRequestError", "param": None, "code": 400}}
+    fake_vllm.fail_next(1, status=400, body=error)
+    with proxy.client(**{"X-Episode-Id": "e6"}) as c:
+        r = c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 400 and r.json() == error
+    [row] = transitions(proxy, "e6", 1)
+    assert row[1] == "failed"

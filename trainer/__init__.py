@@ -1,0 +1,1 @@
+"""The Flywheel trainer: GRPO with LoRA on recorded transitions (see docs/architecture.md)."""
