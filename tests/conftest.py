@@ -23,7 +23,8 @@ from proxy.app import create_app
 from proxy.config import ProxySettings
 from tests.fake_vllm import FakeVLLM
 
-TEMPLATE_DB = "flywheel_template"
+TEMPLATE_DB = f"flywheel_template_{os.getpid()}"  # per run: parallel runs share the server
+TEST_HOME = Path(__file__).resolve().parent.parent / ".flywheel" / "test"
 
 
 def free_port() -> int:
@@ -39,16 +40,20 @@ def with_database(url: str, name: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def postgres_url(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A real PostgreSQL for the whole run: FLYWHEEL_TEST_DATABASE_URL, or an embedded one."""
-    url = os.environ.get("FLYWHEEL_TEST_DATABASE_URL") or database.embedded_postgres_url(
-        tmp_path_factory.mktemp("pg")
-    )
+def postgres_url() -> Iterator[str]:
+    """A real PostgreSQL for the whole run: FLYWHEEL_TEST_DATABASE_URL, or an embedded one.
+
+    The embedded server's data lives under .flywheel/test, not pytest's tmp dir: the server runs
+    as its own system user, and pytest makes its tmp root private again on every run.
+    """
+    url = os.environ.get("FLYWHEEL_TEST_DATABASE_URL") or database.embedded_postgres_url(TEST_HOME)
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {TEMPLATE_DB}")
         conn.execute(f"CREATE DATABASE {TEMPLATE_DB}")
     database.migrate(with_database(url, TEMPLATE_DB))
-    return url
+    yield url
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(f"DROP DATABASE IF EXISTS {TEMPLATE_DB}")
 
 
 @pytest.fixture

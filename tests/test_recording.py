@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from typing import Any
 
 import orjson
 
@@ -116,3 +117,34 @@ def test_upstream_errors_pass_through_unchanged_and_are_recorded_failed(
     assert r.status_code == 400 and r.json() == error
     [row] = transitions(proxy, "e6", 1)
     assert row[1] == "failed"
+
+
+def test_client_disconnect_mid_stream_aborts_upstream_and_records_aborted(
+    proxy: RunningProxy, fake_vllm: FakeVLLM
+) -> None:
+    fake_vllm.token_delay_s = 0.2
+    with proxy.client(**{"X-Episode-Id": "gone"}) as c, c.stream(
+        "POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 50, "stream": True}
+    ) as r:
+        for line in r.iter_lines():
+            if '"content"' in line:
+                break  # leave after the first token: closes the connection
+    rows = proxy.wait_rows("SELECT status FROM transition WHERE episode_id = 'gone'", 1)
+    assert rows == [("aborted",)]
+    [t] = proxy.client().get("/v1/episodes/gone?tokens=true").json()["transitions"]
+    assert len(t["completion_token_ids"]) < 50  # vLLM stopped generating early
+
+
+def test_upstream_timeout_is_504_and_recorded_failed(make_proxy: Any, fake_vllm: FakeVLLM) -> None:
+    proxy = make_proxy(upstream_timeout_s=0.3)
+    fake_vllm.latency_s = 2.0
+    r = proxy.client(**{"X-Episode-Id": "slow"}).post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 504 and r.json()["error"]["code"] == "upstream_timeout"
+    assert proxy.wait_rows("SELECT status, http_status FROM transition", 1) == [("failed", 504)]
+
+
+def test_unreachable_upstream_is_502(make_proxy: Any) -> None:
+    proxy = make_proxy(upstream=["http://127.0.0.1:9"], base_model="demo")
+    r = proxy.client().post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unreachable"
+    assert proxy.wait_rows("SELECT status FROM transition", 1) == [("failed",)]

