@@ -1,0 +1,156 @@
+"""Keep tests/fake_vllm.py honest: replay every captured real vLLM request against the fake and
+compare status, framing and the structure of the answer (keys, null versus present, value types).
+
+Values (text, token ids, logprobs, ids, timestamps) differ by design; structure must not.
+"""
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.fake_vllm import FakeVLLM
+
+WIRE = Path(__file__).parent / "data" / "vllm_wire"
+LORA_SEQUENCE = [  # order matters: each step depends on the adapters the previous ones loaded
+    "lora_load",
+    "lora_load_duplicate",
+    "lora_load_bad_path",
+    "models_with_lora",
+    "chat_lora",
+    "lora_unload",
+    "lora_unload_unknown",
+]
+# The fake tokenises differently, so this prompt must be longer to overflow its context too; and
+# the real model was forced into a tool call by a regex, which the fake does on "call a tool".
+CALL = {"messages": [{"role": "user", "content": "Please call a tool."}]}
+REQUEST_OVERRIDES: dict[str, dict[str, Any]] = {
+    "error_prompt_too_long": {"prompt": "What is 3 + 4? " * 120},
+    "chat_tools_auto_parsed": CALL,
+    "chat_stream_tools_auto_parsed": CALL,
+}
+CASES = sorted(p.stem for p in WIRE.glob("*.json") if p.stem not in LORA_SEQUENCE)
+
+
+def shape(value: Any, key: str = "") -> Any:
+    """The structure of a JSON value: dict keys, list element shapes, and value types."""
+    if key == "delta":  # which delta keys appear depends on the sampled text; checked separately
+        return "delta"
+    if key == "bytes":  # [] for a token that ends inside a UTF-8 character
+        return "bytes"
+    if key == "stop_reason":  # null, or the id of the stop token when it was not the main EOS
+        return "stop_reason"
+    if key == "top_logprobs" and isinstance(value, dict):  # completions: token text -> logprob
+        return "map"
+    if isinstance(value, dict):
+        return {k: shape(v, k) for k, v in value.items()}
+    if isinstance(value, list):
+        shapes = []
+        for item in value:
+            if (s := shape(item, key)) not in shapes:
+                shapes.append(s)
+        return ["list", *shapes]
+    if value is None:
+        return "null"
+    return {bool: "bool", int: "number", float: "number", str: "str"}[type(value)]
+
+
+def sse_events(raw: str) -> list[Any]:
+    """Check vLLM's framing (`data: {json}\\n\\n` ... `data: [DONE]\\n\\n`); return the chunks."""
+    assert raw.endswith("data: [DONE]\n\n")
+    events = raw.split("\n\n")[:-1]
+    assert all(event.startswith("data: ") for event in events)
+    return [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
+
+
+def mask(message: str) -> str:
+    """Error messages carry numbers and temporary paths that differ between runs."""
+    return re.sub(r"\d+", "N", re.sub(r"/\S+|<path>", "PATH", message))
+
+
+def replay(
+    client: httpx.Client, name: str, lora_dir: Path
+) -> tuple[dict[str, Any], httpx.Response]:
+    real = json.loads((WIRE / f"{name}.json").read_text())
+    request = real["request"]
+    body = request["body"]
+    if body is not None:
+        body = {**body, **REQUEST_OVERRIDES.get(name, {})}
+        if name in ("lora_load", "lora_load_duplicate"):
+            body["lora_path"] = str(lora_dir)
+    response = client.request(request["method"], request["path"], json=body)
+    return real, response
+
+
+def assert_same_structure(real: dict[str, Any], response: httpx.Response) -> None:
+    assert response.status_code == real["status"]
+    media_type = response.headers.get("content-type", "").split(";")[0]
+    if "sse" in real:
+        assert media_type == "text/event-stream"
+        real_chunks, fake_chunks = sse_events(real["sse"]), sse_events(response.text)
+        assert {json.dumps(shape(c)) for c in fake_chunks} == {
+            json.dumps(shape(c)) for c in real_chunks
+        }
+        real_deltas = {tuple(sorted(c.get("delta", ()))) for r in real_chunks for c in r["choices"]}
+        fake_deltas = {tuple(sorted(c.get("delta", ()))) for f in fake_chunks for c in f["choices"]}
+        assert fake_deltas <= real_deltas | {()}  # () is the end-of-sequence token's delta
+    elif "text" in real:
+        assert response.text == real["text"]
+    else:
+        assert media_type == "application/json"
+        fake_body, real_body = response.json(), real["body"]
+        assert shape(fake_body) == shape(real_body)
+        if "choices" in real_body:
+            assert len(fake_body["choices"]) == len(real_body["choices"])
+        if "error" in real_body:
+            fake_error, real_error = fake_body["error"], real_body["error"]
+            assert mask(fake_error.pop("message")) == mask(real_error.pop("message"))
+            assert fake_error == real_error
+
+
+@pytest.fixture(scope="module")
+def fake() -> Iterator[FakeVLLM]:
+    with FakeVLLM() as server:
+        yield server
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_fake_matches_captured_vllm(fake: FakeVLLM, name: str, tmp_path: Path) -> None:
+    with httpx.Client(base_url=fake.url, timeout=10) as client:
+        real, response = replay(client, name, tmp_path)
+    assert_same_structure(real, response)
+
+
+def test_lora_lifecycle_matches_captured_vllm(tmp_path: Path) -> None:
+    with FakeVLLM() as server, httpx.Client(base_url=server.url, timeout=10) as client:
+        for name in LORA_SEQUENCE:
+            real, response = replay(client, name, tmp_path)
+            assert_same_structure(real, response)  # `pytest -l` shows which `name` failed
+
+
+def test_knobs_record_requests_and_inject_failures() -> None:
+    body = {"model": "demo", "prompt": "What is 3 + 4?", "max_tokens": 3}
+    with FakeVLLM() as server, httpx.Client(base_url=server.url, timeout=10) as client:
+        server.fail_next(1, status=503)
+        assert client.post("/v1/completions", json=body).status_code == 503
+        first = client.post("/v1/completions", json=body).json()
+        again = client.post("/v1/completions", json=body).json()
+        assert first["choices"][0]["text"] == again["choices"][0]["text"]  # deterministic
+        assert [r["body"] for r in server.requests] == [body, body, body]
+
+
+def test_tool_call_when_asked() -> None:
+    tool = {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}}}}}  # fmt: skip
+    body = {"model": "demo", "tools": [tool],
+            "messages": [{"role": "user", "content": "Please call a tool."}]}  # fmt: skip
+    with FakeVLLM() as server, httpx.Client(base_url=server.url, timeout=10) as client:
+        choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls"
+    assert choice["message"]["content"] is None
+    call = choice["message"]["tool_calls"][0]
+    assert call["function"] == {"name": "add", "arguments": '{"a": 3}'}
