@@ -1,4 +1,4 @@
-"""Alembic environment: the URL comes from `proxy.database.migrate` (or alembic.ini's -x url=...)."""
+"""Alembic environment: the URL comes from `proxy.database.migrate` (or `alembic -x url=...`)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,9 @@ from proxy.tables import Base
 config = context.config
 url = config.attributes.get("url") or context.get_x_argument(as_dictionary=True).get("url")
 if not url:
-    raise SystemExit("no database URL: run `flywheel migrate` or `alembic -x url=postgresql+psycopg://...`")
+    raise SystemExit(
+        "no database URL: run `flywheel migrate` or `alembic -x url=postgresql+psycopg://...`"
+    )
 
 engine = create_engine(url, poolclass=pool.NullPool)
 with engine.connect() as connection:

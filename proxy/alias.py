@@ -72,7 +72,7 @@ class PolicyAlias:
         self._versions[name] = version
 
     async def resolve(self, model: str) -> tuple[str, int | None]:
-        """The model name to send upstream, and the policy version it serves (None: not a policy)."""
+        """The model to send upstream, and the policy version it serves (None: not a policy)."""
         if model == self.alias:
             if self.current:
                 return self.current[1], self.current[0]
@@ -89,8 +89,10 @@ class PolicyAlias:
         suffix = model.partition("@")[2]
         if not suffix.isdigit():
             raise ApiError(
-                400, f"model {model!r}: the version after '@' must be a number, e.g. "
-                f"{self.alias}@3", param="model", code="invalid_model",
+                400,
+                f"model {model!r}: the version after '@' must be a number, e.g. {self.alias}@3",
+                param="model",
+                code="invalid_model",
             )
         version = int(suffix)
         if version == BASE_VERSION:
@@ -100,8 +102,11 @@ class PolicyAlias:
                 name = await store.adapter_name(version, session=session)
             if name is None:
                 raise ApiError(
-                    404, f"The model `{model}` does not exist: no adapter version {version}.",
-                    type="NotFoundError", param="model", code="model_not_found",
+                    404,
+                    f"The model `{model}` does not exist: no adapter version {version}.",
+                    type="NotFoundError",
+                    param="model",
+                    code="model_not_found",
                 )
             self._remember(version, name)
         return self._names[version]

@@ -112,8 +112,14 @@ def create_app(settings: ProxySettings) -> FastAPI:
         data = orjson.loads(payload)
         created = max((m.get("created", 0) for m in data.get("data", [])), default=0)
         data.setdefault("data", []).append(
-            {"id": settings.policy_alias, "object": "model", "created": created,
-             "owned_by": "flywheel", "root": None, "parent": None}
+            {
+                "id": settings.policy_alias,
+                "object": "model",
+                "created": created,
+                "owned_by": "flywheel",
+                "root": None,
+                "parent": None,
+            }
         )
         return Response(orjson.dumps(data), media_type="application/json")
 
@@ -123,40 +129,57 @@ def create_app(settings: ProxySettings) -> FastAPI:
         items = parse_rewards(body)
         recorder: Recorder = request.app.state.recorder
         for episode_id in {r.episode_id for r in items}:
-            step_ids = [str(r.transition_id) for r in items if r.episode_id == episode_id
-                        and r.transition_id is not None]
-            stored = await recorder.wait_stored(
-                episode_id, step_ids or None, timeout=STORED_WAIT_S
-            )
+            step_ids = [
+                str(r.transition_id)
+                for r in items
+                if r.episode_id == episode_id and r.transition_id is not None
+            ]
+            stored = await recorder.wait_stored(episode_id, step_ids or None, timeout=STORED_WAIT_S)
             if not stored and step_ids:
-                raise ApiError(503, "the transitions of this reward are not stored yet "
-                               "(Postgres unreachable?); retry with the same idempotency_key",
-                               type="service_unavailable", code="not_stored_yet")
+                raise ApiError(
+                    503,
+                    "the transitions of this reward are not stored yet "
+                    "(Postgres unreachable?); retry with the same idempotency_key",
+                    type="service_unavailable",
+                    code="not_stored_yet",
+                )
         results = []
         try:
             async with request.app.state.sessionmaker.begin() as session:
                 for r in items:
                     try:
                         duplicate, credited = await store.add_reward(
-                            session=session, episode_id=r.episode_id, value=r.reward,
-                            transition_id=r.transition_id, idempotency_key=r.idempotency_key,
+                            session=session,
+                            episode_id=r.episode_id,
+                            value=r.reward,
+                            transition_id=r.transition_id,
+                            idempotency_key=r.idempotency_key,
                             gamma=settings.credit_gamma,
                         )
                     except store.UnknownTransition as e:
-                        raise ApiError(404, str(e), param="transition_id",
-                                       code="transition_not_found") from e
+                        raise ApiError(
+                            404, str(e), param="transition_id", code="transition_not_found"
+                        ) from e
                     except store.RewardConflict as e:
                         raise ApiError(409, str(e), code="already_trained") from e
                     results.append(
-                        {"object": "reward", "episode_id": r.episode_id,
-                         "transition_id": str(r.transition_id) if r.transition_id else None,
-                         "reward": r.reward, "status": "duplicate" if duplicate else "accepted",
-                         "credited_transitions": credited}
+                        {
+                            "object": "reward",
+                            "episode_id": r.episode_id,
+                            "transition_id": str(r.transition_id) if r.transition_id else None,
+                            "reward": r.reward,
+                            "status": "duplicate" if duplicate else "accepted",
+                            "credited_transitions": credited,
+                        }
                     )
         except OUTAGE_ERRORS as e:
-            raise ApiError(503, f"database unavailable ({type(e).__name__}); nothing was stored, "
-                           "retry with the same idempotency_key", type="service_unavailable",
-                           code="database_unavailable") from e
+            raise ApiError(
+                503,
+                f"database unavailable ({type(e).__name__}); nothing was stored, "
+                "retry with the same idempotency_key",
+                type="service_unavailable",
+                code="database_unavailable",
+            ) from e
         for r, result in zip(items, results, strict=True):
             metrics.rewards_ingested.labels(
                 "step" if r.transition_id else "final", result["status"]
@@ -173,21 +196,28 @@ def create_app(settings: ProxySettings) -> FastAPI:
         except OUTAGE_ERRORS as e:
             raise ApiError(503, "database unavailable", type="service_unavailable") from e
         if data is None:
-            raise ApiError(404, f"no episode {episode_id!r}", param="episode_id",
-                           code="episode_not_found")
+            raise ApiError(
+                404, f"no episode {episode_id!r}", param="episode_id", code="episode_not_found"
+            )
         return Response(orjson.dumps(data), media_type="application/json")
 
     @app.get("/healthz")
     async def healthz(request: Request) -> Response:
         recorder: Recorder = request.app.state.recorder
-        return Response(orjson.dumps({
-            "status": "ok",
-            "database": "up" if recorder.database_up else "unreachable (journaling)",
-            "journal_pending": recorder.journal.pending,
-            "writer_queue": recorder.queue_depth,
-            "policy_version": request.app.state.alias.current[0]
-            if request.app.state.alias.current else 0,
-        }), media_type="application/json")
+        return Response(
+            orjson.dumps(
+                {
+                    "status": "ok",
+                    "database": "up" if recorder.database_up else "unreachable (journaling)",
+                    "journal_pending": recorder.journal.pending,
+                    "writer_queue": recorder.queue_depth,
+                    "policy_version": request.app.state.alias.current[0]
+                    if request.app.state.alias.current
+                    else 0,
+                }
+            ),
+            media_type="application/json",
+        )
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
@@ -203,14 +233,20 @@ def tags_of(request: Request) -> Tags:
 async def read_json(request: Request, max_bytes: int) -> Any:
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-        raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {max_bytes}",
-                       code="payload_too_large")
+        raise ApiError(
+            413,
+            f"request body of {declared} bytes exceeds the limit of {max_bytes}",
+            code="payload_too_large",
+        )
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > max_bytes:
-            raise ApiError(413, f"request body exceeds the limit of {max_bytes} bytes",
-                           code="payload_too_large")
+            raise ApiError(
+                413,
+                f"request body exceeds the limit of {max_bytes} bytes",
+                code="payload_too_large",
+            )
         chunks.append(chunk)
     raw = b"".join(chunks)
     if not raw:
@@ -235,12 +271,17 @@ def parse_rewards(body: Any) -> list[RewardIn]:
             first = e.errors()[0]
             where = ".".join(str(p) for p in first["loc"])
             param = f"[{i}].{where}" if isinstance(body, list) else where
-            raise ApiError(400, f"reward {param or 'body'}: {first['msg']}", param=param or None,
-                           code="invalid_reward") from e
+            raise ApiError(
+                400,
+                f"reward {param or 'body'}: {first['msg']}",
+                param=param or None,
+                code="invalid_reward",
+            ) from e
     keys = [r.idempotency_key for r in items if r.idempotency_key]
     if len(keys) != len(set(keys)):
-        raise ApiError(400, "the same idempotency_key appears twice in one post",
-                       param="idempotency_key")
+        raise ApiError(
+            400, "the same idempotency_key appears twice in one post", param="idempotency_key"
+        )
     return items
 
 
@@ -265,5 +306,6 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def unexpected(request: Request, e: Exception) -> Response:
         error_id = uuid.uuid4().hex[:12]
         log.exception("unexpected error %s", error_id)
-        return error_response(500, f"internal error {error_id} (see the proxy's log)",
-                              type="server_error")
+        return error_response(
+            500, f"internal error {error_id} (see the proxy's log)", type="server_error"
+        )

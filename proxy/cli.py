@@ -43,9 +43,7 @@ def main(argv: list[str] | None = None) -> None:
 
     args = parser.parse_args(argv)
     overrides: dict[str, Any] = {
-        k: v
-        for k, v in vars(args).items()
-        if k in ProxySettings.model_fields and v is not None
+        k: v for k, v in vars(args).items() if k in ProxySettings.model_fields and v is not None
     }
     if args.command == "demo-model":
         from trainer.demo_model import build_demo_model
@@ -92,7 +90,9 @@ def _settings(overrides: dict[str, Any]) -> ProxySettings:
     try:
         return ProxySettings(**overrides)
     except ValidationError as e:
-        lines = [f"  {'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg']}" for err in e.errors()]
+        lines = [
+            f"  {'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg']}" for err in e.errors()
+        ]
         sys.exit("flywheel: bad settings (flags or FLYWHEEL_* variables):\n" + "\n".join(lines))
 
 

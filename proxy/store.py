@@ -1,4 +1,4 @@
-"""All SQL of the proxy. Functions take `*, session` and never commit: the caller owns the transaction.
+"""All SQL of the proxy. Functions take `*, session` and never commit: callers own transactions.
 
 Lock order, to make writer and reward transactions see each other: both first upsert the episode
 rows they touch (which row-locks them, in sorted id order), then read or write transitions. Whoever
@@ -347,4 +347,3 @@ async def adapter_version_of(name: str, *, session: AsyncSession) -> int | None:
         select(AdapterVersion.version).where(AdapterVersion.name == name)
     )
     return version
-

@@ -4,14 +4,14 @@ Size matters here: a multi-turn episode repeats its history in every prompt. So
 - chat messages live once each in `message` (content-addressed by a 16-byte BLAKE2b digest); a
   transition keeps only the list of digests of its prompt messages (a system prompt shared by
   millions of calls is stored once);
-- token ids and logprobs are packed little-endian int32 / float32 `bytea` (4 bytes a token, no JSON).
+- token ids and logprobs are packed little-endian int32 / float32 `bytea` (4 bytes a token).
 """
 
 from __future__ import annotations
 
 import uuid
 from datetime import datetime
-from typing import Any
+from typing import Any, ClassVar
 
 from sqlalchemy import (
     BigInteger,
@@ -28,6 +28,8 @@ from sqlalchemy import (
     Text,
     Uuid,
     func,
+)
+from sqlalchemy import (
     text as sql,
 )
 from sqlalchemy.dialects.postgresql import ARRAY, JSONB
@@ -44,7 +46,10 @@ NAMING_CONVENTION = {
 
 class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
-    type_annotation_map = {dict[str, Any]: JSONB, datetime: DateTime(timezone=True)}
+    type_annotation_map: ClassVar[dict[Any, Any]] = {
+        dict[str, Any]: JSONB,
+        datetime: DateTime(timezone=True),
+    }
 
 
 class Episode(Base):
@@ -122,9 +127,7 @@ class Reward(Base):
 
     id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
     episode_id: Mapped[str] = mapped_column(ForeignKey("episode.id"), index=True)
-    transition_id: Mapped[uuid.UUID | None] = mapped_column(
-        ForeignKey("transition.id"), index=True
-    )
+    transition_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("transition.id"), index=True)
     value: Mapped[float] = mapped_column(Double)
     idempotency_key: Mapped[str | None] = mapped_column(Text, unique=True)
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())

@@ -38,7 +38,9 @@ class Upstream:
         # No connection limit: vLLM, not the proxy, decides how many requests it batches.
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
         self._session = aiohttp.ClientSession(
-            connector=connector, timeout=self._timeout, json_serialize=lambda o: orjson.dumps(o).decode(),
+            connector=connector,
+            timeout=self._timeout,
+            json_serialize=lambda o: orjson.dumps(o).decode(),
             auto_decompress=True,
         )
 

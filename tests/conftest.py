@@ -34,7 +34,7 @@ def free_port() -> int:
 
 
 def with_database(url: str, name: str) -> str:
-    """The embedded server's URL (`postgresql://postgres:@/postgres?host=DIR`) for database `name`."""
+    """The embedded server's URL (`postgresql://postgres:@/postgres?host=DIR`) for `name`."""
     base, _, query = url.partition("?")
     return f"{base.rsplit('/', 1)[0]}/{name}" + (f"?{query}" if query else "")
 
@@ -117,8 +117,12 @@ class RunningProxy:
 
 def start_proxy(settings: ProxySettings) -> RunningProxy:
     config = uvicorn.Config(
-        create_app(settings), host="127.0.0.1", port=settings.port, log_level="warning",
-        loop="asyncio", lifespan="on",
+        create_app(settings),
+        host="127.0.0.1",
+        port=settings.port,
+        log_level="warning",
+        loop="asyncio",
+        lifespan="on",
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -135,9 +139,7 @@ def start_proxy(settings: ProxySettings) -> RunningProxy:
 
 
 @pytest.fixture
-def make_proxy(
-    database_url: str, fake_vllm: FakeVLLM, tmp_path: Path
-) -> Iterator[Any]:
+def make_proxy(database_url: str, fake_vllm: FakeVLLM, tmp_path: Path) -> Iterator[Any]:
     """Start a proxy on the fake vLLM; keyword arguments override settings."""
     started: list[RunningProxy] = []
 

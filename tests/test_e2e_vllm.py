@@ -51,7 +51,11 @@ def recorded(proxy: RunningProxy, episode: str) -> list[dict[str, Any]]:
 def test_recorded_ids_equal_vllm_ids_non_streaming(real_proxy: RunningProxy) -> None:
     client = OpenAI(base_url=real_proxy.v1, api_key="x", default_headers={"X-Episode-Id": "r1"})
     raw = client.chat.completions.with_raw_response.create(
-        model="policy", messages=MESSAGES, max_tokens=8, n=2, logprobs=True,
+        model="policy",
+        messages=MESSAGES,
+        max_tokens=8,
+        n=2,
+        logprobs=True,
         extra_body={"return_token_ids": True},
     )
     response = raw.parse()
@@ -71,8 +75,12 @@ def test_recorded_ids_equal_vllm_ids_non_streaming(real_proxy: RunningProxy) -> 
 def test_recorded_ids_equal_vllm_ids_streaming(real_proxy: RunningProxy) -> None:
     client = OpenAI(base_url=real_proxy.v1, api_key="x", default_headers={"X-Episode-Id": "r2"})
     stream = client.chat.completions.create(
-        model="demo", messages=MESSAGES, max_tokens=8, stream=True,
-        stream_options={"include_usage": True}, extra_body={"return_token_ids": True},
+        model="demo",
+        messages=MESSAGES,
+        max_tokens=8,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"return_token_ids": True},
     )
     prompt_ids: list[int] = []
     token_ids: list[int] = []
@@ -98,12 +106,16 @@ def test_ids_recorded_for_a_client_that_did_not_ask(
     request = {"model": "demo", "messages": MESSAGES, "max_tokens": 8, "temperature": 0}
     episode = f"plain-{stream}"
     with httpx.Client(timeout=120) as http:
-        r = http.post(f"{real_proxy.v1}/chat/completions", json={**request, "stream": stream},
-                      headers={"X-Episode-Id": episode})
+        r = http.post(
+            f"{real_proxy.v1}/chat/completions",
+            json={**request, "stream": stream},
+            headers={"X-Episode-Id": episode},
+        )
         assert r.status_code == 200
-        assert "token_ids\":[" not in r.text and "\"logprob\"" not in r.text
-        direct = http.post(f"{vllm_url}/v1/chat/completions",
-                           json={**request, "return_token_ids": True}).json()
+        assert 'token_ids":[' not in r.text and '"logprob"' not in r.text
+        direct = http.post(
+            f"{vllm_url}/v1/chat/completions", json={**request, "return_token_ids": True}
+        ).json()
     [t] = recorded(real_proxy, episode)
     assert t["prompt_token_ids"] == direct["prompt_token_ids"]
     assert t["completion_token_ids"] == direct["choices"][0]["token_ids"]
@@ -123,12 +135,24 @@ def test_completions_route_on_real_vllm(real_proxy: RunningProxy) -> None:
 
 def test_forced_tool_call_on_real_vllm(real_proxy: RunningProxy) -> None:
     # An enum keeps the guided (forced) arguments short for a random tiny model.
-    tool = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}},
-        "required": ["city"], "additionalProperties": False}}}
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "enum": ["Paris", "Tokyo"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    }
     client = OpenAI(base_url=real_proxy.v1, api_key="x", default_headers={"X-Episode-Id": "r4"})
     response = client.chat.completions.create(
-        model="demo", messages=MESSAGES, max_tokens=100, tools=[tool],
+        model="demo",
+        messages=MESSAGES,
+        max_tokens=100,
+        tools=[tool],
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
     )
     calls = response.choices[0].message.tool_calls
@@ -136,5 +160,3 @@ def test_forced_tool_call_on_real_vllm(real_proxy: RunningProxy) -> None:
     [t] = recorded(real_proxy, "r4")
     assert t["tool_calls"][0]["function"]["name"] == "get_weather"
     assert t["completion_token_ids"]
-
-

@@ -1,4 +1,4 @@
-"""Bad input, auth, unknown routes and the policy alias: clear OpenAI-shaped errors, nothing stored."""
+"""Bad input, auth, unknown routes, the policy alias: OpenAI-shaped errors, nothing stored."""
 
 from __future__ import annotations
 
@@ -89,11 +89,17 @@ def test_unknown_routes_and_ids(proxy: RunningProxy, method: str, path: str, sta
 
 @pytest.mark.parametrize(
     "headers",
-    [{"X-Episode-Id": "has space"}, {"X-Task-Id": ""}, {"X-Agent-Name": "a" * 300},
-     {"X-Episode-Id": "../../etc"}],
+    [
+        {"X-Episode-Id": "has space"},
+        {"X-Task-Id": ""},
+        {"X-Agent-Name": "a" * 300},
+        {"X-Episode-Id": "../../etc"},
+    ],
 )
 def test_bad_tag_values_are_refused(proxy: RunningProxy, headers: dict[str, str]) -> None:
-    error = assert_openai_error(proxy.client(**headers).post("/v1/chat/completions", json=CHAT), 400)
+    error = assert_openai_error(
+        proxy.client(**headers).post("/v1/chat/completions", json=CHAT), 400
+    )
     assert error["code"] == "bad_tag"
     assert stored(proxy) == 0
 

@@ -10,7 +10,11 @@ import orjson
 from tests.conftest import RunningProxy
 from tests.fake_vllm import FakeVLLM
 
-CHAT = {"model": "demo", "messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 5}
+CHAT = {
+    "model": "demo",
+    "messages": [{"role": "user", "content": "What is 3 + 4?"}],
+    "max_tokens": 5,
+}
 
 
 def transitions(proxy: RunningProxy, episode: str, expected: int) -> list[tuple]:
@@ -76,10 +80,14 @@ def test_n_choices_give_one_transition_each(proxy: RunningProxy) -> None:
 
 def test_streaming_chat_is_recorded_when_the_stream_ends(proxy: RunningProxy) -> None:
     events = []
-    with proxy.client(**{"X-Episode-Id": "e4"}) as c, c.stream(
-        "POST", "/v1/chat/completions",
-        json={**CHAT, "stream": True, "stream_options": {"include_usage": True}},
-    ) as r:
+    with (
+        proxy.client(**{"X-Episode-Id": "e4"}) as c,
+        c.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={**CHAT, "stream": True, "stream_options": {"include_usage": True}},
+        ) as r,
+    ):
         assert r.status_code == 200
         events = [line for line in r.iter_lines() if line]
     assert events[-1] == "data: [DONE]"
@@ -95,16 +103,19 @@ def test_streaming_chat_is_recorded_when_the_stream_ends(proxy: RunningProxy) ->
 
 def test_completions_route_records_each_prompt(proxy: RunningProxy) -> None:
     with proxy.client(**{"X-Episode-Id": "e5"}) as c:
-        r = c.post("/v1/completions", json={"model": "demo", "prompt": ["a b", "c d"], "n": 2,
-                                             "max_tokens": 3})
+        r = c.post(
+            "/v1/completions",
+            json={"model": "demo", "prompt": ["a b", "c d"], "n": 2, "max_tokens": 3},
+        )
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["logprobs"] is None
     episode = proxy.client().get("/v1/episodes/e5?tokens=true").json()
     assert len(episode["transitions"]) == 4
     prompts = [t["messages"][0]["prompt"] for t in episode["transitions"]]
     assert sorted(prompts) == ["a b", "a b", "c d", "c d"]
-    assert all(len(t["completion_token_ids"]) == 3 == len(t["logprobs"])
-               for t in episode["transitions"])
+    assert all(
+        len(t["completion_token_ids"]) == 3 == len(t["logprobs"]) for t in episode["transitions"]
+    )
 
 
 def test_upstream_errors_pass_through_unchanged_and_are_recorded_failed(
@@ -123,9 +134,12 @@ def test_client_disconnect_mid_stream_aborts_upstream_and_records_aborted(
     proxy: RunningProxy, fake_vllm: FakeVLLM
 ) -> None:
     fake_vllm.token_delay_s = 0.2
-    with proxy.client(**{"X-Episode-Id": "gone"}) as c, c.stream(
-        "POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 50, "stream": True}
-    ) as r:
+    with (
+        proxy.client(**{"X-Episode-Id": "gone"}) as c,
+        c.stream(
+            "POST", "/v1/chat/completions", json={**CHAT, "max_tokens": 50, "stream": True}
+        ) as r,
+    ):
         for line in r.iter_lines():
             if '"content"' in line:
                 break  # leave after the first token: closes the connection
@@ -148,3 +162,23 @@ def test_unreachable_upstream_is_502(make_proxy: Any) -> None:
     r = proxy.client().post("/v1/chat/completions", json=CHAT)
     assert r.status_code == 502 and r.json()["error"]["code"] == "upstream_unreachable"
     assert proxy.wait_rows("SELECT status FROM transition", 1) == [("failed",)]
+
+
+def test_multi_turn_history_is_stored_once(proxy: RunningProxy) -> None:
+    system = {"role": "system", "content": "You are a calculator. " * 50}
+    history = [system, {"role": "user", "content": "2+2?"}]
+    with proxy.client(**{"X-Episode-Id": "multi"}) as c:
+        for turn in range(4):
+            r = c.post("/v1/chat/completions", json={**CHAT, "messages": history})
+            history = [
+                *history,
+                r.json()["choices"][0]["message"],
+                {"role": "user", "content": f"and {turn}?"},
+            ]
+    proxy.wait_rows("SELECT 1 FROM transition WHERE episode_id = 'multi'", 4)
+    # 4 prompts of 2, 4, 6, 8 messages = 20 references, but only 8 distinct messages.
+    assert proxy.query("SELECT count(*) FROM message")[0][0] == 8
+    [[refs]] = proxy.query("SELECT sum(cardinality(message_digests)) FROM transition")
+    assert refs == 20
+    transitions = proxy.client().get("/v1/episodes/multi").json()["transitions"]
+    assert transitions[-1]["messages"][0] == system and len(transitions[-1]["messages"]) == 8

@@ -19,9 +19,7 @@ def call(proxy: RunningProxy, episode: str, **extra: Any) -> list[str]:
 
 
 def returns(proxy: RunningProxy, episode: str) -> dict[str, float | None]:
-    rows = proxy.query(
-        'SELECT id::text, "return" FROM transition WHERE episode_id = %s', episode
-    )
+    rows = proxy.query('SELECT id::text, "return" FROM transition WHERE episode_id = %s', episode)
     return dict(rows)
 
 
@@ -48,10 +46,13 @@ def test_a_reward_before_the_transitions_is_kept_and_joined_later(proxy: Running
 
 def test_intermediate_rewards_add_to_their_own_step(proxy: RunningProxy) -> None:
     first, second = call(proxy, "steps")[0], call(proxy, "steps")[0]
-    r = post(proxy, [
-        {"episode_id": "steps", "transition_id": second, "reward": 0.25},
-        {"episode_id": "steps", "reward": 1.0},
-    ])
+    r = post(
+        proxy,
+        [
+            {"episode_id": "steps", "transition_id": second, "reward": 0.25},
+            {"episode_id": "steps", "reward": 1.0},
+        ],
+    )
     assert r.status_code == 200, r.text
     assert [x["status"] for x in r.json()["data"]] == ["accepted", "accepted"]
     assert returns(proxy, "steps") == {first: 1.0, second: 1.25}
@@ -91,11 +92,17 @@ def test_a_new_final_reward_replaces_the_old_until_trained(proxy: RunningProxy) 
 
 def test_a_list_is_all_or_nothing(proxy: RunningProxy) -> None:
     call(proxy, "atomic")
-    r = post(proxy, [
-        {"episode_id": "atomic", "reward": 1.0},
-        {"episode_id": "atomic", "transition_id": "00000000-0000-4000-8000-000000000000",
-         "reward": 1.0},
-    ])
+    r = post(
+        proxy,
+        [
+            {"episode_id": "atomic", "reward": 1.0},
+            {
+                "episode_id": "atomic",
+                "transition_id": "00000000-0000-4000-8000-000000000000",
+                "reward": 1.0,
+            },
+        ],
+    )
     assert r.status_code == 404
     assert r.json()["error"]["code"] == "transition_not_found"
     assert proxy.query("SELECT count(*) FROM reward")[0][0] == 0
@@ -127,11 +134,19 @@ def test_bad_rewards_get_a_clear_400_and_store_nothing(
 
 @pytest.mark.parametrize(
     "raw",
-    [b"", b"{", b"[]", b"NaN", b'{"episode_id": "e", "reward": NaN}',
-     b'{"episode_id": "e", "reward": 1e999}', b'{"episode_id": "e", "reward": -Infinity}'],
+    [
+        b"",
+        b"{",
+        b"[]",
+        b"NaN",
+        b'{"episode_id": "e", "reward": NaN}',
+        b'{"episode_id": "e", "reward": 1e999}',
+        b'{"episode_id": "e", "reward": -Infinity}',
+    ],
 )
 def test_malformed_reward_bodies(proxy: RunningProxy, raw: bytes) -> None:
-    r = proxy.client().post("/v1/rewards", content=raw,
-                            headers={"Content-Type": "application/json"})
+    r = proxy.client().post(
+        "/v1/rewards", content=raw, headers={"Content-Type": "application/json"}
+    )
     assert r.status_code == 400, r.text
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
