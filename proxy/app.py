@@ -19,11 +19,10 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from proxy import database, metrics, store
+from proxy import database, store
 from proxy.alias import PolicyAlias
 from proxy.config import ProxySettings
 from proxy.edge import EdgeMiddleware
@@ -31,13 +30,13 @@ from proxy.errors import ApiError, error_response
 from proxy.forward import Forwarder
 from proxy.journal import Journal
 from proxy.recorder import OUTAGE_ERRORS, Recorder
-from proxy.schemas import MAX_REWARDS_PER_POST, RewardIn
+from proxy.rewards import post_rewards
 from proxy.tags import Tags, resolve
 from proxy.upstream import Upstream
 
 log = logging.getLogger(__name__)
 
-STORED_WAIT_S = 10.0  # how long a reward waits for its transitions to leave the writer's queue
+STORED_WAIT_S = 10.0  # how long an episode read waits for its transitions to leave the queue
 
 
 def create_app(settings: ProxySettings) -> FastAPI:
@@ -94,7 +93,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         forwarder: Forwarder = request.app.state.forwarder
-        return await forwarder.handle(route, request, body, tags_of(request))
+        return await forwarder.handle(route, body, tags_of(request))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -126,65 +125,12 @@ def create_app(settings: ProxySettings) -> FastAPI:
     @app.post("/v1/rewards")
     async def rewards(request: Request) -> Response:
         body = await read_json(request, settings.max_body_bytes)
-        items = parse_rewards(body)
-        recorder: Recorder = request.app.state.recorder
-        for episode_id in {r.episode_id for r in items}:
-            step_ids = [
-                str(r.transition_id)
-                for r in items
-                if r.episode_id == episode_id and r.transition_id is not None
-            ]
-            stored = await recorder.wait_stored(episode_id, step_ids or None, timeout=STORED_WAIT_S)
-            if not stored and step_ids:
-                raise ApiError(
-                    503,
-                    "the transitions of this reward are not stored yet "
-                    "(Postgres unreachable?); retry with the same idempotency_key",
-                    type="service_unavailable",
-                    code="not_stored_yet",
-                )
-        results = []
-        try:
-            async with request.app.state.sessionmaker.begin() as session:
-                for r in items:
-                    try:
-                        duplicate, credited = await store.add_reward(
-                            session=session,
-                            episode_id=r.episode_id,
-                            value=r.reward,
-                            transition_id=r.transition_id,
-                            idempotency_key=r.idempotency_key,
-                            gamma=settings.credit_gamma,
-                        )
-                    except store.UnknownTransition as e:
-                        raise ApiError(
-                            404, str(e), param="transition_id", code="transition_not_found"
-                        ) from e
-                    except store.RewardConflict as e:
-                        raise ApiError(409, str(e), code="already_trained") from e
-                    results.append(
-                        {
-                            "object": "reward",
-                            "episode_id": r.episode_id,
-                            "transition_id": str(r.transition_id) if r.transition_id else None,
-                            "reward": r.reward,
-                            "status": "duplicate" if duplicate else "accepted",
-                            "credited_transitions": credited,
-                        }
-                    )
-        except OUTAGE_ERRORS as e:
-            raise ApiError(
-                503,
-                f"database unavailable ({type(e).__name__}); nothing was stored, "
-                "retry with the same idempotency_key",
-                type="service_unavailable",
-                code="database_unavailable",
-            ) from e
-        for r, result in zip(items, results, strict=True):
-            metrics.rewards_ingested.labels(
-                "step" if r.transition_id else "final", result["status"]
-            ).inc()
-        out = results[0] if isinstance(body, dict) else {"object": "list", "data": results}
+        out = await post_rewards(
+            body,
+            sessionmaker=request.app.state.sessionmaker,
+            recorder=request.app.state.recorder,
+            gamma=settings.credit_gamma,
+        )
         return Response(orjson.dumps(out), media_type="application/json")
 
     @app.get("/v1/episodes/{episode_id}")
@@ -255,34 +201,6 @@ async def read_json(request: Request, max_bytes: int) -> Any:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from e
-
-
-def parse_rewards(body: Any) -> list[RewardIn]:
-    raw = body if isinstance(body, list) else [body]
-    if not raw:
-        raise ApiError(400, "empty reward list: post at least one reward")
-    if len(raw) > MAX_REWARDS_PER_POST:
-        raise ApiError(400, f"{len(raw)} rewards in one post; at most {MAX_REWARDS_PER_POST}")
-    items = []
-    for i, item in enumerate(raw):
-        try:
-            items.append(RewardIn.model_validate(item))
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            param = f"[{i}].{where}" if isinstance(body, list) else where
-            raise ApiError(
-                400,
-                f"reward {param or 'body'}: {first['msg']}",
-                param=param or None,
-                code="invalid_reward",
-            ) from e
-    keys = [r.idempotency_key for r in items if r.idempotency_key]
-    if len(keys) != len(set(keys)):
-        raise ApiError(
-            400, "the same idempotency_key appears twice in one post", param="idempotency_key"
-        )
-    return items
 
 
 def _add_error_handlers(app: FastAPI) -> None:

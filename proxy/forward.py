@@ -17,10 +17,9 @@ from typing import Any
 
 import aiohttp
 import orjson
-from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from proxy import metrics
+from proxy import metrics, wire
 from proxy.alias import PolicyAlias
 from proxy.errors import ApiError, error_response
 from proxy.recorder import Recorder
@@ -31,18 +30,6 @@ log = logging.getLogger(__name__)
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 MAX_CHOICES = 256  # n x prompts per call; more is almost certainly a client bug
-
-
-@dataclass
-class Choice:
-    """What one choice produced, accumulated from a response or from stream chunks."""
-
-    prompt_token_ids: list[int] | None = None
-    token_ids: list[int] = field(default_factory=list)
-    logprobs: list[float] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
-    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
-    finish_reason: str | None = None
 
 
 @dataclass
@@ -82,9 +69,7 @@ class Forwarder:
         self._alias = alias
         self._recorder = recorder
 
-    async def handle(
-        self, route: str, request: Request, body: dict[str, Any], tags: Tags
-    ) -> Response:
+    async def handle(self, route: str, body: dict[str, Any], tags: Tags) -> Response:
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "`model` is required and must be a string", param="model")
@@ -96,7 +81,7 @@ class Forwarder:
             n = 1
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ApiError(400, "`n` must be a positive integer", param="n")
-        choices = n * _prompt_count(body) if route == "completions" else n
+        choices = n * wire.prompt_count(body) if route == "completions" else n
         if choices > MAX_CHOICES:
             raise ApiError(400, f"n x prompts = {choices} exceeds {MAX_CHOICES}", param="n")
 
@@ -146,9 +131,9 @@ class Forwarder:
             return self._failed_to_connect(call, e, sent)
         call.upstream_s = time.perf_counter() - sent
         data = orjson.loads(payload)
-        collected = _collect(call, data)
+        collected = wire.collect(call.route, data)
         if not (call.wants_logprobs and call.wants_token_ids):
-            _strip(call, data)
+            wire.strip(data, token_ids=call.wants_token_ids, logprobs=call.wants_logprobs)
             payload = orjson.dumps(data)
         self._record(call, collected, status="ok", http_status=200)
         return Response(payload, media_type="application/json", headers=call.headers())
@@ -157,7 +142,7 @@ class Forwarder:
         self, call: Call, response: aiohttp.ClientResponse, sent: float
     ) -> AsyncIterator[bytes]:
         """Pass SSE events through as they come, collecting each choice's tokens on the way."""
-        collected: dict[int, Choice] = {}
+        collected: dict[int, wire.Choice] = {}
         status, error = "aborted", None
         try:
             async for line in response.content:
@@ -172,9 +157,11 @@ class Forwarder:
                 if "error" in chunk:
                     error = chunk
                 else:
-                    _collect_chunk(call, chunk, collected)
+                    wire.collect_chunk(call.route, chunk, collected)
                     if not (call.wants_logprobs and call.wants_token_ids):
-                        _strip(call, chunk)
+                        wire.strip(
+                            chunk, token_ids=call.wants_token_ids, logprobs=call.wants_logprobs
+                        )
                         data_bytes = orjson.dumps(chunk)
                 yield b"data: " + data_bytes + b"\n\n"
         except (aiohttp.ClientError, TimeoutError) as e:
@@ -196,11 +183,11 @@ class Forwarder:
     # --- recording ------------------------------------------------------------------------
 
     def _record(
-        self, call: Call, collected: dict[int, Choice], *, status: str, http_status: int
+        self, call: Call, collected: dict[int, wire.Choice], *, status: str, http_status: int
     ) -> None:
         records = []
         for index, transition_id in enumerate(call.transition_ids):
-            choice = collected.get(index, Choice())
+            choice = collected.get(index, wire.Choice())
             records.append(
                 _record_base(call, index, transition_id, status, http_status)
                 | {
@@ -217,7 +204,11 @@ class Forwarder:
         self._submit(call, records)
 
     def _record_failure(
-        self, call: Call, http_status: int, payload: bytes, partial: dict[int, Choice] | None = None
+        self,
+        call: Call,
+        http_status: int,
+        payload: bytes,
+        partial: dict[int, wire.Choice] | None = None,
     ) -> None:
         try:
             error = orjson.loads(payload)
@@ -226,7 +217,7 @@ class Forwarder:
         record = _record_base(call, 0, call.transition_ids[0], "failed", http_status)
         record["error"] = error if isinstance(error, dict) else {"raw": error}
         if partial:
-            record["text"] = "".join(partial.get(0, Choice()).text)
+            record["text"] = "".join(partial.get(0, wire.Choice()).text)
         self._submit(call, [record])
 
     def _failed_to_connect(self, call: Call, e: Exception, sent: float) -> Response:
@@ -259,7 +250,7 @@ def _record_base(
         prompt_messages = messages if isinstance(messages, list) else []
         params = {k: v for k, v in body.items() if k != "messages"}
     else:
-        prompts = _prompts(body.get("prompt"))
+        prompts = wire.prompts(body.get("prompt"))
         n = len(call.transition_ids) // max(1, len(prompts))
         prompt_messages = [{"prompt": prompts[index // max(1, n)]}] if prompts else []
         params = {k: v for k, v in body.items() if k != "prompt"}
@@ -281,89 +272,3 @@ def _record_base(
         "params": params,
         "latency_ms": call.upstream_s * 1000.0,
     }
-
-
-# --- reading vLLM's responses ----------------------------------------------------------------
-
-
-def _collect(call: Call, data: dict[str, Any]) -> dict[int, Choice]:
-    collected: dict[int, Choice] = {}
-    prompt_ids = data.get("prompt_token_ids")  # chat: once per response
-    for c in data.get("choices") or ():
-        choice = collected.setdefault(c.get("index", 0), Choice())
-        choice.prompt_token_ids = c.get("prompt_token_ids") or prompt_ids
-        choice.token_ids = list(c.get("token_ids") or ())
-        choice.finish_reason = c.get("finish_reason")
-        if call.route == "chat":
-            message = c.get("message") or {}
-            choice.text.append(message.get("content") or "")
-            for i, tool_call in enumerate(message.get("tool_calls") or ()):
-                choice.tool_calls[i] = tool_call
-            content = (c.get("logprobs") or {}).get("content") or ()
-            choice.logprobs = [entry["logprob"] for entry in content]
-        else:
-            choice.text.append(c.get("text") or "")
-            choice.logprobs = list((c.get("logprobs") or {}).get("token_logprobs") or ())
-    return collected
-
-
-def _collect_chunk(call: Call, chunk: dict[str, Any], collected: dict[int, Choice]) -> None:
-    prompt_ids = chunk.get("prompt_token_ids")  # chat: in the first chunk only
-    for c in chunk.get("choices") or ():
-        choice = collected.setdefault(c.get("index", 0), Choice())
-        if choice.prompt_token_ids is None:
-            choice.prompt_token_ids = c.get("prompt_token_ids") or prompt_ids
-        choice.token_ids.extend(c.get("token_ids") or ())
-        if c.get("finish_reason") is not None:
-            choice.finish_reason = c["finish_reason"]
-        if call.route == "chat":
-            delta = c.get("delta") or {}
-            if delta.get("content"):
-                choice.text.append(delta["content"])
-            for tc in delta.get("tool_calls") or ():
-                _merge_tool_call(choice.tool_calls, tc)
-            content = (c.get("logprobs") or {}).get("content") or ()
-            choice.logprobs.extend(entry["logprob"] for entry in content)
-        else:
-            choice.text.append(c.get("text") or "")
-            choice.logprobs.extend((c.get("logprobs") or {}).get("token_logprobs") or ())
-
-
-def _merge_tool_call(calls: dict[int, dict[str, Any]], delta: dict[str, Any]) -> None:
-    current = calls.setdefault(
-        delta.get("index", 0),
-        {"id": None, "type": "function", "function": {"name": "", "arguments": ""}},
-    )
-    if delta.get("id"):
-        current["id"] = delta["id"]
-    if delta.get("type"):
-        current["type"] = delta["type"]
-    function = delta.get("function") or {}
-    if function.get("name"):
-        current["function"]["name"] += function["name"]
-    if function.get("arguments"):
-        current["function"]["arguments"] += function["arguments"]
-
-
-def _strip(call: Call, data: dict[str, Any]) -> None:
-    """Undo what the proxy added to the request, in place, the way vLLM itself leaves it out."""
-    if not call.wants_token_ids and "prompt_token_ids" in data:
-        data["prompt_token_ids"] = None
-    for c in data.get("choices") or ():
-        if not call.wants_token_ids:
-            for key in ("token_ids", "prompt_token_ids"):
-                if key in c:
-                    c[key] = None
-        if not call.wants_logprobs and "logprobs" in c:
-            c["logprobs"] = None
-
-
-def _prompts(prompt: Any) -> list[Any]:
-    """A completions `prompt` as a list of single prompts (str, or list of token ids)."""
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        return prompt
-    return [prompt] if prompt is not None else []
-
-
-def _prompt_count(body: dict[str, Any]) -> int:
-    return max(1, len(_prompts(body.get("prompt"))))

@@ -1,0 +1,116 @@
+"""POST /v1/rewards: validate, wait for the transitions the rewards name, store them all or none.
+
+A reward for an episode whose transitions are still in this process's writer queue waits for them
+(`Recorder.wait_stored`), so a reward posted after its completion's response always joins it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import ValidationError
+from sqlalchemy.ext.asyncio import async_sessionmaker
+
+from proxy import metrics, store
+from proxy.errors import ApiError
+from proxy.recorder import OUTAGE_ERRORS, Recorder
+from proxy.schemas import MAX_REWARDS_PER_POST, RewardIn
+
+STORED_WAIT_S = 10.0  # how long a reward waits for its transitions to leave the writer's queue
+
+
+async def post_rewards(
+    body: Any,
+    *,
+    sessionmaker: async_sessionmaker,  # type: ignore[type-arg]
+    recorder: Recorder,
+    gamma: float | None,
+) -> dict[str, Any]:
+    items = parse_rewards(body)
+    for episode_id in {r.episode_id for r in items}:
+        step_ids = [
+            str(r.transition_id)
+            for r in items
+            if r.episode_id == episode_id and r.transition_id is not None
+        ]
+        stored = await recorder.wait_stored(episode_id, step_ids or None, timeout=STORED_WAIT_S)
+        if not stored and step_ids:
+            raise ApiError(
+                503,
+                "the transitions of this reward are not stored yet "
+                "(Postgres unreachable?); retry with the same idempotency_key",
+                type="service_unavailable",
+                code="not_stored_yet",
+            )
+    results = []
+    try:
+        async with sessionmaker.begin() as session:
+            for r in items:
+                try:
+                    duplicate, credited = await store.add_reward(
+                        session=session,
+                        episode_id=r.episode_id,
+                        value=r.reward,
+                        transition_id=r.transition_id,
+                        idempotency_key=r.idempotency_key,
+                        gamma=gamma,
+                    )
+                except store.UnknownTransition as e:
+                    raise ApiError(
+                        404, str(e), param="transition_id", code="transition_not_found"
+                    ) from e
+                except store.RewardConflict as e:
+                    raise ApiError(409, str(e), code="already_trained") from e
+                results.append(
+                    {
+                        "object": "reward",
+                        "episode_id": r.episode_id,
+                        "transition_id": str(r.transition_id) if r.transition_id else None,
+                        "reward": r.reward,
+                        "status": "duplicate" if duplicate else "accepted",
+                        "credited_transitions": credited,
+                    }
+                )
+    except OUTAGE_ERRORS as e:
+        raise ApiError(
+            503,
+            f"database unavailable ({type(e).__name__}); nothing was stored, "
+            "retry with the same idempotency_key",
+            type="service_unavailable",
+            code="database_unavailable",
+        ) from e
+    for r, result in zip(items, results, strict=True):
+        metrics.rewards_ingested.labels(
+            "step" if r.transition_id else "final", result["status"]
+        ).inc()
+    if isinstance(body, dict):
+        return results[0]
+    return {"object": "list", "data": results}
+
+
+def parse_rewards(body: Any) -> list[RewardIn]:
+    raw = body if isinstance(body, list) else [body]
+    if not raw:
+        raise ApiError(400, "empty reward list: post at least one reward")
+    if len(raw) > MAX_REWARDS_PER_POST:
+        raise ApiError(400, f"{len(raw)} rewards in one post; at most {MAX_REWARDS_PER_POST}")
+    items = []
+    for i, item in enumerate(raw):
+        try:
+            items.append(RewardIn.model_validate(item))
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            param = f"[{i}].{where}" if isinstance(body, list) else where
+            raise ApiError(
+                400,
+                f"reward {param or 'body'}: {first['msg']}",
+                param=param or None,
+                code="invalid_reward",
+            ) from e
+    keys = [r.idempotency_key for r in items if r.idempotency_key]
+    if len(keys) != len(set(keys)):
+        raise ApiError(
+            400, "the same idempotency_key appears twice in one post", param="idempotency_key"
+        )
+    return items
