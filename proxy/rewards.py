@@ -27,6 +27,16 @@ async def post_rewards(
     gamma: float | None,
 ) -> dict[str, Any]:
     items = parse_rewards(body)
+    if not recorder.database_up:
+        # The writer is journaling: Postgres was unreachable moments ago. Say so at once rather
+        # than wait; the client retries with the same idempotency key once it is back.
+        raise ApiError(
+            503,
+            "database unavailable (transitions are being journaled); nothing was stored, "
+            "retry with the same idempotency_key",
+            type="service_unavailable",
+            code="database_unavailable",
+        )
     for episode_id in {r.episode_id for r in items}:
         step_ids = [
             str(r.transition_id)

@@ -182,3 +182,24 @@ def test_multi_turn_history_is_stored_once(proxy: RunningProxy) -> None:
     assert refs == 20
     transitions = proxy.client().get("/v1/episodes/multi").json()["transitions"]
     assert transitions[-1]["messages"][0] == system and len(transitions[-1]["messages"]) == 8
+
+
+def test_streaming_n_choices_are_recorded_apart(proxy: RunningProxy) -> None:
+    with (
+        proxy.client(**{"X-Episode-Id": "sn"}) as c,
+        c.stream(
+            "POST", "/v1/chat/completions", json={**CHAT, "n": 2, "stream": True, "logprobs": True}
+        ) as r,
+    ):
+        ids = r.headers["x-transition-id"].split(",")
+        chunks = [orjson.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk["choices"]:
+            texts[choice["index"]] += choice["delta"].get("content") or ""
+            if choice["delta"].get("content"):
+                assert choice["logprobs"]["content"]  # asked for: kept
+    transitions = proxy.client().get("/v1/episodes/sn?tokens=true").json()["transitions"]
+    assert [t["id"] for t in transitions] == ids
+    assert [t["text"] for t in transitions] == [texts[0], texts[1]]
+    assert all(len(t["completion_token_ids"]) == 5 == len(t["logprobs"]) for t in transitions)
