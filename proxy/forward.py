@@ -145,10 +145,7 @@ class Forwarder:
         collected: dict[int, wire.Choice] = {}
         status, error = "aborted", None
         try:
-            async for line in response.content:
-                if not line.startswith(b"data: "):
-                    continue
-                data_bytes = line[6:].rstrip(b"\r\n")
+            async for data_bytes in sse_data(response):
                 if data_bytes == b"[DONE]":
                     status = "ok" if error is None else "failed"
                     yield b"data: [DONE]\n\n"
@@ -239,6 +236,24 @@ class Forwarder:
         elapsed = time.perf_counter() - call.started
         metrics.upstream_latency.labels(call.route).observe(call.upstream_s)
         metrics.proxy_overhead.labels(call.route).observe(max(0.0, elapsed - call.upstream_s))
+
+
+async def sse_data(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
+    """The `data:` payloads of vLLM's SSE stream (events end with a blank line), however long.
+
+    Not aiohttp's line reader: it refuses lines over its buffer size, and vLLM's first chunk
+    carries every prompt token id. Each byte is scanned once, however the blocks arrive.
+    """
+    buffer = bytearray()
+    async for block in response.content.iter_any():
+        start = max(0, len(buffer) - 1)  # a "\n\n" may straddle two blocks
+        buffer += block
+        while (end := buffer.find(b"\n\n", start)) != -1:
+            event, start = bytes(buffer[:end]), 0
+            del buffer[: end + 2]
+            for line in event.split(b"\n"):
+                if line.startswith(b"data:"):
+                    yield line[5:].lstrip(b" ")
 
 
 def _record_base(

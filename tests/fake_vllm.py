@@ -297,7 +297,7 @@ class FakeVLLM:
 
 
 def make_app(state: FakeState) -> web.Application:
-    app = web.Application()
+    app = web.Application(client_max_size=2**30)  # vLLM sets no body limit of its own
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", wrap(state, models))
     for path, handler in [

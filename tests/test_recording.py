@@ -203,3 +203,23 @@ def test_streaming_n_choices_are_recorded_apart(proxy: RunningProxy) -> None:
     assert [t["id"] for t in transitions] == ids
     assert [t["text"] for t in transitions] == [texts[0], texts[1]]
     assert all(len(t["completion_token_ids"]) == 5 == len(t["logprobs"]) for t in transitions)
+
+
+def test_a_very_long_prompt_streams_and_records(proxy: RunningProxy) -> None:
+    """vLLM's first SSE chunk carries every prompt token id: far beyond any line buffer."""
+    long = {"role": "user", "content": "word " * 300_000}  # first chunk ~1.5 MB
+    with (
+        proxy.client(**{"X-Episode-Id": "long"}) as c,
+        c.stream(
+            "POST",
+            "/v1/chat/completions",
+            json={**CHAT, "messages": [long], "stream": True, "return_token_ids": True},
+        ) as r,
+    ):
+        lines = r.iter_lines()
+        first = next(line for line in lines if line.startswith("data: {"))
+        prompt_ids = orjson.loads(first[6:])["prompt_token_ids"]
+        assert [line for line in lines if line][-1] == "data: [DONE]"
+    assert len(first) > 1_000_000
+    [t] = proxy.client().get("/v1/episodes/long?tokens=true").json()["transitions"]
+    assert t["status"] == "ok" and t["prompt_token_ids"] == prompt_ids
