@@ -11,13 +11,15 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import aiohttp
 import orjson
 from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from proxy import metrics, wire
 from proxy.alias import PolicyAlias
@@ -44,6 +46,7 @@ class Call:
     started: float = field(default_factory=time.perf_counter)
     request_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     upstream_s: float = 0.0
+    recorded: bool = False
 
     @property
     def wants_logprobs(self) -> bool:
@@ -119,10 +122,10 @@ class Forwarder:
                 headers=call.headers(),
             )
         if stream:
-            return StreamingResponse(
+            return RelayResponse(
                 self._relay(call, response, sent),
-                media_type="text/event-stream",
-                headers=call.headers(),
+                call.headers(),
+                after=partial(self._abandon_if_unstarted, call, response),
             )
         try:
             payload = await response.read()
@@ -140,7 +143,7 @@ class Forwarder:
 
     async def _relay(
         self, call: Call, response: aiohttp.ClientResponse, sent: float
-    ) -> AsyncIterator[bytes]:
+    ) -> AsyncGenerator[bytes]:
         """Pass SSE events through as they come, collecting each choice's tokens on the way."""
         collected: dict[int, wire.Choice] = {}
         status, error = "aborted", None
@@ -176,6 +179,11 @@ class Forwarder:
                 self._record_failure(call, 200, orjson.dumps(error), partial=collected)
             else:
                 self._record(call, collected, status=status, http_status=200)
+
+    def _abandon_if_unstarted(self, call: Call, response: aiohttp.ClientResponse) -> None:
+        if not call.recorded:  # the client left before the relay's first step
+            response.close()
+            self._record(call, {}, status="aborted", http_status=200)
 
     # --- recording ------------------------------------------------------------------------
 
@@ -232,10 +240,33 @@ class Forwarder:
         )
 
     def _submit(self, call: Call, records: list[dict[str, Any]]) -> None:
+        call.recorded = True
         self._recorder.submit(records)
         elapsed = time.perf_counter() - call.started
         metrics.upstream_latency.labels(call.route).observe(call.upstream_s)
         metrics.proxy_overhead.labels(call.route).observe(max(0.0, elapsed - call.upstream_s))
+
+
+class RelayResponse(StreamingResponse):
+    """A stream whose relay is always closed when the response ends, however it ends.
+
+    A client that disconnects cancels the send loop; the relay may then be parked at a `yield`
+    or not started at all, and its `finally` (close vLLM's request, record the transition as
+    aborted) would run only when garbage-collected, or never. `after` covers "never started".
+    """
+
+    def __init__(
+        self, relay: AsyncGenerator[bytes], headers: dict[str, str], after: Callable[[], None]
+    ) -> None:
+        super().__init__(relay, media_type="text/event-stream", headers=headers)
+        self._relay, self._after = relay, after
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._relay.aclose()
+            self._after()
 
 
 async def sse_data(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
