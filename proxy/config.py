@@ -15,21 +15,17 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,199}$"
 
 
-def _split_commas(value: object) -> object:
+def split_commas(value: object) -> object:
     if isinstance(value, str):
         return [part.strip() for part in value.split(",") if part.strip()]
     return value
 
 
-class ProxySettings(BaseSettings):
+class DatabaseSettings(BaseSettings):
+    """What the proxy and the trainer share: where the data lives."""
+
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", extra="ignore")
 
-    upstream: Annotated[list[str], NoDecode] = Field(
-        default_factory=list,
-        description="vLLM base URL(s), e.g. http://127.0.0.1:8001 (no /v1). Several = replicas.",
-    )
-    host: str = Field("127.0.0.1", description="Address the proxy listens on.")
-    port: int = Field(8000, ge=1, le=65535, description="Port the proxy listens on.")
     home: Path = Field(Path(".flywheel"), description="Data directory: embedded Postgres, journal.")
     database_url: str | None = Field(
         None,
@@ -38,6 +34,25 @@ class ProxySettings(BaseSettings):
     require_database_url: bool = Field(
         False, description="Refuse to start the embedded Postgres (set in deployments)."
     )
+    log_level: str = Field("info", description="Python log level.")
+
+    @model_validator(mode="after")
+    def _check_database(self) -> DatabaseSettings:
+        if self.require_database_url and not self.database_url:
+            raise ValueError(
+                "FLYWHEEL_DATABASE_URL is required here (FLYWHEEL_REQUIRE_DATABASE_URL is set); "
+                "set it to your Postgres URL, e.g. postgresql://user:pass@host:5432/flywheel"
+            )
+        return self
+
+
+class ProxySettings(DatabaseSettings):
+    upstream: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="vLLM base URL(s), e.g. http://127.0.0.1:8001 (no /v1). Several = replicas.",
+    )
+    host: str = Field("127.0.0.1", description="Address the proxy listens on.")
+    port: int = Field(8000, ge=1, le=65535, description="Port the proxy listens on.")
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
         description="If set, every /v1/* call needs `Authorization: Bearer <one of these>`.",
@@ -70,9 +85,8 @@ class ProxySettings(BaseSettings):
     alias_refresh_s: float = Field(
         0.5, gt=0, description="How often the current adapter version is re-read from Postgres."
     )
-    log_level: str = Field("info", description="Python log level.")
 
-    _split = field_validator("upstream", "api_keys", mode="before")(_split_commas)
+    _split = field_validator("upstream", "api_keys", mode="before")(split_commas)
 
     @field_validator("upstream")
     @classmethod
@@ -81,15 +95,6 @@ class ProxySettings(BaseSettings):
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"upstream {url!r} must start with http:// or https://")
         return [url.rstrip("/").removesuffix("/v1") for url in urls]
-
-    @model_validator(mode="after")
-    def _check_combinations(self) -> ProxySettings:
-        if self.require_database_url and not self.database_url:
-            raise ValueError(
-                "FLYWHEEL_DATABASE_URL is required here (FLYWHEEL_REQUIRE_DATABASE_URL is set); "
-                "set it to your Postgres URL, e.g. postgresql://user:pass@host:5432/flywheel"
-            )
-        return self
 
     @property
     def journal_dir(self) -> Path:

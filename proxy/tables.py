@@ -24,6 +24,7 @@ from sqlalchemy import (
     Integer,
     LargeBinary,
     MetaData,
+    Sequence,
     SmallInteger,
     Text,
     Uuid,
@@ -106,6 +107,11 @@ class Transition(Base):
     return_: Mapped[float | None] = mapped_column("return", Double)
     credited_at: Mapped[datetime | None]
     trained_at: Mapped[datetime | None]
+    # The trainer's lease: a claim that expires is taken over by the next trainer.
+    claimed_by: Mapped[str | None] = mapped_column(Text)
+    claim_expires_at: Mapped[datetime | None]
+    # Why the trainer set a transition aside without training on it (missing ids, stale, ...).
+    skip_reason: Mapped[str | None] = mapped_column(Text)
 
     __table_args__ = (
         Index("ix_transition_episode_id", "episode_id", "requested_at"),
@@ -114,7 +120,8 @@ class Transition(Base):
             "ix_transition_trainable",
             "credited_at",
             postgresql_where=sql(
-                "status = 'ok' AND credited_at IS NOT NULL AND trained_at IS NULL"
+                "status = 'ok' AND credited_at IS NOT NULL AND trained_at IS NULL "
+                "AND skip_reason IS NULL"
             ),
         ),
     )
@@ -138,12 +145,15 @@ class AdapterVersion(Base):
 
     __tablename__ = "adapter_version"
 
-    version: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    # Numbers come from a sequence, so two trainers can never publish the same name.
+    version: Mapped[int] = mapped_column(Integer, Sequence("adapter_version_seq"), primary_key=True)
     name: Mapped[str] = mapped_column(Text, unique=True)
     path: Mapped[str] = mapped_column(Text)
     base_model: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
     is_current: Mapped[bool] = mapped_column(Boolean, server_default=sql("false"))
+    trained_transitions: Mapped[int] = mapped_column(Integer, server_default=sql("0"))
+    stats: Mapped[dict[str, Any] | None]  # the training step's figures, for `adapters list`
 
     __table_args__ = (
         Index(

@@ -35,3 +35,18 @@ def test_downgrade_to_nothing_and_back(database_url: str) -> None:
         inspect(engine).get_table_names()
     )
     engine.dispose()
+
+
+def test_partial_index_conditions_match(database_url: str) -> None:
+    """Autogenerate does not compare `postgresql_where`: check those against the tables here."""
+    engine = create_engine(sqlalchemy_url(database_url))
+    with engine.connect() as conn:
+        defs = dict(conn.exec_driver_sql("SELECT indexname, indexdef FROM pg_indexes").all())
+    engine.dispose()
+    for table in Base.metadata.tables.values():
+        for index in table.indexes:
+            where = index.dialect_options["postgresql"]["where"]
+            if where is not None:
+                for clause in str(where).split(" AND "):
+                    column = clause.split()[0]
+                    assert column in defs[index.name].split("WHERE", 1)[1], (index.name, clause)

@@ -1,0 +1,109 @@
+"""Settings of the trainer process, built once at start-up and passed down.
+
+Every field is also a `FLYWHEEL_*` environment variable; lists are comma-separated there.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Annotated, Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import NoDecode
+
+from proxy.config import DatabaseSettings, split_commas
+
+# vLLM accepts only these LoRA ranks (--max-lora-rank must be one of them, and >= ours).
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+class TrainerSettings(DatabaseSettings):
+    # --- where things are -----------------------------------------------------------------
+    model: Path = Field(..., description="Base model directory (the one vLLM serves).")
+    vllm: Annotated[list[str], NoDecode] = Field(
+        ..., description="vLLM base URL(s); every new adapter is loaded into each before use."
+    )
+    vllm_api_key: SecretStr | None = Field(None, description="Bearer key for vLLM's endpoints.")
+    adapters_dir: Path = Field(
+        ..., description="Where adapters are written (`policy-vN/`); vLLM must read the same path."
+    )
+    adapter_prefix: str = Field("policy", description="Adapters are named `<prefix>-vN`.")
+    trainer_id: str = Field(
+        default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
+        description="Who holds a claim (shown in the transition table).",
+    )
+
+    # --- what to train on -----------------------------------------------------------------
+    min_episodes: int = Field(8, ge=1, description="Train once this many episodes are claimable.")
+    min_groups: int = Field(
+        1, ge=0, description="...and at least this many GRPO groups (tasks with >= 2 episodes)."
+    )
+    max_batch_transitions: int = Field(256, ge=1, description="Most transitions in one step.")
+    agents: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Selective optimisation: train only these agent names (empty: all agents).",
+    )
+    ungrouped: Literal["baseline", "drop"] = Field(
+        "baseline",
+        description="Transitions whose task has one episode: advantage against a running "
+        "per-agent baseline, or set aside.",
+    )
+    baseline_momentum: float = Field(
+        0.9, ge=0, lt=1, description="Running mean/std decay of the per-agent baseline."
+    )
+    max_staleness: int = Field(
+        4, ge=0, description="Skip transitions sampled more than this many versions ago."
+    )
+    lease_s: float = Field(
+        600, gt=0, description="A claim not finished by then can be taken by another trainer."
+    )
+    poll_s: float = Field(1.0, gt=0, description="How often to look for enough new data.")
+
+    # --- how to train (TRL's GRPO loss, PEFT LoRA) -------------------------------------------
+    lora_rank: int = Field(8, description="LoRA rank (vLLM needs --max-lora-rank >= this).")
+    lora_alpha: int = Field(16, ge=1)
+    learning_rate: float = Field(1e-4, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    temperature: float = Field(
+        1.0, gt=0, description="The agents' sampling temperature (TRL scales logits by it)."
+    )
+    loss_type: str = Field("dapo", description="TRL GRPO loss_type (dapo, grpo, dr_grpo, bnpo).")
+    epsilon: float = Field(0.2, gt=0, description="PPO clip range.")
+    beta: float = Field(0.0, ge=0, description="KL coefficient to the base model (0: no KL).")
+    is_cap: float = Field(
+        2.0, ge=1, description="Truncation of the importance-sampling ratio for stale samples."
+    )
+    num_iterations: int = Field(1, ge=1, description="Optimizer steps per batch (TRL's mu).")
+    seed: int = Field(0)
+
+    # --- publishing -------------------------------------------------------------------------
+    retain_versions: int = Field(
+        3, ge=1, description="Adapters kept loaded in vLLM; older ones are unloaded, then deleted."
+    )
+    reconcile_s: float = Field(
+        5.0, gt=0, description="How often to check every vLLM still has the current adapter."
+    )
+    metrics_port: int = Field(9400, ge=0, le=65535, description="Prometheus port (0: off).")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many steps (demos).")
+
+    _split = field_validator("vllm", "agents", mode="before")(split_commas)
+
+    @field_validator("vllm")
+    @classmethod
+    def _check_vllm(cls, urls: list[str]) -> list[str]:
+        if not urls:
+            raise ValueError("give at least one --vllm URL (or FLYWHEEL_VLLM)")
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"vllm {url!r} must start with http:// or https://")
+        return [url.rstrip("/").removesuffix("/v1") for url in urls]
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> TrainerSettings:
+        if self.lora_rank not in VLLM_LORA_RANKS:
+            raise ValueError(f"lora_rank must be one vLLM accepts: {VLLM_LORA_RANKS}")
+        if not (self.model / "config.json").exists():
+            raise ValueError(f"--model {self.model} has no config.json: give the model directory")
+        return self
