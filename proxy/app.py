@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from proxy import database, store
+from proxy import admin, database, store
 from proxy.alias import PolicyAlias
 from proxy.config import ProxySettings
 from proxy.edge import EdgeMiddleware
@@ -146,6 +146,24 @@ def create_app(settings: ProxySettings) -> FastAPI:
                 404, f"no episode {episode_id!r}", param="episode_id", code="episode_not_found"
             )
         return Response(orjson.dumps(data), media_type="application/json")
+
+    @app.get("/admin/adapters")
+    async def adapters(request: Request) -> Response:
+        async with request.app.state.sessionmaker() as session:
+            data = await store.list_adapters(session=session)
+        return Response(
+            orjson.dumps({"object": "list", "data": data}), media_type="application/json"
+        )
+
+    @app.post("/admin/adapters/{version}/activate")
+    async def activate(version: int, request: Request) -> Response:
+        found = await admin.activate(
+            version,
+            sessionmaker=request.app.state.sessionmaker,
+            upstream=request.app.state.upstream,
+        )
+        await request.app.state.alias.refresh()  # this replica follows at once
+        return Response(orjson.dumps(found), media_type="application/json")
 
     @app.get("/healthz")
     async def healthz(request: Request) -> Response:

@@ -1,6 +1,9 @@
 """`flywheel`: the console script.
 
     flywheel proxy --upstream http://127.0.0.1:8001 [--host H] [--port P]
+    flywheel trainer --model DIR --vllm URL [--vllm URL ...] --adapters-dir DIR
+    flywheel adapters list
+    flywheel adapters activate N --vllm URL [--vllm URL ...]   # rollback; N=0: the base model
     flywheel migrate [--database-url URL]
     flywheel up [--port P]              # the whole local stack on embedded defaults
     flywheel demo-model DIR             # generate the tiny demo model
@@ -14,11 +17,14 @@ import argparse
 import logging
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
-from proxy.config import ProxySettings
+from proxy.config import DatabaseSettings, ProxySettings
+from proxy.errors import ApiError
+
+S = TypeVar("S", bound=DatabaseSettings)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -31,6 +37,19 @@ def main(argv: list[str] | None = None) -> None:
     proxy.add_argument("--port", type=int)
     proxy.add_argument("--database-url")
 
+    trainer = commands.add_parser("trainer", help="run the GRPO + LoRA trainer")
+    trainer.add_argument("--model", help="base model directory (the one vLLM serves)")
+    trainer.add_argument("--vllm", action="append", help="vLLM base URL (repeat for replicas)")
+    trainer.add_argument("--adapters-dir", help="where adapters are written; vLLM reads them")
+    trainer.add_argument("--database-url")
+    trainer.add_argument("--max-steps", type=int)
+
+    adapters = commands.add_parser("adapters", help="list adapter versions, or switch the alias")
+    adapters.add_argument("action", choices=["list", "activate"])
+    adapters.add_argument("version", nargs="?", type=int, help="with activate: the version")
+    adapters.add_argument("--vllm", action="append", help="vLLM base URL(s) to load it into")
+    adapters.add_argument("--database-url")
+
     migrate = commands.add_parser("migrate", help="apply the database migrations and exit")
     migrate.add_argument("--database-url")
 
@@ -42,18 +61,26 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("dir", type=Path)
 
     args = parser.parse_args(argv)
-    overrides: dict[str, Any] = {
-        k: v for k, v in vars(args).items() if k in ProxySettings.model_fields and v is not None
-    }
+    given = {k: v for k, v in vars(args).items() if v is not None}
     if args.command == "demo-model":
         from trainer.demo_model import build_demo_model
 
         print(build_demo_model(args.dir))
         return
-    settings = _settings(overrides)
-    logging.basicConfig(
-        level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    if args.command == "trainer":
+        from trainer.config import TrainerSettings
+
+        trainer_settings = _settings(TrainerSettings, given)  # before torch is imported
+        _configure_logging(trainer_settings.log_level)
+        from trainer.loop import run
+
+        run(trainer_settings)
+        return
+    if args.command == "adapters":
+        _adapters(args, _settings(ProxySettings, given | {"upstream": args.vllm or []}))
+        return
+    settings = _settings(ProxySettings, given)
+    _configure_logging(settings.log_level)
     if args.command == "proxy":
         if not settings.upstream:
             sys.exit("flywheel proxy: no upstream; pass --upstream URL or set FLYWHEEL_UPSTREAM")
@@ -86,9 +113,58 @@ def serve(settings: ProxySettings) -> None:
     )
 
 
-def _settings(overrides: dict[str, Any]) -> ProxySettings:
+def _adapters(args: argparse.Namespace, settings: ProxySettings) -> None:
+    import asyncio
+
+    from proxy import admin, database, store
+    from proxy.upstream import Upstream
+
+    async def go() -> None:
+        url = database.resolve_url(settings.database_url, settings.home)
+        engine = database.create_engine(url, pool_size=1)
+        sessionmaker = database.create_sessionmaker(engine)
+        try:
+            if args.action == "list":
+                async with sessionmaker() as session:
+                    for a in await store.list_adapters(session=session):
+                        mark = "*" if a["is_current"] else " "
+                        stats = a["stats"] or {}
+                        print(
+                            f"{mark} v{a['version']:<5} {a['name']:<16} {a['created_at'][:19]} "
+                            f"trained={a['trained_transitions']:<6} "
+                            f"reward={stats.get('reward_mean', float('nan')):.3f} {a['path']}"
+                        )
+                return
+            if args.version is None or not settings.upstream:
+                sys.exit("flywheel adapters activate N --vllm URL [--vllm URL ...]")
+            upstream = Upstream(settings.upstream, api_key=None, timeout_s=60)
+            await upstream.start()
+            try:
+                found = await admin.activate(
+                    args.version, sessionmaker=sessionmaker, upstream=upstream
+                )
+            finally:
+                await upstream.close()
+            print(f"the alias now serves {found['name'] or 'the base model'}")
+        finally:
+            await engine.dispose()
+
     try:
-        return ProxySettings(**overrides)
+        asyncio.run(go())
+    except ApiError as e:
+        sys.exit(f"flywheel adapters: {e.message}")
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+
+
+def _settings(kind: type[S], given: dict[str, Any]) -> S:
+    values = {k: v for k, v in given.items() if k in kind.model_fields}
+    try:
+        return kind(**values)
     except ValidationError as e:
         lines = [
             f"  {'.'.join(map(str, err['loc'])) or 'settings'}: {err['msg']}" for err in e.errors()

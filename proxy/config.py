@@ -58,6 +58,9 @@ class ProxySettings(DatabaseSettings):
         description="If set, every /v1/* call needs `Authorization: Bearer <one of these>`.",
     )
     upstream_api_key: SecretStr | None = Field(None, description="Bearer key sent to vLLM.")
+    admin_key: SecretStr | None = Field(
+        None, description="Bearer key for /admin/* (adapter rollback); unset: admin is off."
+    )
     policy_alias: str = Field("policy", description="Model name that follows the trained adapter.")
     base_model: str | None = Field(
         None,

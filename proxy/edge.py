@@ -30,6 +30,9 @@ class EdgeMiddleware:
     def __init__(self, app: ASGIApp, settings: ProxySettings) -> None:
         self.app = app
         self._keys = [k.get_secret_value().encode() for k in settings.api_keys]
+        self._admin_key = (
+            settings.admin_key.get_secret_value().encode() if settings.admin_key else None
+        )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -60,20 +63,28 @@ class EdgeMiddleware:
             scope = dict(scope, path=path, raw_path=path.encode())
             scope["flywheel.path_tags"] = tags
         if self._keys and scope["path"].startswith("/v1/"):
-            self._authorize(scope)
+            _authorize(scope, self._keys, "FLYWHEEL_API_KEYS")
+        if scope["path"].startswith("/admin/"):
+            if self._admin_key is None:
+                raise ApiError(
+                    403,
+                    "admin endpoints are off: set FLYWHEEL_ADMIN_KEY to use them",
+                    code="admin_disabled",
+                )
+            _authorize(scope, [self._admin_key], "FLYWHEEL_ADMIN_KEY")
         return scope
 
-    def _authorize(self, scope: Scope) -> None:
-        header = dict(scope["headers"]).get(b"authorization", b"")
-        scheme, _, key = header.partition(b" ")
-        if scheme.lower() == b"bearer" and any(hmac.compare_digest(key, k) for k in self._keys):
-            return
-        raise ApiError(
-            401,
-            "Missing or invalid API key: send `Authorization: Bearer <key>` with a key from "
-            "FLYWHEEL_API_KEYS.",
-            code="invalid_api_key",
-        )
+
+def _authorize(scope: Scope, keys: list[bytes], setting: str) -> None:
+    header = dict(scope["headers"]).get(b"authorization", b"")
+    scheme, _, key = header.partition(b" ")
+    if scheme.lower() == b"bearer" and any(hmac.compare_digest(key, k) for k in keys):
+        return
+    raise ApiError(
+        401,
+        f"Missing or invalid API key: send `Authorization: Bearer <key>`, a key from {setting}.",
+        code="invalid_api_key",
+    )
 
 
 def _route_label(path: str) -> str:
@@ -81,4 +92,6 @@ def _route_label(path: str) -> str:
         return path
     if path.startswith("/v1/episodes/"):
         return "/v1/episodes/{id}"
+    if path.startswith("/admin/"):
+        return "/admin"
     return "other"

@@ -342,6 +342,33 @@ async def adapter_name(version: int, *, session: AsyncSession) -> str | None:
     return name
 
 
+async def list_adapters(*, session: AsyncSession) -> list[dict[str, Any]]:
+    rows = await session.scalars(select(AdapterVersion).order_by(AdapterVersion.version))
+    return [
+        {
+            "version": a.version,
+            "name": a.name,
+            "path": a.path,
+            "is_current": a.is_current,
+            "created_at": a.created_at.isoformat(),
+            "trained_transitions": a.trained_transitions,
+            "stats": a.stats,
+        }
+        for a in rows
+    ]
+
+
+async def set_current(version: int | None, *, session: AsyncSession) -> None:
+    """Point the alias at `version`, or at the base model (None)."""
+    await session.execute(
+        update(AdapterVersion).where(AdapterVersion.is_current).values(is_current=False)
+    )
+    if version is not None:
+        await session.execute(
+            update(AdapterVersion).where(AdapterVersion.version == version).values(is_current=True)
+        )
+
+
 async def adapter_version_of(name: str, *, session: AsyncSession) -> int | None:
     version: int | None = await session.scalar(
         select(AdapterVersion.version).where(AdapterVersion.name == name)

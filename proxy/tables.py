@@ -107,6 +107,7 @@ class Transition(Base):
     return_: Mapped[float | None] = mapped_column("return", Double)
     credited_at: Mapped[datetime | None]
     trained_at: Mapped[datetime | None]
+    trained_version: Mapped[int | None] = mapped_column(Integer)  # the adapter it went into
     # The trainer's lease: a claim that expires is taken over by the next trainer.
     claimed_by: Mapped[str | None] = mapped_column(Text)
     claim_expires_at: Mapped[datetime | None]

@@ -18,6 +18,10 @@ CONNECT_TIMEOUT_S = 10.0  # vLLM on the same network answers a TCP connect in mi
 MODELS_TIMEOUT_S = 10.0
 
 
+class AdapterError(Exception):
+    """vLLM would not list or load an adapter; the message is vLLM's."""
+
+
 @dataclass(frozen=True)
 class Replica:
     base_url: str  # without /v1
@@ -61,6 +65,23 @@ class Upstream:
         """Start a POST; use as `async with upstream.post(...) as response:`."""
         assert self._session is not None, "Upstream.start() was not awaited"
         return self._session.post(replica.base_url + path, data=body, headers=self._headers)
+
+    async def loaded_adapters(self, replica: Replica) -> set[str]:
+        status, body = await self.models(replica)
+        if status != 200:
+            raise AdapterError(f"{replica.base_url} did not list its models ({status})")
+        return {m["id"] for m in orjson.loads(body)["data"] if m.get("parent")}
+
+    async def load_adapter(self, replica: Replica, name: str, path: str) -> None:
+        assert self._session is not None, "Upstream.start() was not awaited"
+        async with self._session.post(
+            replica.base_url + "/v1/load_lora_adapter",
+            json={"lora_name": name, "lora_path": path},
+            headers=self._headers,
+            timeout=aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S),
+        ) as response:
+            if response.status != 200:
+                raise AdapterError(f"{replica.base_url}: {response.status} {await response.text()}")
 
     async def models(self, replica: Replica | None = None) -> tuple[int, bytes]:
         assert self._session is not None, "Upstream.start() was not awaited"

@@ -234,6 +234,7 @@ class FakeState:
     latency_s: float = 0.0
     token_delay_s: float = 0.0
     check_lora_paths: bool = True  # vLLM answers 404 when the adapter directory is missing
+    max_lora_rank: int = 8  # vLLM's --max-lora-rank: larger adapters are refused with a 400
     loras: dict[str, str] = field(default_factory=dict)
     requests: list[Json] = field(default_factory=list)
     failures: list[tuple[int, Json]] = field(default_factory=list)
@@ -377,6 +378,10 @@ async def load_lora(state: FakeState, body: Json, _: web.Request) -> web.Respons
     if state.check_lora_paths and not Path(path).is_dir():
         msg = f"Loading lora {name} failed: No adapter found for {path}"
         return error(404, msg, "NotFoundError")
+    config = Path(path) / "adapter_config.json"
+    if config.exists() and (rank := json.loads(config.read_text())["r"]) > state.max_lora_rank:
+        msg = f"LoRA rank {rank} is greater than max_lora_rank {state.max_lora_rank}."
+        return error(400, msg, "BadRequestError")
     state.loras[name] = path
     return web.Response(body=f"Success: LoRA adapter '{name}' added successfully.".encode())
 

@@ -18,7 +18,10 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> TrainerSettings:
     model = build_demo_model(TEST_HOME / "models" / "demo")
     home = tmp_path_factory.mktemp("trainer")
     return TrainerSettings(
-        model=model, vllm=["http://127.0.0.1:9"], adapters_dir=home / "adapters", home=home,
+        model=model,
+        vllm=["http://127.0.0.1:9"],
+        adapters_dir=home / "adapters",
+        home=home,
         learning_rate=5e-3,
     )
 

@@ -12,12 +12,13 @@ The model, adapter, optimizer and TRL trainer object live as long as the Engine 
 
 from __future__ import annotations
 
+import copy
 import random
 import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from datasets import Dataset
@@ -27,7 +28,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 with warnings.catch_warnings():
     # TRL warns that it was tested with vLLM <= 0.31; we never use TRL's vLLM integration.
     warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOConfig, GRPOTrainer  # type: ignore[attr-defined]
 
 from trainer.config import TrainerSettings
 
@@ -63,13 +64,15 @@ def _echo_reward(completions: list[Any], reward: list[float], **_: Any) -> list[
     return reward
 
 
-class _TransitionGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
+class _TransitionGRPOTrainer(GRPOTrainer):
     """GRPOTrainer whose "generation" returns our recorded transitions, with our advantages."""
 
     def __init__(self, **kwargs: Any) -> None:
         # The constructor needs a dataset; it is never read (we never call train()).
         super().__init__(
-            reward_funcs=[_echo_reward], train_dataset=Dataset.from_dict({"prompt": [""]}), **kwargs
+            reward_funcs=[cast(Any, _echo_reward)],
+            train_dataset=Dataset.from_dict({"prompt": [""]}),
+            **kwargs,
         )
         # TRL applies truncated IS only in its vLLM mode (grpo_trainer.py: old logps L2644, the
         # ratio L2660, the loss L3146). Our tokens did come from vLLM, but TRL must not build its
@@ -144,13 +147,15 @@ class Engine:
             vllm_importance_sampling_mode="token_truncate",
             vllm_importance_sampling_clip_max=settings.is_cap,
         )
-        self.trainer = _TransitionGRPOTrainer(
+        # TRL's and transformers' attributes are typed Optional; ours are always set here.
+        trainer: Any = _TransitionGRPOTrainer(
             model=model, args=args, processing_class=tokenizer, peft_config=peft_config
         )
-        self.trainer.create_optimizer_and_scheduler(num_training_steps=1)  # constant LR
+        trainer.create_optimizer_and_scheduler(num_training_steps=1)  # constant LR
         if resume_from is not None and (resume_from / "optimizer.pt").exists():
             state = torch.load(resume_from / "optimizer.pt", weights_only=True)
-            self.trainer.optimizer.load_state_dict(state)
+            trainer.optimizer.load_state_dict(state)
+        self.trainer = trainer
 
     @property
     def model(self) -> Any:
@@ -181,6 +186,21 @@ class Engine:
             entropy=metrics["entropy"],
             seconds=time.perf_counter() - started,
         )
+
+    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        """The trainable weights and optimizer state, to undo a step that could not be published."""
+        weights = {
+            n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad
+        }
+        return weights, copy.deepcopy(self.trainer.optimizer.state_dict())
+
+    def restore(self, snapshot: tuple[dict[str, torch.Tensor], dict[str, Any]]) -> None:
+        weights, optimizer_state = snapshot
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                if name in weights:
+                    p.copy_(weights[name])
+        self.trainer.optimizer.load_state_dict(optimizer_state)
 
     def save_adapter(self, out_dir: Path) -> None:
         """adapter_config.json + adapter_model.safetensors (vLLM loads these); optimizer beside."""

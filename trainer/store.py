@@ -111,26 +111,15 @@ def finish(
     """Make `version` current and mark its batch trained (and the set-aside rows skipped)."""
     done = session.execute(
         text(
-            "UPDATE transition SET trained_at = now(), claimed_by = NULL, claim_expires_at = NULL "
-            "WHERE id = ANY(CAST(:ids AS uuid[])) AND claimed_by = :me AND trained_at IS NULL "
-            "RETURNING id"
+            "UPDATE transition SET trained_at = now(), trained_version = :v, claimed_by = NULL, "
+            "claim_expires_at = NULL WHERE id = ANY(CAST(:ids AS uuid[])) AND claimed_by = :me "
+            "AND trained_at IS NULL RETURNING id"
         ),
-        {"ids": trained, "me": trainer_id},
+        {"ids": trained, "me": trainer_id, "v": version},
     ).all()
     if len(done) != len(trained):
         raise LostClaim(f"{len(trained) - len(done)} of {len(trained)} rows were taken over")
-    for reason in set(skipped.values()):
-        session.execute(
-            text(
-                "UPDATE transition SET skip_reason = :reason, claimed_by = NULL, "
-                "claim_expires_at = NULL WHERE id = ANY(CAST(:ids AS uuid[])) AND claimed_by = :me"
-            ),
-            {
-                "reason": reason,
-                "ids": [i for i, r in skipped.items() if r == reason],
-                "me": trainer_id,
-            },
-        )
+    set_aside(skipped, session=session, trainer_id=trainer_id)
     session.execute(text("UPDATE adapter_version SET is_current = false WHERE is_current"))
     session.execute(
         text(
@@ -147,6 +136,22 @@ def finish(
             "stats": _json(stats),
         },
     )
+
+
+def set_aside(skipped: dict[str, str], *, session: Session, trainer_id: str) -> None:
+    """Record why these claimed rows will never be trained; they leave the queue."""
+    for reason in sorted(set(skipped.values())):
+        session.execute(
+            text(
+                "UPDATE transition SET skip_reason = :reason, claimed_by = NULL, "
+                "claim_expires_at = NULL WHERE id = ANY(CAST(:ids AS uuid[])) AND claimed_by = :me"
+            ),
+            {
+                "reason": reason,
+                "ids": [i for i, r in skipped.items() if r == reason],
+                "me": trainer_id,
+            },
+        )
 
 
 def release(ids: list[str], *, session: Session, trainer_id: str) -> None:

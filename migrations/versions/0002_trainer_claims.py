@@ -26,6 +26,7 @@ def upgrade() -> None:
         "transition", sa.Column("claim_expires_at", sa.DateTime(timezone=True), nullable=True)
     )
     op.add_column("transition", sa.Column("skip_reason", sa.Text(), nullable=True))
+    op.add_column("transition", sa.Column("trained_version", sa.Integer(), nullable=True))
     op.drop_index("ix_transition_trainable", table_name="transition")
     op.create_index(
         "ix_transition_trainable",
@@ -65,6 +66,7 @@ def downgrade() -> None:
         ["credited_at"],
         postgresql_where=sa.text(OLD_TRAINABLE),
     )
+    op.drop_column("transition", "trained_version")
     op.drop_column("transition", "skip_reason")
     op.drop_column("transition", "claim_expires_at")
     op.drop_column("transition", "claimed_by")

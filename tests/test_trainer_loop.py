@@ -1,0 +1,231 @@
+"""The trainer loop on real Postgres and real TRL training, with the fake vLLM's adapter endpoints.
+
+Transitions come in through the real proxy (the fake's token ids fit the demo model's vocabulary).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from proxy.database import sqlalchemy_url
+from tests.conftest import TEST_HOME, RunningProxy
+from tests.fake_vllm import FakeVLLM
+from trainer import store
+from trainer.config import TrainerSettings
+from trainer.demo_model import build_demo_model
+from trainer.loop import Trainer
+from trainer.vllm import VLLMAdmin
+
+pytestmark = pytest.mark.slow
+
+
+def play(proxy: RunningProxy, tasks: int = 2, episodes_per_task: int = 4, agent: str = "a") -> None:
+    """Episodes through the proxy, half of each task's episodes rewarded."""
+    with proxy.client() as c:
+        for t in range(tasks):
+            for e in range(episodes_per_task):
+                episode = f"{agent}-t{t}-e{e}"
+                r = c.post(
+                    "/v1/chat/completions",
+                    headers={"X-Episode-Id": episode, "X-Task-Id": f"t{t}", "X-Agent-Name": agent},
+                    json={
+                        "model": "policy",
+                        "messages": [{"role": "user", "content": f"q{t}"}],
+                        "max_tokens": 4,
+                    },
+                )
+                assert r.status_code == 200
+                c.post("/v1/rewards", json={"episode_id": episode, "reward": float(e % 2)})
+
+
+@pytest.fixture
+def sessions(proxy: RunningProxy) -> Iterator[sessionmaker[Session]]:
+    engine = create_engine(sqlalchemy_url(proxy.database_url))
+    yield sessionmaker(engine)
+    engine.dispose()
+
+
+@pytest.fixture
+def make_trainer(
+    proxy: RunningProxy, fake_vllm: FakeVLLM, sessions: sessionmaker[Session], tmp_path: Path
+) -> Iterator[Any]:
+    admins: list[VLLMAdmin] = []
+
+    def make(**overrides: Any) -> Trainer:
+        values: dict[str, Any] = {
+            "model": build_demo_model(TEST_HOME / "models" / "demo"),
+            "vllm": [fake_vllm.url],
+            "adapters_dir": tmp_path / "adapters",
+            "home": tmp_path,
+            "database_url": proxy.database_url,
+            "min_episodes": 4,
+            "metrics_port": 0,
+            "learning_rate": 1e-3,
+        }
+        settings = TrainerSettings(**(values | overrides))
+        admins.append(VLLMAdmin(settings.vllm, None))
+        return Trainer(settings, sessions, admins[-1])
+
+    yield make
+    for admin in admins:
+        admin.close()
+
+
+def current(sessions: sessionmaker[Session]) -> store.Adapter | None:
+    with sessions.begin() as session:
+        return store.current(session=session)
+
+
+def test_a_step_publishes_a_version_the_alias_follows(
+    proxy: RunningProxy, fake_vllm: FakeVLLM, make_trainer: Any, sessions: sessionmaker[Session]
+) -> None:
+    play(proxy)
+    trainer = make_trainer()
+    assert trainer.step()
+    adapter = current(sessions)
+    assert adapter is not None and adapter.name == "policy-v1"
+    assert fake_vllm.loras["policy-v1"] == adapter.path
+    assert {p.name for p in Path(adapter.path).iterdir()} >= {
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    }
+    rows = proxy.query("SELECT trained_version, count(*) FROM transition GROUP BY 1")
+    assert rows == [(1, 8)]
+    assert adapter.trained_transitions == 8 and adapter.stats and adapter.stats["samples"] == 8
+    # The proxy's alias follows within a second.
+    with proxy.client() as c:
+        for _ in range(40):
+            r = c.post(
+                "/v1/chat/completions",
+                json={"model": "policy", "messages": [{"role": "user", "content": "x"}]},
+            )
+            if r.headers["x-policy-version"] == "1":
+                break
+            threading.Event().wait(0.05)
+    assert r.headers["x-policy-version"] == "1"
+    assert fake_vllm.requests[-1]["body"]["model"] == "policy-v1"
+    assert not trainer.step()  # nothing left to train
+
+
+def test_selective_optimisation_trains_only_the_chosen_agents(
+    proxy: RunningProxy, make_trainer: Any
+) -> None:
+    play(proxy, agent="planner")
+    play(proxy, agent="solver")
+    trainer = make_trainer(agents="solver")
+    assert trainer.step()
+    rows = proxy.query(
+        "SELECT agent_name, count(*) FILTER (WHERE trained_at IS NOT NULL), count(*) "
+        "FROM transition GROUP BY 1 ORDER BY 1"
+    )
+    assert rows == [("planner", 0, 8), ("solver", 8, 8)]
+
+
+def test_a_rejected_adapter_leaves_the_alias_where_it_was(
+    proxy: RunningProxy, fake_vllm: FakeVLLM, make_trainer: Any, sessions: sessionmaker[Session]
+) -> None:
+    play(proxy)
+    trainer = make_trainer()
+    assert trainer.step()  # v1 (rank 8) is live
+    play(proxy, agent="b")
+    fake_vllm.max_lora_rank = 1  # now vLLM refuses rank-8 adapters
+    weights = {n: p.detach().clone() for n, p in trainer.engine.model.named_parameters()}
+    assert not trainer.step()
+    adapter = current(sessions)
+    assert adapter is not None and adapter.name == "policy-v1"
+    assert set(fake_vllm.loras) == {"policy-v1"}
+    # The batch is back in the queue, the weights are as before, no directory is left behind.
+    assert proxy.query(
+        "SELECT count(*) FROM transition WHERE agent_name = 'b' AND trained_at IS NULL "
+        "AND claimed_by IS NULL"
+    ) == [(8,)]
+    for name, p in trainer.engine.model.named_parameters():
+        assert (p == weights[name]).all(), name
+    assert [d.name for d in trainer.settings.adapters_dir.iterdir()] == ["policy-v1"]
+    fake_vllm.max_lora_rank = 8
+    assert trainer.step()  # retried: now v3 (v2's number was spent on the refused one)
+    assert current(sessions).name == "policy-v3"  # type: ignore[union-attr]
+
+
+def test_a_killed_trainers_claim_is_taken_over_after_its_lease(
+    proxy: RunningProxy, make_trainer: Any, sessions: sessionmaker[Session]
+) -> None:
+    play(proxy)
+    with sessions.begin() as session:  # trainer "dead" claims the batch, then dies
+        claimed = store.claim(
+            session=session,
+            trainer_id="dead",
+            lease_s=1.0,
+            agents=[],
+            limit=256,
+            min_episodes=4,
+            min_groups=1,
+        )
+    assert len(claimed) == 8
+    survivor = make_trainer(lease_s=60)
+    assert not survivor.step()  # the lease still holds
+    threading.Event().wait(1.2)
+    assert survivor.step()  # expired: taken over and trained
+    with sessions.begin() as session, pytest.raises(store.LostClaim):
+        store.finish(
+            session=session,
+            trainer_id="dead",
+            trained=[c.id for c in claimed],
+            skipped={},
+            version=99,
+            name="policy-v99",
+            path="/nowhere",
+            base_model="demo",
+            stats={},
+        )
+    assert proxy.query("SELECT count(*) FROM transition WHERE trained_version = 1") == [(8,)]
+
+
+def test_two_trainers_at_once_never_train_the_same_transition(
+    proxy: RunningProxy, make_trainer: Any, sessions: sessionmaker[Session]
+) -> None:
+    for agent in ("a", "b", "c"):
+        play(proxy, agent=agent)
+    trainers = [make_trainer(trainer_id=f"trainer-{i}", max_batch_transitions=8) for i in (1, 2)]
+    published: dict[str, int] = {}
+
+    def work(trainer: Trainer) -> None:
+        while trainer.step():
+            pass
+        published[trainer.settings.trainer_id] = trainer.steps
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in trainers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sum(published.values()) == 3
+    per_version = proxy.query(
+        "SELECT trained_version, count(*) FROM transition GROUP BY 1 ORDER BY 1"
+    )
+    assert [n for _, n in per_version] == [8, 8, 8]
+    with sessions.begin() as session:
+        adapters = store.adapters(session=session)
+    assert sorted(a.trained_transitions for a in adapters) == [8, 8, 8]
+    assert len({a.name for a in adapters}) == 3
+
+
+def test_vllm_restart_gets_the_current_adapter_back(
+    proxy: RunningProxy, fake_vllm: FakeVLLM, make_trainer: Any
+) -> None:
+    play(proxy)
+    trainer = make_trainer()
+    assert trainer.step()
+    fake_vllm.loras.clear()  # vLLM restarted: it has no adapters
+    trainer.reconcile()
+    assert "policy-v1" in fake_vllm.loras
+    models = httpx.get(f"{proxy.v1}/models").json()["data"]
+    assert "policy-v1" in {m["id"] for m in models}

@@ -1,0 +1,75 @@
+"""From claimed transitions to engine samples, setting aside (and counting) what can't be trained.
+
+Token ids are the ones vLLM sampled, as recorded: never re-tokenised.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from trainer.advantages import RunningBaseline, Scored, group_advantages
+from trainer.config import TrainerSettings
+from trainer.engine import Sample
+from trainer.store import Claimed
+
+
+@dataclass
+class Batch:
+    samples: list[Sample] = field(default_factory=list)
+    trained_ids: list[str] = field(default_factory=list)
+    skipped: dict[str, str] = field(default_factory=dict)  # transition id -> reason
+
+    @property
+    def skip_counts(self) -> Counter[str]:
+        return Counter(self.skipped.values())
+
+
+def skip_reason(c: Claimed, settings: TrainerSettings, current_version: int) -> str | None:
+    if not c.prompt_token_ids or not c.completion_token_ids:
+        return "missing_token_ids"
+    if c.logprobs is None or len(c.logprobs) != len(c.completion_token_ids):
+        return "missing_logprobs"
+    if c.policy_version is None:
+        return "not_the_policy"  # served by a model that is not ours to train
+    if current_version - c.policy_version > settings.max_staleness:
+        return "stale"
+    # The behaviour logprobs are of the distribution vLLM sampled; TRL recomputes them at one
+    # temperature and without top-p/top-k, so other sampling settings would bias the IS ratio.
+    temperature = c.params.get("temperature")
+    if temperature is not None and abs(float(temperature) - settings.temperature) > 1e-6:
+        return "other_temperature"
+    if c.params.get("top_p") not in (None, 1, 1.0) or c.params.get("top_k") not in (None, -1, 0):
+        return "truncated_sampling"
+    return None
+
+
+def build_batch(
+    claimed: list[Claimed],
+    settings: TrainerSettings,
+    *,
+    current_version: int,
+    baseline: RunningBaseline | None,
+) -> Batch:
+    batch = Batch()
+    usable = []
+    for c in claimed:
+        reason = skip_reason(c, settings, current_version)
+        if reason is None:
+            usable.append(c)
+        else:
+            batch.skipped[c.id] = reason
+    scored = [Scored(c.id, c.episode_id, c.task_id, c.agent_name, c.ret) for c in usable]
+    advantages, set_aside = group_advantages(scored, baseline)
+    for transition_id in set_aside:
+        batch.skipped[transition_id] = "ungrouped"
+    for c in usable:
+        if c.id in advantages:
+            assert c.prompt_token_ids and c.completion_token_ids and c.logprobs
+            batch.samples.append(
+                Sample(
+                    c.prompt_token_ids, c.completion_token_ids, c.logprobs, advantages[c.id], c.ret
+                )
+            )
+            batch.trained_ids.append(c.id)
+    return batch

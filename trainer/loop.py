@@ -1,0 +1,263 @@
+"""The trainer: credited transitions in, a better adapter out, hot-swapped into every vLLM.
+
+    flywheel trainer --model BASE_MODEL_DIR --vllm URL [--vllm URL ...] --adapters-dir DIR
+
+Each step: claim a batch (lease) -> build samples from the recorded token ids -> one GRPO update
+with LoRA (TRL's loss) -> save `DIR/policy-vN` atomically -> load it into every vLLM under the new
+name -> in one transaction make N current and mark the batch trained -> retire old versions.
+A crash anywhere leaves no half-written adapter served and no transition trained twice: claims
+expire, partial directories are swept, and versions not recorded in Postgres are unloaded.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from pathlib import Path
+
+import httpx
+from prometheus_client import start_http_server
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session, sessionmaker
+
+from proxy import database
+from trainer import metrics, store
+from trainer.advantages import RunningBaseline
+from trainer.batch import Batch, build_batch
+from trainer.config import TrainerSettings
+from trainer.engine import Engine, StepStats
+from trainer.vllm import AdapterRejected, VLLMAdmin
+
+log = logging.getLogger("flywheel.trainer")
+
+
+def run(settings: TrainerSettings) -> None:
+    url = database.resolve_url(settings.database_url, settings.home)
+    database.migrate(url)
+    db = create_engine(database.sqlalchemy_url(url), pool_pre_ping=True)
+    if settings.metrics_port:
+        start_http_server(settings.metrics_port)
+    vllm = VLLMAdmin(
+        settings.vllm,
+        settings.vllm_api_key.get_secret_value() if settings.vllm_api_key else None,
+    )
+    try:
+        Trainer(settings, sessionmaker(db), vllm).run()
+    finally:
+        vllm.close()
+        db.dispose()
+
+
+class Trainer:
+    def __init__(
+        self, settings: TrainerSettings, sessions: sessionmaker[Session], vllm: VLLMAdmin
+    ) -> None:
+        self.settings, self.sessions, self.vllm = settings, sessions, vllm
+        settings.adapters_dir.mkdir(parents=True, exist_ok=True)
+        for partial in settings.adapters_dir.glob(".*.tmp"):  # a save cut short by a crash
+            shutil.rmtree(partial, ignore_errors=True)
+        with sessions.begin() as session:
+            current = store.current(session=session)
+        resume = Path(current.path) if current and Path(current.path).exists() else None
+        log.info("starting from %s", current.name if current else "the base model")
+        self.engine = Engine(settings, resume_from=resume)
+        self.baseline = (
+            RunningBaseline(settings.baseline_momentum)
+            if settings.ungrouped == "baseline"
+            else None
+        )
+        self.steps = 0
+        self._next_reconcile = 0.0
+
+    def run(self) -> None:
+        while self.settings.max_steps is None or self.steps < self.settings.max_steps:
+            if time.monotonic() >= self._next_reconcile:
+                self.reconcile()
+            if not self.step():
+                time.sleep(self.settings.poll_s)
+
+    # --- one step ---------------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """Train and publish one batch if there is one. True when a new version was published."""
+        s = self.settings
+        with self.sessions.begin() as session:
+            current = store.current(session=session)
+            claimed = store.claim(
+                session=session,
+                trainer_id=s.trainer_id,
+                lease_s=s.lease_s,
+                agents=s.agents,
+                limit=s.max_batch_transitions,
+                min_episodes=s.min_episodes,
+                min_groups=s.min_groups,
+            )
+            metrics.queue.set(store.queue_depth(session=session, agents=s.agents))
+        if not claimed:
+            return False
+        current_version = current.version if current else 0
+        batch = build_batch(claimed, s, current_version=current_version, baseline=self.baseline)
+        for reason, count in batch.skip_counts.items():
+            metrics.skipped.labels(reason).inc(count)
+        if not batch.samples:
+            with self.sessions.begin() as session:
+                store.set_aside(batch.skipped, session=session, trainer_id=s.trainer_id)
+            return False
+
+        before = self.engine.snapshot()
+        stats = self.engine.step(batch.samples)
+        published = self._publish(batch, stats, before)
+        if published:
+            self.steps += 1
+        return published
+
+    def _publish(self, batch: Batch, stats: StepStats, before: object) -> bool:
+        s = self.settings
+        with self.sessions.begin() as session:
+            version = store.next_version(session=session)
+        name = f"{s.adapter_prefix}-v{version}"
+        final = (s.adapters_dir / name).resolve()
+        partial = s.adapters_dir / f".{name}.tmp"
+        self.engine.save_adapter(partial)
+        os.rename(partial, final)  # vLLM never sees a half-written adapter
+
+        try:
+            swap_s = self.vllm.load_everywhere(name, str(final))
+        except (AdapterRejected, httpx.HTTPError) as e:
+            log.error("vLLM rejected %s; the alias stays where it was: %s", name, e)
+            self._abandon(batch, final, before, reason="adapter_rejected")
+            return False
+        try:
+            with self.sessions.begin() as session:
+                store.finish(
+                    session=session,
+                    trainer_id=s.trainer_id,
+                    trained=batch.trained_ids,
+                    skipped=batch.skipped,
+                    version=version,
+                    name=name,
+                    path=str(final),
+                    base_model=str(s.model),
+                    stats=_stats_json(batch, stats, swap_s),
+                )
+        except store.LostClaim as e:
+            log.warning("discarding %s: %s", name, e)
+            self.vllm.unload_everywhere(name)
+            self._abandon(batch, final, before, reason="lost_claim")
+            return False
+
+        self._report(version, batch, stats, swap_s)
+        self._retire_old_versions()
+        return True
+
+    def _abandon(self, batch: Batch, adapter_dir: Path, before: object, *, reason: str) -> None:
+        """Undo the step: weights back, batch back to the queue, adapter directory gone."""
+        self.engine.restore(before)  # type: ignore[arg-type]
+        with self.sessions.begin() as session:
+            store.release(
+                batch.trained_ids + list(batch.skipped),
+                session=session,
+                trainer_id=self.settings.trainer_id,
+            )
+        shutil.rmtree(adapter_dir, ignore_errors=True)
+        metrics.step_failures.labels(reason).inc()
+
+    # --- keeping vLLM and the disk in step with Postgres -------------------------------------
+
+    def reconcile(self) -> None:
+        """Every vLLM has the retained versions (the current one first); nothing unrecorded."""
+        s = self.settings
+        self._next_reconcile = time.monotonic() + s.reconcile_s
+        with self.sessions.begin() as session:
+            adapters = store.adapters(session=session)
+        retained = _retained(adapters, s.retain_versions)
+        recorded = {a.name for a in adapters}
+        for url in self.vllm.urls:
+            try:
+                loaded = self.vllm.loaded(url)
+                for a in sorted(retained, key=lambda a: not a.is_current):
+                    if a.name not in loaded and Path(a.path).exists():
+                        log.info("loading %s into %s (it was missing)", a.name, url)
+                        self.vllm.load(url, a.name, a.path)
+                for name in loaded - recorded:
+                    if name.startswith(f"{s.adapter_prefix}-v") and _is_orphan(s, name):
+                        self.vllm.unload(url, name)
+            except (AdapterRejected, httpx.HTTPError) as e:
+                log.warning("could not reconcile %s: %s", url, e)
+        for path in s.adapters_dir.glob(f"{s.adapter_prefix}-v*"):
+            if path.name not in recorded and _is_orphan(s, path.name):
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _retire_old_versions(self) -> None:
+        with self.sessions.begin() as session:
+            adapters = store.adapters(session=session)
+        keep = {a.name for a in _retained(adapters, self.settings.retain_versions)}
+        for a in adapters:
+            if a.name in keep or not Path(a.path).exists():
+                continue
+            try:
+                self.vllm.unload_everywhere(a.name)
+            except (AdapterRejected, httpx.HTTPError) as e:
+                log.warning("could not unload %s yet: %s", a.name, e)
+                continue
+            shutil.rmtree(a.path, ignore_errors=True)  # only once no vLLM can read it
+
+    def _report(self, version: int, batch: Batch, stats: StepStats, swap_s: float) -> None:
+        rewards = [sample.reward for sample in batch.samples]
+        mean_reward = sum(rewards) / len(rewards)
+        metrics.steps.inc()
+        metrics.trained.inc(len(batch.trained_ids))
+        metrics.reward_mean.set(mean_reward)
+        metrics.loss.set(stats.loss)
+        metrics.clip_fraction.set(stats.clip_fraction)
+        for stat in ("mean", "min", "max"):
+            metrics.is_ratio.labels(stat).set(getattr(stats, f"is_ratio_{stat}"))
+        metrics.current_version.set(version)
+        metrics.step_seconds.observe(stats.seconds)
+        metrics.swap_seconds.observe(swap_s)
+        skipped = ", ".join(f"{k} {v}" for k, v in sorted(batch.skip_counts.items())) or "none"
+        log.info(
+            "step %d -> v%d | %d samples, reward %.3f | loss %.4f clip %.3f | IS %.3f [%.2f, %.2f]"
+            " | train %.2fs swap %.0fms | skipped: %s",
+            self.steps + 1,
+            version,
+            len(batch.samples),
+            mean_reward,
+            stats.loss,
+            stats.clip_fraction,
+            stats.is_ratio_mean,
+            stats.is_ratio_min,
+            stats.is_ratio_max,
+            stats.seconds,
+            swap_s * 1000,
+            skipped,
+        )
+
+
+def _retained(adapters: list[store.Adapter], count: int) -> list[store.Adapter]:
+    newest = sorted(adapters, key=lambda a: a.version)[-count:]
+    current = [a for a in adapters if a.is_current and a not in newest]
+    return newest + current
+
+
+def _is_orphan(settings: TrainerSettings, name: str) -> bool:
+    """Unrecorded for longer than a lease: no trainer can still be publishing it."""
+    path = settings.adapters_dir / name
+    age = time.time() - path.stat().st_mtime if path.exists() else float("inf")
+    return age > settings.lease_s
+
+
+def _stats_json(batch: Batch, stats: StepStats, swap_s: float) -> dict[str, object]:
+    rewards = [sample.reward for sample in batch.samples]
+    return {
+        "samples": len(batch.samples),
+        "reward_mean": sum(rewards) / len(rewards),
+        "loss": stats.loss,
+        "clip_fraction": stats.clip_fraction,
+        "is_ratio": [stats.is_ratio_min, stats.is_ratio_mean, stats.is_ratio_max],
+        "train_s": stats.seconds,
+        "swap_s": swap_s,
+        "skipped": dict(batch.skip_counts),
+    }
