@@ -1,0 +1,102 @@
+"""Rollback: the admin endpoint and `flywheel adapters`, on real Postgres and the fake vLLM."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from tests.conftest import RunningProxy
+from tests.fake_vllm import FakeVLLM
+
+
+def add_versions(proxy: RunningProxy, tmp_path: Path, count: int) -> None:
+    with psycopg.connect(proxy.database_url, autocommit=True) as conn:
+        for v in range(1, count + 1):
+            path = tmp_path / f"policy-v{v}"
+            path.mkdir()
+            conn.execute(
+                "INSERT INTO adapter_version (version, name, path, base_model, is_current) "
+                "VALUES (%s, %s, %s, 'demo', %s)",
+                (v, f"policy-v{v}", str(path), v == count),
+            )
+
+
+def test_admin_is_off_without_a_key_and_guarded_with_one(make_proxy: Any) -> None:
+    off = make_proxy()
+    assert off.client().post("/admin/adapters/1/activate").status_code == 403
+    on = make_proxy(admin_key="root")
+    assert on.client().get("/admin/adapters").status_code == 401
+    assert on.client(Authorization="Bearer nope").get("/admin/adapters").status_code == 401
+    assert on.client(Authorization="Bearer root").get("/admin/adapters").status_code == 200
+
+
+def test_activate_loads_into_vllm_then_moves_the_alias(
+    make_proxy: Any, fake_vllm: FakeVLLM, tmp_path: Path
+) -> None:
+    proxy = make_proxy(admin_key="root")
+    add_versions(proxy, tmp_path, 3)
+    admin = proxy.client(Authorization="Bearer root")
+    r = admin.post("/admin/adapters/1/activate")
+    assert r.status_code == 200, r.text
+    assert fake_vllm.loras["policy-v1"] == str(tmp_path / "policy-v1")  # loaded first
+    chat = {"model": "policy", "messages": [{"role": "user", "content": "x"}]}
+    assert proxy.client().post("/v1/chat/completions", json=chat).headers["x-policy-version"] == "1"
+    listed = admin.get("/admin/adapters").json()["data"]
+    assert [a["version"] for a in listed if a["is_current"]] == [1]
+    # Version 0 is the base model.
+    assert admin.post("/admin/adapters/0/activate").status_code == 200
+    assert proxy.client().post("/v1/chat/completions", json=chat).headers["x-policy-version"] == "0"
+    assert admin.post("/admin/adapters/9/activate").status_code == 404
+
+
+def test_a_refused_or_retired_adapter_does_not_move_the_alias(
+    make_proxy: Any, fake_vllm: FakeVLLM, tmp_path: Path
+) -> None:
+    proxy = make_proxy(admin_key="root")
+    add_versions(proxy, tmp_path, 2)
+    admin = proxy.client(Authorization="Bearer root")
+    (tmp_path / "policy-v1" / "adapter_config.json").write_text('{"r": 64}')
+    refused = admin.post("/admin/adapters/1/activate")
+    assert refused.status_code == 502 and refused.json()["error"]["code"] == "adapter_rejected"
+    (tmp_path / "policy-v1").joinpath("adapter_config.json").unlink()
+    (tmp_path / "policy-v1").rmdir()  # retired: neither loaded nor on disk
+    gone = admin.post("/admin/adapters/1/activate")
+    assert gone.status_code == 409
+    assert proxy.query("SELECT version FROM adapter_version WHERE is_current") == [(2,)]
+
+
+def test_flywheel_adapters_cli(database_url: str, fake_vllm: FakeVLLM, tmp_path: Path) -> None:
+    path = tmp_path / "policy-v1"
+    path.mkdir()
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO adapter_version (version, name, path, base_model) "
+            "VALUES (1, 'policy-v1', %s, 'demo')",
+            (str(path),),
+        )
+    env = {**os.environ, "FLYWHEEL_DATABASE_URL": database_url}
+    cli = [sys.executable, "-m", "proxy.cli", "adapters"]
+    activated = subprocess.run(
+        [*cli, "activate", "1", "--vllm", fake_vllm.url],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert activated.returncode == 0, activated.stderr
+    assert "policy-v1" in fake_vllm.loras
+    listed = subprocess.run([*cli, "list"], env=env, capture_output=True, text=True, timeout=60)
+    assert listed.returncode == 0 and "* v1" in listed.stdout
+    missing = subprocess.run(
+        [*cli, "activate", "7", "--vllm", fake_vllm.url],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert missing.returncode != 0 and "no adapter version 7" in missing.stderr
