@@ -5,7 +5,12 @@ Transitions come in through the real proxy (the fake's token ids fit the demo mo
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +21,7 @@ from sqlalchemy import create_engine
 from sqlalchemy.orm import Session, sessionmaker
 
 from proxy.database import sqlalchemy_url
-from tests.conftest import TEST_HOME, RunningProxy
+from tests.conftest import TEST_HOME, RunningProxy, free_port
 from tests.fake_vllm import FakeVLLM
 from trainer import store
 from trainer.config import TrainerSettings
@@ -229,3 +234,47 @@ def test_vllm_restart_gets_the_current_adapter_back(
     assert "policy-v1" in fake_vllm.loras
     models = httpx.get(f"{proxy.v1}/models").json()["data"]
     assert "policy-v1" in {m["id"] for m in models}
+
+
+def test_flywheel_trainer_process_prints_progress_and_serves_metrics(
+    proxy: RunningProxy, fake_vllm: FakeVLLM, tmp_path: Path
+) -> None:
+    play(proxy)
+    port = free_port()
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "proxy.cli",
+            "trainer",
+            "--model",
+            str(build_demo_model(TEST_HOME / "models" / "demo")),
+            "--vllm",
+            fake_vllm.url,
+            "--adapters-dir",
+            str(tmp_path / "adapters"),
+            "--max-steps",
+            "1",
+        ],
+        env={
+            **os.environ,
+            "FLYWHEEL_DATABASE_URL": proxy.database_url,
+            "FLYWHEEL_HOME": str(tmp_path),
+            "FLYWHEEL_METRICS_PORT": str(port),
+            "FLYWHEEL_MIN_EPISODES": "4",
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    scraped = ""
+    deadline = time.monotonic() + 120
+    while process.poll() is None and time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            scraped = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+        time.sleep(0.2)
+    output = process.communicate(timeout=60)[0]
+    assert process.returncode == 0, output
+    assert "step 1 -> v1 | 8 samples" in output
+    assert "flywheel_trainer_queue_transitions" in scraped
+    assert proxy.query("SELECT name FROM adapter_version WHERE is_current") == [("policy-v1",)]
