@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     given = {k: v for k, v in vars(args).items() if v is not None}
     if args.command == "demo-model":
-        from trainer.demo_model import build_demo_model
+        from demo.tiny_model import build_demo_model
 
         print(build_demo_model(args.dir))
         return
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> None:
         database.migrate(database.resolve_url(settings.database_url, settings.home))
         print("database is at the newest migration")
     elif args.command == "up":
-        from proxy.localstack import run_local_stack
+        from demo.stack import run_local_stack
 
         run_local_stack(settings, vllm_port=args.vllm_port)
 

@@ -14,9 +14,9 @@ import httpx
 import pytest
 from openai import OpenAI
 
-from proxy.localvllm import start_vllm, stop_vllm, wait_ready
+from demo.tiny_model import build_demo_model
+from demo.vllm_server import start_vllm, stop_vllm, wait_ready
 from tests.conftest import TEST_HOME, RunningProxy, free_port
-from trainer.demo_model import build_demo_model
 
 pytestmark = pytest.mark.e2e
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from demo.tiny_model import build_demo_model
 from tests.conftest import TEST_HOME
 from trainer.config import TrainerSettings
-from trainer.demo_model import build_demo_model
 from trainer.engine import Engine, Sample
 
 

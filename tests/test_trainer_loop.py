@@ -20,12 +20,12 @@ import pytest
 from sqlalchemy import create_engine
 from sqlalchemy.orm import Session, sessionmaker
 
+from demo.tiny_model import build_demo_model
 from proxy.database import sqlalchemy_url
 from tests.conftest import TEST_HOME, RunningProxy, free_port
 from tests.fake_vllm import FakeVLLM
 from trainer import store
 from trainer.config import TrainerSettings
-from trainer.demo_model import build_demo_model
 from trainer.loop import Trainer
 from trainer.vllm import VLLMAdmin
 

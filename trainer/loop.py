@@ -37,14 +37,15 @@ def run(settings: TrainerSettings) -> None:
     url = database.resolve_url(settings.database_url, settings.home)
     database.migrate(url)
     db = create_engine(database.sqlalchemy_url(url), pool_pre_ping=True)
-    if settings.metrics_port:
-        start_http_server(settings.metrics_port)
     vllm = VLLMAdmin(
         settings.vllm,
         settings.vllm_api_key.get_secret_value() if settings.vllm_api_key else None,
     )
     try:
-        Trainer(settings, sessionmaker(db), vllm).run()
+        trainer = Trainer(settings, sessionmaker(db), vllm)
+        if settings.metrics_port:  # opened once the engine is built: it doubles as readiness
+            start_http_server(settings.metrics_port)
+        trainer.run()
     finally:
         vllm.close()
         db.dispose()

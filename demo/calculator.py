@@ -1,0 +1,129 @@
+"""The demo task, shaped like Agent Lightning's calculator task: "What is a + b?" (a, b in 0..9),
+reward 1 when the answer is exactly the number, else 0.
+
+Its model is the tiny Qwen2 of `demo/tiny_model.py`, warm-started in about 45 s on CPU (full-weight
+supervised, deterministic) so that it *half* solves the task: it knows the sums but, as its labels
+did 60% of the time, often answers in words ("The answer is 7.") that the strict reward rejects.
+RL with LoRA then has something real to find: answering with the bare number. On a randomly
+initialised model of this size LoRA barely learns (see shared facts); on this one it lifts the
+sampled accuracy from about 0.37 to about 0.85 in 40 GRPO steps (in-process probes).
+
+    python -m demo.calculator DIR      # build the model into DIR (idempotent)
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+from demo.tiny_model import build_tokenizer, is_complete, random_model, save_atomically
+
+SYSTEM = "Answer with a single number."
+QUESTIONS = [(a, b) for a in range(10) for b in range(10)]
+WORDY = ["The answer is {}.", "{} is the answer.", "It is {}."]
+STEPS, BATCH, LR, WARMUP, P_WORDY = 400, 64, 3e-3, 20, 0.6
+RECIPE = {"steps": STEPS, "batch": BATCH, "lr": LR, "warmup": WARMUP, "p_wordy": P_WORDY}
+
+
+def messages(a: int, b: int) -> list[dict[str, str]]:
+    return [
+        {"role": "system", "content": SYSTEM},
+        {"role": "user", "content": f"What is {a} + {b}?"},
+    ]
+
+
+def task_id(a: int, b: int) -> str:
+    return f"add-{a}-{b}"
+
+
+def reward(answer: str, a: int, b: int) -> float:
+    try:
+        return 1.0 if int(answer.strip()) == a + b else 0.0
+    except ValueError:
+        return 0.0
+
+
+def build_calculator_model(out_dir: Path, *, seed: int = 0) -> Path:
+    """Tokenizer (digits as single tokens) + tiny Qwen2, warm-started; idempotent."""
+    out_dir = Path(out_dir)
+    if is_complete(out_dir) and (out_dir / "warm_start.json").exists():
+        return out_dir
+    import torch
+
+    torch.set_num_threads(1)  # measured faster than 2 on a shared 2-core machine
+    tokenizer = build_tokenizer(
+        split_digits=True, extra_corpus=(SYSTEM, "system", "user", "assistant") * 3
+    )
+    model = random_model(tokenizer, seed=seed)
+    accuracy = _warm_start(model, tokenizer, random.Random(seed))
+    save_atomically(out_dir, tokenizer, model)
+    (out_dir / "warm_start.json").write_text(
+        json.dumps({"recipe": RECIPE, "seed": seed, "exact_accuracy": accuracy})
+    )
+    return out_dir
+
+
+def _warm_start(model: Any, tokenizer: Any, rng: random.Random) -> float:
+    """Supervised on correct sums, 60% of them worded. Returns the expected sampled accuracy."""
+    import torch
+
+    def encode(text: str) -> list[int]:
+        return [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
+
+    prompts = torch.tensor(
+        [
+            tokenizer.apply_chat_template(
+                messages(a, b), add_generation_prompt=True, tokenize=True, return_dict=True
+            )["input_ids"]
+            for a, b in QUESTIONS
+        ]
+    )  # digits are single tokens, so every prompt has the same length
+    bare = {n: encode(str(n)) for n in range(19)}
+    wordy = {(n, k): encode(w.format(n)) for n in range(19) for k, w in enumerate(WORDY)}
+    width = max(map(len, [*bare.values(), *wordy.values()]))
+    pad = tokenizer.pad_token_id
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / WARMUP) * max(0.05, 1 - s / STEPS)
+    )
+    model.train()
+    for _ in range(STEPS):
+        rows = [rng.randrange(len(QUESTIONS)) for _ in range(BATCH)]
+        labels = []
+        for i in rows:
+            total = sum(QUESTIONS[i])
+            worded = rng.random() < P_WORDY
+            labels.append(wordy[(total, rng.randrange(len(WORDY)))] if worded else bare[total])
+        completion = torch.tensor([x + [pad] * (width - len(x)) for x in labels])
+        mask = torch.tensor([[1.0] * len(x) + [0.0] * (width - len(x)) for x in labels])
+        loss = -(_logprobs(model, prompts[rows], completion) * mask).sum() / mask.sum()
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+    model.eval()
+
+    # Expected accuracy at temperature 1: P(exactly the bare number, then the end token).
+    answers = [bare[a + b] for a, b in QUESTIONS]
+    completion = torch.tensor([x + [pad] * (width - len(x)) for x in answers])
+    mask = torch.tensor([[1.0] * len(x) + [0.0] * (width - len(x)) for x in answers])
+    with torch.no_grad():
+        p = ((_logprobs(model, prompts, completion) * mask).sum(1)).exp()
+    return float(p.mean())
+
+
+def _logprobs(model: Any, prompts: Any, completion: Any) -> Any:
+    import torch
+
+    ids = torch.cat([prompts, completion], 1)
+    logits = model(input_ids=ids).logits[:, prompts.shape[1] - 1 : -1].float()
+    return torch.log_softmax(logits, -1).gather(-1, completion[..., None]).squeeze(-1)
+
+
+if __name__ == "__main__":
+    print(build_calculator_model(Path(sys.argv[1] if len(sys.argv) > 1 else ".flywheel/calc")))
