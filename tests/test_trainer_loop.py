@@ -239,7 +239,6 @@ def test_vllm_restart_gets_the_current_adapter_back(
 def test_flywheel_trainer_process_prints_progress_and_serves_metrics(
     proxy: RunningProxy, fake_vllm: FakeVLLM, tmp_path: Path
 ) -> None:
-    play(proxy)
     port = free_port()
     process = subprocess.Popen(
         [
@@ -262,19 +261,25 @@ def test_flywheel_trainer_process_prints_progress_and_serves_metrics(
             "FLYWHEEL_HOME": str(tmp_path),
             "FLYWHEEL_METRICS_PORT": str(port),
             "FLYWHEEL_MIN_EPISODES": "4",
+            "FLYWHEEL_POLL_S": "0.2",
         },
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
     )
-    scraped = ""
-    deadline = time.monotonic() + 120
-    while process.poll() is None and time.monotonic() < deadline:
-        with contextlib.suppress(httpx.HTTPError):
-            scraped = httpx.get(f"http://127.0.0.1:{port}/metrics").text
-        time.sleep(0.2)
-    output = process.communicate(timeout=60)[0]
+    try:
+        # The metrics port opens once the engine is built; with no data yet, the trainer waits.
+        scraped = ""
+        deadline = time.monotonic() + 120
+        while "flywheel_trainer_queue_transitions" not in scraped:
+            assert process.poll() is None and time.monotonic() < deadline
+            with contextlib.suppress(httpx.HTTPError):
+                scraped = httpx.get(f"http://127.0.0.1:{port}/metrics").text
+            time.sleep(0.2)
+        play(proxy)
+        output = process.communicate(timeout=120)[0]
+    finally:
+        process.kill()
     assert process.returncode == 0, output
     assert "step 1 -> v1 | 8 samples" in output
-    assert "flywheel_trainer_queue_transitions" in scraped
     assert proxy.query("SELECT name FROM adapter_version WHERE is_current") == [("policy-v1",)]

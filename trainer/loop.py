@@ -102,6 +102,9 @@ class Trainer:
         batch = build_batch(claimed, s, current_version=current_version, baseline=self.baseline)
         for reason, count in batch.skip_counts.items():
             metrics.skipped.labels(reason).inc(count)
+        sampled = [c.policy_version for c in claimed if c.policy_version is not None]
+        if sampled:
+            metrics.staleness.set(current_version - sum(sampled) / len(sampled))
         if not batch.samples:
             with self.sessions.begin() as session:
                 store.set_aside(batch.skipped, session=session, trainer_id=s.trainer_id)
