@@ -9,12 +9,13 @@ from __future__ import annotations
 import asyncio
 import logging
 
+import aiohttp
 import orjson
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from proxy import store
 from proxy.errors import ApiError
-from proxy.upstream import Upstream
+from proxy.upstream import AdapterError, Replica, Upstream
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +41,7 @@ class PolicyAlias:
         self._names: dict[int, str] = {}  # version -> adapter name; versions never change name
         self._versions: dict[str, int] = {}
         self._task: asyncio.Task[None] | None = None
+        self._restoring = asyncio.Lock()
 
     async def start(self) -> None:
         await self.refresh()
@@ -84,6 +86,25 @@ class PolicyAlias:
         if model == self.base_model:
             return model, BASE_VERSION
         return model, None
+
+    async def restore(self, replica: Replica, name: str) -> bool:
+        """vLLM answered 404 for an adapter we serve: it restarted. Load it again (once)."""
+        if name not in self._versions:
+            return False
+        async with self._restoring:  # a burst of 404s loads it once
+            try:
+                if name in await self._upstream.loaded_adapters(replica):
+                    return True
+                async with self._sessionmaker() as session:
+                    path = await store.adapter_path(name, session=session)
+                if path is None:
+                    return False
+                await self._upstream.load_adapter(replica, name, path)
+            except (AdapterError, aiohttp.ClientError, TimeoutError) as e:
+                log.warning("could not reload %s into %s: %s", name, replica.base_url, e)
+                return False
+        log.warning("reloaded %s into %s (vLLM had lost it)", name, replica.base_url)
+        return True
 
     async def _pinned(self, model: str) -> str:
         suffix = model.partition("@")[2]

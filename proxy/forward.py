@@ -26,7 +26,7 @@ from proxy.alias import PolicyAlias
 from proxy.errors import ApiError, error_response
 from proxy.recorder import Recorder
 from proxy.tags import Tags
-from proxy.upstream import Upstream
+from proxy.upstream import Replica, Upstream
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +106,7 @@ class Forwarder:
         replica = self._upstream.pick(tags.episode_id)
         sent = time.perf_counter()
         try:
-            response = await self._upstream.post(replica, PATHS[route], orjson.dumps(upstream_body))
+            response = await self._send(call, replica, orjson.dumps(upstream_body))
         except (aiohttp.ClientError, TimeoutError) as e:
             return self._failed_to_connect(call, e, sent)
 
@@ -140,6 +140,18 @@ class Forwarder:
             payload = orjson.dumps(data)
         self._record(call, collected, status="ok", http_status=200)
         return Response(payload, media_type="application/json", headers=call.headers())
+
+    async def _send(self, call: Call, replica: Replica, body: bytes) -> aiohttp.ClientResponse:
+        response: aiohttp.ClientResponse = await self._upstream.post(
+            replica, PATHS[call.route], body
+        )
+        if response.status == 404 and call.policy_version:
+            # A restarted vLLM has none of our adapters: load this one again and retry once.
+            await response.read()  # kept by aiohttp: the 404 can still be passed through
+            response.release()
+            if await self._alias.restore(replica, call.model_used):
+                response = await self._upstream.post(replica, PATHS[call.route], body)
+        return response
 
     async def _relay(
         self, call: Call, response: aiohttp.ClientResponse, sent: float

@@ -369,6 +369,13 @@ async def set_current(version: int | None, *, session: AsyncSession) -> None:
         )
 
 
+async def adapter_path(name: str, *, session: AsyncSession) -> str | None:
+    path: str | None = await session.scalar(
+        select(AdapterVersion.path).where(AdapterVersion.name == name)
+    )
+    return path
+
+
 async def adapter_version_of(name: str, *, session: AsyncSession) -> int | None:
     version: int | None = await session.scalar(
         select(AdapterVersion.version).where(AdapterVersion.name == name)

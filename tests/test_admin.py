@@ -100,3 +100,20 @@ def test_flywheel_adapters_cli(database_url: str, fake_vllm: FakeVLLM, tmp_path:
         timeout=60,
     )
     assert missing.returncode != 0 and "no adapter version 7" in missing.stderr
+
+
+def test_a_restarted_vllm_gets_the_adapter_back_on_first_use(
+    make_proxy: Any, fake_vllm: FakeVLLM, tmp_path: Path
+) -> None:
+    proxy = make_proxy()
+    add_versions(proxy, tmp_path, 1)  # v1 current, its directory on disk
+    fake_vllm.loras["policy-v1"] = str(tmp_path / "policy-v1")
+    chat = {"model": "policy", "messages": [{"role": "user", "content": "x"}]}
+    with proxy.client() as c:
+        while c.post("/v1/chat/completions", json=chat).headers["x-policy-version"] != "1":
+            pass  # the alias picks v1 up within its refresh interval
+        fake_vllm.loras.clear()  # vLLM restarted
+        r = c.post("/v1/chat/completions", json=chat)
+    assert r.status_code == 200, r.text
+    assert r.headers["x-policy-version"] == "1"
+    assert fake_vllm.loras == {"policy-v1": str(tmp_path / "policy-v1")}
