@@ -159,6 +159,7 @@ def _configure_logging(level: str) -> None:
     logging.basicConfig(
         level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # a line per request is noise here
 
 
 def _settings(kind: type[S], given: dict[str, Any]) -> S:

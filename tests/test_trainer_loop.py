@@ -283,3 +283,21 @@ def test_flywheel_trainer_process_prints_progress_and_serves_metrics(
     assert process.returncode == 0, output
     assert "step 1 -> v1 | 8 samples" in output
     assert proxy.query("SELECT name FROM adapter_version WHERE is_current") == [("policy-v1",)]
+
+
+def test_data_from_another_base_model_is_set_aside_not_fatal(
+    proxy: RunningProxy, make_trainer: Any
+) -> None:
+    play(proxy)
+    # One transition's ids come from a model with a bigger vocabulary (a previous base model):
+    # its first token becomes 100000 (int32, little-endian as stored).
+    proxy.query(
+        "UPDATE transition SET completion_token_ids = "
+        "decode('a0860100', 'hex') || substring(completion_token_ids from 5) "
+        "WHERE id = (SELECT id FROM transition ORDER BY requested_at LIMIT 1) RETURNING id"
+    )
+    trainer = make_trainer()
+    assert trainer.step()
+    assert proxy.query(
+        "SELECT skip_reason, count(*) FROM transition WHERE trained_at IS NULL GROUP BY 1"
+    ) == [("token_out_of_vocab", 1)]

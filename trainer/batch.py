@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from trainer.advantages import RunningBaseline, Scored, group_advantages
 from trainer.config import TrainerSettings
-from trainer.engine import Sample
+from trainer.engine import ModelLimits, Sample
 from trainer.store import Claimed
 
 
@@ -25,11 +25,18 @@ class Batch:
         return Counter(self.skipped.values())
 
 
-def skip_reason(c: Claimed, settings: TrainerSettings, current_version: int) -> str | None:
+def skip_reason(
+    c: Claimed, settings: TrainerSettings, current_version: int, limits: ModelLimits
+) -> str | None:
     if not c.prompt_token_ids or not c.completion_token_ids:
         return "missing_token_ids"
     if c.logprobs is None or len(c.logprobs) != len(c.completion_token_ids):
         return "missing_logprobs"
+    ids = (*c.prompt_token_ids, *c.completion_token_ids)
+    if min(ids) < 0 or max(ids) >= limits.vocab_size:
+        return "token_out_of_vocab"  # sampled by a different base model
+    if len(c.prompt_token_ids) + len(c.completion_token_ids) > limits.max_length:
+        return "too_long"
     if c.policy_version is None:
         return "not_the_policy"  # served by a model that is not ours to train
     if current_version - c.policy_version > settings.max_staleness:
@@ -50,11 +57,12 @@ def build_batch(
     *,
     current_version: int,
     baseline: RunningBaseline | None,
+    limits: ModelLimits,
 ) -> Batch:
     batch = Batch()
     usable = []
     for c in claimed:
-        reason = skip_reason(c, settings, current_version)
+        reason = skip_reason(c, settings, current_version, limits)
         if reason is None:
             usable.append(c)
         else:

@@ -48,6 +48,14 @@ class Sample:
 
 
 @dataclass(frozen=True)
+class ModelLimits:
+    """What the model being trained can take (recorded data may come from another base model)."""
+
+    vocab_size: int
+    max_length: int
+
+
+@dataclass(frozen=True)
 class StepStats:
     loss: float
     clip_fraction: float
@@ -156,6 +164,11 @@ class Engine:
             state = torch.load(resume_from / "optimizer.pt", weights_only=True)
             trainer.optimizer.load_state_dict(state)
         self.trainer = trainer
+
+    @property
+    def limits(self) -> ModelLimits:
+        config = self.trainer.model.config
+        return ModelLimits(config.vocab_size, config.max_position_embeddings)
 
     @property
     def model(self) -> Any:

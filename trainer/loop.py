@@ -99,7 +99,13 @@ class Trainer:
         if not claimed:
             return False
         current_version = current.version if current else 0
-        batch = build_batch(claimed, s, current_version=current_version, baseline=self.baseline)
+        batch = build_batch(
+            claimed,
+            s,
+            current_version=current_version,
+            baseline=self.baseline,
+            limits=self.engine.limits,
+        )
         for reason, count in batch.skip_counts.items():
             metrics.skipped.labels(reason).inc(count)
         sampled = [c.policy_version for c in claimed if c.policy_version is not None]
