@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -281,7 +282,8 @@ def test_flywheel_trainer_process_prints_progress_and_serves_metrics(
     finally:
         process.kill()
     assert process.returncode == 0, output
-    assert "step 1 -> v1 | 8 samples" in output
+    # It may claim as soon as min_episodes (4) of play()'s 8 episodes are credited.
+    assert re.search(r"step 1 -> v1 \| [4-8] samples, reward [0-9.]+ \| loss", output), output
     assert proxy.query("SELECT name FROM adapter_version WHERE is_current") == [("policy-v1",)]
 
 

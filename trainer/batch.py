@@ -24,6 +24,10 @@ class Batch:
     def skip_counts(self) -> Counter[str]:
         return Counter(self.skipped.values())
 
+    @property
+    def reward_mean(self) -> float:
+        return sum(s.reward for s in self.samples) / len(self.samples)
+
 
 def skip_reason(
     c: Claimed, settings: TrainerSettings, current_version: int, limits: ModelLimits

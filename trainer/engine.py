@@ -32,6 +32,9 @@ with warnings.catch_warnings():
 
 from trainer.config import TrainerSettings
 
+# The trainable weights and the optimizer state: what undoing a step needs.
+Snapshot = tuple[dict[str, torch.Tensor], dict[str, Any]]
+
 # vLLM rejects adapters with DoRA, LoRA bias or modules_to_save; these all load.
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -200,14 +203,14 @@ class Engine:
             seconds=time.perf_counter() - started,
         )
 
-    def snapshot(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    def snapshot(self) -> Snapshot:
         """The trainable weights and optimizer state, to undo a step that could not be published."""
         weights = {
             n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad
         }
         return weights, copy.deepcopy(self.trainer.optimizer.state_dict())
 
-    def restore(self, snapshot: tuple[dict[str, torch.Tensor], dict[str, Any]]) -> None:
+    def restore(self, snapshot: Snapshot) -> None:
         weights, optimizer_state = snapshot
         with torch.no_grad():
             for name, p in self.model.named_parameters():

@@ -27,7 +27,7 @@ from trainer import metrics, store
 from trainer.advantages import RunningBaseline
 from trainer.batch import Batch, build_batch
 from trainer.config import TrainerSettings
-from trainer.engine import Engine, StepStats
+from trainer.engine import Engine, Snapshot, StepStats
 from trainer.vllm import AdapterRejected, VLLMAdmin
 
 log = logging.getLogger("flywheel.trainer")
@@ -123,7 +123,7 @@ class Trainer:
             self.steps += 1
         return published
 
-    def _publish(self, batch: Batch, stats: StepStats, before: object) -> bool:
+    def _publish(self, batch: Batch, stats: StepStats, before: Snapshot) -> bool:
         s = self.settings
         with self.sessions.begin() as session:
             version = store.next_version(session=session)
@@ -162,9 +162,9 @@ class Trainer:
         self._retire_old_versions()
         return True
 
-    def _abandon(self, batch: Batch, adapter_dir: Path, before: object, *, reason: str) -> None:
+    def _abandon(self, batch: Batch, adapter_dir: Path, before: Snapshot, *, reason: str) -> None:
         """Undo the step: weights back, batch back to the queue, adapter directory gone."""
-        self.engine.restore(before)  # type: ignore[arg-type]
+        self.engine.restore(before)
         with self.sessions.begin() as session:
             store.release(
                 batch.trained_ids + list(batch.skipped),
@@ -215,11 +215,9 @@ class Trainer:
             shutil.rmtree(a.path, ignore_errors=True)  # only once no vLLM can read it
 
     def _report(self, version: int, batch: Batch, stats: StepStats, swap_s: float) -> None:
-        rewards = [sample.reward for sample in batch.samples]
-        mean_reward = sum(rewards) / len(rewards)
         metrics.steps.inc()
         metrics.trained.inc(len(batch.trained_ids))
-        metrics.reward_mean.set(mean_reward)
+        metrics.reward_mean.set(batch.reward_mean)
         metrics.loss.set(stats.loss)
         metrics.clip_fraction.set(stats.clip_fraction)
         for stat in ("mean", "min", "max"):
@@ -234,7 +232,7 @@ class Trainer:
             self.steps + 1,
             version,
             len(batch.samples),
-            mean_reward,
+            batch.reward_mean,
             stats.loss,
             stats.clip_fraction,
             stats.is_ratio_mean,
@@ -260,10 +258,9 @@ def _is_orphan(settings: TrainerSettings, name: str) -> bool:
 
 
 def _stats_json(batch: Batch, stats: StepStats, swap_s: float) -> dict[str, object]:
-    rewards = [sample.reward for sample in batch.samples]
     return {
         "samples": len(batch.samples),
-        "reward_mean": sum(rewards) / len(rewards),
+        "reward_mean": batch.reward_mean,
         "loss": stats.loss,
         "clip_fraction": stats.clip_fraction,
         "is_ratio": [stats.is_ratio_min, stats.is_ratio_mean, stats.is_ratio_max],

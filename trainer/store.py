@@ -191,19 +191,13 @@ def adapters(*, session: Session) -> list[Adapter]:
 
 
 def current(*, session: Session) -> Adapter | None:
-    return next((a for a in adapters(session=session) if a.is_current), None)
-
-
-def activate(version: int, *, session: Session) -> Adapter:
-    """Point the alias at `version` (rollback or roll forward)."""
-    found = next((a for a in adapters(session=session) if a.version == version), None)
-    if found is None:
-        raise LookupError(f"no adapter version {version}")
-    session.execute(text("UPDATE adapter_version SET is_current = false WHERE is_current"))
-    session.execute(
-        text("UPDATE adapter_version SET is_current = true WHERE version = :v"), {"v": version}
-    )
-    return found
+    row = session.execute(
+        text(
+            "SELECT version, name, path, is_current, created_at::text, trained_transitions, stats "
+            "FROM adapter_version WHERE is_current"
+        )
+    ).first()
+    return Adapter(*row) if row else None
 
 
 def queue_depth(*, session: Session, agents: list[str]) -> int:
