@@ -15,12 +15,15 @@ from datetime import UTC, datetime
 from typing import Any
 
 import orjson
+from psycopg.types.json import Jsonb, set_json_dumps
 from sqlalchemy import func, select, text, update
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from proxy.credit import Step, assign_returns
 from proxy.tables import AdapterVersion, Episode, Message, Reward, Transition
+
+set_json_dumps(orjson.dumps)  # psycopg's JSON for jsonb columns: orjson's, as everywhere here
 
 # --- packing: token ids as int32, logprobs as float32, little-endian --------------------------
 
@@ -83,12 +86,35 @@ async def insert_transitions(
             digests.append(digest)
         rows.append(_transition_row(r, digests))
     if messages:
-        await session.execute(
-            insert(Message).on_conflict_do_nothing(),
-            [{"digest": d, "body": b} for d, b in sorted(messages.items())],
+        await copy_insert(
+            session, "message", [{"digest": d, "body": Jsonb(b)} for d, b in messages.items()]
         )
-    await session.execute(insert(Transition).on_conflict_do_nothing(), rows)
+    await copy_insert(session, "transition", rows)
     await credit_episodes(sorted(episodes), session=session, gamma=gamma)
+
+
+async def copy_insert(session: AsyncSession, table: str, rows: list[dict[str, Any]]) -> None:
+    """INSERT ... ON CONFLICT DO NOTHING, fed by COPY: one round trip for the whole batch.
+
+    (An executemany runs one server-side INSERT per row: 3-4k rows/s where COPY does many times
+    that.) Rows land in a per-connection temporary table first, since COPY itself cannot skip
+    the duplicates that journal replays bring.
+    """
+    columns = list(rows[0])
+    names = ", ".join(f'"{c}"' for c in columns)
+    connection = await session.connection()
+    raw = (await connection.get_raw_connection()).driver_connection
+    assert raw is not None, "the session's connection is closed"
+    async with raw.cursor() as cursor:
+        await cursor.execute(
+            f"CREATE TEMP TABLE IF NOT EXISTS {table}_in (LIKE {table}) ON COMMIT DELETE ROWS"
+        )
+        async with cursor.copy(f"COPY {table}_in ({names}) FROM STDIN") as copy:
+            for row in rows:
+                await copy.write_row([row[c] for c in columns])
+        await cursor.execute(
+            f"INSERT INTO {table} ({names}) SELECT {names} FROM {table}_in ON CONFLICT DO NOTHING"
+        )
 
 
 def _transition_row(r: dict[str, Any], digests: list[bytes]) -> dict[str, Any]:
@@ -107,18 +133,22 @@ def _transition_row(r: dict[str, Any], digests: list[bytes]) -> dict[str, Any]:
         "model_used": r.get("model_used"),
         "policy_version": r.get("policy_version"),
         "message_digests": digests,
-        "params": r.get("params") or {},
+        "params": Jsonb(r.get("params") or {}),
         "prompt_token_ids": pack(r.get("prompt_token_ids"), "i"),
         "completion_token_ids": pack(r.get("completion_token_ids"), "i"),
         "logprobs": pack(r.get("logprobs"), "f"),
         "text": r.get("text"),
-        "tool_calls": r.get("tool_calls"),
+        "tool_calls": _jsonb(r.get("tool_calls")),
         "finish_reason": r.get("finish_reason"),
-        "error": r.get("error"),
+        "error": _jsonb(r.get("error")),
         "latency_ms": r["latency_ms"],
         "prompt_tokens": r.get("prompt_tokens"),
         "completion_tokens": r.get("completion_tokens"),
     }
+
+
+def _jsonb(value: Any) -> Jsonb | None:
+    return None if value is None else Jsonb(value)
 
 
 # --- credit ----------------------------------------------------------------------------------
