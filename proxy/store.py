@@ -388,8 +388,14 @@ async def list_adapters(*, session: AsyncSession) -> list[dict[str, Any]]:
     ]
 
 
+# Taken (for the transaction) by everyone who moves `is_current`: the trainer's publish and the
+# proxy's rollback. Without it two publishers both clear the flag, then collide on setting it.
+PUBLISH_LOCK = 7239012
+
+
 async def set_current(version: int | None, *, session: AsyncSession) -> None:
     """Point the alias at `version`, or at the base model (None)."""
+    await session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": PUBLISH_LOCK})
     await session.execute(
         update(AdapterVersion).where(AdapterVersion.is_current).values(is_current=False)
     )

@@ -303,3 +303,41 @@ def test_data_from_another_base_model_is_set_aside_not_fatal(
     assert proxy.query(
         "SELECT skip_reason, count(*) FROM transition WHERE trained_at IS NULL GROUP BY 1"
     ) == [("token_out_of_vocab", 1)]
+
+
+def test_concurrent_publishes_are_serialised(sessions: sessionmaker[Session]) -> None:
+    def publish(session: Session, version: int) -> None:
+        store.finish(
+            session=session,
+            trainer_id=f"t{version}",
+            trained=[],
+            skipped={},
+            version=version,
+            name=f"policy-v{version}",
+            path="/a",
+            base_model="demo",
+            stats={},
+        )
+
+    first = sessions()
+    first.begin()
+    publish(first, 101)  # not committed yet
+    outcome: dict[str, object] = {}
+
+    def second() -> None:
+        try:
+            with sessions.begin() as session:
+                publish(session, 102)
+            outcome["ok"] = True
+        except Exception as e:  # reported below rather than lost in the thread
+            outcome["error"] = e
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    thread.join(0.5)
+    assert thread.is_alive()  # waits for the first publish to finish
+    first.commit()
+    first.close()
+    thread.join(10)
+    assert outcome == {"ok": True}
+    assert current(sessions).name == "policy-v102"  # type: ignore[union-attr]

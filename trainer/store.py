@@ -14,7 +14,7 @@ import orjson
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from proxy.store import unpack
+from proxy.store import PUBLISH_LOCK, unpack
 
 
 @dataclass(frozen=True)
@@ -120,6 +120,7 @@ def finish(
     if len(done) != len(trained):
         raise LostClaim(f"{len(trained) - len(done)} of {len(trained)} rows were taken over")
     set_aside(skipped, session=session, trainer_id=trainer_id)
+    session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": PUBLISH_LOCK})
     session.execute(text("UPDATE adapter_version SET is_current = false WHERE is_current"))
     session.execute(
         text(
