@@ -8,7 +8,7 @@ afterwards every row is counted, so "nothing lost" is checked, not assumed. Goal
 
     .venv/bin/python -m bench.recording_rate [--transitions 20000] [--database-url URL]
 
-Prints the figures and appends a line to bench/results.md.
+Prints the figures and appends a line to bench/recording_rate.md.
 
 First figures (2-core machine, embedded Postgres 18, 1,020-token prompts, 10-call episodes):
 3,200-4,000 transitions/s, nothing lost, ~6.3 kB per transition on disk; short of the goal.
@@ -35,7 +35,7 @@ from proxy.journal import Journal
 from proxy.recorder import Recorder
 
 SYSTEM = "You are a careful assistant that uses tools. " * 25  # ~1.1 kB, shared by every call
-RESULTS = Path(__file__).with_name("results.md")
+RESULTS = Path(__file__).with_suffix(".md")  # this script's own report
 
 
 def episode_records(rng: random.Random, turns: int) -> list[dict[str, Any]]:
@@ -155,7 +155,7 @@ def main() -> None:
         raise SystemExit(f"LOST {len(records) - stored} transitions")
     if not args.results.exists():
         args.results.write_text(
-            "# Benchmark results (appended by the bench scripts)\n\n## Recording rate\n\n"
+            "# Recording rate (appended by bench/recording_rate.py)\n\n"
             "| when | transitions | turns/episode | mean prompt tokens | batch | seconds | "
             "per second | stored | bytes/transition |\n|---|---|---|---|---|---|---|---|---|\n"
         )
