@@ -28,6 +28,7 @@ import aiohttp
 import psutil
 import psycopg
 
+from demo.vllm_server import wait_http
 from proxy import database
 from tests.conftest import free_port
 
@@ -63,20 +64,6 @@ async def load(url: str, concurrency: int, seconds: float) -> tuple[list[float],
     return latencies, failed
 
 
-def wait_up(url: str, process: subprocess.Popen[bytes]) -> None:
-    import httpx
-
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        assert process.poll() is None, f"{url} exited"
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            time.sleep(0.1)
-    raise TimeoutError(url)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--concurrency", default="1,16,64")
@@ -90,7 +77,7 @@ def main() -> None:
     name = f"bench_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(base, autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {name}")
-    db_url = base.replace("/postgres?", f"/{name}?")
+    db_url = database.with_database(base, name)
     fake_port, proxy_port = free_port(), free_port()
     fake = subprocess.Popen(
         [
@@ -124,8 +111,8 @@ def main() -> None:
     )
     rows = []
     try:
-        wait_up(f"http://127.0.0.1:{fake_port}/health", fake)
-        wait_up(f"http://127.0.0.1:{proxy_port}/healthz", proxy)
+        wait_http(f"http://127.0.0.1:{fake_port}/health", fake, timeout=60)
+        wait_http(f"http://127.0.0.1:{proxy_port}/healthz", proxy, timeout=60)
         targets = {
             "direct": f"http://127.0.0.1:{fake_port}/v1/chat/completions",
             "flywheel": f"http://127.0.0.1:{proxy_port}/v1/chat/completions",

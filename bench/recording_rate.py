@@ -127,7 +127,7 @@ def main() -> None:
     name = f"bench_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(base, autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {name}")
-    url = base.replace("/postgres?", f"/{name}?") if "/postgres?" in base else f"{base}_{name}"
+    url = database.with_database(base, name)
     try:
         database.migrate(url)
         elapsed = asyncio.run(measure(url, records, args.batch_size))

@@ -13,15 +13,12 @@ import logging
 import os
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
-from demo.vllm_server import start_vllm, stop_vllm, wait_ready
+from demo.vllm_server import start_vllm, stop_vllm, wait_http, wait_ready
 from proxy import database
 from proxy.config import ProxySettings
 
@@ -81,7 +78,7 @@ def local_loop(
             logs / "proxy.log",
         )
         stack.callback(_stop, proxy)
-        _wait_http(proxy_url + "/healthz", proxy, logs / "proxy.log")
+        wait_http(proxy_url + "/healthz", proxy, timeout=60, log_path=logs / "proxy.log")
 
         trainer = _spawn(
             [
@@ -99,11 +96,11 @@ def local_loop(
         )
         stack.callback(_stop, trainer)
         # The trainer opens its metrics port once its engine is built (imports take a while).
-        _wait_http(
+        wait_http(
             f"http://127.0.0.1:{trainer_metrics_port}/metrics",
             trainer,
-            logs / "trainer.log",
             timeout=300,
+            log_path=logs / "trainer.log",
         )
         yield Loop(proxy_url, vllm_url, logs / "trainer.log")
 
@@ -142,19 +139,3 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
-
-
-def _wait_http(
-    url: str, process: subprocess.Popen[bytes], log_path: Path, timeout: float = 60
-) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"{url} exited early:\n{log_path.read_text()[-3000:]}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not up after {timeout:.0f} s")

@@ -104,27 +104,39 @@ def log_tail(log_path: Path, lines: int = 40) -> str:
         return "(no log)"
 
 
-def wait_ready(
-    base_url: str, proc: subprocess.Popen[bytes], timeout: float = 300, log_path: Path | None = None
+def wait_http(
+    url: str,
+    process: subprocess.Popen[bytes],
+    *,
+    timeout: float,
+    log_path: Path | None = None,
+    poll_s: float = 0.2,
 ) -> float:
-    """Poll `GET /v1/models` until it answers 200; return the seconds waited.
+    """Poll `GET url` until it answers 200; return the seconds waited.
 
     Raises RuntimeError (with the log tail when `log_path` is given) if the process exits first,
-    TimeoutError if it is not ready in time.
+    TimeoutError if it is not up in time.
     """
     started = time.monotonic()
-    url = base_url.rstrip("/") + "/v1/models"
     while time.monotonic() - started < timeout:
-        if proc.poll() is not None:
+        if process.poll() is not None:
             tail = log_tail(log_path) if log_path else "(see its log)"
-            raise RuntimeError(f"vLLM exited with code {proc.returncode} before ready:\n{tail}")
+            raise RuntimeError(f"{url}: process exited with {process.returncode}:\n{tail}")
         try:
             if httpx.get(url, timeout=5).status_code == 200:
                 return time.monotonic() - started
         except httpx.HTTPError:
             pass
-        time.sleep(READY_POLL_S)
-    raise TimeoutError(f"vLLM at {base_url} not ready after {timeout:.0f} s")
+        time.sleep(poll_s)
+    raise TimeoutError(f"{url} not up after {timeout:.0f} s")
+
+
+def wait_ready(
+    base_url: str, proc: subprocess.Popen[bytes], timeout: float = 300, log_path: Path | None = None
+) -> float:
+    """Wait for vLLM's `/v1/models`; return the seconds waited."""
+    url = base_url.rstrip("/") + "/v1/models"
+    return wait_http(url, proc, timeout=timeout, log_path=log_path, poll_s=READY_POLL_S)
 
 
 def stop_vllm(proc: subprocess.Popen[bytes]) -> None:

@@ -29,14 +29,12 @@ from proxy.edge import EdgeMiddleware
 from proxy.errors import ApiError, error_response
 from proxy.forward import Forwarder
 from proxy.journal import Journal
-from proxy.recorder import OUTAGE_ERRORS, Recorder
+from proxy.recorder import OUTAGE_ERRORS, STORED_WAIT_S, Recorder
 from proxy.rewards import post_rewards
 from proxy.tags import Tags, resolve
 from proxy.upstream import Upstream
 
 log = logging.getLogger(__name__)
-
-STORED_WAIT_S = 10.0  # how long an episode read waits for its transitions to leave the queue
 
 
 def create_app(settings: ProxySettings) -> FastAPI:

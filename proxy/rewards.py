@@ -13,10 +13,8 @@ from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from proxy import metrics, store
 from proxy.errors import ApiError
-from proxy.recorder import OUTAGE_ERRORS, Recorder
+from proxy.recorder import OUTAGE_ERRORS, STORED_WAIT_S, Recorder
 from proxy.schemas import MAX_REWARDS_PER_POST, RewardIn
-
-STORED_WAIT_S = 10.0  # how long a reward waits for its transitions to leave the writer's queue
 
 
 async def post_rewards(

@@ -348,11 +348,6 @@ def _transition_json(t: Transition, bodies: dict[bytes, Any], tokens: bool) -> d
     return out
 
 
-async def stored_transition_ids(ids: list[uuid.UUID], *, session: AsyncSession) -> set[uuid.UUID]:
-    found = await session.scalars(select(Transition.id).where(Transition.id.in_(ids)))
-    return set(found)
-
-
 # --- adapter versions (the trainer writes them; the alias reads them) -------------------------
 
 
@@ -410,10 +405,3 @@ async def adapter_path(name: str, *, session: AsyncSession) -> str | None:
         select(AdapterVersion.path).where(AdapterVersion.name == name)
     )
     return path
-
-
-async def adapter_version_of(name: str, *, session: AsyncSession) -> int | None:
-    version: int | None = await session.scalar(
-        select(AdapterVersion.version).where(AdapterVersion.name == name)
-    )
-    return version

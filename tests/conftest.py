@@ -33,12 +33,6 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def with_database(url: str, name: str) -> str:
-    """The embedded server's URL (`postgresql://postgres:@/postgres?host=DIR`) for `name`."""
-    base, _, query = url.partition("?")
-    return f"{base.rsplit('/', 1)[0]}/{name}" + (f"?{query}" if query else "")
-
-
 @pytest.fixture(scope="session")
 def postgres_url() -> Iterator[str]:
     """A real PostgreSQL for the whole run: FLYWHEEL_TEST_DATABASE_URL, or an embedded one.
@@ -50,7 +44,7 @@ def postgres_url() -> Iterator[str]:
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {TEMPLATE_DB}")
         conn.execute(f"CREATE DATABASE {TEMPLATE_DB}")
-    database.migrate(with_database(url, TEMPLATE_DB))
+    database.migrate(database.with_database(url, TEMPLATE_DB))
     yield url
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {TEMPLATE_DB}")
@@ -62,7 +56,7 @@ def database_url(postgres_url: str) -> Iterator[str]:
     name = f"t_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(postgres_url, autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {name} TEMPLATE {TEMPLATE_DB}")
-    yield with_database(postgres_url, name)
+    yield database.with_database(postgres_url, name)
     with psycopg.connect(postgres_url, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
