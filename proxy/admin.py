@@ -2,7 +2,8 @@
 
 Used by `POST /admin/adapters/{version}/activate` (FLYWHEEL_ADMIN_KEY) and by
 `flywheel adapters activate N`. The adapter is loaded into every vLLM replica first; only then
-does the alias move, so no request is sent to a model a replica does not have.
+does the alias move, so no request is sent to a model a replica does not have. A replica that
+cannot be reached is ejected; it rejoins only once it has the current adapter (proxy/replicas.py).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from proxy import store
@@ -35,18 +37,18 @@ async def activate(
         )
     if found is None:
         raise ApiError(404, f"no adapter version {version}", code="adapter_not_found")
+    loaded_into = 0
     for replica in upstream.replicas:
         try:
-            if found["name"] in await upstream.loaded_adapters(replica):
-                continue
-            if not Path(found["path"]).exists():
-                raise ApiError(
-                    409,
-                    f"{found['name']} is neither loaded in {replica.base_url} nor on disk "
-                    f"at {found['path']} (retired); it cannot be activated",
-                    code="adapter_not_loadable",
-                )
-            await upstream.load_adapter(replica, found["name"], found["path"])
+            if found["name"] not in await upstream.loaded_adapters(replica):
+                if not Path(found["path"]).exists():
+                    raise ApiError(
+                        409,
+                        f"{found['name']} is neither loaded in {replica.base_url} nor on disk "
+                        f"at {found['path']} (retired); it cannot be activated",
+                        code="adapter_not_loadable",
+                    )
+                await upstream.load_adapter(replica, found["name"], found["path"])
         except AdapterError as e:
             raise ApiError(
                 502,
@@ -54,6 +56,15 @@ async def activate(
                 type="upstream_error",
                 code="adapter_rejected",
             ) from e
+        except (aiohttp.ClientError, TimeoutError) as e:
+            # Unreachable: out of rotation until a probe finds it and loads the current adapter.
+            upstream.failed(replica, repr(e))
+            continue
+        loaded_into += 1
+    if not loaded_into:
+        raise ApiError(
+            502, "no vLLM replica could be reached; the alias did not move", type="upstream_error"
+        )
     async with sessionmaker.begin() as session:
         await store.set_current(version, session=session)
     return found | {"is_current": True}

@@ -30,6 +30,7 @@ from proxy.errors import ApiError, error_response
 from proxy.forward import Forwarder
 from proxy.journal import Journal
 from proxy.recorder import OUTAGE_ERRORS, STORED_WAIT_S, Recorder
+from proxy.replicas import ReplicaKeeper
 from proxy.rewards import post_rewards
 from proxy.tags import Tags, resolve
 from proxy.upstream import Upstream
@@ -69,6 +70,8 @@ def create_app(settings: ProxySettings) -> FastAPI:
             refresh_s=settings.alias_refresh_s,
         )
         await alias.start()
+        keeper = ReplicaKeeper(upstream, alias, probe_s=settings.replica_probe_s)
+        await keeper.start()
         app.state.sessionmaker = sessionmaker
         app.state.recorder = recorder
         app.state.upstream = upstream
@@ -77,6 +80,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
         try:
             yield
         finally:
+            await keeper.stop()
             await alias.stop()
             await recorder.stop()
             await upstream.close()
@@ -176,6 +180,10 @@ def create_app(settings: ProxySettings) -> FastAPI:
                     "policy_version": request.app.state.alias.current[0]
                     if request.app.state.alias.current
                     else 0,
+                    "replicas": {
+                        r.base_url: {"in_rotation": r.in_rotation, "outstanding": r.outstanding}
+                        for r in request.app.state.upstream.replicas
+                    },
                 }
             ),
             media_type="application/json",

@@ -85,6 +85,11 @@ class ProxySettings(DatabaseSettings):
     writer_queue_max: int = Field(
         200_000, ge=1, description="Transitions held in memory before they spill to the journal."
     )
+    replica_probe_s: float = Field(
+        2.0,
+        gt=0,
+        description="How often each vLLM replica is probed (ejected ones rejoin on an answer).",
+    )
     alias_refresh_s: float = Field(
         0.5, gt=0, description="How often the current adapter version is re-read from Postgres."
     )

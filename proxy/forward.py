@@ -47,6 +47,7 @@ class Call:
     request_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     upstream_s: float = 0.0
     recorded: bool = False
+    replica: Replica | None = None  # holds an outstanding slot there while set
 
     @property
     def wants_logprobs(self) -> bool:
@@ -103,17 +104,29 @@ class Forwarder:
         elif not call.wants_logprobs:
             upstream_body["logprobs"] = 0  # completions: 0 = the sampled token's logprob only
 
-        replica = self._upstream.pick(tags.episode_id)
         sent = time.perf_counter()
         try:
-            response = await self._send(call, replica, orjson.dumps(upstream_body))
+            response = await self._send(call, orjson.dumps(upstream_body), read=not stream)
         except (aiohttp.ClientError, TimeoutError) as e:
             return self._failed_to_connect(call, e, sent)
 
-        if response.status != 200:
-            payload = await response.read()
+        if stream and response.status == 200:
+            # The stream owns the replica's slot from here on: RelayResponse frees it at the end.
+            return RelayResponse(
+                self._relay(call, response, sent),
+                call.headers(),
+                after=partial(self._end_stream, call, response),
+            )
+        try:
+            payload = await response.read()  # already read by _send, except for a failed stream
+        except (aiohttp.ClientError, TimeoutError) as e:
+            response.close()
+            return self._failed_to_connect(call, e, sent)
+        finally:
             response.release()
-            call.upstream_s = time.perf_counter() - sent
+            self._free(call)
+        call.upstream_s = time.perf_counter() - sent
+        if response.status != 200:
             self._record_failure(call, response.status, payload)
             return Response(
                 payload,
@@ -121,18 +134,6 @@ class Forwarder:
                 media_type=response.content_type,
                 headers=call.headers(),
             )
-        if stream:
-            return RelayResponse(
-                self._relay(call, response, sent),
-                call.headers(),
-                after=partial(self._abandon_if_unstarted, call, response),
-            )
-        try:
-            payload = await response.read()
-        except (aiohttp.ClientError, TimeoutError) as e:
-            response.close()
-            return self._failed_to_connect(call, e, sent)
-        call.upstream_s = time.perf_counter() - sent
         data = orjson.loads(payload)
         collected = wire.collect(call.route, data)
         if not (call.wants_logprobs and call.wants_token_ids):
@@ -141,7 +142,36 @@ class Forwarder:
         self._record(call, collected, status="ok", http_status=200)
         return Response(payload, media_type="application/json", headers=call.headers())
 
-    async def _send(self, call: Call, replica: Replica, body: bytes) -> aiohttp.ClientResponse:
+    async def _send(self, call: Call, body: bytes, *, read: bool) -> aiohttp.ClientResponse:
+        """Send to the episode's replica; if it cannot be reached, eject it and try the next.
+
+        Sending again is safe: nothing has reached the client yet, and a call vLLM did not answer
+        changed nothing. With `read`, a connection lost while reading the answer counts too (a
+        replica killed mid-generation). On return `call.replica` holds the answering replica's slot.
+        """
+        episode = None if call.tags.generated else call.tags.episode_id
+        tried: tuple[Replica, ...] = ()
+        while (replica := self._upstream.pick(episode, exclude=tried)) is not None:
+            if tried:
+                metrics.upstream_retries.inc()
+            tried += (replica,)
+            call.replica = replica
+            try:
+                response = await self._post(call, replica, body)
+                if read:
+                    await response.read()  # kept by aiohttp for the caller
+                return response
+            except aiohttp.ClientConnectionError as e:
+                self._free(call)
+                self._upstream.failed(replica, repr(e))
+                if len(tried) == len(self._upstream.replicas):
+                    raise
+            except BaseException:
+                self._free(call)
+                raise
+        raise aiohttp.ClientConnectionError("no vLLM replica to send to")
+
+    async def _post(self, call: Call, replica: Replica, body: bytes) -> aiohttp.ClientResponse:
         response: aiohttp.ClientResponse = await self._upstream.post(
             replica, PATHS[call.route], body
         )
@@ -152,6 +182,12 @@ class Forwarder:
             if await self._alias.restore(replica, call.model_used):
                 response = await self._upstream.post(replica, PATHS[call.route], body)
         return response
+
+    def _free(self, call: Call) -> None:
+        """Give back the replica slot of this call (once, however the call ends)."""
+        if call.replica is not None:
+            self._upstream.release(call.replica)
+            call.replica = None
 
     async def _relay(
         self, call: Call, response: aiohttp.ClientResponse, sent: float
@@ -192,7 +228,8 @@ class Forwarder:
             else:
                 self._record(call, collected, status=status, http_status=200)
 
-    def _abandon_if_unstarted(self, call: Call, response: aiohttp.ClientResponse) -> None:
+    def _end_stream(self, call: Call, response: aiohttp.ClientResponse) -> None:
+        self._free(call)
         if not call.recorded:  # the client left before the relay's first step
             response.close()
             self._record(call, {}, status="aborted", http_status=200)

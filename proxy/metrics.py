@@ -40,3 +40,16 @@ database_up = Gauge("flywheel_database_up", "1 when the last database write succ
 rewards_ingested = Counter(
     "flywheel_rewards_ingested_total", "Rewards accepted.", ["kind", "outcome"]
 )
+replica_up = Gauge("flywheel_replica_up", "1 while a vLLM replica is in rotation.", ["replica"])
+replica_outstanding = Gauge(
+    "flywheel_replica_outstanding", "Calls sent to a vLLM replica and not finished.", ["replica"]
+)
+replica_ejections = Counter(
+    "flywheel_replica_ejections_total",
+    "Times a vLLM replica was taken out of rotation.",
+    ["replica"],
+)
+upstream_retries = Counter(
+    "flywheel_upstream_retries_total",
+    "Calls sent again to another replica because the first could not be reached.",
+)

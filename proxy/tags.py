@@ -25,6 +25,7 @@ class Tags:
     episode_id: str
     task_id: str | None = None
     agent_name: str | None = None
+    generated: bool = False  # no episode id was given: this call is an episode of its own
 
 
 def split_path(path: str) -> tuple[dict[str, str], str] | None:
@@ -75,6 +76,12 @@ def resolve(path_tags: dict[str, str], headers: dict[str, str]) -> Tags:
                 code="bad_tag",
             )
         values[name] = value
-    if "episode_id" not in values:
+    generated = "episode_id" not in values
+    if generated:
         values["episode_id"] = f"ep-{uuid.uuid4().hex}"
-    return Tags(**values)
+    return Tags(
+        episode_id=values["episode_id"],
+        task_id=values.get("task_id"),
+        agent_name=values.get("agent_name"),
+        generated=generated,
+    )

@@ -1,37 +1,55 @@
-"""All outbound HTTP of the proxy: calls to vLLM.
+"""All outbound HTTP of the proxy: calls to vLLM, spread over its replicas.
 
-One `Upstream` holds the replicas. Today `pick()` keeps an episode on one replica (rendezvous
-hashing, so its prefix cache is reused); spreading by load and ejecting dead replicas belongs here
-too when it comes (issue 4).
+`pick()` chooses a replica per call: the episode's own replica (rendezvous hashing, so its growing
+prompt hits that replica's prefix cache) unless that replica already carries more than
+`LOAD_FACTOR` times the average load, in which case the next replica in the episode's order takes
+it ("consistent hashing with bounded loads"); calls without an episode of their own go to the
+replica with the fewest outstanding requests. A replica that fails to answer is ejected and
+`proxy/replicas.py` probes it until it answers again, with the current adapter loaded.
 """
 
 from __future__ import annotations
 
 import hashlib
+import logging
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 import orjson
 
+from proxy import metrics
+
+log = logging.getLogger(__name__)
+
 CONNECT_TIMEOUT_S = 10.0  # vLLM on the same network answers a TCP connect in milliseconds
 MODELS_TIMEOUT_S = 10.0
+LOAD_FACTOR = 1.25  # an episode's replica may carry up to 1.25x the average before it spills
 
 
 class AdapterError(Exception):
     """vLLM would not list or load an adapter; the message is vLLM's."""
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class Replica:
     base_url: str  # without /v1
+    outstanding: int = 0  # calls sent and not yet finished (streams until their last byte)
+    picked: int = 0  # calls ever sent: breaks ties between equally loaded replicas in turn
+    in_rotation: bool = True
+    failures: int = 0  # consecutive failed calls or probes
+
+    def __post_init__(self) -> None:
+        metrics.replica_up.labels(self.base_url).set(1)
+        metrics.replica_outstanding.labels(self.base_url).set_function(lambda: self.outstanding)
 
 
 class Upstream:
     def __init__(self, urls: list[str], *, api_key: str | None, timeout_s: float) -> None:
         if not urls:
             raise ValueError("no upstream: pass --upstream URL (or FLYWHEEL_UPSTREAM)")
-        self.replicas = [Replica(url) for url in urls]
+        self.replicas = [Replica(url) for url in dict.fromkeys(urls)]
         self._headers = {"Content-Type": "application/json"}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
@@ -52,14 +70,66 @@ class Upstream:
         if self._session is not None:
             await self._session.close()
 
-    def pick(self, episode_id: str) -> Replica:
-        if len(self.replicas) == 1:
-            return self.replicas[0]
+    # --- choosing a replica -----------------------------------------------------------------
+
+    def pick(self, episode_id: str | None, exclude: tuple[Replica, ...] = ()) -> Replica | None:
+        """The replica for the next call of this episode (None: every replica was excluded).
+
+        The caller owns the returned replica's `outstanding` slot and must `release()` it.
+        """
+        candidates = [r for r in self.replicas if r.in_rotation and r not in exclude]
+        if not candidates:
+            # All out of rotation: try one anyway (it may be back) rather than fail untried.
+            rest = [r for r in self.replicas if r not in exclude]
+            if not rest:
+                return None
+            candidates = [min(rest, key=lambda r: r.failures)]
+        if len(candidates) == 1:
+            chosen = candidates[0]
+        elif episode_id is None:
+            chosen = min(candidates, key=lambda r: (r.outstanding, r.picked))
+        else:
+            chosen = self._bounded(episode_id, candidates)
+        chosen.outstanding += 1
+        chosen.picked += 1
+        return chosen
+
+    @staticmethod
+    def _bounded(episode_id: str, candidates: list[Replica]) -> Replica:
+        total = sum(r.outstanding for r in candidates) + 1
+        bound = math.ceil(LOAD_FACTOR * total / len(candidates))
         key = episode_id.encode()
-        return max(
-            self.replicas,
+        ranked = sorted(
+            candidates,
             key=lambda r: hashlib.blake2b(key + r.base_url.encode(), digest_size=8).digest(),
+            reverse=True,
         )
+        # The least loaded replica always fits under the bound; min() only guards that proof.
+        fits = (r for r in ranked if r.outstanding + 1 <= bound)
+        return next(fits, min(ranked, key=lambda r: r.outstanding))
+
+    def release(self, replica: Replica) -> None:
+        replica.outstanding -= 1
+
+    # --- replica health ---------------------------------------------------------------------
+
+    def failed(self, replica: Replica, reason: object) -> None:
+        """A call or probe could not reach this replica: take it out until a probe succeeds."""
+        replica.failures += 1
+        if replica.in_rotation:
+            replica.in_rotation = False
+            metrics.replica_up.labels(replica.base_url).set(0)
+            metrics.replica_ejections.labels(replica.base_url).inc()
+            log.warning("replica %s ejected: %s", replica.base_url, reason)
+
+    def restored(self, replica: Replica) -> None:
+        replica.failures = 0
+        if not replica.in_rotation:
+            replica.in_rotation = True
+            metrics.replica_up.labels(replica.base_url).set(1)
+            log.warning("replica %s back in rotation", replica.base_url)
+
+    # --- requests ---------------------------------------------------------------------------
 
     def post(self, replica: Replica, path: str, body: bytes) -> Any:
         """Start a POST; use as `async with upstream.post(...) as response:`."""
@@ -83,12 +153,17 @@ class Upstream:
             if response.status != 200:
                 raise AdapterError(f"{replica.base_url}: {response.status} {await response.text()}")
 
-    async def models(self, replica: Replica | None = None) -> tuple[int, bytes]:
+    async def models(
+        self, replica: Replica | None = None, timeout_s: float = MODELS_TIMEOUT_S
+    ) -> tuple[int, bytes]:
+        """GET /v1/models of a replica (default: the first one in rotation)."""
         assert self._session is not None, "Upstream.start() was not awaited"
-        replica = replica or self.replicas[0]
+        if replica is None:
+            live = [r for r in self.replicas if r.in_rotation]
+            replica = live[0] if live else self.replicas[0]
         async with self._session.get(
             replica.base_url + "/v1/models",
             headers=self._headers,
-            timeout=aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S),
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
         ) as response:
             return response.status, await response.read()

@@ -144,10 +144,12 @@ def make_proxy(database_url: str, fake_vllm: FakeVLLM, tmp_path: Path) -> Iterat
             "home": tmp_path / "home",
             "port": free_port(),
             "alias_refresh_s": 0.1,
+            "replica_probe_s": 60,  # tests that need probes set their own interval
         }
         values.update(overrides)
         proxy = start_proxy(ProxySettings(**values))
         started.append(proxy)
+        fake_vllm.requests.clear()  # the start-up probe: tests look at what calls sent
         return proxy
 
     yield make

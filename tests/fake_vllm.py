@@ -238,6 +238,7 @@ class FakeState:
     loras: dict[str, str] = field(default_factory=dict)
     requests: list[Json] = field(default_factory=list)
     failures: list[tuple[int, Json]] = field(default_factory=list)
+    log_path: str | None = None  # also append each request's path and model here (JSON lines)
 
     def fail_next(self, n: int = 1, status: int = 500, body: Json | None = None) -> None:
         """Answer the next n requests (of any kind) with this status and error body."""
@@ -331,6 +332,10 @@ def wrap(
             body = None
         state.requests.append({"method": request.method, "path": request.path,
                                "headers": dict(request.headers), "body": body})  # fmt: skip
+        if state.log_path:
+            model = body.get("model") if isinstance(body, dict) else None
+            with open(state.log_path, "a") as log:
+                log.write(json.dumps({"path": request.path, "model": model}) + "\n")
         if state.latency_s:
             await asyncio.sleep(state.latency_s)
         if state.failures:
@@ -600,6 +605,9 @@ if __name__ == "__main__":
     parser.add_argument("--model", default="demo")
     parser.add_argument("--latency-s", type=float, default=0.0)
     parser.add_argument("--token-delay-s", type=float, default=0.0)
+    parser.add_argument("--log", help="append each request's path and model to this file")
     args = parser.parse_args()
-    fake_state = FakeState(args.model, latency_s=args.latency_s, token_delay_s=args.token_delay_s)
+    fake_state = FakeState(
+        args.model, latency_s=args.latency_s, token_delay_s=args.token_delay_s, log_path=args.log
+    )
     web.run_app(make_app(fake_state), host="127.0.0.1", port=args.port, access_log=None)

@@ -7,9 +7,12 @@ gets a new name and directory; a directory is deleted only after every vLLM unlo
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 
 import httpx
+
+log = logging.getLogger(__name__)
 
 TIMEOUT_S = 60.0  # loading reads the adapter from disk; rank-8 adapters take milliseconds
 
@@ -22,7 +25,7 @@ class VLLMAdmin:
     def __init__(self, urls: list[str], api_key: str | None) -> None:
         self.urls = urls
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(headers=headers, timeout=TIMEOUT_S)
+        self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(TIMEOUT_S, connect=5.0))
 
     def close(self) -> None:
         self._http.close()
@@ -46,14 +49,27 @@ class VLLMAdmin:
             raise AdapterRejected(f"{url} would not unload {name}: {response.text}")
 
     def load_everywhere(self, name: str, path: str) -> float:
-        """Load into every vLLM, or into none: a refusal unloads it from those that took it."""
+        """Load into every vLLM that answers, or into none: a refusal unloads it everywhere.
+
+        A replica that cannot be reached is skipped (and logged): the proxy keeps it out of
+        rotation and loads the current adapter into it before it takes policy traffic again, and
+        `Trainer.reconcile` catches it up too. At least one replica must take the adapter.
+        """
         started = time.perf_counter()
         done: list[str] = []
+        unreachable: list[str] = []
         try:
             for url in self.urls:
-                if name not in self.loaded(url):
-                    self.load(url, name, path)
+                try:
+                    if name not in self.loaded(url):
+                        self.load(url, name, path)
+                except httpx.TransportError as e:
+                    log.warning("vLLM %s unreachable, not loading %s there now: %r", url, name, e)
+                    unreachable.append(url)
+                    continue
                 done.append(url)
+            if not done:
+                raise AdapterRejected(f"no vLLM reachable to load {name}: {', '.join(unreachable)}")
         except (AdapterRejected, httpx.HTTPError):
             for url in done:
                 # If this fails too, that replica keeps an unused adapter until reconcile.

@@ -1,0 +1,61 @@
+"""Keeping vLLM replicas fit for traffic: probe each, eject the silent, bring back the healed.
+
+Every `replica_probe_s` each replica is asked for its models. One that does not answer leaves the
+rotation (calls that fail to reach it do the same at once, in forward.py). One that answers gets
+the current adapter loaded if it lacks it (a restarted or newly added vLLM has none) and only then
+joins, or stays in, the rotation: policy traffic never reaches a replica without the policy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import aiohttp
+import orjson
+
+from proxy.alias import PolicyAlias
+from proxy.upstream import AdapterError, Replica, Upstream
+
+log = logging.getLogger(__name__)
+
+PROBE_TIMEOUT_S = 5.0  # vLLM's API server answers /v1/models at once, however busy its engine
+
+
+class ReplicaKeeper:
+    def __init__(self, upstream: Upstream, alias: PolicyAlias, *, probe_s: float) -> None:
+        self._upstream = upstream
+        self._alias = alias
+        self._probe_s = probe_s
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.probe_all()  # before the first call: replicas that lack the policy stay out
+        self._task = asyncio.create_task(self._run(), name="flywheel-replicas")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self._probe_s)
+            await self.probe_all()
+
+    async def probe_all(self) -> None:
+        await asyncio.gather(*(self.probe(r) for r in self._upstream.replicas))
+
+    async def probe(self, replica: Replica) -> None:
+        try:
+            status, body = await self._upstream.models(replica, timeout_s=PROBE_TIMEOUT_S)
+            if status != 200:
+                raise AdapterError(f"GET /v1/models answered {status}")
+            loaded = {m["id"] for m in orjson.loads(body)["data"] if m.get("parent")}
+        except (aiohttp.ClientError, TimeoutError, AdapterError, ValueError, KeyError) as e:
+            self._upstream.failed(replica, repr(e))
+            return
+        policy = self._alias.current[1] if self._alias.current else None
+        if policy and policy not in loaded and not await self._alias.restore(replica, policy):
+            self._upstream.failed(replica, f"could not load the current adapter {policy}")
+            return
+        self._upstream.restored(replica)
