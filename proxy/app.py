@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 
-from proxy import admin, database, store
+from proxy import admin, database, store, wire
 from proxy.alias import PolicyAlias
 from proxy.config import ProxySettings
 from proxy.edge import EdgeMiddleware
@@ -68,6 +68,7 @@ def create_app(settings: ProxySettings) -> FastAPI:
             upstream,
             base_model=settings.base_model,
             refresh_s=settings.alias_refresh_s,
+            listen_url=database.libpq_url(url),
         )
         await alias.start()
         keeper = ReplicaKeeper(upstream, alias, probe_s=settings.replica_probe_s)
@@ -91,11 +92,11 @@ def create_app(settings: ProxySettings) -> FastAPI:
     _add_error_handlers(app)
 
     async def completion(route: str, request: Request) -> Response:
-        body = await read_json(request, settings.max_body_bytes)
+        body, nul = await read_json(request, settings.max_body_bytes)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
         forwarder: Forwarder = request.app.state.forwarder
-        return await forwarder.handle(route, body, tags_of(request))
+        return await forwarder.handle(route, body, tags_of(request), scrub=nul)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request) -> Response:
@@ -126,9 +127,9 @@ def create_app(settings: ProxySettings) -> FastAPI:
 
     @app.post("/v1/rewards")
     async def rewards(request: Request) -> Response:
-        body = await read_json(request, settings.max_body_bytes)
+        body, nul = await read_json(request, settings.max_body_bytes)
         out = await post_rewards(
-            body,
+            wire.pg_safe(body) if nul else body,
             sessionmaker=request.app.state.sessionmaker,
             recorder=request.app.state.recorder,
             gamma=settings.credit_gamma,
@@ -200,7 +201,8 @@ def tags_of(request: Request) -> Tags:
     return resolve(request.scope.get("flywheel.path_tags", {}), request.headers)  # type: ignore[arg-type]
 
 
-async def read_json(request: Request, max_bytes: int) -> Any:
+async def read_json(request: Request, max_bytes: int) -> tuple[Any, bool]:
+    """The parsed body, and whether it holds a U+0000 (which Postgres cannot store)."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise ApiError(
@@ -222,7 +224,7 @@ async def read_json(request: Request, max_bytes: int) -> Any:
     if not raw:
         raise ApiError(400, "the request body is empty; send JSON")
     try:
-        return orjson.loads(raw)
+        return orjson.loads(raw), b"\\u0000" in raw
     except orjson.JSONDecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from e
 

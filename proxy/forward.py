@@ -48,6 +48,7 @@ class Call:
     upstream_s: float = 0.0
     recorded: bool = False
     replica: Replica | None = None  # holds an outstanding slot there while set
+    scrub: bool = False  # the request holds a U+0000: make the records storable
 
     @property
     def wants_logprobs(self) -> bool:
@@ -73,7 +74,10 @@ class Forwarder:
         self._alias = alias
         self._recorder = recorder
 
-    async def handle(self, route: str, body: dict[str, Any], tags: Tags) -> Response:
+    async def handle(
+        self, route: str, body: dict[str, Any], tags: Tags, *, scrub: bool = False
+    ) -> Response:
+        """Forward one call. `scrub`: the body holds a U+0000, to be made storable when recorded."""
         model = body.get("model")
         if not isinstance(model, str) or not model:
             raise ApiError(400, "`model` is required and must be a string", param="model")
@@ -97,6 +101,7 @@ class Forwarder:
             model_used=model_used,
             policy_version=version,
             transition_ids=[str(uuid.uuid4()) for _ in range(choices)],
+            scrub=scrub,
         )
         upstream_body = {**body, "model": model_used, "return_token_ids": True}
         if route == "chat":
@@ -290,6 +295,8 @@ class Forwarder:
 
     def _submit(self, call: Call, records: list[dict[str, Any]]) -> None:
         call.recorded = True
+        if call.scrub or any(wire.has_nul(r) for r in records):
+            records = wire.pg_safe(records)
         self._recorder.submit(records)
         elapsed = time.perf_counter() - call.started
         metrics.upstream_latency.labels(call.route).observe(call.upstream_s)

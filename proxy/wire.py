@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 
 @dataclass
 class Choice:
@@ -107,3 +109,28 @@ def prompts(prompt: Any) -> list[Any]:
 
 def prompt_count(body: dict[str, Any]) -> int:
     return max(1, len(prompts(body.get("prompt"))))
+
+
+def pg_safe(value: Any) -> Any:
+    """`value` with every U+0000 made U+FFFD: Postgres text and jsonb cannot hold it.
+
+    Only what is recorded is changed (a tiny model can sample it; a client may send it); what
+    goes to vLLM and back to the client is untouched.
+    """
+    if isinstance(value, str):
+        return value.replace("\x00", "\ufffd")
+    if isinstance(value, list):
+        return [pg_safe(v) for v in value]
+    if isinstance(value, dict):
+        return {pg_safe(k): pg_safe(v) for k, v in value.items()}
+    return value
+
+
+def has_nul(record: dict[str, Any]) -> bool:
+    """Whether vLLM's side of a record (text, tool calls, error) holds a U+0000."""
+    text, tool_calls, error = record.get("text"), record.get("tool_calls"), record.get("error")
+    return bool(
+        (text and "\x00" in text)
+        or (tool_calls and b"\\u0000" in orjson.dumps(tool_calls))
+        or (error and b"\\u0000" in orjson.dumps(error))
+    )

@@ -1,0 +1,52 @@
+"""U+0000, which Postgres text and jsonb cannot hold, still gets recorded (as U+FFFD).
+
+A tiny or broken model can sample it and a client can send it. Before this, such a transition was
+refused by Postgres and set aside in the journal's rejected/ folder instead of being trained on.
+"""
+
+from __future__ import annotations
+
+from proxy import wire
+from tests.conftest import RunningProxy
+from tests.fake_vllm import FakeVLLM
+
+
+def test_pg_safe_replaces_nul_everywhere_and_nothing_else() -> None:
+    value = {"a\x00": ["x\x00y", {"k": "\x00"}, 1, None, 2.5], "b": "plain"}
+    assert wire.pg_safe(value) == {
+        "a\ufffd": ["x\ufffdy", {"k": "\ufffd"}, 1, None, 2.5],
+        "b": "plain",
+    }
+    assert wire.has_nul({"text": "ok\x00"}) and wire.has_nul({"error": {"message": "\x00"}})
+    assert not wire.has_nul({"text": "ok", "tool_calls": [{"arguments": "{}"}], "error": None})
+
+
+def test_a_client_message_with_nul_is_forwarded_as_is_and_recorded(
+    proxy: RunningProxy, fake_vllm: FakeVLLM
+) -> None:
+    body = {"model": "demo", "messages": [{"role": "user", "content": "a\x00b"}], "max_tokens": 3}
+    r = proxy.client(**{"X-Episode-Id": "nul"}).post("/v1/chat/completions", json=body)
+    assert r.status_code == 200
+    assert fake_vllm.requests[-1]["body"]["messages"][0]["content"] == "a\x00b"  # untouched
+    rows = proxy.wait_rows("SELECT status FROM transition WHERE episode_id = 'nul'", 1)
+    assert rows == [("ok",)]
+    [t] = proxy.client().get("/v1/episodes/nul").json()["transitions"]
+    assert t["messages"][0]["content"] == "a\ufffdb"
+
+
+def test_a_vllm_error_with_nul_is_recorded(proxy: RunningProxy, fake_vllm: FakeVLLM) -> None:
+    fake_vllm.fail_next(1, 400, {"error": {"message": "bad \x00 input", "code": 400}})
+    body = {"model": "demo", "messages": [{"role": "user", "content": "x"}]}
+    r = proxy.client(**{"X-Episode-Id": "nul-err"}).post("/v1/chat/completions", json=body)
+    assert r.status_code == 400 and r.json()["error"]["message"] == "bad \x00 input"
+    rows = proxy.wait_rows("SELECT status, error FROM transition WHERE episode_id = 'nul-err'", 1)
+    assert rows == [("failed", {"error": {"message": "bad \ufffd input", "code": 400}})]
+
+
+def test_a_reward_with_nul_in_its_key_is_stored(proxy: RunningProxy) -> None:
+    body = {"model": "demo", "messages": [{"role": "user", "content": "x"}]}
+    assert proxy.client(**{"X-Episode-Id": "nul-r"}).post("/v1/chat/completions", json=body)
+    reward = {"episode_id": "nul-r", "reward": 1.0, "idempotency_key": "k\x00"}
+    r = proxy.client().post("/v1/rewards", json=reward)
+    assert r.status_code == 200, r.text
+    assert proxy.query("SELECT idempotency_key FROM reward") == [("k\ufffd",)]
