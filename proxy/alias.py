@@ -1,7 +1,9 @@
 """The policy alias: `policy` -> the current adapter (or the base model), `policy@N` -> version N.
 
-The current version is re-read from Postgres every `alias_refresh_s` by a background task, so the
-alias follows the trainer within a second without a database round trip per request.
+Whoever moves the current version (the trainer's publish, a rollback) NOTIFYs `flywheel_policy` in
+the same transaction; a listening connection re-reads the version the moment that commits, so the
+next call already uses the new adapter. A poll every `alias_refresh_s` is the fallback for while
+the listening connection is down. No database round trip per request either way.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import logging
 
 import aiohttp
 import orjson
+import psycopg
 from sqlalchemy.ext.asyncio import async_sessionmaker
 
 from proxy import store
@@ -31,6 +34,7 @@ class PolicyAlias:
         *,
         base_model: str | None,
         refresh_s: float,
+        listen_url: str | None = None,
     ) -> None:
         self.alias = alias
         self._sessionmaker = sessionmaker
@@ -40,16 +44,19 @@ class PolicyAlias:
         self.current: tuple[int, str] | None = None
         self._names: dict[int, str] = {}  # version -> adapter name; versions never change name
         self._versions: dict[str, int] = {}
-        self._task: asyncio.Task[None] | None = None
+        self._listen_url = listen_url
+        self._tasks: list[asyncio.Task[None]] = []
         self._restoring = asyncio.Lock()
 
     async def start(self) -> None:
         await self.refresh()
-        self._task = asyncio.create_task(self._poll(), name="flywheel-alias")
+        self._tasks.append(asyncio.create_task(self._poll(), name="flywheel-alias-poll"))
+        if self._listen_url:
+            self._tasks.append(asyncio.create_task(self._listen(), name="flywheel-alias-listen"))
 
     async def stop(self) -> None:
-        if self._task:
-            self._task.cancel()
+        for task in self._tasks:
+            task.cancel()
 
     async def refresh(self) -> None:
         try:
@@ -68,6 +75,21 @@ class PolicyAlias:
         while True:
             await asyncio.sleep(self._refresh_s)
             await self.refresh()
+
+    async def _listen(self) -> None:
+        assert self._listen_url is not None
+        while True:
+            try:
+                async with await psycopg.AsyncConnection.connect(
+                    self._listen_url, autocommit=True
+                ) as conn:
+                    await conn.execute(f"LISTEN {store.POLICY_CHANNEL}")
+                    await self.refresh()  # anything published while nobody was listening
+                    async for _ in conn.notifies():
+                        await self.refresh()
+            except (psycopg.Error, OSError) as e:
+                log.debug("policy listener down (the poll covers it): %s", e)
+            await asyncio.sleep(self._refresh_s)
 
     def _remember(self, version: int, name: str) -> None:
         self._names[version] = name

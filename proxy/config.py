@@ -91,7 +91,9 @@ class ProxySettings(DatabaseSettings):
         description="How often each vLLM replica is probed (ejected ones rejoin on an answer).",
     )
     alias_refresh_s: float = Field(
-        0.5, gt=0, description="How often the current adapter version is re-read from Postgres."
+        0.5,
+        gt=0,
+        description="Fallback poll of the current adapter version (a NOTIFY moves it at once).",
     )
 
     _split = field_validator("upstream", "api_keys", mode="before")(split_commas)

@@ -26,6 +26,11 @@ def sqlalchemy_url(url: str) -> str:
     raise ValueError(f"database URL must start with postgresql://, got {url.split(':')[0]}://...")
 
 
+def libpq_url(url: str) -> str:
+    """The same URL as plain libpq takes it (for psycopg connections outside SQLAlchemy)."""
+    return "postgresql://" + sqlalchemy_url(url).removeprefix("postgresql+psycopg://")
+
+
 def with_database(url: str, name: str) -> str:
     """The same server's URL for database `name` (also `postgresql://u@/postgres?host=DIR`)."""
     base, _, query = url.partition("?")

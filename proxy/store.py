@@ -386,6 +386,9 @@ async def list_adapters(*, session: AsyncSession) -> list[dict[str, Any]]:
 # Taken (for the transaction) by everyone who moves `is_current`: the trainer's publish and the
 # proxy's rollback. Without it two publishers both clear the flag, then collide on setting it.
 PUBLISH_LOCK = 7239012
+# ...and who moves it also NOTIFYs here (delivered on commit): proxies refresh their alias at once.
+POLICY_CHANNEL = "flywheel_policy"
+NOTIFY_POLICY = text(f"NOTIFY {POLICY_CHANNEL}")
 
 
 async def set_current(version: int | None, *, session: AsyncSession) -> None:
@@ -398,6 +401,7 @@ async def set_current(version: int | None, *, session: AsyncSession) -> None:
         await session.execute(
             update(AdapterVersion).where(AdapterVersion.version == version).values(is_current=True)
         )
+    await session.execute(NOTIFY_POLICY)
 
 
 async def adapter_path(name: str, *, session: AsyncSession) -> str | None:

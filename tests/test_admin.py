@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -117,3 +118,24 @@ def test_a_restarted_vllm_gets_the_adapter_back_on_first_use(
     assert r.status_code == 200, r.text
     assert r.headers["x-policy-version"] == "1"
     assert fake_vllm.loras == {"policy-v1": str(tmp_path / "policy-v1")}
+
+
+def test_every_proxy_follows_a_publish_at_once_not_at_its_next_poll(
+    make_proxy: Any, fake_vllm: FakeVLLM, tmp_path: Path
+) -> None:
+    follower = make_proxy(alias_refresh_s=3600)  # it would poll once an hour
+    admin = make_proxy(admin_key="root")
+    add_versions(admin, tmp_path, 2)  # inserted behind everyone's back: no NOTIFY
+    chat = {"model": "policy", "messages": [{"role": "user", "content": "x"}]}
+    assert (
+        follower.client().post("/v1/chat/completions", json=chat).headers["x-policy-version"] == "0"
+    )
+    activated = admin.client(Authorization="Bearer root").post("/admin/adapters/1/activate")
+    assert activated.status_code == 200
+    deadline = time.monotonic() + 5
+    with follower.client() as c:
+        while (
+            version := c.post("/v1/chat/completions", json=chat).headers["x-policy-version"]
+        ) != "1":
+            assert time.monotonic() < deadline, f"the follower still serves v{version}"
+            time.sleep(0.01)

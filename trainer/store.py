@@ -14,7 +14,7 @@ import orjson
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from proxy.store import PUBLISH_LOCK, unpack
+from proxy.store import NOTIFY_POLICY, PUBLISH_LOCK, unpack
 
 
 @dataclass(frozen=True)
@@ -137,6 +137,7 @@ def finish(
             "stats": _json(stats),
         },
     )
+    session.execute(NOTIFY_POLICY)  # proxies move their alias as soon as this commits
 
 
 def set_aside(skipped: dict[str, str], *, session: Session, trainer_id: str) -> None:
