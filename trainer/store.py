@@ -120,6 +120,28 @@ def finish(
     if len(done) != len(trained):
         raise LostClaim(f"{len(trained) - len(done)} of {len(trained)} rows were taken over")
     set_aside(skipped, session=session, trainer_id=trainer_id)
+    publish(
+        session=session,
+        version=version,
+        name=name,
+        path=path,
+        base_model=base_model,
+        stats=stats,
+        trained_transitions=len(trained),
+    )
+
+
+def publish(
+    *,
+    session: Session,
+    version: int,
+    name: str,
+    path: str,
+    base_model: str,
+    stats: dict[str, Any],
+    trained_transitions: int,
+) -> None:
+    """Record `version` as the current adapter; every proxy's alias follows when this commits."""
     session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": PUBLISH_LOCK})
     session.execute(text("UPDATE adapter_version SET is_current = false WHERE is_current"))
     session.execute(
@@ -133,7 +155,7 @@ def finish(
             "name": name,
             "path": path,
             "base": base_model,
-            "n": len(trained),
+            "n": trained_transitions,
             "stats": _json(stats),
         },
     )

@@ -1,0 +1,241 @@
+"""Hot-swap: from an adapter published to the first call served by it, under steady load.
+
+Steady load (N clients calling the `policy` alias without pause) goes through `flywheel proxy`
+(its own process, recording into real Postgres) to a fake vLLM (tests/fake_vllm.py, its own
+process). Meanwhile this script publishes a new adapter version every `--interval` seconds the way
+the trainer does: the trainer's own `VLLMAdmin.load_everywhere` (into vLLM first), then the
+trainer's own `store.publish` transaction (which NOTIFYs every proxy). For each swap it reports:
+
+- routed: publish committed -> the send time of the first call answered by the new version
+  (can be slightly negative: the proxy may hear the NOTIFY before the publisher's commit returns);
+- served: publish committed -> the first response from the new version arrives (goal <= 100 ms);
+- failed calls (any non-200) and stalled calls (slower than `--stall-ms`) over the whole run.
+
+The fake loads adapters instantly; the time a real vLLM takes to load one is the trainer's
+`swap` figure (logged per step, metric flywheel_trainer_swap_seconds), reported beside this.
+
+    .venv/bin/python -m bench.hot_swap [--swaps 20] [--interval 0.5] [--clients 16]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import psycopg
+from sqlalchemy import create_engine
+from sqlalchemy.orm import Session
+
+from demo.vllm_server import wait_http
+from proxy import database
+from tests.conftest import free_port
+from trainer import store
+from trainer.vllm import VLLMAdmin
+
+RESULTS = Path(__file__).with_suffix(".md")
+PLOT = Path(__file__).resolve().parent.parent / "docs" / "img" / "hot_swap.png"
+BODY = {"model": "policy", "messages": [{"role": "user", "content": "What is 3 + 4?"}]}
+
+
+@dataclass
+class Call:
+    sent: float
+    done: float
+    status: int
+    version: int | None
+
+
+async def load(url: str, clients: int, stop: threading.Event, calls: list[Call]) -> None:
+    async def client(session: aiohttp.ClientSession, n: int) -> None:
+        turn = 0
+        while not stop.is_set():
+            sent = time.perf_counter()
+            headers = {"X-Episode-Id": f"swap-{n}-{turn}"}
+            try:
+                async with session.post(url, json=BODY, headers=headers) as response:
+                    await response.read()
+                    version = response.headers.get("X-Policy-Version")
+                    status = response.status
+            except aiohttp.ClientError:
+                version, status = None, 0
+            number = int(version) if version and version.isdigit() else None
+            calls.append(Call(sent, time.perf_counter(), status, number))
+            turn += 1
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        await asyncio.gather(*(client(session, n) for n in range(clients)))
+
+
+def publish_versions(
+    db_url: str, fake_url: str, swaps: int, interval: float, adapters: Path
+) -> dict[int, tuple[float, float]]:
+    """Publish versions 1..swaps; return version -> (load-into-vLLM seconds, commit time)."""
+    engine = create_engine(database.sqlalchemy_url(db_url))
+    admin = VLLMAdmin([fake_url], None)
+    published: dict[int, tuple[float, float]] = {}
+    try:
+        for version in range(1, swaps + 1):
+            time.sleep(interval)
+            name, path = f"policy-v{version}", adapters / f"policy-v{version}"
+            path.mkdir()
+            load_s = admin.load_everywhere(name, str(path))
+            with Session(engine) as session, session.begin():
+                store.publish(
+                    session=session,
+                    version=version,
+                    name=name,
+                    path=str(path),
+                    base_model="demo",
+                    stats={},
+                    trained_transitions=0,
+                )
+            published[version] = (load_s, time.perf_counter())
+        time.sleep(interval)
+    finally:
+        admin.close()
+        engine.dispose()
+    return published
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--swaps", type=int, default=20)
+    parser.add_argument("--interval", type=float, default=0.5, help="seconds between publishes")
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--latency-s", type=float, default=0.002, help="the fake's own latency")
+    parser.add_argument("--stall-ms", type=float, default=1000.0)
+    parser.add_argument("--database-url", help="default: an embedded Postgres in a temp dir")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--plot", type=Path, default=PLOT)
+    args = parser.parse_args()
+
+    base = args.database_url or database.embedded_postgres_url(Path(tempfile.mkdtemp()))
+    name = f"bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(base, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    db_url = database.with_database(base, name)
+    database.migrate(db_url)
+    fake_port, proxy_port = free_port(), free_port()
+    fake_url = f"http://127.0.0.1:{fake_port}"
+    fake_command = [sys.executable, "-m", "tests.fake_vllm", "--port", str(fake_port)]
+    fake = subprocess.Popen(
+        [*fake_command, "--latency-s", str(args.latency_s)],
+        stdout=subprocess.DEVNULL,
+    )
+    proxy_command = [sys.executable, "-m", "proxy.cli", "proxy", "--upstream", fake_url]
+    proxy = subprocess.Popen(
+        [*proxy_command, "--port", str(proxy_port)],
+        env={
+            **os.environ,
+            "FLYWHEEL_DATABASE_URL": db_url,
+            "FLYWHEEL_HOME": tempfile.mkdtemp(),
+            "FLYWHEEL_LOG_LEVEL": "warning",
+        },
+    )
+    calls: list[Call] = []
+    stop = threading.Event()
+    try:
+        wait_http(fake_url + "/health", fake, timeout=60)
+        wait_http(f"http://127.0.0.1:{proxy_port}/healthz", proxy, timeout=60)
+        url = f"http://127.0.0.1:{proxy_port}/v1/chat/completions"
+        loader = threading.Thread(
+            target=asyncio.run, args=(load(url, args.clients, stop, calls),), daemon=True
+        )
+        loader.start()
+        adapters = Path(tempfile.mkdtemp())
+        started = time.perf_counter()
+        published = publish_versions(db_url, fake_url, args.swaps, args.interval, adapters)
+        stop.set()
+        loader.join(timeout=60)
+        elapsed = time.perf_counter() - started
+    finally:
+        stop.set()
+        for process in (proxy, fake):
+            process.terminate()
+            process.wait(timeout=30)
+        with psycopg.connect(base, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+    routed, served = [], []
+    for version, (_, committed) in sorted(published.items()):
+        by_it = [c for c in calls if c.version == version]
+        if not by_it:
+            raise SystemExit(f"no call was ever served by v{version}: the alias did not follow")
+        routed.append((min(c.sent for c in by_it) - committed) * 1e3)
+        served.append((min(c.done for c in by_it) - committed) * 1e3)
+    loads = [load_s * 1e3 for load_s, _ in published.values()]
+    failed = sum(c.status != 200 for c in calls)
+    stalled = sum((c.done - c.sent) * 1e3 > args.stall_ms for c in calls)
+    figures = {
+        "served_p50": statistics.median(served),
+        "served_max": max(served),
+        "routed_p50": statistics.median(routed),
+        "routed_max": max(routed),
+        "load_p50": statistics.median(loads),
+        "calls": len(calls),
+        "rps": len(calls) / elapsed,
+        "failed": failed,
+        "stalled": stalled,
+    }
+    line = (
+        f"| {time.strftime('%Y-%m-%d %H:%M')} | {args.swaps} x {args.interval:g} s | "
+        f"{args.clients} | {figures['routed_p50']:.1f} / {figures['routed_max']:.1f} | "
+        f"{figures['served_p50']:.1f} / {figures['served_max']:.1f} | "
+        f"{figures['load_p50']:.1f} | {len(calls)} ({figures['rps']:.0f}/s) | {failed} | "
+        f"{stalled} |"
+    )
+    header = (
+        "| when | swaps | clients | routed p50 / max ms | served p50 / max ms | "
+        "load into fake p50 ms | calls | failed | stalled |"
+    )
+    print(header, line, sep="\n")
+    met = max(served) <= 100 and not failed
+    print(f"goal: served <= 100 ms, zero failed -> {'met' if met else 'MISSED'}")
+    text = args.results.read_text() if args.results.exists() else ""
+    with args.results.open("a") as f:
+        if "| when | swaps |" not in text:
+            f.write(
+                "# Hot-swap\n\nWritten by `bench/hot_swap.py` (see its docstring). Command: "
+                "`.venv/bin/python -m bench.hot_swap`.\n\n" + header + "\n" + "|---" * 9 + "|\n"
+            )
+        f.write(line + "\n")
+    plot(served, routed, args.plot)
+
+
+def plot(served: list[float], routed: list[float], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    swaps = range(1, len(served) + 1)
+    ax.plot(swaps, served, "o-", label="first answer from the new version")
+    ax.plot(swaps, routed, "s--", label="first call routed to it")
+    ax.axhline(100, color="grey", linestyle=":", label="goal (100 ms)")
+    ax.set_xlabel("swap")
+    ax.set_ylabel("ms after publish committed")
+    ax.set_title("Hot-swap under steady load")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    main()
