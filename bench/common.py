@@ -346,13 +346,18 @@ def py_spy() -> str | None:
 
 
 def start_profile(pid: int, seconds: float, out: Path, rate: int = 250) -> subprocess.Popen[bytes]:
-    """py-spy sampling `pid` for `seconds` into collapsed stacks (--format raw), non-blocking."""
+    """py-spy sampling `pid` for `seconds` into collapsed stacks (--format raw).
+
+    Blocking (the default): py-spy pauses the process for each sample, a few percent of its time
+    at this rate; --nonblocking gave torn stacks that do not start at the root. --native shows
+    where the C code goes (socket syscalls, the garbage collector), not only `Runner.run`.
+    """
     exe = py_spy()
     if exe is None:
         raise SystemExit("py-spy not found: pip install py-spy (the dev extra has it)")
     out.parent.mkdir(parents=True, exist_ok=True)
     argv = [exe, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds)))]
-    argv += ["--rate", str(rate), "--format", "raw", "--nonblocking", "-o", str(out)]
+    argv += ["--rate", str(rate), "--format", "raw", "--native", "-o", str(out)]
     return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
 
@@ -363,42 +368,59 @@ def _frame_name(frame: str) -> str:
     for marker in ("site-packages/", "lib/python3.11/", str(ROOT) + "/"):
         if marker in path:
             path = path.split(marker, 1)[1]
+    if name.startswith("0x"):  # an unsymbolised address: memcpy, malloc and the like
+        name = "<unsymbolised>"
     return f"{name} ({path})" if path else name
 
 
+def _is_python(frame: str) -> bool:
+    return frame.endswith(".py)")
+
+
 def _area(frame: str) -> str:
-    """The package a frame belongs to: `proxy`, `starlette`, `asyncio`, `sqlalchemy`, ..."""
+    """Where a frame's time goes: a package (`proxy`, `starlette`, ...), or a native bucket."""
     path = frame.partition(" (")[2].rstrip(")")
-    return path.split("/", 1)[0].removesuffix(".py") if path else "<native>"
+    if _is_python(frame):
+        return path.split("/", 1)[0].removesuffix(".py")
+    if path.startswith("libc"):
+        return "syscalls/libc"
+    if path.startswith("libpython") or path.endswith((".h", ".c")):
+        return "CPython/C extensions"
+    return path.split("/", 1)[0] or "<native>"  # orjson/orjson.cpython-311-...so -> orjson
 
 
-def summarise_profile(raw: Path, top: int = 15) -> tuple[int, list[tuple[str, float, float]]]:
-    """(samples, [(function, own share, total share)]) from py-spy's collapsed stacks."""
+def _stacks(raw: Path) -> Iterator[tuple[list[str], int]]:
+    for line in raw.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if stack and count_text.isdigit():
+            yield [_frame_name(f) for f in stack.split(";")], int(count_text)
+
+
+@dataclass
+class Profile:
+    """py-spy's collapsed stacks (with --native) reduced to shares of the busy samples."""
+
+    samples: int
+    own: list[tuple[str, float]]  # leaf frames (native ones too: syscalls, gc), largest first
+    total: dict[str, float]  # Python functions anywhere on the stack
+    areas: list[tuple[str, float]]  # own time by package / native bucket
+
+
+def summarise_profile(raw: Path) -> Profile:
     own: Counter[str] = Counter()
     total: Counter[str] = Counter()
+    areas: Counter[str] = Counter()
     samples = 0
-    for line in raw.read_text().splitlines():
-        stack, _, count_text = line.rpartition(" ")
-        if not stack or not count_text.isdigit():
-            continue
-        count = int(count_text)
-        frames = [_frame_name(f) for f in stack.split(";")[1:]]  # [0] is the thread
-        if not frames:
-            continue
+    for frames, count in _stacks(raw):
         samples += count
         own[frames[-1]] += count
-        for name in set(frames):
+        areas[_area(frames[-1])] += count
+        for name in {f for f in frames if _is_python(f)}:
             total[name] += count
-    ranked = sorted(own, key=lambda f: own[f], reverse=True)[:top]
-    return samples, [(f, own[f] / samples, total[f] / samples) for f in ranked]
-
-
-def summarise_areas(raw: Path) -> list[tuple[str, float]]:
-    """Own time grouped by package (the leaf frame's), largest first."""
-    own: Counter[str] = Counter()
-    for line in raw.read_text().splitlines():
-        stack, _, count_text = line.rpartition(" ")
-        if stack and count_text.isdigit() and ";" in stack:
-            own[_area(_frame_name(stack.rsplit(";", 1)[1]))] += int(count_text)
-    samples = sum(own.values()) or 1
-    return [(area, n / samples) for area, n in own.most_common()]
+    n = samples or 1
+    return Profile(
+        samples,
+        [(f, c / n) for f, c in own.most_common()],
+        {f: c / n for f, c in total.items()},
+        [(a, c / n) for a, c in areas.most_common()],
+    )
