@@ -1,186 +1,301 @@
-"""Proxy overhead: the latency Flywheel adds over calling vLLM directly, and the throughput kept.
+"""Proxy overhead: what Flywheel's proxy adds over calling vLLM directly, next to LiteLLM's proxy.
 
-A fast fake vLLM (tests/fake_vllm.py: vLLM's exact wire format, 16-token completions with ids and
-logprobs, a fixed small latency) in its own process; `flywheel proxy` in its own process, recording
-everything into a real Postgres; the load generator (aiohttp, N concurrent clients) in this one.
-Direct and proxied runs are interleaved at each concurrency, so drift hits both alike. All three
-share two cores here: saturated latency is mostly queueing.
+A fast fake vLLM (tests/fake_vllm.py: vLLM's exact wire format, up to 16-token completions, a
+fixed small latency) in its own process; `flywheel proxy` in its own process, recording every
+call into a real Postgres; LiteLLM's proxy server (1.106.2, one worker, no database, in a venv of
+its own under .flywheel/bench/) pointed at the same fake; the load generator (aiohttp on uvloop,
+N clients calling back to back) in this process. At each concurrency, for non-streaming and
+streaming calls, the targets run interleaved (direct, flywheel, litellm, then the reverse), so
+drift hits all alike. Everything shares the machine's cores: saturated latency is mostly queueing.
 
-    .venv/bin/python -m bench.proxy_overhead [--concurrency 1,16,64] [--seconds 5]
+    PYTHONPATH=. .venv/bin/python -m bench.proxy_overhead [--concurrency 1,16,64,256]
+        [--seconds 5] [--rounds 2] [--no-litellm] [--note "shared machine"]
 
-Not yet here (issue 5): streaming time-to-first-token, LiteLLM's proxy as a third target.
+Prints the tables and the goals of issue 5, appends a dated section (with this command) to
+bench/proxy_overhead.md and writes docs/img/proxy_overhead_{latency,throughput}.png.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
-import statistics
-import subprocess
+import shlex
 import sys
-import tempfile
 import time
-import uuid
+from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
-import psutil
-import psycopg
-
-from demo.vllm_server import wait_http
-from proxy import database
-from tests.conftest import free_port
+from bench import common, plots
 
 RESULTS = Path(__file__).with_suffix(".md")  # this script's own report
-BODY = {
-    "model": "demo",
-    "messages": [{"role": "user", "content": "What is 3 + 4?"}],
-    "max_tokens": 16,
-}
+IMG_DIR = common.ROOT / "docs" / "img"
+MODES = ("non-streaming", "streaming")
+PROMPT = [{"role": "user", "content": "What is 3 + 4?"}]
+# Issue 5's goals for Flywheel's proxy.
+GOAL_ADDED_P50_MS, GOAL_ADDED_P99_MS = 1.0, 2.0  # one client at a time
+GOAL_DIRECT_RATIO, GOAL_LITELLM_RATIO = 0.5, 20.0  # throughput at 64 clients
 
 
-async def load(url: str, concurrency: int, seconds: float) -> tuple[list[float], int]:
-    """Latencies of successful calls, and the number of failed ones."""
-    latencies: list[float] = []
-    failed = 0
-    deadline = time.perf_counter() + seconds
+@dataclass
+class Cell:
+    """One target at one concurrency in one mode, all rounds together."""
 
-    async def client(session: aiohttp.ClientSession, n: int) -> None:
-        nonlocal failed
-        while time.perf_counter() < deadline:
-            started = time.perf_counter()
-            headers = {"X-Episode-Id": f"bench-{n}-{len(latencies)}"}
-            async with session.post(url, json=BODY, headers=headers) as response:
-                await response.read()
-                if response.status == 200:
-                    latencies.append(time.perf_counter() - started)
-                else:
-                    failed += 1
+    mode: str
+    clients: int
+    target: str
+    latencies: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    failed: int = 0
+    elapsed: float = 0.0
+    cpu_s: float | None = None  # the proxy process's; None for direct
+    peak_rss_mb: float | None = None
 
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        await asyncio.gather(*(client(session, n) for n in range(concurrency)))
-    return latencies, failed
+    @property
+    def rps(self) -> float:
+        return len(self.latencies) / self.elapsed if self.elapsed else 0.0
+
+    def p(self, q: float, ttft: bool = False) -> float:
+        return common.quantile(self.ttfts if ttft else self.latencies, q) * 1e3
+
+    @property
+    def cpu_ms_per_request(self) -> float | None:
+        if self.cpu_s is None:
+            return None
+        return self.cpu_s / max(1, len(self.latencies)) * 1e3
+
+
+def measure(
+    urls: dict[str, str],
+    meters: dict[str, common.ProcessMeter],
+    concurrencies: list[int],
+    seconds: float,
+    rounds: int,
+) -> list[Cell]:
+    bodies = {mode: common.chat_body(PROMPT, stream=mode == "streaming") for mode in MODES}
+    cells = []
+    for clients in concurrencies:
+        for mode in MODES:
+            stream = mode == "streaming"
+            here = {t: Cell(mode, clients, t) for t in urls}
+            for r in range(rounds):
+                order = list(urls) if r % 2 == 0 else list(reversed(urls))
+                for target in order:
+                    meter = meters.get(target)
+                    cpu_before = meter.cpu_s() if meter else 0.0
+                    body = bodies[mode]
+                    run = common.load(
+                        urls[target], lambda c, i, b=body: b, clients, seconds, stream=stream
+                    )
+                    cell = here[target]
+                    cell.latencies += run.latencies
+                    cell.ttfts += run.ttfts
+                    cell.failed += run.failed
+                    cell.elapsed += run.elapsed
+                    if meter:
+                        cell.cpu_s = (cell.cpu_s or 0.0) + meter.cpu_s() - cpu_before
+                        cell.peak_rss_mb = meter.peak_rss / 2**20
+            for cell in here.values():
+                print(
+                    f"{mode:>13} {clients:>4} clients {cell.target:>8}: "
+                    f"p50 {cell.p(0.5):7.2f} ms  {cell.rps:7.0f} req/s  {cell.failed} failed",
+                    file=sys.stderr,
+                )
+            cells += here.values()
+    return cells
+
+
+def _f(value: float | None, digits: int = 2) -> str:
+    return "-" if value is None or value != value else f"{value:,.{digits}f}"
+
+
+def warm_up(urls: dict[str, str]) -> dict[str, int]:
+    """A short, uncounted load per target and mode (LiteLLM's first calls are slow): calls made."""
+    calls = dict.fromkeys(urls, 0)
+    for target, url in urls.items():
+        for mode in MODES:
+            body = common.chat_body(PROMPT, stream=mode == "streaming")
+            run = common.load(url, lambda c, i, b=body: b, 4, 0.5, stream=mode == "streaming")
+            calls[target] += len(run.latencies) + run.failed
+    return calls
+
+
+def tables(cells: list[Cell]) -> str:
+    direct = {(c.mode, c.clients): c for c in cells if c.target == "direct"}
+    by_key = {(c.mode, c.clients, c.target): c for c in cells}
+    out = [
+        "| mode | clients | target | p50 ms | p99 ms | added p50 ms | added p99 ms | TTFT p50 ms "
+        "| TTFT p99 ms | added TTFT p50 ms | added TTFT p99 ms | req/s | failed "
+        "| proxy CPU ms/req | proxy peak RSS MB |",
+        "|---" * 15 + "|",
+    ]
+    for c in cells:
+        d = direct[(c.mode, c.clients)]
+        stream = c.mode == "streaming"
+        added = [None] * 4 if c.target == "direct" else [
+            c.p(0.5) - d.p(0.5), c.p(0.99) - d.p(0.99),
+            c.p(0.5, True) - d.p(0.5, True) if stream else None,
+            c.p(0.99, True) - d.p(0.99, True) if stream else None,
+        ]  # fmt: skip
+        ttft = [c.p(0.5, True), c.p(0.99, True)] if stream else [None, None]
+        out.append(
+            f"| {c.mode} | {c.clients} | {c.target} | {_f(c.p(0.5))} | {_f(c.p(0.99))} | "
+            f"{_f(added[0])} | {_f(added[1])} | {_f(ttft[0])} | {_f(ttft[1])} | "
+            f"{_f(added[2])} | {_f(added[3])} | {_f(c.rps, 0)} | {c.failed} | "
+            f"{_f(c.cpu_ms_per_request)} | {_f(c.peak_rss_mb, 0)} |"
+        )
+    out += [
+        "",
+        "| mode | clients | flywheel / direct req/s | flywheel / litellm req/s |",
+        "|---|---|---|---|",
+    ]
+    for mode, clients in direct:
+        fw = by_key[(mode, clients, "flywheel")].rps
+        lite = by_key.get((mode, clients, "litellm"))
+        vs_lite = fw / lite.rps if lite and lite.rps else None
+        out.append(
+            f"| {mode} | {clients} | {_f(fw / direct[(mode, clients)].rps)} | {_f(vs_lite, 1)} |"
+        )
+    return "\n".join(out)
+
+
+def goals(cells: list[Cell]) -> list[str]:
+    """Issue 5's goals next to what this run got (non-streaming)."""
+    by_key = {(c.clients, c.target): c for c in cells if c.mode == "non-streaming"}
+
+    def verdict(ok: bool) -> str:
+        return "met" if ok else "MISSED"
+
+    out = []
+    if (1, "flywheel") in by_key:
+        fw, d = by_key[(1, "flywheel")], by_key[(1, "direct")]
+        p50, p99 = fw.p(0.5) - d.p(0.5), fw.p(0.99) - d.p(0.99)
+        out.append(
+            f"1 client, added p50 {p50:.2f} ms (goal <= {GOAL_ADDED_P50_MS} ms: "
+            f"{verdict(p50 <= GOAL_ADDED_P50_MS)}), added p99 {p99:.2f} ms "
+            f"(goal <= {GOAL_ADDED_P99_MS} ms: {verdict(p99 <= GOAL_ADDED_P99_MS)})"
+        )
+    if (64, "flywheel") in by_key:
+        fw, d = by_key[(64, "flywheel")], by_key[(64, "direct")]
+        line = (
+            f"64 clients, flywheel/direct throughput {fw.rps / d.rps:.2f} "
+            f"(goal >= {GOAL_DIRECT_RATIO}: {verdict(fw.rps >= GOAL_DIRECT_RATIO * d.rps)})"
+        )
+        if (lite := by_key.get((64, "litellm"))) and lite.rps:
+            ratio = fw.rps / lite.rps
+            line += (
+                f", flywheel/litellm {ratio:.1f}x (goal >= {GOAL_LITELLM_RATIO:.0f}x: "
+                f"{verdict(ratio >= GOAL_LITELLM_RATIO)})"
+            )
+        out.append(line)
+    return out
+
+
+def plot(cells: list[Cell], img_dir: Path) -> list[Path]:
+    clients = sorted({c.clients for c in cells})
+    targets = list(dict.fromkeys(c.target for c in cells))
+    by_key = {(c.mode, c.clients, c.target): c for c in cells}
+
+    def added(mode: str, target: str, q: float, ttft: bool = False) -> list[float]:
+        return [
+            by_key[(mode, n, target)].p(q, ttft) - by_key[(mode, n, "direct")].p(q, ttft)
+            for n in clients
+        ]
+
+    proxies = [t for t in targets if t != "direct"]
+    latency_panels = {
+        "non-streaming: added latency": {
+            f"{t} {name}": added("non-streaming", t, q)
+            for t in proxies
+            for name, q in (("p50", 0.5), ("p99", 0.99))
+        },
+        "streaming: added time to first token": {
+            f"{t} {name}": added("streaming", t, q, ttft=True)
+            for t in proxies
+            for name, q in (("p50", 0.5), ("p99", 0.99))
+        },
+    }
+    throughput_panels = {
+        mode: {t: [by_key[(mode, n, t)].rps for n in clients] for t in targets} for mode in MODES
+    }
+    return [
+        plots.lines(
+            img_dir / "proxy_overhead_latency.png", clients, latency_panels,
+            xlabel="concurrent clients", ylabel="ms added vs direct (log)",
+            title="Latency added by the proxy (fake vLLM upstream)", log_y=True,
+            hlines={"goal p50, 1 client": GOAL_ADDED_P50_MS, "goal p99": GOAL_ADDED_P99_MS},
+        ),
+        plots.lines(
+            img_dir / "proxy_overhead_throughput.png", clients, throughput_panels,
+            xlabel="concurrent clients", ylabel="requests/s (log)",
+            title="Throughput per target (same run, interleaved)", log_y=True,
+        ),
+    ]  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--concurrency", default="1,16,64,256", help="comma-separated clients")
     parser.add_argument("--seconds", type=float, default=5.0, help="per target, per round")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per cell")
     parser.add_argument("--latency-s", type=float, default=0.002, help="the fake's own latency")
-    parser.add_argument("--database-url", help="default: an embedded Postgres in a temp dir")
-    parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM's proxy")
+    parser.add_argument("--database-url", help="default: an embedded Postgres (.flywheel/bench)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="report to append to")
+    parser.add_argument("--img-dir", type=Path, default=IMG_DIR, help="where the PNGs go")
+    parser.add_argument("--note", default="", help="a line for the report (e.g. machine state)")
     args = parser.parse_args()
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
 
-    base = args.database_url or database.embedded_postgres_url(Path(tempfile.mkdtemp()))
-    name = f"bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(base, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    db_url = database.with_database(base, name)
-    fake_port, proxy_port = free_port(), free_port()
-    fake = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tests.fake_vllm",
-            "--port",
-            str(fake_port),
-            "--latency-s",
-            str(args.latency_s),
-        ],
-        stdout=subprocess.DEVNULL,
-    )
-    proxy = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "proxy.cli",
-            "proxy",
-            "--upstream",
-            f"http://127.0.0.1:{fake_port}",
-            "--port",
-            str(proxy_port),
-        ],
-        env={
-            **os.environ,
-            "FLYWHEEL_DATABASE_URL": db_url,
-            "FLYWHEEL_HOME": tempfile.mkdtemp(),
-            "FLYWHEEL_LOG_LEVEL": "warning",
-        },
-    )
-    rows = []
-    try:
-        wait_http(f"http://127.0.0.1:{fake_port}/health", fake, timeout=60)
-        wait_http(f"http://127.0.0.1:{proxy_port}/healthz", proxy, timeout=60)
-        targets = {
-            "direct": f"http://127.0.0.1:{fake_port}/v1/chat/completions",
-            "flywheel": f"http://127.0.0.1:{proxy_port}/v1/chat/completions",
-        }
-        proxy_ps = psutil.Process(proxy.pid)
-        for concurrency in [int(c) for c in args.concurrency.split(",")]:
-            runs: dict[str, list[float]] = {t: [] for t in targets}
-            counts = dict.fromkeys(targets, 0)
-            failures = dict.fromkeys(targets, 0)
-            cpu = 0.0
-            for _ in range(2):  # interleaved: direct, flywheel, direct, flywheel
-                for target, url in targets.items():
-                    before = proxy_ps.cpu_times()
-                    latencies, failed = asyncio.run(load(url, concurrency, args.seconds))
-                    after = proxy_ps.cpu_times()
-                    if target == "flywheel":
-                        cpu += (after.user + after.system) - (before.user + before.system)
-                    runs[target] += latencies
-                    counts[target] += len(latencies)
-                    failures[target] += failed
-            p = {t: statistics.quantiles(v, n=100) for t, v in runs.items()}
-            rps = {t: counts[t] / (2 * args.seconds) for t in targets}
-            rows.append(
-                {
-                    "concurrency": concurrency,
-                    "direct_p50_ms": p["direct"][49] * 1e3,
-                    "added_p50_ms": (p["flywheel"][49] - p["direct"][49]) * 1e3,
-                    "added_p99_ms": (p["flywheel"][98] - p["direct"][98]) * 1e3,
-                    "direct_rps": rps["direct"],
-                    "flywheel_rps": rps["flywheel"],
-                    "ratio": rps["flywheel"] / rps["direct"],
-                    "proxy_cpu_per_req_ms": cpu / max(1, counts["flywheel"]) * 1e3,
-                    "proxy_rss_mb": proxy_ps.memory_info().rss / 2**20,
-                    "failed": failures["flywheel"] + failures["direct"],
-                }
-            )
-        with psycopg.connect(db_url) as conn:
-            recorded = conn.execute("SELECT count(*) FROM transition").fetchone()[0]  # type: ignore[index]
-    finally:
-        for process in (proxy, fake):
-            process.terminate()
-            process.wait(timeout=30)
-        with psycopg.connect(base, autocommit=True) as conn:
-            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    servers: list[common.Server] = []
+    meters: dict[str, common.ProcessMeter] = {}
+    with common.bench_database(args.database_url) as db_url:
+        try:
+            fake = common.start_fake(args.latency_s)
+            servers.append(fake)
+            flywheel = common.start_flywheel(fake.url, db_url)
+            servers.append(flywheel)
+            urls = {"direct": fake.url, "flywheel": flywheel.url}
+            meters["flywheel"] = common.ProcessMeter(flywheel.process.pid)
+            if not args.no_litellm:
+                litellm = common.start_litellm(fake.url)
+                servers.append(litellm)
+                urls["litellm"] = litellm.url
+                meters["litellm"] = common.ProcessMeter(litellm.process.pid)
+            urls = {t: u + "/v1/chat/completions" for t, u in urls.items()}
+            warm = warm_up(urls)["flywheel"]
+            cells = measure(urls, meters, concurrencies, args.seconds, args.rounds)
+            calls = warm + sum(len(c.latencies) + c.failed for c in cells if c.target == "flywheel")
+            recorded, _ = common.wait_recorded(db_url, calls, timeout=30)
+        finally:
+            for meter in meters.values():
+                meter.close()
+            for server in reversed(servers):
+                server.stop()
 
-    header = (
-        "| when | clients | direct p50 ms | added p50 ms | added p99 ms | direct req/s | "
-        "flywheel req/s | ratio | proxy CPU ms/req | proxy RSS MB | failed |"
+    command = "PYTHONPATH=. .venv/bin/python -m bench.proxy_overhead " + shlex.join(sys.argv[1:])
+    body = tables(cells)
+    goal_lines = goals(cells)
+    recorded_line = (
+        f"transitions recorded by the proxy: {recorded} of {calls} calls (warm-up included)"
     )
-    lines = []
-    for r in rows:
-        lines.append(
-            f"| {time.strftime('%Y-%m-%d %H:%M')} | {r['concurrency']} | {r['direct_p50_ms']:.2f} "
-            f"| {r['added_p50_ms']:.2f} | {r['added_p99_ms']:.2f} | {r['direct_rps']:.0f} | "
-            f"{r['flywheel_rps']:.0f} | {r['ratio']:.2f} | {r['proxy_cpu_per_req_ms']:.2f} | "
-            f"{r['proxy_rss_mb']:.0f} | {r['failed']} |"
-        )
-    print(header, *lines, f"transitions recorded by the proxy: {recorded}", sep="\n")
+    print(body, "", *goal_lines, recorded_line, sep="\n")
+    pngs = plot(cells, args.img_dir)
+    section = [
+        f"\n## {time.strftime('%Y-%m-%d %H:%M')}\n",
+        f"`{command.strip()}`\n",
+        f"{os.cpu_count()} cores; fake vLLM latency {args.latency_s * 1e3:g} ms, up to 16 tokens;"
+        f" {args.seconds:g} s per target per round, {args.rounds} rounds interleaved."
+        + (f" {args.note}" if args.note else "")
+        + "\n",
+        body + "\n",
+        *(f"- {line}" for line in [*goal_lines, recorded_line]),
+        "",
+    ]
+    if not args.results.exists():
+        args.results.write_text("# Proxy overhead (appended by bench/proxy_overhead.py)\n")
     with args.results.open("a") as f:
-        if "## Proxy overhead" not in (args.results.read_text() if args.results.exists() else ""):
-            f.write(
-                "\n## Proxy overhead (non-streaming, fake vLLM)\n\n"
-                + header
-                + "\n"
-                + "|---" * 11
-                + "|\n"
-            )
-        f.write("\n".join(lines) + "\n")
+        f.write("\n".join(section))
+    print("wrote", args.results, *pngs, file=sys.stderr)
 
 
 if __name__ == "__main__":

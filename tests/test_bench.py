@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from bench.common import summarise_profile
+
 
 def test_recording_rate_smoke(postgres_url: str, tmp_path: Path) -> None:
     report = tmp_path / "results.md"
@@ -33,29 +35,87 @@ def test_recording_rate_smoke(postgres_url: str, tmp_path: Path) -> None:
     assert header.startswith("| when |") and len(rows) == 1 and "| 200 | 4 |" in rows[0]
 
 
-def test_proxy_overhead_smoke(postgres_url: str, tmp_path: Path) -> None:
-    report = tmp_path / "overhead.md"
+def _bench(module: str, *args: str) -> subprocess.CompletedProcess[str]:
     run = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.proxy_overhead",
-            "--concurrency",
-            "1,4",
-            "--seconds",
-            "0.3",
-            "--database-url",
-            postgres_url,
-            "--results",
-            str(report),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=300
     )
     assert run.returncode == 0, run.stderr
-    rows = [line for line in report.read_text().splitlines() if line.startswith("| 20")]
-    assert [row.split("|")[2].strip() for row in rows] == ["1", "4"]
-    assert all(row.split("|")[-2].strip() == "0" for row in rows)  # no failed request
-    recorded = int(run.stdout.rsplit(":", 1)[1])
-    assert recorded > 0
+    return run
+
+
+def _table(report: Path, first_cell: tuple[str, ...]) -> list[list[str]]:
+    """The report's table rows whose first cell is one of `first_cell`, split into cells."""
+    rows = [line.split("|")[1:-1] for line in report.read_text().splitlines()]
+    return [[c.strip() for c in row] for row in rows if row and row[0].strip() in first_cell]
+
+
+def _number(cell: str) -> float:
+    return float("nan") if cell == "-" else float(cell.replace(",", ""))
+
+
+def test_proxy_overhead_smoke(postgres_url: str, tmp_path: Path) -> None:
+    report = tmp_path / "overhead.md"
+    run = _bench(
+        "bench.proxy_overhead", "--concurrency", "1,2", "--seconds", "0.3", "--rounds", "1",
+        "--no-litellm", "--database-url", postgres_url, "--results", str(report),
+        "--img-dir", str(tmp_path),
+    )  # fmt: skip
+    both = _table(report, ("non-streaming", "streaming"))
+    rows, ratios = [r for r in both if len(r) == 15], [r for r in both if len(r) == 4]
+    assert [(r[0], r[1], r[2]) for r in rows] == [
+        (mode, clients, target)
+        for clients in ("1", "2")
+        for mode in ("non-streaming", "streaming")
+        for target in ("direct", "flywheel")
+    ]
+    for row in rows:
+        assert row[12] == "0", row  # no failed request
+        figures = [_number(cell) for cell in row[3:]]  # every figure parses
+        assert figures[8] > 0  # req/s
+    assert [(r[0], r[1]) for r in ratios] == [(r[0], r[1]) for r in rows[::2]]
+    assert all(_number(r[2]) > 0 and r[3] == "-" for r in ratios)  # no LiteLLM: no ratio
+    assert "1 client, added p50" in run.stdout
+    recorded, calls = (
+        run.stdout.split("recorded by the proxy: ")[1].split(" calls")[0].split(" of ")
+    )
+    assert int(recorded) == int(calls) > 0  # every call recorded, warm-up included
+    assert "`PYTHONPATH=. .venv/bin/python -m bench.proxy_overhead --concurrency 1,2" in (
+        report.read_text()
+    )
+    for name in ("proxy_overhead_latency.png", "proxy_overhead_throughput.png"):
+        assert (tmp_path / name).read_bytes().startswith(b"\x89PNG")
+
+
+def test_scaling_smoke(postgres_url: str, tmp_path: Path) -> None:
+    report = tmp_path / "scaling.md"
+    _bench(
+        "bench.scaling", "--concurrency", "1,2", "--prompts", "short,long", "--seconds", "0.3",
+        "--rounds", "1", "--database-url", postgres_url, "--results", str(report),
+        "--img-dir", str(tmp_path),
+    )  # fmt: skip
+    rows = _table(report, ("short", "long"))
+    assert [(r[0], r[4]) for r in rows] == [("short", "1"), ("short", "2"), ("long", "1"),
+                                            ("long", "2")]  # fmt: skip
+    short_tokens, long_tokens = int(rows[0][1]), int(rows[2][1])
+    assert short_tokens < 50 and 3000 < long_tokens < 5000
+    for row in rows:
+        assert row[15] == "0" and row[17] == "0", row  # nothing lost, nothing failed
+        assert _number(row[13]) > 0  # recorded/s
+        [_number(cell) for cell in row[1:]]  # every figure parses
+    assert (tmp_path / "scaling.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_profile_summary(tmp_path: Path) -> None:
+    """py-spy's collapsed stacks (--native) become own/total shares per function and area."""
+    raw = tmp_path / "raw.txt"
+    site = "/x/.venv/lib/python3.11/site-packages"
+    raw.write_text(
+        f"run (uvicorn/main.py:1);handle (proxy/forward.py:10);loads ({site}/orjson/x.py:3) 3\n"
+        "run (uvicorn/main.py:1);handle (proxy/forward.py:12);send (libc.so.6) 1\n"
+    )
+    profile = summarise_profile(raw)
+    assert profile.samples == 4
+    assert profile.own[0] == ("loads (orjson/x.py)", 0.75)
+    assert profile.total["handle (proxy/forward.py)"] == 1.0
+    assert "send (libc.so.6)" not in profile.total  # native frames: own time only
+    assert dict(profile.areas) == {"orjson": 0.75, "syscalls/libc": 0.25}

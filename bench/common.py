@@ -1,0 +1,426 @@
+"""What the proxy benchmarks share: the processes under test, the load generator, the meters.
+
+Every server runs in its own process (the fake vLLM, `flywheel proxy`, LiteLLM's proxy); the load
+generator runs in the benchmark's own process on uvloop. `ProcessMeter` reads a server's CPU time
+and peak RSS (children included); `profile()` attaches py-spy to a running server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import orjson
+import psutil
+import psycopg
+
+from demo.vllm_server import wait_http
+from proxy import database
+from tests.conftest import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+WORK = ROOT / ".flywheel" / "bench"  # git-ignored: LiteLLM's venv, logs, raw profiles
+LITELLM_PIN = "litellm[proxy]==1.106.2"
+LITELLM_VENV = WORK / "litellm-venv"
+REQUEST_TIMEOUT_S = 60.0  # a request slower than this counts as failed (LiteLLM at 256 clients)
+START_TIMEOUT_S = 120.0  # LiteLLM's proxy imports for ~10 s on two busy cores
+MODEL = "demo"
+# LiteLLM's proxy refuses to start without a master key; every target gets the same header
+# (the fake and Flywheel, with no API keys configured, ignore it).
+MASTER_KEY = "sk-" + secrets.token_hex(32)
+
+BodyFactory = Callable[[int, int], bytes]  # (client, request number) -> JSON body
+
+
+# --- the load generator ----------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    """One target under one load: per-request latencies (s), streaming time to first token."""
+
+    latencies: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    failed: int = 0
+    elapsed: float = 0.0
+
+
+def quantile(values: list[float], q: float) -> float:
+    """The q-quantile (0 < q < 1) by linear interpolation; nan when there is nothing to rank."""
+    if len(values) < 2:
+        return values[0] if values else float("nan")
+    return statistics.quantiles(values, n=1000, method="inclusive")[round(q * 1000) - 1]
+
+
+def first_content(data: bytes) -> bool:
+    """Whether an SSE data payload carries generated text (chat delta or completions text)."""
+    if data == b"[DONE]":
+        return False
+    for choice in orjson.loads(data).get("choices") or ():
+        if (choice.get("delta") or {}).get("content") or choice.get("text"):
+            return True
+    return False
+
+
+async def _one(
+    session: aiohttp.ClientSession, url: str, body: bytes, headers: dict[str, str], stream: bool
+) -> tuple[float, float | None] | None:
+    """Latency and (streaming) time to first token of one call; None when it failed."""
+    started = time.perf_counter()
+    ttft = None
+    async with session.post(url, data=body, headers=headers) as response:
+        if not stream:
+            await response.read()
+            return (time.perf_counter() - started, None) if response.status == 200 else None
+        if response.status != 200:
+            await response.read()
+            return None
+        buffer, last = bytearray(), b""
+        async for block in response.content.iter_any():
+            buffer += block
+            while (end := buffer.find(b"\n\n")) != -1:
+                event = bytes(buffer[:end])
+                del buffer[: end + 2]
+                if not event.startswith(b"data:"):
+                    continue
+                last = event[5:].strip()
+                if ttft is None and first_content(last):
+                    ttft = time.perf_counter() - started
+        if last != b"[DONE]" or ttft is None:
+            return None
+        return time.perf_counter() - started, ttft
+
+
+async def _load(
+    url: str, make_body: BodyFactory, concurrency: int, seconds: float, stream: bool
+) -> Run:
+    run = Run()
+    deadline = time.perf_counter() + seconds
+    tag = uuid.uuid4().hex[:8]
+
+    async def client(session: aiohttp.ClientSession, n: int) -> None:
+        headers = {
+            "Content-Type": "application/json",
+            "Authorization": f"Bearer {MASTER_KEY}",
+            "X-Episode-Id": f"bench-{tag}-{n}",
+        }
+        i = 0
+        while time.perf_counter() < deadline:
+            try:
+                result = await _one(session, url, make_body(n, i), headers, stream)
+            except (aiohttp.ClientError, TimeoutError):
+                result = None
+            i += 1
+            if result is None:
+                run.failed += 1
+                continue
+            run.latencies.append(result[0])
+            if result[1] is not None:
+                run.ttfts.append(result[1])
+
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    started = time.perf_counter()
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+        await asyncio.gather(*(client(session, n) for n in range(concurrency)))
+    run.elapsed = time.perf_counter() - started  # until the last call in flight came back
+    return run
+
+
+def load(
+    url: str, make_body: BodyFactory, concurrency: int, seconds: float, *, stream: bool = False
+) -> Run:
+    """`concurrency` clients, each calling back to back for `seconds`, on uvloop when present."""
+    coroutine = _load(url, make_body, concurrency, seconds, stream)
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coroutine)
+    return uvloop.run(coroutine)
+
+
+def chat_body(messages: list[dict[str, str]], *, stream: bool, max_tokens: int = 16) -> bytes:
+    return orjson.dumps(
+        {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": stream}
+    )
+
+
+# --- meters -----------------------------------------------------------------------------------
+
+
+class ProcessMeter:
+    """CPU seconds and peak RSS of a server process and its children (sampled every 50 ms)."""
+
+    def __init__(self, pid: int) -> None:
+        self.process = psutil.Process(pid)
+        self.peak_rss = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+
+    def _tree(self) -> list[psutil.Process]:
+        try:
+            return [self.process, *self.process.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def cpu_s(self) -> float:
+        total = 0.0
+        for p in self._tree():
+            try:
+                times = p.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += times.user + times.system
+        return total
+
+    def _sample(self) -> None:
+        while not self._stop.wait(0.05):
+            rss = 0
+            for p in self._tree():
+                with suppress(psutil.NoSuchProcess):
+                    rss += p.memory_info().rss
+            self.peak_rss = max(self.peak_rss, rss)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def postgres_pid(url: str) -> int | None:
+    """The postmaster's pid of an embedded server (socket directory = data directory), if local."""
+    host = dict(p.split("=", 1) for p in url.partition("?")[2].split("&") if "=" in p).get("host")
+    pid_file = Path(host or "/nonexistent") / "postmaster.pid"
+    return int(pid_file.read_text().split()[0]) if pid_file.exists() else None
+
+
+# --- the processes under test -----------------------------------------------------------------
+
+
+def _env(**extra: str) -> dict[str, str]:
+    """The environment for a child: this checkout first on PYTHONPATH, so its code is what runs."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    return {**os.environ, "PYTHONPATH": path, **extra}
+
+
+def _log(name: str) -> Path:
+    WORK.mkdir(parents=True, exist_ok=True)
+    return WORK / f"{name}.log"
+
+
+@dataclass
+class Server:
+    name: str
+    process: subprocess.Popen[bytes]
+    url: str  # base URL, without /v1
+    log_path: Path
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+
+
+def _start(name: str, argv: list[str], health: str, env: dict[str, str]) -> Server:
+    port = free_port()
+    log_path = _log(name)
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [*argv, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env
+        )
+    server = Server(name, process, f"http://127.0.0.1:{port}", log_path)
+    try:
+        wait_http(server.url + health, process, timeout=START_TIMEOUT_S, log_path=log_path)
+    except BaseException:
+        server.stop()
+        raise
+    return server
+
+
+def start_fake(latency_s: float, token_delay_s: float = 0.0) -> Server:
+    argv = [sys.executable, "-m", "tests.fake_vllm", "--latency-s", str(latency_s)]
+    argv += ["--token-delay-s", str(token_delay_s)]
+    return _start("fake_vllm", argv, "/health", _env())
+
+
+def start_flywheel(upstream: str, database_url: str) -> Server:
+    env = _env(
+        FLYWHEEL_DATABASE_URL=database_url,
+        FLYWHEEL_HOME=tempfile.mkdtemp(prefix="flywheel-bench-"),
+        FLYWHEEL_LOG_LEVEL="warning",
+    )
+    argv = [sys.executable, "-m", "proxy.cli", "proxy", "--upstream", upstream]
+    return _start("flywheel_proxy", argv, "/healthz", env)
+
+
+def litellm_venv(venv: Path = LITELLM_VENV) -> Path:
+    """LiteLLM's proxy in a venv of its own (its pins must not touch ours); made on first use."""
+    exe = venv / "bin" / "litellm"
+    if exe.exists():
+        return exe
+    print(f"creating {venv} with {LITELLM_PIN} (once; a few minutes)", file=sys.stderr)
+    python = shutil.which("python3.11") or sys.executable
+    subprocess.run([python, "-m", "venv", str(venv)], check=True)
+    pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "-q", LITELLM_PIN]
+    subprocess.run(pip, check=True)
+    return exe
+
+
+def start_litellm(upstream: str) -> Server:
+    """LiteLLM's proxy server: one worker, no database, one model routed to the fake."""
+    exe = litellm_venv()
+    config = WORK / "litellm_config.yaml"
+    config.write_text(
+        "model_list:\n"
+        f"  - model_name: {MODEL}\n"
+        "    litellm_params:\n"
+        f"      model: hosted_vllm/{MODEL}\n"
+        f"      api_base: {upstream}/v1\n"
+        "      api_key: unused\n"
+        "litellm_settings:\n"
+        "  drop_params: true\n"
+    )
+    env = _env(
+        LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_LOG="ERROR", LITELLM_MASTER_KEY=MASTER_KEY
+    )
+    env.pop("PYTHONPATH")  # its own venv, its own packages
+    argv = [str(exe), "--config", str(config), "--host", "127.0.0.1", "--num_workers", "1"]
+    return _start("litellm_proxy", argv, "/health/liveliness", env)
+
+
+@contextmanager
+def bench_database(database_url: str | None) -> Iterator[str]:
+    """A fresh database on the given server (default: an embedded one), dropped afterwards."""
+    base = database_url or database.embedded_postgres_url(WORK / "postgres-home")
+    name = f"bench_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(base, autocommit=True) as conn:
+        conn.execute(f"CREATE DATABASE {name}")
+    url = database.with_database(base, name)
+    try:
+        database.migrate(url)
+        yield url
+    finally:
+        with psycopg.connect(base, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+def count_transitions(url: str) -> int:
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT count(*) FROM transition").fetchone()
+    return int(row[0]) if row else 0
+
+
+def wait_recorded(url: str, expected: int, timeout: float = 60.0) -> tuple[int, float]:
+    """Poll until `expected` transitions are stored; (count, seconds waited)."""
+    started = time.perf_counter()
+    while (n := count_transitions(url)) < expected and time.perf_counter() - started < timeout:
+        time.sleep(0.02)
+    return n, time.perf_counter() - started
+
+
+# --- py-spy ----------------------------------------------------------------------------------
+
+
+def py_spy() -> str | None:
+    here = Path(sys.executable).parent / "py-spy"
+    return str(here) if here.exists() else shutil.which("py-spy")
+
+
+def start_profile(pid: int, seconds: float, out: Path, rate: int = 250) -> subprocess.Popen[bytes]:
+    """py-spy sampling `pid` for `seconds` into collapsed stacks (--format raw).
+
+    Blocking (the default): py-spy pauses the process for each sample, a few percent of its time
+    at this rate; --nonblocking gave torn stacks that do not start at the root. --native shows
+    where the C code goes (socket syscalls, the garbage collector), not only `Runner.run`.
+    """
+    exe = py_spy()
+    if exe is None:
+        raise SystemExit("py-spy not found: pip install py-spy (the dev extra has it)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    argv = [exe, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds)))]
+    argv += ["--rate", str(rate), "--format", "raw", "--native", "-o", str(out)]
+    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def _frame_name(frame: str) -> str:
+    """`handle (proxy/forward.py:123)` -> `handle (proxy/forward.py)`: functions, not lines."""
+    name, _, where = frame.partition(" (")
+    path = where.rsplit(":", 1)[0].rstrip(")")
+    for marker in ("site-packages/", "lib/python3.11/", str(ROOT) + "/"):
+        if marker in path:
+            path = path.split(marker, 1)[1]
+    if name.startswith("0x"):  # an unsymbolised address: memcpy, malloc and the like
+        name = "<unsymbolised>"
+    return f"{name} ({path})" if path else name
+
+
+def _is_python(frame: str) -> bool:
+    return frame.endswith(".py)")
+
+
+def _area(frame: str) -> str:
+    """Where a frame's time goes: a package (`proxy`, `starlette`, ...), or a native bucket."""
+    path = frame.partition(" (")[2].rstrip(")")
+    if _is_python(frame):
+        return path.split("/", 1)[0].removesuffix(".py")
+    if path.startswith("libc"):
+        return "syscalls/libc"
+    if path.startswith("libpython") or path.endswith((".h", ".c")):
+        return "CPython/C extensions"
+    return path.split("/", 1)[0] or "<native>"  # orjson/orjson.cpython-311-...so -> orjson
+
+
+def _stacks(raw: Path) -> Iterator[tuple[list[str], int]]:
+    for line in raw.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if stack and count_text.isdigit():
+            yield [_frame_name(f) for f in stack.split(";")], int(count_text)
+
+
+@dataclass
+class Profile:
+    """py-spy's collapsed stacks (with --native) reduced to shares of the busy samples."""
+
+    samples: int
+    own: list[tuple[str, float]]  # leaf frames (native ones too: syscalls, gc), largest first
+    total: dict[str, float]  # Python functions anywhere on the stack
+    areas: list[tuple[str, float]]  # own time by package / native bucket
+
+
+def summarise_profile(raw: Path) -> Profile:
+    own: Counter[str] = Counter()
+    total: Counter[str] = Counter()
+    areas: Counter[str] = Counter()
+    samples = 0
+    for frames, count in _stacks(raw):
+        samples += count
+        own[frames[-1]] += count
+        areas[_area(frames[-1])] += count
+        for name in {f for f in frames if _is_python(f)}:
+            total[name] += count
+    n = samples or 1
+    return Profile(
+        samples,
+        [(f, c / n) for f, c in own.most_common()],
+        {f: c / n for f, c in total.items()},
+        [(a, c / n) for a, c in areas.most_common()],
+    )
