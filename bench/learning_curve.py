@@ -348,8 +348,13 @@ def report(curves: list[Curve], args: argparse.Namespace, plots: list[Path]) -> 
         f"## {time.strftime('%Y-%m-%d %H:%M')}: {samples} samples",
         "",
         f"`{command}` on {os.cpu_count()} CPU cores shared with other work (wall times are "
-        f"noisy). Model: {args.model}. TRL: {args.trl_batch} samples per optimizer step "
-        f"({args.trl_batch // GROUP} questions x {GROUP}), {args.threads} torch threads.",
+        f"noisy). Model: {args.model}."
+        + (
+            ""
+            if args.skip_trl
+            else f" TRL: {args.trl_batch} samples per optimizer step "
+            f"({args.trl_batch // GROUP} questions x {GROUP}), {args.threads} torch threads."
+        ),
         "",
     ]
     tables = {c.name: windows(c, WINDOW) for c in curves}
