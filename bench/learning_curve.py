@@ -107,6 +107,8 @@ def run_flywheel(model_dir: Path, rounds: int, database_url: str | None) -> Curv
                     )
             finally:
                 agent.close()
+        top = max(_version_key(e.policy_version) for e in history)
+        curve.notes.append(f"adapter versions 0..{top} served ({top} optimizer steps published)")
         failed = [e.failed for e in history if e.failed]
         if failed:
             curve.notes.append(f"{len(failed)} failed requests, e.g. {failed[0]}")
@@ -221,6 +223,7 @@ def run_trl(model_dir: Path, samples: int, batch: int, threads: int) -> Curve:
     )
     trainer.remove_callback(PrinterCallback)  # our own line per step instead
     trainer.train()
+    curve.notes.append(f"{trainer.state.global_step} optimizer steps of {batch} samples")
     return curve
 
 
@@ -328,8 +331,12 @@ def plot(curves: list[Curve], out_dir: Path) -> list[Path]:
             line = smoothed(curve, WINDOW)
             ax.plot([r[x] for r in line], [r[1] for r in line], "-", color=color, label=curve.name)
         ax.set_xlabel(label)
-        ax.set_ylabel(f"mean reward (dots: per batch; line: last {WINDOW} samples)")
+        ax.set_ylabel("mean reward of the samples drawn")
         ax.set_ylim(0, 1)
+        ax.set_xlim(left=0)
+        ax.text(
+            0.01, 0.02, f"dots: per batch; lines: last {WINDOW} samples", transform=ax.transAxes
+        )
         ax.grid(alpha=0.3)
         ax.legend(loc="lower right")
         ax.set_title("Calculator task, warm-started tiny Qwen2, LoRA GRPO on 2 CPU cores")
