@@ -16,6 +16,7 @@ Appends a dated section to bench/learning_curve.md and draws docs/img/learning_c
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import psycopg
 
 from demo.agent import MAX_TOKENS, TEMPERATURE, Agent, Episode, print_round
@@ -59,6 +61,7 @@ class Point:
 class Curve:
     name: str
     setup_s: float = 0.0
+    cpu_s: float = 0.0  # CPU seconds of every process of the system while it drew its samples
     points: list[Point] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
@@ -93,7 +96,7 @@ def run_flywheel(model_dir: Path, rounds: int, database_url: str | None) -> Curv
             curve.setup_s = time.perf_counter() - started
             agent = Agent(loop.proxy_url)
             history: list[Episode] = []
-            t0 = time.perf_counter()
+            t0, cpu0 = time.perf_counter(), _cpu_times(database_url)
             try:
                 for r in range(rounds):
                     episodes = agent.round()
@@ -107,6 +110,8 @@ def run_flywheel(model_dir: Path, rounds: int, database_url: str | None) -> Curv
                     )
             finally:
                 agent.close()
+            cpu1 = _cpu_times(database_url)
+            curve.cpu_s = sum(t - cpu0.get(pid, 0.0) for pid, t in cpu1.items())
         top = max(_version_key(e.policy_version) for e in history)
         curve.notes.append(f"adapter versions 0..{top} served ({top} optimizer steps published)")
         failed = [e.failed for e in history if e.failed]
@@ -117,6 +122,22 @@ def run_flywheel(model_dir: Path, rounds: int, database_url: str | None) -> Curv
         with psycopg.connect(base, autocommit=True) as conn:
             conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
     return curve
+
+
+def _cpu_times(database_url: str | None) -> dict[int, float]:
+    """User+system CPU seconds by pid: this process (the agent), vLLM, proxy and trainer (our
+    children) and, when embedded, Postgres (its postmaster and backends alive now)."""
+    processes = [psutil.Process(), *psutil.Process().children(recursive=True)]
+    pid_file = HOME / "postgres" / "postmaster.pid"
+    if database_url is None and pid_file.exists():
+        postmaster = psutil.Process(int(pid_file.read_text().split()[0]))
+        processes += [postmaster, *postmaster.children(recursive=True)]
+    times = {}
+    for p in processes:
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            times[p.pid] = t.user + t.system
+    return times
 
 
 def _version_key(v: str) -> int:
@@ -198,14 +219,15 @@ def run_trl(model_dir: Path, samples: int, batch: int, threads: int) -> Curve:
     dataset = Dataset.from_list([{"prompt": messages(a, b), "a": a, "b": b} for a, b in QUESTIONS])
 
     class Record(TrainerCallback):
-        t0 = 0.0
+        t0 = cpu0 = 0.0
 
         def on_train_begin(self, *_: Any, **__: Any) -> None:
-            self.t0 = time.perf_counter()
+            self.t0, self.cpu0 = time.perf_counter(), time.process_time()
             curve.setup_s = self.t0 - started
 
         def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             logs = kwargs.get("logs")
+            curve.cpu_s = time.process_time() - self.cpu0  # all threads of this one process
             if logs and "reward" in logs:
                 step = state.global_step
                 at = time.perf_counter() - self.t0
@@ -287,6 +309,8 @@ def summary(curve: Curve) -> dict[str, float]:
         "wall_s": curve.points[-1].wall_s,
         "setup_s": curve.setup_s,
         "per_s": total / curve.points[-1].wall_s,
+        "cpu_s": curve.cpu_s,
+        "per_cpu_s": total / curve.cpu_s,
         "reach_samples": reach[0],
         "reach_s": reach[1],
     }
@@ -310,7 +334,11 @@ def verdict(fw: dict[str, float], trl: dict[str, float]) -> str:
         f"{'met' if faster else 'missed'}: Flywheel took {fw['wall_s']:.0f} s for its samples, "
         f"TRL {trl['wall_s']:.0f} s ({fw['wall_s'] / trl['wall_s']:.2f}x)"
     )
-    return f"- same reward per sample: {same}\n- less wall time: {time_part}"
+    cpu_part = (
+        f"CPU time, less sensitive to the shared machine: Flywheel {fw['cpu_s']:.0f} s, "
+        f"TRL {trl['cpu_s']:.0f} s ({fw['cpu_s'] / trl['cpu_s']:.2f}x)"
+    )
+    return f"- same reward per sample: {same}\n- less wall time: {time_part}\n- {cpu_part}"
 
 
 def plot(curves: list[Curve], out_dir: Path) -> list[Path]:
@@ -390,6 +418,8 @@ def report(curves: list[Curve], args: argparse.Namespace, plots: list[Path]) -> 
         ("samples", "samples", "{:.0f}"),
         ("wall_s", "wall time for them (s)", "{:.1f}"),
         ("per_s", "samples per second", "{:.1f}"),
+        ("cpu_s", "CPU time for them (s, all processes)", "{:.1f}"),
+        ("per_cpu_s", "samples per CPU second", "{:.1f}"),
         ("reach_samples", f"samples until a {WINDOW}-sample mean >= 0.8", "{:.0f}"),
         ("reach_s", f"seconds until a {WINDOW}-sample mean >= 0.8", "{:.0f}"),
         ("setup_s", "start-up before the first sample (s)", "{:.0f}"),
