@@ -46,6 +46,7 @@ PLOTS = ROOT / "docs" / "img"
 HOME = ROOT / ".flywheel" / "learning-curve"
 ROUND = 64  # episodes per agent round: Agent.round(questions=8, samples=8)
 GROUP = 8  # episodes per question in a round: the GRPO group size on both sides
+KINDS = {"vllm": "vllm", "proxy": "proxy.cli proxy", "trainer": "proxy.cli trainer"}  # by cmdline
 WINDOW = 192  # samples per row of the report's tables (three agent rounds, as in the e2e test)
 
 
@@ -111,7 +112,16 @@ def run_flywheel(model_dir: Path, rounds: int, database_url: str | None) -> Curv
             finally:
                 agent.close()
             cpu1 = _cpu_times(database_url)
-            curve.cpu_s = sum(t - cpu0.get(pid, 0.0) for pid, t in cpu1.items())
+            by_kind: dict[str, float] = {}
+            for (pid, kind), t in cpu1.items():
+                by_kind[kind] = by_kind.get(kind, 0.0) + t - cpu0.get((pid, kind), 0.0)
+            curve.cpu_s = sum(by_kind.values())
+            curve.notes.append(
+                "CPU s by process: "
+                + ", ".join(
+                    f"{k} {v:.0f}" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])
+                )
+            )
         top = max(_version_key(e.policy_version) for e in history)
         curve.notes.append(f"adapter versions 0..{top} served ({top} optimizer steps published)")
         failed = [e.failed for e in history if e.failed]
@@ -124,20 +134,29 @@ def run_flywheel(model_dir: Path, rounds: int, database_url: str | None) -> Curv
     return curve
 
 
-def _cpu_times(database_url: str | None) -> dict[int, float]:
-    """User+system CPU seconds by pid: this process (the agent), vLLM, proxy and trainer (our
-    children) and, when embedded, Postgres (its postmaster and backends alive now)."""
-    processes = [psutil.Process(), *psutil.Process().children(recursive=True)]
+def _cpu_times(database_url: str | None) -> dict[tuple[int, str], float]:
+    """User+system CPU seconds by (pid, kind): this process (the agent), vLLM, proxy and trainer
+    (our children, with theirs) and, when embedded, Postgres (postmaster and live backends)."""
+    me = psutil.Process()
+    trees = [(me, "agent", [])] + [(c, _kind(c), c.children(recursive=True)) for c in me.children()]
     pid_file = HOME / "postgres" / "postmaster.pid"
     if database_url is None and pid_file.exists():
         postmaster = psutil.Process(int(pid_file.read_text().split()[0]))
-        processes += [postmaster, *postmaster.children(recursive=True)]
+        trees.append((postmaster, "postgres", postmaster.children(recursive=True)))
     times = {}
-    for p in processes:
-        with contextlib.suppress(psutil.Error):
-            t = p.cpu_times()
-            times[p.pid] = t.user + t.system
+    for root, kind, children in trees:
+        for p in [root, *children]:
+            with contextlib.suppress(psutil.Error):
+                t = p.cpu_times()
+                times[p.pid, kind] = t.user + t.system
     return times
+
+
+def _kind(p: psutil.Process) -> str:
+    with contextlib.suppress(psutil.Error):
+        command = " ".join(p.cmdline())
+        return next((k for k, marker in KINDS.items() if marker in command), p.name())
+    return "?"
 
 
 def _version_key(v: str) -> int:
