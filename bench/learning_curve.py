@@ -46,7 +46,8 @@ PLOTS = ROOT / "docs" / "img"
 HOME = ROOT / ".flywheel" / "learning-curve"
 ROUND = 64  # episodes per agent round: Agent.round(questions=8, samples=8)
 GROUP = 8  # episodes per question in a round: the GRPO group size on both sides
-KINDS = {"vllm": "vllm", "proxy": "proxy.cli proxy", "trainer": "proxy.cli trainer"}  # by cmdline
+# by command line, in this order (the trainer's own command names --vllm)
+KINDS = {"trainer": "proxy.cli trainer", "proxy": "proxy.cli proxy", "vllm": "vllm.entrypoints"}
 WINDOW = 192  # samples per row of the report's tables (three agent rounds, as in the e2e test)
 
 
