@@ -21,10 +21,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import random
 import tempfile
 import time
 import uuid
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -80,7 +83,32 @@ def episode_records(rng: random.Random, turns: int) -> list[dict[str, Any]]:
     return records
 
 
-async def measure(url: str, records: list[dict[str, Any]], batch_size: int) -> float:
+def backend_cpu_s(url: str) -> float | None:
+    """CPU seconds the Postgres backends serving `url` have used so far (this machine only)."""
+    with psycopg.connect(url) as conn:
+        pids = [
+            pid
+            for (pid,) in conn.execute(
+                "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+                "AND backend_type = 'client backend' AND pid <> pg_backend_pid()"
+            )
+        ]
+    try:  # utime and stime: fields 14 and 15, counted after the ")" that ends the name
+        stats = [Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split() for pid in pids]
+    except OSError:  # a remote Postgres
+        return None
+    return sum(int(f[11]) + int(f[12]) for f in stats) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Run:
+    elapsed_s: float
+    writer_cpu_s: float  # this process: the Recorder, psycopg, SQLAlchemy
+    postgres_cpu_s: float | None  # the backends that wrote (None: not on this machine)
+    curve: list[tuple[float, int]]  # (seconds, transitions stored so far)
+
+
+async def measure(url: str, records: list[dict[str, Any]], batch_size: int) -> Run:
     engine = database.create_engine(url)
     with tempfile.TemporaryDirectory() as journal_dir:
         recorder = Recorder(
@@ -92,19 +120,44 @@ async def measure(url: str, records: list[dict[str, Any]], batch_size: int) -> f
             gamma=None,
         )
         recorder.start()
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         for i in range(0, len(records), 100):  # arriving in bursts, as from many clients
             recorder.submit(records[i : i + 100])
             await asyncio.sleep(0)
-        episodes = {r["episode_id"] for r in records}
-        for episode_id in episodes:
+        per_episode = Counter(r["episode_id"] for r in records)  # in arrival order
+        curve, stored = [], 0
+        for episode_id, count in per_episode.items():
             assert await recorder.wait_stored(episode_id, timeout=600), "not stored in time"
-        elapsed = time.perf_counter() - started
+            stored += count
+            curve.append((time.perf_counter() - started, stored))
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
+        postgres_cpu = backend_cpu_s(url)  # the pool's connections opened during the run
         journaled = recorder.journal.pending
         await recorder.stop()
     await engine.dispose()
     assert journaled == 0, f"{journaled} transitions went to the journal: Postgres failed"
-    return elapsed
+    return Run(elapsed, cpu, postgres_cpu, curve)
+
+
+def plot(runs: list[Run], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, run in enumerate(runs):
+        seconds, stored = zip(*[(0.0, 0), *run.curve], strict=True)
+        rate = run.curve[-1][1] / run.elapsed_s
+        ax.plot(seconds, stored, label=f"run {i + 1}: {rate:,.0f}/s")
+    end = max(run.elapsed_s for run in runs)
+    ax.plot([0, end], [0, 10_000 * end], "k--", linewidth=1, label="goal: 10,000/s")
+    ax.set(xlabel="seconds", ylabel="transitions stored (counted)", title=title)
+    ax.set_ylim(0, max(run.curve[-1][1] for run in runs) * 1.1)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100, bbox_inches="tight")
 
 
 def main() -> None:
@@ -112,8 +165,10 @@ def main() -> None:
     parser.add_argument("--transitions", type=int, default=20_000)
     parser.add_argument("--turns", type=int, default=10, help="calls per episode")
     parser.add_argument("--batch-size", type=int, default=500)
+    parser.add_argument("--repeat", type=int, default=1, help="runs, each on a fresh database")
     parser.add_argument("--database-url", help="default: an embedded Postgres in a temp dir")
     parser.add_argument("--results", type=Path, default=RESULTS, help="report to append to")
+    parser.add_argument("--plot", type=Path, help="also draw stored-over-time to this PNG")
     args = parser.parse_args()
 
     rng = random.Random(0)
@@ -122,15 +177,32 @@ def main() -> None:
         records += episode_records(rng, args.turns)
     records = records[: args.transitions]
     prompt_tokens = sum(len(r["prompt_token_ids"]) for r in records) / len(records)
-
     base = args.database_url or database.embedded_postgres_url(Path(tempfile.mkdtemp()))
+    if not args.results.exists():
+        args.results.write_text(
+            "# Recording rate (appended by bench/recording_rate.py)\n\n" + TABLE_HEADER
+        )
+    runs = [one_run(base, records, args, prompt_tokens) for _ in range(args.repeat)]
+    if args.plot:
+        title = f"{len(records):,} transitions, mean prompt {prompt_tokens:.0f} tokens"
+        plot(runs, args.plot, title)
+
+
+TABLE_HEADER = (
+    "| when | transitions | turns/episode | mean prompt tokens | batch | seconds | per second | "
+    "stored | bytes/transition | writer CPU µs/transition | Postgres CPU µs/transition |\n"
+    "|---|---|---|---|---|---|---|---|---|---|---|\n"
+)
+
+
+def one_run(base: str, records: list[dict[str, Any]], args: Any, prompt_tokens: float) -> Run:
     name = f"bench_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(base, autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {name}")
     url = database.with_database(base, name)
     try:
         database.migrate(url)
-        elapsed = asyncio.run(measure(url, records, args.batch_size))
+        run = asyncio.run(measure(url, records, args.batch_size))
         with psycopg.connect(url) as conn:
             stored = conn.execute("SELECT count(*) FROM transition").fetchone()[0]  # type: ignore[index]
             size = conn.execute(
@@ -140,27 +212,26 @@ def main() -> None:
         with psycopg.connect(base, autocommit=True) as conn:
             conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
-    rate = len(records) / elapsed
+    n = len(records)
+    rate = n / run.elapsed_s
+    writer_us = f"{run.writer_cpu_s / n * 1e6:.0f}"
+    postgres_us = "-" if run.postgres_cpu_s is None else f"{run.postgres_cpu_s / n * 1e6:.0f}"
     line = (
-        f"| {time.strftime('%Y-%m-%d %H:%M')} | {len(records)} | {args.turns} | "
-        f"{prompt_tokens:.0f} | {args.batch_size} | {elapsed:.2f} | {rate:,.0f} | {stored} | "
-        f"{size / len(records):,.0f} |"
+        f"| {time.strftime('%Y-%m-%d %H:%M')} | {n} | {args.turns} | "
+        f"{prompt_tokens:.0f} | {args.batch_size} | {run.elapsed_s:.2f} | {rate:,.0f} | {stored} | "
+        f"{size / n:,.0f} | {writer_us} | {postgres_us} |"
     )
     print(
-        f"recorded {stored}/{len(records)} transitions in {elapsed:.2f} s: {rate:,.0f}/s "
-        f"(mean prompt {prompt_tokens:.0f} tokens; {size / len(records):,.0f} bytes/transition "
-        "on disk incl. indexes and shared messages)"
+        f"recorded {stored}/{n} transitions in {run.elapsed_s:.2f} s: {rate:,.0f}/s "
+        f"(mean prompt {prompt_tokens:.0f} tokens; {size / n:,.0f} bytes/transition "
+        "on disk incl. indexes and shared messages; CPU per transition: writer "
+        f"{writer_us} µs, Postgres {postgres_us} µs)"
     )
-    if stored != len(records):
-        raise SystemExit(f"LOST {len(records) - stored} transitions")
-    if not args.results.exists():
-        args.results.write_text(
-            "# Recording rate (appended by bench/recording_rate.py)\n\n"
-            "| when | transitions | turns/episode | mean prompt tokens | batch | seconds | "
-            "per second | stored | bytes/transition |\n|---|---|---|---|---|---|---|---|---|\n"
-        )
+    if stored != n:
+        raise SystemExit(f"LOST {n - stored} transitions")
     with args.results.open("a") as f:
         f.write(line + "\n")
+    return run
 
 
 if __name__ == "__main__":
