@@ -107,7 +107,8 @@ async def insert_transitions(
             packed = packed_by_prompt[id(prompt)] = _pack_digests(digests)
         rows.append(_transition_row(r, packed))
     if messages:
-        await copy_insert(session, "message", MESSAGE_COLUMNS, list(messages.items()))
+        # In digest order: two writers inserting the same new messages never deadlock.
+        await copy_insert(session, "message", MESSAGE_COLUMNS, sorted(messages.items()))
     await copy_insert(session, "transition", TRANSITION_COLUMNS, rows)
     await credit_episodes(sorted(episodes), session=session, gamma=gamma)
     return list(messages)
