@@ -164,6 +164,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--transitions", type=int, default=20_000)
     parser.add_argument("--turns", type=int, default=10, help="calls per episode")
+    parser.add_argument(
+        "--concurrent",
+        type=int,
+        default=1,
+        help="episodes in flight: their calls interleave, as from concurrent agents",
+    )
     parser.add_argument("--batch-size", type=int, default=500)
     parser.add_argument("--repeat", type=int, default=1, help="runs, each on a fresh database")
     parser.add_argument("--database-url", help="default: an embedded Postgres in a temp dir")
@@ -174,7 +180,8 @@ def main() -> None:
     rng = random.Random(0)
     records: list[dict[str, Any]] = []
     while len(records) < args.transitions:
-        records += episode_records(rng, args.turns)
+        episodes = [episode_records(rng, args.turns) for _ in range(args.concurrent)]
+        records += [r for turn in zip(*episodes, strict=True) for r in turn]
     records = records[: args.transitions]
     prompt_tokens = sum(len(r["prompt_token_ids"]) for r in records) / len(records)
     base = args.database_url or database.embedded_postgres_url(Path(tempfile.mkdtemp()))
@@ -189,9 +196,9 @@ def main() -> None:
 
 
 TABLE_HEADER = (
-    "| when | transitions | turns/episode | mean prompt tokens | batch | seconds | per second | "
-    "stored | bytes/transition | writer CPU µs/transition | Postgres CPU µs/transition |\n"
-    "|---|---|---|---|---|---|---|---|---|---|---|\n"
+    "| when | transitions | turns/episode | concurrent episodes | mean prompt tokens | batch | "
+    "seconds | per second | stored | bytes/transition | writer CPU µs/transition | "
+    "Postgres CPU µs/transition |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n"
 )
 
 
@@ -217,7 +224,7 @@ def one_run(base: str, records: list[dict[str, Any]], args: Any, prompt_tokens: 
     writer_us = f"{run.writer_cpu_s / n * 1e6:.0f}"
     postgres_us = "-" if run.postgres_cpu_s is None else f"{run.postgres_cpu_s / n * 1e6:.0f}"
     line = (
-        f"| {time.strftime('%Y-%m-%d %H:%M')} | {n} | {args.turns} | "
+        f"| {time.strftime('%Y-%m-%d %H:%M')} | {n} | {args.turns} | {args.concurrent} | "
         f"{prompt_tokens:.0f} | {args.batch_size} | {run.elapsed_s:.2f} | {rate:,.0f} | {stored} | "
         f"{size / n:,.0f} | {writer_us} | {postgres_us} |"
     )
