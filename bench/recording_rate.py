@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import orjson
 import psycopg
 
 from proxy import database
@@ -65,7 +66,7 @@ def episode_records(rng: random.Random, turns: int) -> list[dict[str, Any]]:
                 "model_requested": "policy",
                 "model_used": "base",
                 "policy_version": 0,
-                "messages": messages,
+                "messages": orjson.loads(orjson.dumps(messages)),  # parsed afresh per call
                 "params": {"model": "policy", "max_tokens": 128},
                 "prompt_token_ids": prompt_ids,
                 "completion_token_ids": completion,
@@ -177,22 +178,26 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, help="also draw stored-over-time to this PNG")
     args = parser.parse_args()
 
-    rng = random.Random(0)
-    records: list[dict[str, Any]] = []
-    while len(records) < args.transitions:
-        episodes = [episode_records(rng, args.turns) for _ in range(args.concurrent)]
-        records += [r for turn in zip(*episodes, strict=True) for r in turn]
-    records = records[: args.transitions]
-    prompt_tokens = sum(len(r["prompt_token_ids"]) for r in records) / len(records)
     base = args.database_url or database.embedded_postgres_url(Path(tempfile.mkdtemp()))
     if not args.results.exists():
         args.results.write_text(
             "# Recording rate (appended by bench/recording_rate.py)\n\n" + TABLE_HEADER
         )
-    runs = [one_run(base, records, args, prompt_tokens) for _ in range(args.repeat)]
+    # Each run records new traffic (only the system prompt is the same), so no run finds the
+    # writer's caches warm with its own rows.
+    runs = [one_run(base, traffic(run, args), args) for run in range(args.repeat)]
     if args.plot:
-        title = f"{len(records):,} transitions, mean prompt {prompt_tokens:.0f} tokens"
+        title = f"{args.transitions:,} transitions, {args.concurrent} episode(s) at once"
         plot(runs, args.plot, title)
+
+
+def traffic(seed: int, args: Any) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    records: list[dict[str, Any]] = []
+    while len(records) < args.transitions:
+        episodes = [episode_records(rng, args.turns) for _ in range(args.concurrent)]
+        records += [r for turn in zip(*episodes, strict=True) for r in turn]
+    return records[: args.transitions]
 
 
 TABLE_HEADER = (
@@ -202,7 +207,8 @@ TABLE_HEADER = (
 )
 
 
-def one_run(base: str, records: list[dict[str, Any]], args: Any, prompt_tokens: float) -> Run:
+def one_run(base: str, records: list[dict[str, Any]], args: Any) -> Run:
+    prompt_tokens = sum(len(r["prompt_token_ids"]) for r in records) / len(records)
     name = f"bench_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(base, autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {name}")

@@ -7,6 +7,7 @@ commits second sees the first one's rows, so a reward and its transitions always
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import struct
 import sys
@@ -53,7 +54,30 @@ def unpack(data: bytes | None, typecode: str) -> list[Any] | None:
 
 
 def message_digest(body: Any) -> bytes:
+    if (
+        type(body) is dict
+        and len(body) == 2
+        and type(role := body.get("role")) is str
+        and type(content := body.get("content")) is str
+        and len(content) <= MEMO_MAX_CHARS
+    ):
+        return _chat_message_digest(role, content)
+    return _digest(body)
+
+
+def _digest(body: Any) -> bytes:
     return hashlib.blake2b(orjson.dumps(body, option=orjson.OPT_SORT_KEYS), digest_size=16).digest()
+
+
+# A system prompt and an episode's history come back in every call, each time as new objects:
+# hashing the text (Python's str hash) to find its digest costs a fraction of serialising and
+# BLAKE2b-hashing it again. Bounded: at most MEMO_SIZE texts of at most MEMO_MAX_CHARS.
+MEMO_SIZE, MEMO_MAX_CHARS = 8192, 2048
+
+
+@functools.lru_cache(maxsize=MEMO_SIZE)
+def _chat_message_digest(role: str, content: str) -> bytes:
+    return _digest({"role": role, "content": content})
 
 
 # --- recording (the background writer) -------------------------------------------------------
@@ -94,9 +118,10 @@ async def insert_transitions(
     await lock_episodes(episodes, session=session)
 
     messages: dict[bytes, Any] = {}
-    # The n choices of one request share one prompt list: hash it once (the records hold the
-    # lists alive, so their ids stay unique while this runs).
+    # The n choices of one request share one prompt list and (chat) one list of prompt token
+    # ids: hash and pack those once (the records hold the lists alive, so ids stay unique here).
     packed_by_prompt: dict[int, PackedDigests] = {}
+    packed_prompt_ids: dict[int, bytes | None] = {}
     rows = []
     for r in records:
         prompt = r["messages"]
@@ -109,7 +134,10 @@ async def insert_transitions(
                     messages[digest] = body
                 digests.append(digest)
             packed = packed_by_prompt[id(prompt)] = _pack_digests(digests)
-        rows.append(_transition_row(r, packed))
+        prompt_ids = r.get("prompt_token_ids")
+        if id(prompt_ids) not in packed_prompt_ids:
+            packed_prompt_ids[id(prompt_ids)] = pack(prompt_ids, "i")
+        rows.append(_transition_row(r, packed, packed_prompt_ids[id(prompt_ids)]))
     if messages:
         # In digest order: two writers inserting the same new messages never deadlock.
         await copy_insert(session, "message", MESSAGE_COLUMNS, sorted(messages.items()))
@@ -248,7 +276,9 @@ def _packed_uuid(value: str) -> bytes:
     return bytes.fromhex(value.replace("-", ""))
 
 
-def _transition_row(r: dict[str, Any], digests: PackedDigests) -> tuple[Any, ...]:
+def _transition_row(
+    r: dict[str, Any], digests: PackedDigests, prompt_token_ids: bytes | None
+) -> tuple[Any, ...]:
     return (
         _packed_uuid(r["id"]),
         r["episode_id"],
@@ -265,7 +295,7 @@ def _transition_row(r: dict[str, Any], digests: PackedDigests) -> tuple[Any, ...
         r.get("policy_version"),
         digests,
         r.get("params") or {},
-        pack(r.get("prompt_token_ids"), "i"),
+        prompt_token_ids,
         pack(r.get("completion_token_ids"), "i"),
         pack(r.get("logprobs"), "f"),
         r.get("text"),

@@ -7,6 +7,7 @@ import random
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from sqlalchemy import text
 
@@ -149,3 +150,17 @@ async def test_interleaved_episodes_through_two_writers_lose_nothing(
     assert recorder.journal.pending == 0
     assert transitions == len(records)
     assert messages == len({store.message_digest(m) for r in records for m in r["messages"]})
+
+
+def test_memoised_message_digests_equal_the_plain_ones() -> None:
+    long_text = "x" * (store.MEMO_MAX_CHARS + 1)
+    for body in [
+        {"role": "user", "content": "hi"},
+        {"content": "hi", "role": "user"},
+        {"role": "user", "content": long_text},  # too long to memoise
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"prompt": "2+3="},
+    ]:
+        assert store.message_digest(body) == store._digest(body)
+        assert store.message_digest(body) == store.message_digest(orjson.loads(orjson.dumps(body)))
