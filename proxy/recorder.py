@@ -1,7 +1,8 @@
 """The background writer: recorded transitions reach Postgres in batches, never on a request's path.
 
-- `submit()` is synchronous and cheap; a single writer task drains the queue. While one batch is
-  written, the next accumulates, so batches grow with load without an artificial delay.
+- `submit()` is synchronous and cheap; writer tasks (`WRITERS`, two) drain the queue. While
+  batches are written, the next accumulate, so batches grow with load without an artificial
+  delay.
 - Postgres unreachable (or a write hanging): the batch goes to the disk journal, later batches
   follow it there, and the journal is replayed once Postgres answers again.
 - Postgres refusing a row as data (a bug, not an outage) isolates that row into the journal's
@@ -31,6 +32,13 @@ log = logging.getLogger(__name__)
 OUTAGE_ERRORS = (sa_exc.OperationalError, sa_exc.InterfaceError, OSError, TimeoutError)
 WRITE_TIMEOUT_S = 15.0  # a write hanging longer than this is an outage: journal and move on
 REPLAY_CHUNK = 5000
+# Batches written at once, each on its own connection: while Postgres writes one, Python packs
+# the next (either side alone leaves the other idle for about half of the time).
+WRITERS = 2
+# Digests of messages this process knows are committed, so it does not send them again (a system
+# prompt or an episode's history repeats in batch after batch). Forgotten when full or after an
+# outage (the database may come back restored from a backup); messages are never deleted.
+STORED_MESSAGES_MAX = 200_000
 # How long a reward or an episode read waits for this process's transitions to leave the queue.
 STORED_WAIT_S = 10.0
 
@@ -53,8 +61,10 @@ class Recorder:
         self._retry_s = retry_s
         self._gamma = gamma
         self._queue: deque[dict[str, Any]] = deque()
-        self._inflight: list[dict[str, Any]] = []
+        self._inflight: dict[int, list[dict[str, Any]]] = {}  # writer -> its batch
+        self._replaying = False
         self._unstored: dict[str, set[str]] = {}  # episode id -> transition ids not in Postgres
+        self._stored_messages: set[bytes] = set()  # digests known committed (STORED_MESSAGES_MAX)
         self._wake = asyncio.Event()
         self._stored = asyncio.Event()  # set and replaced after every write: "look again"
         self._stopping = False
@@ -117,7 +127,7 @@ class Recorder:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            leftover = self._inflight + list(self._queue)
+            leftover = [r for batch in self._inflight.values() for r in batch] + list(self._queue)
             self._queue.clear()
             if leftover:
                 self._journal(leftover)
@@ -125,6 +135,11 @@ class Recorder:
     # --- the writer task ------------------------------------------------------------------
 
     async def _run(self) -> None:
+        await asyncio.gather(*(self._writer(i) for i in range(WRITERS)))
+        if self.journal.pending:  # a last batch may have failed after the others finished
+            await self._replay()
+
+    async def _writer(self, index: int) -> None:
         while True:
             if not self._queue and not self._stopping:
                 wait = self._retry_s if self.journal.pending else None
@@ -135,16 +150,16 @@ class Recorder:
                 await self._replay()
             batch = [self._queue.popleft() for _ in range(min(self._batch_size, len(self._queue)))]
             metrics.writer_queue_depth.set(len(self._queue))
+            if self._queue:
+                self._wake.set()  # more than one batch waiting: wake the other writer too
             if batch:
-                self._inflight = batch
+                self._inflight[index] = batch
                 if self.journal.pending:
                     self._journal(batch)  # keep going behind the journal until it is replayed
                 else:
                     await self._write(batch)
-                self._inflight = []
+                del self._inflight[index]
             if self._stopping and not self._queue:
-                if self.journal.pending:
-                    await self._replay()
                 return
 
     async def _write(self, batch: list[dict[str, Any]]) -> None:
@@ -163,8 +178,20 @@ class Recorder:
         metrics.database_up.set(1)
 
     async def _insert(self, records: list[dict[str, Any]]) -> None:
-        async with asyncio.timeout(WRITE_TIMEOUT_S), self._sessionmaker.begin() as session:
-            await store.insert_transitions(records, session=session, gamma=self._gamma)
+        try:
+            async with asyncio.timeout(WRITE_TIMEOUT_S), self._sessionmaker.begin() as session:
+                sent = await store.insert_transitions(
+                    records,
+                    session=session,
+                    gamma=self._gamma,
+                    stored_messages=self._stored_messages,
+                )
+        except OUTAGE_ERRORS:
+            self._stored_messages.clear()
+            raise
+        if len(self._stored_messages) + len(sent) > STORED_MESSAGES_MAX:
+            self._stored_messages.clear()
+        self._stored_messages.update(sent)  # committed: the block above has exited cleanly
         for r in records:
             metrics.transitions_recorded.labels(r["status"]).inc()
 
@@ -183,6 +210,15 @@ class Recorder:
             self._mark_stored([record])
 
     async def _replay(self) -> None:
+        if self._replaying:  # the other writer is at it
+            return
+        self._replaying = True
+        try:
+            await self._replay_segments()
+        finally:
+            self._replaying = False
+
+    async def _replay_segments(self) -> None:
         for segment in self.journal.segments():
             records = self.journal.read(segment)
             try:

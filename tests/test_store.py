@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
+from pathlib import Path
+from typing import Any
 
+import orjson
+import pytest
 from sqlalchemy import text
 
 from bench.recording_rate import episode_records
 from proxy import database, store
+from proxy.journal import Journal
+from proxy.recorder import Recorder
+from proxy.tables import UNCOMPRESSED
 
 
 async def test_writing_the_same_batch_twice_stores_it_once(database_url: str) -> None:
@@ -32,3 +40,127 @@ async def test_writing_the_same_batch_twice_stores_it_once(database_url: str) ->
     assert messages == 5  # system, 3 users, and the (identical) assistant reply: each once
     assert t["prompt_token_ids"] == records[-1]["prompt_token_ids"]
     assert t["params"] == records[-1]["params"] and t["messages"] == records[-1]["messages"]
+
+
+async def count(sessionmaker: Any, table: str) -> int:
+    async with sessionmaker() as session:
+        return int((await session.execute(text(f"SELECT count(*) FROM {table}"))).scalar_one())
+
+
+async def test_a_partly_stored_batch_stores_only_the_new_rows(database_url: str) -> None:
+    """COPY straight into the table meets an existing row: the batch goes the ON CONFLICT way."""
+    engine = database.create_engine(database_url)
+    sessionmaker = database.create_sessionmaker(engine)
+    records = episode_records(random.Random(1), turns=4)
+    for batch in (records[:2], records):  # a journal replay overlapping a committed batch
+        async with sessionmaker.begin() as session:
+            await store.insert_transitions(batch, session=session, gamma=None)
+    async with sessionmaker() as session:
+        episode = await store.get_episode(records[0]["episode_id"], session=session, tokens=True)
+    transitions = await count(sessionmaker, "transition")
+    await engine.dispose()
+    assert transitions == 4
+    assert episode is not None
+    stored = {t["id"]: t for t in episode["transitions"]}
+    for r in records:
+        assert stored[r["id"]]["messages"] == r["messages"]
+        assert stored[r["id"]]["completion_token_ids"] == r["completion_token_ids"]
+        assert stored[r["id"]]["logprobs"] == pytest.approx(r["logprobs"], rel=1e-6)
+
+
+async def test_messages_known_to_be_stored_are_not_sent_again(database_url: str) -> None:
+    engine = database.create_engine(database_url)
+    sessionmaker = database.create_sessionmaker(engine)
+    first, second = episode_records(random.Random(2), turns=2)
+    async with sessionmaker.begin() as session:
+        sent = await store.insert_transitions([first], session=session, gamma=None)
+    assert len(sent) == 2  # system, user
+    async with sessionmaker.begin() as session:
+        sent_again = await store.insert_transitions(
+            [second], session=session, gamma=None, stored_messages=set(sent)
+        )
+    async with sessionmaker() as session:
+        episode = await store.get_episode(first["episode_id"], session=session, tokens=False)
+    messages = await count(sessionmaker, "message")
+    await engine.dispose()
+    assert len(sent_again) == 2  # the assistant's reply and the next user message
+    assert messages == 4
+    assert episode is not None
+    assert [t["messages"] for t in episode["transitions"]] == [
+        first["messages"],
+        second["messages"],
+    ]
+
+
+async def test_a_call_without_prompt_messages_stores_an_empty_list(database_url: str) -> None:
+    engine = database.create_engine(database_url)
+    sessionmaker = database.create_sessionmaker(engine)
+    [record] = episode_records(random.Random(3), turns=1)
+    record["messages"] = []
+    async with sessionmaker.begin() as session:
+        await store.insert_transitions([record], session=session, gamma=None)
+    async with sessionmaker() as session:
+        episode = await store.get_episode(record["episode_id"], session=session, tokens=False)
+    await engine.dispose()
+    assert episode is not None and episode["transitions"][0]["messages"] == []
+
+
+async def test_packed_columns_are_stored_uncompressed(database_url: str) -> None:
+    engine = database.create_engine(database_url)
+    async with engine.connect() as conn:
+        storage = dict(
+            (
+                await conn.execute(
+                    text(
+                        "SELECT attname, attstorage FROM pg_attribute "
+                        "WHERE attrelid = 'transition'::regclass AND attnum > 0"
+                    )
+                )
+            ).all()
+        )
+    await engine.dispose()
+    assert {c: storage[c] for c in UNCOMPRESSED} == {c: "e" for c in UNCOMPRESSED}
+
+
+async def test_interleaved_episodes_through_two_writers_lose_nothing(
+    database_url: str, tmp_path: Path
+) -> None:
+    """Small batches, episodes interleaved as from concurrent agents: histories repeat across
+    batches (the known-messages path) and both writers have batches in flight."""
+    rng = random.Random(4)
+    episodes = [episode_records(rng, turns=5) for _ in range(8)]
+    records = [r for turn in zip(*episodes, strict=True) for r in turn]
+    engine = database.create_engine(database_url)
+    sessionmaker = database.create_sessionmaker(engine)
+    recorder = Recorder(
+        sessionmaker, Journal(tmp_path), batch_size=3, queue_max=1000, retry_s=1.0, gamma=None
+    )
+    recorder.start()
+    for i in range(0, len(records), 4):
+        recorder.submit(records[i : i + 4])
+        await asyncio.sleep(0)
+    for episode in episodes:
+        assert await recorder.wait_stored(episode[0]["episode_id"], timeout=60)
+    await recorder.stop()
+    transitions, messages = (
+        await count(sessionmaker, "transition"),
+        await count(sessionmaker, "message"),
+    )
+    await engine.dispose()
+    assert recorder.journal.pending == 0
+    assert transitions == len(records)
+    assert messages == len({store.message_digest(m) for r in records for m in r["messages"]})
+
+
+def test_memoised_message_digests_equal_the_plain_ones() -> None:
+    long_text = "x" * (store.MEMO_MAX_CHARS + 1)
+    for body in [
+        {"role": "user", "content": "hi"},
+        {"content": "hi", "role": "user"},
+        {"role": "user", "content": long_text},  # too long to memoise
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1"}]},
+        {"role": "user", "content": [{"type": "text", "text": "hi"}]},
+        {"prompt": "2+3="},
+    ]:
+        assert store.message_digest(body) == store._digest(body)
+        assert store.message_digest(body) == store.message_digest(orjson.loads(orjson.dumps(body)))
