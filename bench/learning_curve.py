@@ -402,8 +402,8 @@ def report(curves: list[Curve], args: argparse.Namespace, plots: list[Path]) -> 
     lines = [
         f"## {time.strftime('%Y-%m-%d %H:%M')}: {samples} samples",
         "",
-        f"`{command}` on {os.cpu_count()} CPU cores shared with other work (wall times are "
-        f"noisy). Model: {args.model}."
+        f"`{command}` on {os.cpu_count()} CPU cores (load average {os.getloadavg()[0]:.1f} at "
+        f"the end; other work on the machine makes wall times noisy). Model: {args.model}."
         + (
             ""
             if args.skip_trl

@@ -14,7 +14,7 @@ shared machine) and appends a line per run to bench/recording_rate.md.
 
 First figures (2-core machine, embedded Postgres 18, 1,020-token prompts, 10-call episodes):
 3,200-4,400 transitions/s with text COPY through a temporary table. Now (binary COPY straight into
-the table, two writers, uncompressed token ids, memoised digests; docs/benchmarks-recording.md):
+the table, two writers, uncompressed token ids, memoised digests; see docs/benchmarks.md):
 15-16k/s with episodes one after another, ~10k/s with 256 interleaved, warm; nothing lost.
 What remains in the profile: packing token ids from Python lists, COPY formatting, and Postgres's
 own heap/TOAST/index/WAL work (~45 us a transition).
