@@ -21,25 +21,19 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-import psycopg
 from sqlalchemy import create_engine
 from sqlalchemy.orm import Session
 
-from demo.vllm_server import wait_http
+from bench.common import bench_database, start_fake, start_flywheel
 from proxy import database
-from tests.conftest import free_port
 from trainer import store
 from trainer.vllm import VLLMAdmin
 
@@ -120,52 +114,28 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=PLOT)
     args = parser.parse_args()
 
-    base = args.database_url or database.embedded_postgres_url(Path(tempfile.mkdtemp()))
-    name = f"bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(base, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    db_url = database.with_database(base, name)
-    database.migrate(db_url)
-    fake_port, proxy_port = free_port(), free_port()
-    fake_url = f"http://127.0.0.1:{fake_port}"
-    fake_command = [sys.executable, "-m", "tests.fake_vllm", "--port", str(fake_port)]
-    fake = subprocess.Popen(
-        [*fake_command, "--latency-s", str(args.latency_s)],
-        stdout=subprocess.DEVNULL,
-    )
-    proxy_command = [sys.executable, "-m", "proxy.cli", "proxy", "--upstream", fake_url]
-    proxy = subprocess.Popen(
-        [*proxy_command, "--port", str(proxy_port)],
-        env={
-            **os.environ,
-            "FLYWHEEL_DATABASE_URL": db_url,
-            "FLYWHEEL_HOME": tempfile.mkdtemp(),
-            "FLYWHEEL_LOG_LEVEL": "warning",
-        },
-    )
     calls: list[Call] = []
     stop = threading.Event()
-    try:
-        wait_http(fake_url + "/health", fake, timeout=60)
-        wait_http(f"http://127.0.0.1:{proxy_port}/healthz", proxy, timeout=60)
-        url = f"http://127.0.0.1:{proxy_port}/v1/chat/completions"
-        loader = threading.Thread(
-            target=asyncio.run, args=(load(url, args.clients, stop, calls),), daemon=True
-        )
-        loader.start()
-        adapters = Path(tempfile.mkdtemp())
-        started = time.perf_counter()
-        published = publish_versions(db_url, fake_url, args.swaps, args.interval, adapters)
-        stop.set()
-        loader.join(timeout=60)
-        elapsed = time.perf_counter() - started
-    finally:
-        stop.set()
-        for process in (proxy, fake):
-            process.terminate()
-            process.wait(timeout=30)
-        with psycopg.connect(base, autocommit=True) as conn:
-            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    with bench_database(args.database_url) as db_url:
+        fake = start_fake(args.latency_s)
+        proxy = start_flywheel(fake.url, db_url)
+        try:
+            url = proxy.url + "/v1/chat/completions"
+            loader = threading.Thread(
+                target=asyncio.run, args=(load(url, args.clients, stop, calls),), daemon=True
+            )
+            loader.start()
+            started = time.perf_counter()
+            published = publish_versions(
+                db_url, fake.url, args.swaps, args.interval, Path(tempfile.mkdtemp())
+            )
+            stop.set()
+            loader.join(timeout=60)
+            elapsed = time.perf_counter() - started
+        finally:
+            stop.set()
+            proxy.stop()
+            fake.stop()
 
     routed, served = [], []
     for version, (_, committed) in sorted(published.items()):

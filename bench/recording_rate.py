@@ -37,6 +37,7 @@ import orjson
 import psycopg
 from prometheus_client import REGISTRY
 
+from bench.common import bench_database
 from proxy import database
 from proxy.journal import Journal
 from proxy.recorder import Recorder
@@ -224,21 +225,13 @@ TABLE_HEADER = (
 
 def one_run(base: str, records: list[dict[str, Any]], args: Any) -> Run:
     prompt_tokens = sum(len(r["prompt_token_ids"]) for r in records) / len(records)
-    name = f"bench_{uuid.uuid4().hex[:8]}"
-    with psycopg.connect(base, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    url = database.with_database(base, name)
-    try:
-        database.migrate(url)
+    with bench_database(base) as url:
         run = asyncio.run(measure(url, records, args.batch_size))
         with psycopg.connect(url) as conn:
             stored = conn.execute("SELECT count(*) FROM transition").fetchone()[0]  # type: ignore[index]
             size = conn.execute(
                 "SELECT pg_total_relation_size('transition') + pg_total_relation_size('message')"
             ).fetchone()[0]  # type: ignore[index]
-    finally:
-        with psycopg.connect(base, autocommit=True) as conn:
-            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
     n = len(records)
     rate = n / run.elapsed_s
