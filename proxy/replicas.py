@@ -12,7 +12,6 @@ import asyncio
 import logging
 
 import aiohttp
-import orjson
 
 from proxy.alias import PolicyAlias
 from proxy.upstream import AdapterError, Replica, Upstream
@@ -47,10 +46,7 @@ class ReplicaKeeper:
 
     async def probe(self, replica: Replica) -> None:
         try:
-            status, body = await self._upstream.models(replica, timeout_s=PROBE_TIMEOUT_S)
-            if status != 200:
-                raise AdapterError(f"GET /v1/models answered {status}")
-            loaded = {m["id"] for m in orjson.loads(body)["data"] if m.get("parent")}
+            loaded = await self._upstream.loaded_adapters(replica, timeout_s=PROBE_TIMEOUT_S)
         except (aiohttp.ClientError, TimeoutError, AdapterError, ValueError, KeyError) as e:
             self._upstream.failed(replica, repr(e))
             return

@@ -136,8 +136,10 @@ class Upstream:
         assert self._session is not None, "Upstream.start() was not awaited"
         return self._session.post(replica.base_url + path, data=body, headers=self._headers)
 
-    async def loaded_adapters(self, replica: Replica) -> set[str]:
-        status, body = await self.models(replica)
+    async def loaded_adapters(
+        self, replica: Replica, timeout_s: float = MODELS_TIMEOUT_S
+    ) -> set[str]:
+        status, body = await self.models(replica, timeout_s)
         if status != 200:
             raise AdapterError(f"{replica.base_url} did not list its models ({status})")
         return {m["id"] for m in orjson.loads(body)["data"] if m.get("parent")}
