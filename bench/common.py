@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -19,10 +20,11 @@ import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import orjson
@@ -424,3 +426,25 @@ def summarise_profile(raw: Path) -> Profile:
         {f: c / n for f, c in total.items()},
         [(a, c / n) for a, c in areas.most_common()],
     )
+
+
+def append_report(path: Path, title: str, module: str, args: Any, lines: Sequence[str]) -> None:
+    """Append a dated section to a report: the exact command, the run's settings, then `lines`.
+
+    `args` are a load benchmark's: `latency_s`, `seconds`, `rounds` and an optional `note`.
+    """
+    command = f"PYTHONPATH=. .venv/bin/python -m {module} " + shlex.join(sys.argv[1:])
+    section = [
+        f"\n## {time.strftime('%Y-%m-%d %H:%M')}\n",
+        f"`{command.strip()}`\n",
+        f"{os.cpu_count()} cores; fake vLLM latency {args.latency_s * 1e3:g} ms, up to 16 tokens;"
+        f" {args.seconds:g} s per target per round, {args.rounds} rounds interleaved."
+        + (f" {args.note}" if args.note else "")
+        + "\n",
+        *lines,
+        "",
+    ]
+    if not path.exists():
+        path.write_text(f"# {title} (appended by bench/{module.rpartition('.')[2]}.py)\n")
+    with path.open("a") as f:
+        f.write("\n".join(section))

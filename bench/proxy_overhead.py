@@ -18,10 +18,7 @@ bench/proxy_overhead.md and writes docs/img/proxy_overhead_{latency,throughput}.
 from __future__ import annotations
 
 import argparse
-import os
-import shlex
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -272,7 +269,6 @@ def main() -> None:
             for server in reversed(servers):
                 server.stop()
 
-    command = "PYTHONPATH=. .venv/bin/python -m bench.proxy_overhead " + shlex.join(sys.argv[1:])
     body = tables(cells)
     goal_lines = goals(cells)
     recorded_line = (
@@ -280,21 +276,10 @@ def main() -> None:
     )
     print(body, "", *goal_lines, recorded_line, sep="\n")
     pngs = plot(cells, args.img_dir)
-    section = [
-        f"\n## {time.strftime('%Y-%m-%d %H:%M')}\n",
-        f"`{command.strip()}`\n",
-        f"{os.cpu_count()} cores; fake vLLM latency {args.latency_s * 1e3:g} ms, up to 16 tokens;"
-        f" {args.seconds:g} s per target per round, {args.rounds} rounds interleaved."
-        + (f" {args.note}" if args.note else "")
-        + "\n",
-        body + "\n",
-        *(f"- {line}" for line in [*goal_lines, recorded_line]),
-        "",
-    ]
-    if not args.results.exists():
-        args.results.write_text("# Proxy overhead (appended by bench/proxy_overhead.py)\n")
-    with args.results.open("a") as f:
-        f.write("\n".join(section))
+    bullets = [f"- {line}" for line in [*goal_lines, recorded_line]]
+    common.append_report(
+        args.results, "Proxy overhead", "bench.proxy_overhead", args, [body + "\n", *bullets]
+    )
     print("wrote", args.results, *pngs, file=sys.stderr)
 
 

@@ -20,8 +20,6 @@ dated section to bench/scaling.md and writes docs/img/scaling.png.
 from __future__ import annotations
 
 import argparse
-import os
-import shlex
 import sys
 import time
 from dataclasses import dataclass
@@ -307,25 +305,10 @@ def main() -> None:
             for server in reversed(servers):
                 server.stop()
 
-    command = "PYTHONPATH=. .venv/bin/python -m bench.scaling " + shlex.join(sys.argv[1:])
     body = table(rows)
     print(body, *profile_lines, sep="\n")
     png = plot(rows, args.img_dir)
-    section = [
-        f"\n## {time.strftime('%Y-%m-%d %H:%M')}\n",
-        f"`{command.strip()}`\n",
-        f"{os.cpu_count()} cores; fake vLLM latency {args.latency_s * 1e3:g} ms, up to 16 tokens;"
-        f" {args.seconds:g} s per target per round, {args.rounds} rounds interleaved."
-        + (f" {args.note}" if args.note else "")
-        + "\n",
-        body,
-        *profile_lines,
-        "",
-    ]
-    if not args.results.exists():
-        args.results.write_text("# Scaling (appended by bench/scaling.py)\n")
-    with args.results.open("a") as f:
-        f.write("\n".join(section))
+    common.append_report(args.results, "Scaling", "bench.scaling", args, [body, *profile_lines])
     print("wrote", args.results, png, file=sys.stderr)
 
 
