@@ -258,9 +258,16 @@ def _start(name: str, argv: list[str], health: str, env: dict[str, str]) -> Serv
     return server
 
 
-def start_fake(latency_s: float, token_delay_s: float = 0.0) -> Server:
+def start_fake(
+    latency_s: float, token_delay_s: float = 0.0, *, always_detail: bool = True
+) -> Server:
+    """The fake vLLM. `always_detail`: every answer carries token ids and logprobs (the issue's
+    "fixed-size completions with token ids/logprobs"), so a direct call costs the fake what a
+    proxied one does and the comparison isolates the proxy; False: only when asked, as vLLM."""
     argv = [sys.executable, "-m", "tests.fake_vllm", "--latency-s", str(latency_s)]
     argv += ["--token-delay-s", str(token_delay_s)]
+    if always_detail:
+        argv.append("--always-detail")
     return _start("fake_vllm", argv, "/health", _env())
 
 
@@ -391,11 +398,21 @@ def _area(frame: str) -> str:
     return path.split("/", 1)[0] or "<native>"  # orjson/orjson.cpython-311-...so -> orjson
 
 
+# With --native, py-spy cannot tell an idle thread from a busy one: a thread-pool worker waiting
+# for work shows as unsymbolised libc under this frame. Such samples are idle, not cost.
+IDLE_FRAMES = ("PyThread_acquire_lock_timed", "epoll_wait", "epoll_pwait")
+
+
 def _stacks(raw: Path) -> Iterator[tuple[list[str], int]]:
+    """Busy stacks only (see IDLE_FRAMES), frames as `_frame_name`s, with their sample counts."""
     for line in raw.read_text().splitlines():
         stack, _, count_text = line.rpartition(" ")
-        if stack and count_text.isdigit():
-            yield [_frame_name(f) for f in stack.split(";")], int(count_text)
+        if not stack or not count_text.isdigit():
+            continue
+        frames = stack.split(";")
+        if any(f.startswith(IDLE_FRAMES) for f in frames):
+            continue
+        yield [_frame_name(f) for f in frames], int(count_text)
 
 
 @dataclass

@@ -235,6 +235,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0, help="per target, per round")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per cell")
     parser.add_argument("--latency-s", type=float, default=0.002, help="the fake's own latency")
+    parser.add_argument(
+        "--lean-fake",
+        action="store_true",
+        help="the fake sends token ids/logprobs only when asked (as vLLM): direct calls then cost "
+        "it less than the proxy's, which always asks",
+    )
     parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM's proxy")
     parser.add_argument("--database-url", help="default: an embedded Postgres (.flywheel/bench)")
     parser.add_argument("--results", type=Path, default=RESULTS, help="report to append to")
@@ -247,7 +253,7 @@ def main() -> None:
     meters: dict[str, common.ProcessMeter] = {}
     with common.bench_database(args.database_url) as db_url:
         try:
-            fake = common.start_fake(args.latency_s)
+            fake = common.start_fake(args.latency_s, always_detail=not args.lean_fake)
             servers.append(fake)
             flywheel = common.start_flywheel(fake.url, db_url)
             servers.append(flywheel)

@@ -257,6 +257,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=3.0, help="per target, per round")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per cell")
     parser.add_argument("--latency-s", type=float, default=0.002, help="the fake's own latency")
+    parser.add_argument(
+        "--lean-fake",
+        action="store_true",
+        help="the fake sends token ids/logprobs only when asked (as vLLM): direct calls then cost "
+        "it less than the proxy's, which always asks",
+    )
     parser.add_argument("--profile", action="store_true", help="py-spy the proxy afterwards")
     parser.add_argument("--profile-seconds", type=float, default=8.0)
     parser.add_argument("--database-url", help="default: an embedded Postgres (.flywheel/bench)")
@@ -273,7 +279,7 @@ def main() -> None:
     profile_lines: list[str] = []
     with common.bench_database(args.database_url) as db_url:
         try:
-            fake = common.start_fake(args.latency_s)
+            fake = common.start_fake(args.latency_s, always_detail=not args.lean_fake)
             servers.append(fake)
             flywheel = common.start_flywheel(fake.url, db_url)
             servers.append(flywheel)

@@ -8,7 +8,8 @@ Completions are deterministic: token ids and logprobs come from a pseudo-random 
 the model name, the prompt, the choice index and `seed`. Tool calls come back when the request has
 `tools` and either `tool_choice` names a function or is "required", or the last user message says
 "call a tool". Knobs: `latency_s` (before each answer), `token_delay_s` (between stream chunks),
-`fail_next(n, status, body)`, and `requests` (every JSON body received, for assertions).
+`always_detail` (token ids and logprobs whether asked or not: benchmarks), `fail_next(n, status,
+body)`, and `requests` (every JSON body received, for assertions).
 
     with FakeVLLM() as fake:            # background thread, free port
         httpx.post(fake.url + "/v1/chat/completions", json={...})
@@ -239,6 +240,9 @@ class FakeState:
     requests: list[Json] = field(default_factory=list)
     failures: list[tuple[int, Json]] = field(default_factory=list)
     log_path: str | None = None  # also append each request's path and model here (JSON lines)
+    # Benchmarks: send token ids and sampled-token logprobs whether asked or not, so that the
+    # fake does the same work for a direct caller as for the proxy (which always asks for them).
+    always_detail: bool = False
 
     def fail_next(self, n: int = 1, status: int = 500, body: Json | None = None) -> None:
         """Answer the next n requests (of any kind) with this status and error body."""
@@ -423,6 +427,8 @@ async def chat_completions(state: FakeState, body: Json, request: web.Request) -
     choices = make_choices(state, body, [prompt_ids])
     want_ids, top = bool(body.get("return_token_ids")), body.get("top_logprobs") or 0
     want_logprobs = bool(body.get("logprobs"))
+    if state.always_detail:
+        want_ids = want_logprobs = True
     head = {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
             "model": body.get("model") or state.model}  # fmt: skip
     n_completion = sum(len(c.tokens) for c in choices)
@@ -477,6 +483,8 @@ async def stream_chat(
     head = {**head, "object": "chat.completion.chunk"}
     want_ids, top = bool(body.get("return_token_ids")), body.get("top_logprobs") or 0
     want_logprobs, include_usage = bool(body.get("logprobs")), wants_usage(body)
+    if state.always_detail:
+        want_ids = want_logprobs = True
     chunks = []
     for i in range(len(choices)):
         first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -560,6 +568,8 @@ async def completions(state: FakeState, body: Json, request: web.Request) -> Any
     n = body.get("n", 1)
     choices = make_choices(state, body, prompts)
     want_ids, top = bool(body.get("return_token_ids")), body.get("logprobs")
+    if state.always_detail:
+        want_ids, top = True, 0 if top is None else top
     head = {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()),
             "model": body.get("model") or state.model}  # fmt: skip
     n_prompt, n_completion = sum(map(len, prompts)), sum(len(c.tokens) for c in choices)
@@ -606,8 +616,17 @@ if __name__ == "__main__":
     parser.add_argument("--latency-s", type=float, default=0.0)
     parser.add_argument("--token-delay-s", type=float, default=0.0)
     parser.add_argument("--log", help="append each request's path and model to this file")
+    parser.add_argument(
+        "--always-detail",
+        action="store_true",
+        help="send token ids and logprobs whether asked or not (benchmarks: same work per call)",
+    )
     args = parser.parse_args()
     fake_state = FakeState(
-        args.model, latency_s=args.latency_s, token_delay_s=args.token_delay_s, log_path=args.log
+        args.model,
+        latency_s=args.latency_s,
+        token_delay_s=args.token_delay_s,
+        log_path=args.log,
+        always_detail=args.always_detail,
     )
     web.run_app(make_app(fake_state), host="127.0.0.1", port=args.port, access_log=None)

@@ -154,3 +154,17 @@ def test_tool_call_when_asked() -> None:
     assert choice["message"]["content"] is None
     call = choice["message"]["tool_calls"][0]
     assert call["function"] == {"name": "add", "arguments": '{"a": 3}'}
+
+
+def test_always_detail_sends_ids_and_logprobs_unasked() -> None:
+    """The benchmarks' fake: a direct caller gets the same-size answer the proxy asks for."""
+    body = {"model": "demo", "max_tokens": 5, "messages": [{"role": "user", "content": "Hi"}]}
+    with FakeVLLM() as lean, FakeVLLM(always_detail=True) as detailed:
+        plain = httpx.post(lean.url + "/v1/chat/completions", json=body).json()
+        full = httpx.post(detailed.url + "/v1/chat/completions", json=body).json()
+        asked = {**body, "logprobs": True, "return_token_ids": True}
+        reference = httpx.post(lean.url + "/v1/chat/completions", json=asked).json()
+    assert plain["prompt_token_ids"] is None and plain["choices"][0]["logprobs"] is None
+    assert full["prompt_token_ids"] == reference["prompt_token_ids"]
+    assert full["choices"][0]["token_ids"] == reference["choices"][0]["token_ids"]
+    assert full["choices"][0]["logprobs"] == reference["choices"][0]["logprobs"]
