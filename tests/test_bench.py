@@ -113,7 +113,8 @@ def test_profile_summary(tmp_path: Path) -> None:
         f"run (uvicorn/main.py:1);handle (proxy/forward.py:10);loads ({site}/orjson/x.py:3) 3\n"
         "run (uvicorn/main.py:1);handle (proxy/forward.py:12);send (libc.so.6) 1\n"
         # a thread-pool worker waiting for work: idle, whatever py-spy --native calls it
-        "_worker (concurrent/futures/thread.py:83);_queue_SimpleQueue_get_impl (_queuemodule.c:253);"
+        "_worker (concurrent/futures/thread.py:83);"
+        "_queue_SimpleQueue_get_impl (_queuemodule.c:253);"
         "PyThread_acquire_lock_timed (libpython3.11.so.1.0);0x7f53588a3f16 (libc.so.6) 50\n"
     )
     profile = summarise_profile(raw)
