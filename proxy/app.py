@@ -1,5 +1,8 @@
 """The proxy's HTTP app: `create_app(settings)` wires the parts; routes stay thin.
 
+What it returns is `Edge` (proxy/edge.py) in front of a FastAPI app: the edge routes the two
+completion routes to their endpoint itself and everything else through FastAPI.
+
 Start-up: find the database (configured or embedded), migrate it, start the background writer
 (replaying any journal left from before), the upstream client and the alias poller.
 Shutdown: stop taking requests, then flush every recorded transition (to Postgres, or to the
@@ -9,8 +12,6 @@ journal if Postgres can't take them).
 from __future__ import annotations
 
 import asyncio
-import logging
-import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -19,6 +20,7 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.datastructures import State
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
 from starlette.routing import Route
@@ -27,7 +29,7 @@ from starlette.types import Receive, Scope, Send
 from proxy import admin, database, store, wire
 from proxy.alias import PolicyAlias
 from proxy.config import ProxySettings
-from proxy.edge import EdgeMiddleware
+from proxy.edge import Edge, Endpoint, unexpected_error
 from proxy.errors import ApiError, error_response
 from proxy.forward import Forwarder
 from proxy.journal import Journal
@@ -37,10 +39,8 @@ from proxy.rewards import post_rewards
 from proxy.tags import Tags, resolve
 from proxy.upstream import Upstream
 
-log = logging.getLogger(__name__)
 
-
-def create_app(settings: ProxySettings) -> FastAPI:
+def create_app(settings: ProxySettings) -> Edge:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         url = await asyncio.to_thread(database.resolve_url, settings.database_url, settings.home)
@@ -90,11 +90,13 @@ def create_app(settings: ProxySettings) -> FastAPI:
             await engine.dispose()
 
     app = FastAPI(title="Flywheel proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
-    app.add_middleware(EdgeMiddleware, settings=settings)
     _add_error_handlers(app)
 
+    fast: dict[str, Endpoint] = {}
     for path, route in (("/v1/chat/completions", "chat"), ("/v1/completions", "completions")):
-        endpoint = CompletionEndpoint(route, settings.max_body_bytes)
+        endpoint = CompletionEndpoint(route, settings.max_body_bytes, app.state)
+        fast[path] = endpoint.respond
+        # Edge answers POSTs itself; the router still says 405 to other methods.
         app.router.routes.append(Route(path, endpoint, methods=["POST"], include_in_schema=False))
 
     @app.get("/v1/models")
@@ -185,23 +187,26 @@ def create_app(settings: ProxySettings) -> FastAPI:
     async def prometheus_metrics() -> Response:
         return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
 
-    return app
+    return Edge(app, settings, fast)
 
 
 class CompletionEndpoint:
-    """The two completion routes as plain ASGI endpoints: the hot path skips FastAPI's per-request
-    dependency machinery (about 35 µs of CPU per call). Errors still reach the app's handlers."""
+    """The two completion routes, called by `Edge` without FastAPI's middleware, router and
+    per-request dependency machinery: every agent call comes this way."""
 
-    def __init__(self, route: str, max_body_bytes: int) -> None:
-        self._route, self._max_body_bytes = route, max_body_bytes
+    def __init__(self, route: str, max_body_bytes: int, state: State) -> None:
+        self._route, self._max_body_bytes, self._state = route, max_body_bytes, state
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def respond(self, scope: Scope, receive: Receive) -> Response:
         request = Request(scope, receive)
         body, nul = await read_json(request, self._max_body_bytes)
         if not isinstance(body, dict):
             raise ApiError(400, "the request body must be a JSON object")
-        forwarder: Forwarder = request.app.state.forwarder
-        response = await forwarder.handle(self._route, body, tags_of(request), scrub=nul)
+        forwarder: Forwarder = self._state.forwarder
+        return await forwarder.handle(self._route, body, tags_of(request), scrub=nul)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        response = await self.respond(scope, receive)
         await response(scope, receive, send)
 
 
@@ -256,8 +261,4 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, e: Exception) -> Response:
-        error_id = uuid.uuid4().hex[:12]
-        log.exception("unexpected error %s", error_id)
-        return error_response(
-            500, f"internal error {error_id} (see the proxy's log)", type="server_error"
-        )
+        return unexpected_error()

@@ -116,6 +116,7 @@ def serve(settings: ProxySettings) -> None:
         http="httptools",
         log_level=settings.log_level.lower(),
         access_log=False,  # requests are counted in /metrics; an access log costs per request
+        proxy_headers=False,  # nothing reads the client's address; one ASGI layer less per call
         timeout_graceful_shutdown=30,
     )
 

@@ -32,6 +32,9 @@ log = logging.getLogger(__name__)
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 MAX_CHOICES = 256  # n x prompts per call; more is almost certainly a client bug
+# labels() takes a lock and a lookup per call: the children, once
+_UPSTREAM_LATENCY = {route: metrics.upstream_latency.labels(route) for route in PATHS}
+_PROXY_OVERHEAD = {route: metrics.proxy_overhead.labels(route) for route in PATHS}
 
 
 @dataclass
@@ -299,8 +302,8 @@ class Forwarder:
             records = wire.pg_safe(records)
         self._recorder.submit(records)
         elapsed = time.perf_counter() - call.started
-        metrics.upstream_latency.labels(call.route).observe(call.upstream_s)
-        metrics.proxy_overhead.labels(call.route).observe(max(0.0, elapsed - call.upstream_s))
+        _UPSTREAM_LATENCY[call.route].observe(call.upstream_s)
+        _PROXY_OVERHEAD[call.route].observe(max(0.0, elapsed - call.upstream_s))
 
 
 class RelayResponse(StreamingResponse):

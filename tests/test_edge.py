@@ -171,3 +171,29 @@ def test_metrics_and_health(proxy: RunningProxy) -> None:
     ]:
         assert name in text, name
     assert proxy.client().get("/healthz").json()["database"] == "up"
+
+
+def _count(proxy: RunningProxy, route: str, status: int) -> float:
+    line = f'flywheel_requests_total{{route="{route}",status="{status}"}} '
+    text = proxy.client().get("/metrics").text
+    return next((float(x.split()[-1]) for x in text.splitlines() if x.startswith(line)), 0.0)
+
+
+def test_completion_errors_are_answered_and_counted_at_the_edge(
+    proxy: RunningProxy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The completion routes bypass FastAPI: their errors get the same answers and counts."""
+    route = "/v1/chat/completions"
+    before = {s: _count(proxy, route, s) for s in (200, 400, 500)}
+    assert proxy.client().post(route, json=CHAT).status_code == 200
+    assert_openai_error(proxy.client().post(route, content=b"{", headers={}), 400)
+
+    async def broken(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("a bug")
+
+    monkeypatch.setattr("proxy.forward.Forwarder.handle", broken)
+    error = assert_openai_error(proxy.client().post(route, json=CHAT), 500)
+    assert error["type"] == "server_error" and "internal error" in error["message"]
+    assert "a bug" not in error["message"]  # the log has it, not the client
+    after = {s: _count(proxy, route, s) for s in (200, 400, 500)}
+    assert {s: after[s] - before[s] for s in after} == {200: 1, 400: 1, 500: 1}
