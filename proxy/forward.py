@@ -9,8 +9,8 @@ it. Each choice becomes one transition, handed to the background writer (never a
 from __future__ import annotations
 
 import logging
+import os
 import time
-import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from functools import partial
@@ -49,9 +49,9 @@ class Call:
     model_used: str
     policy_version: int | None
     transition_ids: list[str]
+    request_id: str
     requested_at: float = field(default_factory=time.time)
     started: float = field(default_factory=time.perf_counter)
-    request_id: str = field(default_factory=lambda: str(uuid.uuid4()))
     upstream_s: float = 0.0
     recorded: bool = False
     replica: Replica | None = None  # holds an outstanding slot there while set
@@ -101,13 +101,15 @@ class Forwarder:
             raise ApiError(400, f"n x prompts = {choices} exceeds {MAX_CHOICES}", param="n")
 
         model_used, version = await self._alias.resolve(model)
+        *transition_ids, request_id = random_uuids(choices + 1)
         call = Call(
             route=route,
             tags=tags,
             body=body,
             model_used=model_used,
             policy_version=version,
-            transition_ids=[str(uuid.uuid4()) for _ in range(choices)],
+            transition_ids=transition_ids,
+            request_id=request_id,
             scrub=scrub,
         )
         upstream_body = {**body, "model": model_used, "return_token_ids": True}
@@ -345,6 +347,19 @@ async def sse_data(response: UpstreamResponse) -> AsyncIterator[bytes]:
             for line in event.split(b"\n"):
                 if line.startswith(b"data:"):
                     yield line[5:].lstrip(b" ")
+
+
+def random_uuids(n: int) -> list[str]:
+    """n version-4 UUID strings from one read of the OS's randomness (uuid4() and str() per id
+    were ~4% of the proxy's CPU at 64 clients)."""
+    raw = bytearray(os.urandom(16 * n))
+    out = []
+    for i in range(0, 16 * n, 16):
+        raw[i + 6] = (raw[i + 6] & 0x0F) | 0x40  # version 4
+        raw[i + 8] = (raw[i + 8] & 0x3F) | 0x80  # RFC 4122 variant
+        h = raw[i : i + 16].hex()
+        out.append(f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}")
+    return out
 
 
 def _record_base(

@@ -190,9 +190,7 @@ class _Connection(asyncio.Protocol):
 
     @property
     def reusable(self) -> bool:
-        return (
-            self.usable and self.complete and self.error is None and self.keep_alive
-        )
+        return self.usable and self.complete and self.error is None and self.keep_alive
 
     async def exchange(self, pool: Pool, head: bytes, body: bytes, deadline: float) -> Response:
         assert self.transport is not None

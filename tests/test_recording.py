@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+import uuid
 from typing import Any
 
 import orjson
@@ -223,3 +224,12 @@ def test_a_very_long_prompt_streams_and_records(proxy: RunningProxy) -> None:
     assert len(first) > 1_000_000
     [t] = proxy.client().get("/v1/episodes/long?tokens=true").json()["transitions"]
     assert t["status"] == "ok" and t["prompt_token_ids"] == prompt_ids
+
+
+def test_random_uuids_are_version_4_and_distinct() -> None:
+    from proxy.forward import random_uuids
+
+    ids = random_uuids(500)
+    parsed = [uuid.UUID(i) for i in ids]
+    assert [str(u) for u in parsed] == ids and len(set(ids)) == 500
+    assert {(u.version, u.variant) for u in parsed} == {(4, uuid.RFC_4122)}
