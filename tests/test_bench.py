@@ -123,3 +123,16 @@ def test_profile_summary(tmp_path: Path) -> None:
     assert profile.total["handle (proxy/forward.py)"] == 1.0
     assert "send (libc.so.6)" not in profile.total  # native frames: own time only
     assert dict(profile.areas) == {"orjson": 0.75, "syscalls/libc": 0.25}
+
+
+def test_cpu_split_smoke(postgres_url: str, tmp_path: Path) -> None:
+    report = tmp_path / "split.md"
+    _bench(
+        "bench.cpu_split", "--clients", "2", "--seconds", "0.3", "--rounds", "1",
+        "--database-url", postgres_url, "--results", str(report),
+    )  # fmt: skip
+    rows = _table(report, ("direct", "flywheel"))
+    assert [row[0] for row in rows] == ["direct", "flywheel"]
+    direct, flywheel = ([_number(c) for c in row[1:]] for row in rows)
+    assert direct[-1] == 0 and flywheel[-1] == 0  # nothing failed
+    assert flywheel[3] > 0 and direct[3] < flywheel[3]  # the proxy worked only when called
