@@ -170,6 +170,7 @@ class Forwarder:
                 metrics.upstream_retries.inc()
             tried += (replica,)
             call.replica = replica
+            response = None
             try:
                 response = await self._post(call, replica, body)
                 if read:
@@ -180,7 +181,9 @@ class Forwarder:
                 self._upstream.failed(replica, repr(e))
                 if len(tried) == len(self._upstream.replicas):
                     raise
-            except BaseException:
+            except BaseException:  # a timeout, or the client left: vLLM may stop generating
+                if response is not None:
+                    response.close()
                 self._free(call)
                 raise
         raise UpstreamBroken("no vLLM replica to send to")

@@ -159,7 +159,10 @@ class Response:
             self._connection.close()
 
     def close(self) -> None:
-        """Drop the connection (vLLM aborts a generation whose connection closes)."""
+        """Drop the connection (vLLM aborts a generation whose connection closes). After
+        `release()` it does nothing: the connection may be serving another call by then."""
+        if self._done:
+            return
         self._done = True
         self._connection.close()
 
