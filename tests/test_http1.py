@@ -4,8 +4,12 @@ answers. (The proxy tests exercise it against the fake vLLM, the e2e tests again
 from __future__ import annotations
 
 import asyncio
+import shutil
+import ssl
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import pytest
 
@@ -278,3 +282,33 @@ async def test_a_slow_answer_times_out_and_its_connection_is_dropped() -> None:
 def test_only_http_urls() -> None:
     with pytest.raises(ValueError, match="not an http"):
         http1.Pool("ftp://x", {})
+
+
+async def test_https_upstream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An https base URL speaks TLS and verifies the certificate (here a self-signed one,
+    trusted through SSL_CERT_FILE as a private CA would be)."""
+    openssl = shutil.which("openssl")
+    if openssl is None:
+        pytest.skip("no openssl command to make a certificate with")
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(
+        [openssl, "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-keyout", str(key), "-out", str(cert), "-subj", "/CN=localhost",
+         "-addext", "subjectAltName=DNS:localhost"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    server_side = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server_side.load_cert_chain(cert, key)
+    server = Server(answer_ok)
+    listening = await asyncio.start_server(server.serve, "127.0.0.1", 0, ssl=server_side)
+    port = listening.sockets[0].getsockname()[1]
+    async with listening:
+        with pytest.raises(http1.UpstreamBroken, match="CERTIFICATE_VERIFY_FAILED"):
+            await http1.Pool(f"https://localhost:{port}", {}).post("/x", b"", timeout_s=5)
+        monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+        pool = http1.Pool(f"https://localhost:{port}", {})
+        response = await pool.post("/x", b"{}", timeout_s=5)
+        assert await response.read() == b'{"ok":true}'
+        response.release()
+        pool.close()
+    assert server.requests[-1].endswith(b"\r\n\r\n{}")
