@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-import aiohttp
 import orjson
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
@@ -34,8 +33,8 @@ log = logging.getLogger(__name__)
 
 PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 MAX_CHOICES = 256  # n x prompts per call; more is almost certainly a client bug
-# What a call to vLLM can raise (aiohttp: re-loading an adapter into a restarted replica).
-UPSTREAM_ERRORS = (UpstreamBroken, aiohttp.ClientError, TimeoutError)
+# What a completion call to vLLM can raise (alias.restore handles its own aiohttp errors).
+UPSTREAM_ERRORS = (UpstreamBroken, TimeoutError)
 # labels() takes a lock and a lookup per call: the children, once
 _UPSTREAM_LATENCY = {route: metrics.upstream_latency.labels(route) for route in PATHS}
 _PROXY_OVERHEAD = {route: metrics.proxy_overhead.labels(route) for route in PATHS}
@@ -227,7 +226,7 @@ class Forwarder:
                         )
                         data_bytes = orjson.dumps(chunk)
                 yield b"data: " + data_bytes + b"\n\n"
-        except (UpstreamBroken, TimeoutError) as e:
+        except UPSTREAM_ERRORS as e:
             status, error = "failed", {"error": {"message": f"upstream stream broke: {e}"}}
             log.warning("upstream stream broke: %s", e)
         finally:

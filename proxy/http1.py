@@ -19,6 +19,7 @@ import asyncio
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
+from functools import cached_property
 from urllib.parse import urlsplit
 
 import httptools
@@ -118,11 +119,14 @@ class Response:
     def __init__(self, pool: Pool, connection: _Connection) -> None:
         self._pool, self._connection = pool, connection
         self.status = connection.status
-        self.headers = {
-            k.decode("latin-1").lower(): v.decode("latin-1") for k, v in connection.headers
-        }
+        self._raw_headers = connection.headers
         self._body: bytes | None = None
         self._done = False
+
+    @cached_property
+    def headers(self) -> dict[str, str]:
+        """Lower-cased names (the hot path reads only the content type, and not on success)."""
+        return {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in self._raw_headers}
 
     @property
     def content_type(self) -> str:
