@@ -7,6 +7,7 @@ and peak RSS (children included); `profile()` attaches py-spy to a running serve
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import secrets
@@ -176,20 +177,10 @@ class ProcessMeter:
         self._thread.start()
 
     def _tree(self) -> list[psutil.Process]:
-        try:
-            return [self.process, *self.process.children(recursive=True)]
-        except psutil.NoSuchProcess:
-            return []
+        return process_tree(self.process.pid)
 
     def cpu_s(self) -> float:
-        total = 0.0
-        for p in self._tree():
-            try:
-                times = p.cpu_times()
-            except psutil.NoSuchProcess:
-                continue
-            total += times.user + times.system
-        return total
+        return cpu_seconds(self._tree())
 
     def _sample(self) -> None:
         while not self._stop.wait(0.05):
@@ -202,6 +193,40 @@ class ProcessMeter:
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
+
+
+def process_tree(pid: int | None) -> list[psutil.Process]:
+    """A process and all its descendants ([] when it is gone or `pid` is None)."""
+    if pid is None:
+        return []
+    try:
+        process = psutil.Process(pid)
+        return [process, *process.children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def cpu_seconds(processes: list[psutil.Process]) -> float:
+    """User + system CPU seconds of these processes (ones that have exited count 0)."""
+    total = 0.0
+    for p in processes:
+        try:
+            times = p.cpu_times()
+        except psutil.Error:
+            continue
+        total += times.user + times.system
+    return total
+
+
+def add_fake_arguments(parser: argparse.ArgumentParser) -> None:
+    """--latency-s and --lean-fake, for the scripts that start the fake vLLM (see start_fake)."""
+    parser.add_argument("--latency-s", type=float, default=0.002, help="the fake's own latency")
+    parser.add_argument(
+        "--lean-fake",
+        action="store_true",
+        help="the fake sends token ids/logprobs only when asked (as vLLM): direct calls then cost "
+        "it less than the proxy's, which always asks",
+    )
 
 
 def postgres_pid(url: str) -> int | None:

@@ -27,31 +27,12 @@ RESULTS = Path(__file__).with_suffix(".md")
 PROMPT = [{"role": "user", "content": "What is 3 + 4?"}]
 
 
-def _tree(pid: int | None) -> list[psutil.Process]:
-    if pid is None:
-        return []
-    process = psutil.Process(pid)
-    return [process, *process.children(recursive=True)]
-
-
-def _cpu_s(processes: list[psutil.Process]) -> float:
-    total = 0.0
-    for p in processes:
-        try:
-            times = p.cpu_times()
-        except psutil.Error:
-            continue
-        total += times.user + times.system
-    return total
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--clients", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=5.0, help="per target, per round")
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--latency-s", type=float, default=0.002, help="the fake's own latency")
-    parser.add_argument("--lean-fake", action="store_true", help="ids/logprobs only when asked")
+    common.add_fake_arguments(parser)
     parser.add_argument("--database-url", help="default: an embedded Postgres (.flywheel/bench)")
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--note", default="")
@@ -67,22 +48,24 @@ def main() -> None:
         try:
             groups = {
                 "load generator": [psutil.Process()],
-                "fake vLLM": _tree(fake.process.pid),
-                "proxy": _tree(flywheel.process.pid),
-                "Postgres": _tree(common.postgres_pid(db_url)),
+                "fake vLLM": common.process_tree(fake.process.pid),
+                "proxy": common.process_tree(flywheel.process.pid),
+                "Postgres": common.process_tree(common.postgres_pid(db_url)),
             }
             for url in (fake.url, flywheel.url):  # warm-up: connections, caches
                 common.load(url + "/v1/chat/completions", body, 8, 0.5)
             for _ in range(args.rounds):
                 for target, url in (("direct", fake.url), ("flywheel", flywheel.url)):
-                    groups["Postgres"] = _tree(common.postgres_pid(db_url))  # live backends
-                    before = {k: _cpu_s(v) for k, v in groups.items()}
+                    groups["Postgres"] = common.process_tree(
+                        common.postgres_pid(db_url)
+                    )  # live backends
+                    before = {k: common.cpu_seconds(v) for k, v in groups.items()}
                     started = time.perf_counter()
                     run = common.load(
                         url + "/v1/chat/completions", body, args.clients, args.seconds
                     )
                     wall = time.perf_counter() - started
-                    used = {k: _cpu_s(v) - before[k] for k, v in groups.items()}
+                    used = {k: common.cpu_seconds(v) - before[k] for k, v in groups.items()}
                     n = max(1, len(run.latencies))
                     rows.append(
                         (

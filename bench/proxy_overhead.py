@@ -234,13 +234,7 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,16,64,256", help="comma-separated clients")
     parser.add_argument("--seconds", type=float, default=5.0, help="per target, per round")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per cell")
-    parser.add_argument("--latency-s", type=float, default=0.002, help="the fake's own latency")
-    parser.add_argument(
-        "--lean-fake",
-        action="store_true",
-        help="the fake sends token ids/logprobs only when asked (as vLLM): direct calls then cost "
-        "it less than the proxy's, which always asks",
-    )
+    common.add_fake_arguments(parser)
     parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM's proxy")
     parser.add_argument("--database-url", help="default: an embedded Postgres (.flywheel/bench)")
     parser.add_argument("--results", type=Path, default=RESULTS, help="report to append to")

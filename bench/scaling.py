@@ -256,13 +256,7 @@ def main() -> None:
     parser.add_argument("--prompts", default="short,long", help="short (~20 tokens), long (~4k)")
     parser.add_argument("--seconds", type=float, default=3.0, help="per target, per round")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per cell")
-    parser.add_argument("--latency-s", type=float, default=0.002, help="the fake's own latency")
-    parser.add_argument(
-        "--lean-fake",
-        action="store_true",
-        help="the fake sends token ids/logprobs only when asked (as vLLM): direct calls then cost "
-        "it less than the proxy's, which always asks",
-    )
+    common.add_fake_arguments(parser)
     parser.add_argument("--profile", action="store_true", help="py-spy the proxy afterwards")
     parser.add_argument("--profile-seconds", type=float, default=8.0)
     parser.add_argument("--database-url", help="default: an embedded Postgres (.flywheel/bench)")
