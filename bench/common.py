@@ -32,9 +32,8 @@ import orjson
 import psutil
 import psycopg
 
-from demo.vllm_server import wait_http
-from proxy import database
-from tests.conftest import free_port
+from core import database
+from demo.vllm_server import free_port, wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
 WORK = ROOT / ".flywheel" / "bench"  # git-ignored: LiteLLM's venv, logs, raw profiles
@@ -289,7 +288,7 @@ def start_fake(
     """The fake vLLM. `always_detail`: every answer carries token ids and logprobs (the issue's
     "fixed-size completions with token ids/logprobs"), so a direct call costs the fake what a
     proxied one does and the comparison isolates the proxy; False: only when asked, as vLLM."""
-    argv = [sys.executable, "-m", "tests.fake_vllm", "--latency-s", str(latency_s)]
+    argv = [sys.executable, "-m", "bench.fake_vllm", "--latency-s", str(latency_s)]
     argv += ["--token-delay-s", str(token_delay_s)]
     if always_detail:
         argv.append("--always-detail")
@@ -302,7 +301,7 @@ def start_flywheel(upstream: str, database_url: str) -> Server:
         FLYWHEEL_HOME=tempfile.mkdtemp(prefix="flywheel-bench-"),
         FLYWHEEL_LOG_LEVEL="warning",
     )
-    argv = [sys.executable, "-m", "proxy.cli", "proxy", "--upstream", upstream]
+    argv = [sys.executable, "-m", "flywheel", "proxy", "--upstream", upstream]
     return _start("flywheel_proxy", argv, "/healthz", env)
 
 

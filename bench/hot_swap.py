@@ -1,10 +1,11 @@
 """Hot-swap: from an adapter published to the first call served by it, under steady load.
 
 Steady load (N clients calling the `policy` alias without pause) goes through `flywheel proxy`
-(its own process, recording into real Postgres) to a fake vLLM (tests/fake_vllm.py, its own
+(its own process, recording into real Postgres) to a fake vLLM (bench/fake_vllm.py, its own
 process). Meanwhile this script publishes a new adapter version every `--interval` seconds the way
-the trainer does: the trainer's own `VLLMAdmin.load_everywhere` (into vLLM first), then the
-trainer's own `store.publish` transaction (which NOTIFYs every proxy). For each swap it reports:
+the trainer does: `core.policy.load_everywhere` (into vLLM first, through the trainer's own
+`Replicas`), then `core.policy.publish` in a transaction (which NOTIFYs every proxy). For each
+swap it reports:
 
 - routed: publish committed -> the send time of the first call answered by the new version
   (can be slightly negative: the proxy may hear the NOTIFY before the publisher's commit returns);
@@ -29,13 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-from sqlalchemy import create_engine
-from sqlalchemy.orm import Session
 
 from bench.common import bench_database, start_fake, start_flywheel
-from proxy import database
-from trainer import store
-from trainer.vllm import VLLMAdmin
+from core import database, policy
+from trainer.vllm import Replicas
 
 RESULTS = Path(__file__).with_suffix(".md")
 PLOT = Path(__file__).resolve().parent.parent / "docs" / "img" / "hot_swap.png"
@@ -75,17 +73,17 @@ def publish_versions(
     db_url: str, fake_url: str, swaps: int, interval: float, adapters: Path
 ) -> dict[int, tuple[float, float]]:
     """Publish versions 1..swaps; return version -> (load-into-vLLM seconds, commit time)."""
-    engine = create_engine(database.sqlalchemy_url(db_url))
-    admin = VLLMAdmin([fake_url], None)
+    engine, sessions = database.create_sessions(db_url)
+    admin = Replicas([fake_url], None)
     published: dict[int, tuple[float, float]] = {}
     try:
         for version in range(1, swaps + 1):
             time.sleep(interval)
             name, path = f"policy-v{version}", adapters / f"policy-v{version}"
             path.mkdir()
-            load_s = admin.load_everywhere(name, str(path))
-            with Session(engine) as session, session.begin():
-                store.publish(
+            load_s = admin.load_everywhere(name, str(path)).seconds
+            with sessions.begin() as session:
+                policy.publish(
                     session=session,
                     version=version,
                     name=name,

@@ -36,11 +36,11 @@ import httpx
 import psutil
 import psycopg
 
+from core import database
 from demo.agent import MAX_TOKENS, TEMPERATURE, Agent, Episode, print_round
 from demo.calculator import QUESTIONS, SYSTEM, build_calculator_model, messages, reward
 from demo.stack import MODEL_NAME, TRAINER_ENV, local_loop
-from proxy import database
-from tests.conftest import free_port
+from demo.vllm_server import free_port
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).with_suffix(".md")  # this script's own report
@@ -49,7 +49,7 @@ HOME = ROOT / ".flywheel" / "learning-curve"
 ROUND = 64  # episodes per agent round: Agent.round(questions=8, samples=8)
 GROUP = 8  # episodes per question in a round: the GRPO group size on both sides
 # by command line, in this order (the trainer's own command names --vllm)
-KINDS = {"trainer": "proxy.cli trainer", "proxy": "proxy.cli proxy", "vllm": "vllm.entrypoints"}
+KINDS = {"trainer": "flywheel trainer", "proxy": "flywheel proxy", "vllm": "vllm.entrypoints"}
 WINDOW = 192  # samples per row of the report's tables (three agent rounds, as in the e2e test)
 
 

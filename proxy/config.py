@@ -1,7 +1,8 @@
 """Settings of the proxy process, built once at start-up and passed down.
 
 Every field is also an environment variable with the `FLYWHEEL_` prefix (e.g. `FLYWHEEL_UPSTREAM`).
-Lists (`upstream`, `api_keys`) are comma-separated in the environment.
+Lists (`upstream`, `api_keys`) are comma-separated in the environment. Where the database is
+(`FLYWHEEL_DATABASE_URL`, `FLYWHEEL_HOME`) is `core/settings.py`, shared with the trainer.
 """
 
 from __future__ import annotations
@@ -9,41 +10,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import NoDecode
+
+from core.settings import DatabaseSettings, split_commas
 
 TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,199}$"
-
-
-def split_commas(value: object) -> object:
-    if isinstance(value, str):
-        return [part.strip() for part in value.split(",") if part.strip()]
-    return value
-
-
-class DatabaseSettings(BaseSettings):
-    """What the proxy and the trainer share: where the data lives."""
-
-    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", extra="ignore")
-
-    home: Path = Field(Path(".flywheel"), description="Data directory: embedded Postgres, journal.")
-    database_url: str | None = Field(
-        None,
-        description="Postgres URL (postgresql://...). Unset: an embedded Postgres under `home`.",
-    )
-    require_database_url: bool = Field(
-        False, description="Refuse to start the embedded Postgres (set in deployments)."
-    )
-    log_level: str = Field("info", description="Python log level.")
-
-    @model_validator(mode="after")
-    def _check_database(self) -> DatabaseSettings:
-        if self.require_database_url and not self.database_url:
-            raise ValueError(
-                "FLYWHEEL_DATABASE_URL is required here (FLYWHEEL_REQUIRE_DATABASE_URL is set); "
-                "set it to your Postgres URL, e.g. postgresql://user:pass@host:5432/flywheel"
-            )
-        return self
 
 
 class ProxySettings(DatabaseSettings):

@@ -2,47 +2,37 @@
 
 - path-form tags: `/episode/e1/task/t1/v1/...` is routed as `/v1/...` with the tags kept aside;
 - auth: with FLYWHEEL_API_KEYS set, `/v1/*` needs `Authorization: Bearer <key>` (never logged);
-- the fast lane: the two completion routes (every agent call) go straight to their endpoint,
-  not through FastAPI's middleware stack, router and exception handlers (about 5% of the proxy's
-  busy samples at 64 clients, by py-spy); their errors get the same OpenAI-shaped answers here;
-- the per-route request counter.
+- the fast lane: the completion routes (`wire.ROUTES`, every agent call) go straight to
+  `routes.completions.complete`, not through FastAPI's middleware stack, router and exception
+  handlers (about 5% of the proxy's busy samples at 64 clients, by py-spy); their errors get the
+  same OpenAI-shaped answers here;
+- the per-route request counter (labelled with the route's path template).
 """
 
 from __future__ import annotations
 
 import hmac
-import logging
-import uuid
-from collections.abc import Awaitable, Callable
 from functools import cache
 
+from fastapi import FastAPI
 from prometheus_client.metrics import Counter
 from starlette.responses import Response
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from starlette.routing import Match
+from starlette.types import Message, Receive, Scope, Send
 
-from proxy import metrics
+from proxy import metrics, wire
 from proxy.config import ProxySettings
-from proxy.errors import ApiError, error_response
+from proxy.errors import ApiError, error_response, unexpected_error
+from proxy.routes.completions import complete
+from proxy.services import services_of
 from proxy.tags import split_path
 
-log = logging.getLogger(__name__)
-
-KNOWN_ROUTES = {
-    "/v1/chat/completions",
-    "/v1/completions",
-    "/v1/models",
-    "/v1/rewards",
-    "/healthz",
-    "/metrics",
-}
-# (scope, receive) -> the response to send; raises ApiError for a bad call
-Endpoint = Callable[[Scope, Receive], Awaitable[Response]]
+_COMPLETIONS = {route.path: route for route in wire.ROUTES}
 
 
 class Edge:
-    def __init__(self, app: ASGIApp, settings: ProxySettings, fast: dict[str, Endpoint]) -> None:
+    def __init__(self, app: FastAPI, settings: ProxySettings) -> None:
         self.app = app
-        self._fast = fast  # path -> endpoint, for POST
         self._keys = [k.get_secret_value().encode() for k in settings.api_keys]
         self._admin_key = (
             settings.admin_key.get_secret_value().encode() if settings.admin_key else None
@@ -60,9 +50,9 @@ class Edge:
                 status = e.status
                 await e.response()(scope, receive, send)
                 return
-            endpoint = self._fast.get(scope["path"]) if scope["method"] == "POST" else None
-            if endpoint is not None:
-                response = await _answer(endpoint, scope, receive)
+            route = _COMPLETIONS.get(scope["path"])
+            if route is not None:
+                response = await self._complete(route, scope, receive)
                 status = response.status_code
                 await response(scope, receive, send)
                 return
@@ -75,7 +65,29 @@ class Edge:
 
             await self.app(scope, receive, send_counting)
         finally:
-            _requests(_route_label(scope["path"]), status).inc()
+            _requests(self._route_label(scope), status).inc()
+
+    async def _complete(self, route: wire.Route, scope: Scope, receive: Receive) -> Response:
+        """The completion route's response, or the error answer the app's handlers would give."""
+        if scope["method"] != "POST":
+            message = f"{scope['method']} {scope['path']}: Method Not Allowed"
+            return error_response(405, message, headers={"Allow": "POST"})
+        try:
+            return await complete(route, services_of(self.app), scope, receive)
+        except ApiError as e:
+            return e.response()
+        except Exception:
+            return unexpected_error()
+
+    def _route_label(self, scope: Scope) -> str:
+        """The path template of the route that served it (a bounded set of labels)."""
+        if scope["path"] in _COMPLETIONS:
+            return str(scope["path"])
+        for route in self.app.router.routes:
+            match, _ = route.matches(scope)
+            if match is not Match.NONE:
+                return str(getattr(route, "path", "other"))
+        return "other"
 
     def _route(self, scope: Scope) -> Scope:
         split = split_path(scope["path"])
@@ -96,25 +108,6 @@ class Edge:
         return scope
 
 
-async def _answer(endpoint: Endpoint, scope: Scope, receive: Receive) -> Response:
-    """The endpoint's response, or the error answer the app's handlers would have given."""
-    try:
-        return await endpoint(scope, receive)
-    except ApiError as e:
-        return e.response()
-    except Exception:
-        return unexpected_error()
-
-
-def unexpected_error() -> Response:
-    """A bug, not the client's fault: logged with an id the client gets to quote."""
-    error_id = uuid.uuid4().hex[:12]
-    log.exception("unexpected error %s", error_id)
-    return error_response(
-        500, f"internal error {error_id} (see the proxy's log)", type="server_error"
-    )
-
-
 def _authorize(scope: Scope, keys: list[bytes], setting: str) -> None:
     header = dict(scope["headers"]).get(b"authorization", b"")
     scheme, _, key = header.partition(b" ")
@@ -130,13 +123,3 @@ def _authorize(scope: Scope, keys: list[bytes], setting: str) -> None:
 @cache  # a handful of (route, status) pairs; prometheus' labels() costs a lock and a lookup
 def _requests(route: str, status: int) -> Counter:
     return metrics.requests.labels(route, str(status))
-
-
-def _route_label(path: str) -> str:
-    if path in KNOWN_ROUTES:
-        return path
-    if path.startswith("/v1/episodes/"):
-        return "/v1/episodes/{id}"
-    if path.startswith("/admin/"):
-        return "/admin"
-    return "other"

@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import logging
+import uuid
+
 import orjson
 from starlette.responses import Response
+
+log = logging.getLogger(__name__)
 
 
 class ApiError(Exception):
@@ -50,4 +55,13 @@ def error_response(
     body = {"error": {"message": message, "type": type, "param": param, "code": code}}
     return Response(
         orjson.dumps(body), status_code=status, media_type="application/json", headers=headers
+    )
+
+
+def unexpected_error() -> Response:
+    """A bug, not the client's fault: logged with an id the client gets to quote."""
+    error_id = uuid.uuid4().hex[:12]
+    log.exception("unexpected error %s", error_id)
+    return error_response(
+        500, f"internal error {error_id} (see the proxy's log)", type="server_error"
     )

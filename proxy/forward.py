@@ -9,10 +9,8 @@ it. Each choice becomes one transition, handed to the background writer (never a
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
-from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -20,8 +18,10 @@ import orjson
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
+from core.record import TransitionRecord
 from proxy import metrics, wire
 from proxy.alias import PolicyAlias
+from proxy.call import Call, failure, random_uuids, transitions
 from proxy.errors import ApiError, error_response
 from proxy.http1 import Response as UpstreamResponse
 from proxy.http1 import UpstreamBroken
@@ -31,47 +31,12 @@ from proxy.upstream import Replica, Upstream
 
 log = logging.getLogger(__name__)
 
-PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
 MAX_CHOICES = 256  # n x prompts per call; more is almost certainly a client bug
-# What a completion call to vLLM can raise (alias.restore handles its own aiohttp errors).
+# What a completion call to vLLM can raise (alias.restore handles its own errors).
 UPSTREAM_ERRORS = (UpstreamBroken, TimeoutError)
 # labels() takes a lock and a lookup per call: the children, once
-_UPSTREAM_LATENCY = {route: metrics.upstream_latency.labels(route) for route in PATHS}
-_PROXY_OVERHEAD = {route: metrics.proxy_overhead.labels(route) for route in PATHS}
-
-
-@dataclass
-class Call:
-    route: str
-    tags: Tags
-    body: dict[str, Any]
-    model_used: str
-    policy_version: int | None
-    transition_ids: list[str]
-    request_id: str
-    requested_at: float = field(default_factory=time.time)
-    started: float = field(default_factory=time.perf_counter)
-    upstream_s: float = 0.0
-    recorded: bool = False
-    replica: Replica | None = None  # holds an outstanding slot there while set
-    scrub: bool = False  # the request holds a U+0000: make the records storable
-
-    @property
-    def wants_logprobs(self) -> bool:
-        value = self.body.get("logprobs")
-        return value is not None and value is not False
-
-    @property
-    def wants_token_ids(self) -> bool:
-        return bool(self.body.get("return_token_ids"))
-
-    def headers(self) -> dict[str, str]:
-        version = "none" if self.policy_version is None else str(self.policy_version)
-        return {
-            "X-Episode-Id": self.tags.episode_id,
-            "X-Transition-Id": ",".join(self.transition_ids),
-            "X-Policy-Version": version,
-        }
+_UPSTREAM_LATENCY = {r.name: metrics.upstream_latency.labels(r.name) for r in wire.ROUTES}
+_PROXY_OVERHEAD = {r.name: metrics.proxy_overhead.labels(r.name) for r in wire.ROUTES}
 
 
 class Forwarder:
@@ -81,7 +46,7 @@ class Forwarder:
         self._recorder = recorder
 
     async def handle(
-        self, route: str, body: dict[str, Any], tags: Tags, *, scrub: bool = False
+        self, route: wire.Route, body: dict[str, Any], tags: Tags, *, scrub: bool = False
     ) -> Response:
         """Forward one call. `scrub`: the body holds a U+0000, to be made storable when recorded."""
         model = body.get("model")
@@ -95,7 +60,7 @@ class Forwarder:
             n = 1
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ApiError(400, "`n` must be a positive integer", param="n")
-        choices = n * wire.prompt_count(body) if route == "completions" else n
+        choices = n * wire.prompt_count(body) if route is wire.COMPLETIONS else n
         if choices > MAX_CHOICES:
             raise ApiError(400, f"n x prompts = {choices} exceeds {MAX_CHOICES}", param="n")
 
@@ -112,7 +77,7 @@ class Forwarder:
             scrub=scrub,
         )
         upstream_body = {**body, "model": model_used, "return_token_ids": True}
-        if route == "chat":
+        if route is wire.CHAT:
             upstream_body["logprobs"] = True
         elif not call.wants_logprobs:
             upstream_body["logprobs"] = 0  # completions: 0 = the sampled token's logprob only
@@ -140,7 +105,7 @@ class Forwarder:
             self._free(call)
         call.upstream_s = time.perf_counter() - sent
         if response.status != 200:
-            self._record_failure(call, response.status, payload)
+            self._submit(call, [failure(call, response.status, payload)])
             return Response(
                 payload,
                 status_code=response.status,
@@ -152,7 +117,7 @@ class Forwarder:
         if not (call.wants_logprobs and call.wants_token_ids):
             wire.strip(data, token_ids=call.wants_token_ids, logprobs=call.wants_logprobs)
             payload = orjson.dumps(data)
-        self._record(call, collected, status="ok", http_status=200)
+        self._submit(call, transitions(call, collected, "ok"))
         return Response(payload, media_type="application/json", headers=call.headers())
 
     async def _send(self, call: Call, body: bytes, *, read: bool) -> UpstreamResponse:
@@ -188,13 +153,13 @@ class Forwarder:
         raise UpstreamBroken("no vLLM replica to send to")
 
     async def _post(self, call: Call, replica: Replica, body: bytes) -> UpstreamResponse:
-        response = await self._upstream.post(replica, PATHS[call.route], body)
+        response = await self._upstream.post(replica, call.route.path, body)
         if response.status == 404 and call.policy_version:
             # A restarted vLLM has none of our adapters: load this one again and retry once.
             await response.read()  # kept: the 404 can still be passed through
             response.release()
             if await self._alias.restore(replica, call.model_used):
-                response = await self._upstream.post(replica, PATHS[call.route], body)
+                response = await self._upstream.post(replica, call.route.path, body)
         return response
 
     def _free(self, call: Call) -> None:
@@ -238,62 +203,24 @@ class Forwarder:
                 response.close()
             call.upstream_s = time.perf_counter() - sent
             if error is not None:
-                self._record_failure(call, 200, orjson.dumps(error), partial=collected)
+                self._submit(call, [failure(call, 200, orjson.dumps(error), partial=collected)])
             else:
-                self._record(call, collected, status=status, http_status=200)
+                self._submit(call, transitions(call, collected, status))
 
     def _end_stream(self, call: Call, response: UpstreamResponse) -> None:
         self._free(call)
         if not call.recorded:  # the client left before the relay's first step
             response.close()
-            self._record(call, {}, status="aborted", http_status=200)
+            self._submit(call, transitions(call, {}, "aborted"))
 
     # --- recording ------------------------------------------------------------------------
-
-    def _record(
-        self, call: Call, collected: dict[int, wire.Choice], *, status: str, http_status: int
-    ) -> None:
-        records = []
-        for index, transition_id in enumerate(call.transition_ids):
-            choice = collected.get(index, wire.Choice())
-            records.append(
-                _record_base(call, index, transition_id, status, http_status)
-                | {
-                    "prompt_token_ids": choice.prompt_token_ids,
-                    "completion_token_ids": choice.token_ids,
-                    "logprobs": choice.logprobs,
-                    "text": "".join(choice.text),
-                    "tool_calls": [choice.tool_calls[i] for i in sorted(choice.tool_calls)] or None,
-                    "finish_reason": choice.finish_reason,
-                    "prompt_tokens": len(choice.prompt_token_ids or ()),
-                    "completion_tokens": len(choice.token_ids),
-                }
-            )
-        self._submit(call, records)
-
-    def _record_failure(
-        self,
-        call: Call,
-        http_status: int,
-        payload: bytes,
-        partial: dict[int, wire.Choice] | None = None,
-    ) -> None:
-        try:
-            error = orjson.loads(payload)
-        except orjson.JSONDecodeError:
-            error = {"raw": payload[:10_000].decode(errors="replace")}
-        record = _record_base(call, 0, call.transition_ids[0], "failed", http_status)
-        record["error"] = error if isinstance(error, dict) else {"raw": error}
-        if partial:
-            record["text"] = "".join(partial.get(0, wire.Choice()).text)
-        self._submit(call, [record])
 
     def _failed_to_connect(self, call: Call, e: Exception, sent: float) -> Response:
         call.upstream_s = time.perf_counter() - sent
         timeout = isinstance(e, TimeoutError)
         status = 504 if timeout else 502
         message = f"upstream vLLM {'timed out' if timeout else 'unreachable'}: {e!r}"
-        self._record_failure(call, status, orjson.dumps({"error": {"message": message}}))
+        self._submit(call, [failure(call, status, orjson.dumps({"error": {"message": message}}))])
         return error_response(
             status,
             message,
@@ -302,14 +229,14 @@ class Forwarder:
             headers=call.headers(),
         )
 
-    def _submit(self, call: Call, records: list[dict[str, Any]]) -> None:
+    def _submit(self, call: Call, records: list[TransitionRecord]) -> None:
         call.recorded = True
         if call.scrub or any(wire.has_nul(r) for r in records):
-            records = wire.pg_safe(records)
+            records = [wire.pg_safe_record(r) for r in records]
         self._recorder.submit(records)
         elapsed = time.perf_counter() - call.started
-        _UPSTREAM_LATENCY[call.route].observe(call.upstream_s)
-        _PROXY_OVERHEAD[call.route].observe(max(0.0, elapsed - call.upstream_s))
+        _UPSTREAM_LATENCY[call.route.name].observe(call.upstream_s)
+        _PROXY_OVERHEAD[call.route.name].observe(max(0.0, elapsed - call.upstream_s))
 
 
 class RelayResponse(StreamingResponse):
@@ -349,49 +276,3 @@ async def sse_data(response: UpstreamResponse) -> AsyncIterator[bytes]:
             for line in event.split(b"\n"):
                 if line.startswith(b"data:"):
                     yield line[5:].lstrip(b" ")
-
-
-def random_uuids(n: int) -> list[str]:
-    """n version-4 UUID strings from one read of the OS's randomness (uuid4() and str() per id
-    were ~4% of the proxy's CPU at 64 clients)."""
-    raw = bytearray(os.urandom(16 * n))
-    out = []
-    for i in range(0, 16 * n, 16):
-        raw[i + 6] = (raw[i + 6] & 0x0F) | 0x40  # version 4
-        raw[i + 8] = (raw[i + 8] & 0x3F) | 0x80  # RFC 4122 variant
-        h = raw[i : i + 16].hex()
-        out.append(f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}")
-    return out
-
-
-def _record_base(
-    call: Call, index: int, transition_id: str, status: str, http_status: int
-) -> dict[str, Any]:
-    body = call.body
-    if call.route == "chat":
-        messages = body.get("messages")
-        prompt_messages = messages if isinstance(messages, list) else []
-        params = {k: v for k, v in body.items() if k != "messages"}
-    else:
-        prompts = wire.prompts(body.get("prompt"))
-        n = len(call.transition_ids) // max(1, len(prompts))
-        prompt_messages = [{"prompt": prompts[index // max(1, n)]}] if prompts else []
-        params = {k: v for k, v in body.items() if k != "prompt"}
-    return {
-        "id": transition_id,
-        "episode_id": call.tags.episode_id,
-        "request_id": call.request_id,
-        "choice_index": index,
-        "task_id": call.tags.task_id,
-        "agent_name": call.tags.agent_name,
-        "requested_at": call.requested_at,
-        "route": call.route,
-        "status": status,
-        "http_status": http_status,
-        "model_requested": body.get("model"),
-        "model_used": call.model_used,
-        "policy_version": call.policy_version,
-        "messages": prompt_messages,
-        "params": params,
-        "latency_ms": call.upstream_s * 1000.0,
-    }

@@ -1,6 +1,7 @@
 """The disk journal: where recorded transitions wait while Postgres is unreachable.
 
-Append-only JSON-lines segments, fsync'd before the writer moves on. A segment is deleted only
+Append-only JSON-lines segments (one `TransitionRecord` a line), fsync'd before the writer moves
+on. A segment is deleted only
 after its rows are committed in Postgres, and replays are idempotent (rows carry their ids), so a
 crash at any point repeats rows at worst and never loses one. Rows that Postgres refuses as data
 (not as an outage) go to `rejected/` with the error beside them, for a person to look at.
@@ -11,9 +12,10 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import Any
 
 import orjson
+
+from core.record import TransitionRecord
 
 
 class Journal:
@@ -27,21 +29,24 @@ class Journal:
     def segments(self) -> list[Path]:
         return sorted(self.directory.glob("segment-*.jsonl"))
 
-    def append(self, records: list[dict[str, Any]]) -> None:
+    def append(self, records: list[TransitionRecord]) -> None:
         self._seq += 1
         path = self.directory / f"segment-{time.time_ns():020d}-{os.getpid()}-{self._seq:06d}.jsonl"
         _write_durably(path, b"".join(orjson.dumps(r) + b"\n" for r in records))
         self.pending += len(records)
 
-    def read(self, segment: Path) -> list[dict[str, Any]]:
-        return [orjson.loads(line) for line in segment.read_bytes().splitlines()]
+    def read(self, segment: Path) -> list[TransitionRecord]:
+        return [
+            TransitionRecord.from_json(orjson.loads(line))
+            for line in segment.read_bytes().splitlines()
+        ]
 
     def remove(self, segment: Path, count: int) -> None:
         segment.unlink()
         self.pending = max(0, self.pending - count)
 
-    def reject(self, record: dict[str, Any], error: str) -> None:
-        path = self.rejected_dir / f"{record.get('id', 'unknown')}.json"
+    def reject(self, record: TransitionRecord, error: str) -> None:
+        path = self.rejected_dir / f"{record.id}.json"
         _write_durably(path, orjson.dumps({"error": error, "record": record}))
 
 

@@ -18,11 +18,11 @@ import contextlib
 import logging
 import time
 from collections import deque
-from typing import Any
 
 from sqlalchemy import exc as sa_exc
-from sqlalchemy.ext.asyncio import async_sessionmaker
 
+from core.database import AsyncSessions
+from core.record import TransitionRecord
 from proxy import metrics, store
 from proxy.journal import Journal
 
@@ -46,7 +46,7 @@ STORED_WAIT_S = 10.0
 class Recorder:
     def __init__(
         self,
-        sessionmaker: async_sessionmaker,  # type: ignore[type-arg]
+        sessionmaker: AsyncSessions,
         journal: Journal,
         *,
         batch_size: int,
@@ -60,8 +60,8 @@ class Recorder:
         self._queue_max = queue_max
         self._retry_s = retry_s
         self._gamma = gamma
-        self._queue: deque[dict[str, Any]] = deque()
-        self._inflight: dict[int, list[dict[str, Any]]] = {}  # writer -> its batch
+        self._queue: deque[TransitionRecord] = deque()
+        self._inflight: dict[int, list[TransitionRecord]] = {}  # writer -> its batch
         self._replaying = False
         self._unstored: dict[str, set[str]] = {}  # episode id -> transition ids not in Postgres
         self._stored_messages: set[bytes] = set()  # digests known committed (STORED_MESSAGES_MAX)
@@ -85,7 +85,7 @@ class Recorder:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="flywheel-writer")
 
-    def submit(self, records: list[dict[str, Any]]) -> None:
+    def submit(self, records: list[TransitionRecord]) -> None:
         self._track(records)
         self._queue.extend(records)
         if len(self._queue) > self._queue_max:
@@ -162,7 +162,7 @@ class Recorder:
             if self._stopping and not self._queue:
                 return
 
-    async def _write(self, batch: list[dict[str, Any]]) -> None:
+    async def _write(self, batch: list[TransitionRecord]) -> None:
         try:
             await self._insert(batch)
         except OUTAGE_ERRORS as e:
@@ -177,7 +177,7 @@ class Recorder:
         self._mark_stored(batch)
         metrics.database_up.set(1)
 
-    async def _insert(self, records: list[dict[str, Any]]) -> None:
+    async def _insert(self, records: list[TransitionRecord]) -> None:
         try:
             async with asyncio.timeout(WRITE_TIMEOUT_S), self._sessionmaker.begin() as session:
                 sent = await store.insert_transitions(
@@ -193,9 +193,9 @@ class Recorder:
             self._stored_messages.clear()
         self._stored_messages.update(sent)  # committed: the block above has exited cleanly
         for r in records:
-            metrics.transitions_recorded.labels(r["status"]).inc()
+            metrics.transitions_recorded.labels(r.status).inc()
 
-    async def _isolate(self, batch: list[dict[str, Any]]) -> None:
+    async def _isolate(self, batch: list[TransitionRecord]) -> None:
         """One bad row must not cost its neighbours: write them one by one."""
         for record in batch:
             try:
@@ -204,7 +204,7 @@ class Recorder:
                 self._journal([record])
                 continue
             except Exception as e:
-                log.exception("Postgres refused transition %s; kept in rejected/", record.get("id"))
+                log.exception("Postgres refused transition %s; kept in rejected/", record.id)
                 self.journal.reject(record, repr(e))
                 metrics.transitions_rejected.inc()
             self._mark_stored([record])
@@ -237,21 +237,21 @@ class Recorder:
 
     # --- bookkeeping ----------------------------------------------------------------------
 
-    def _journal(self, records: list[dict[str, Any]]) -> None:
+    def _journal(self, records: list[TransitionRecord]) -> None:
         self.journal.append(records)
         metrics.transitions_journaled.inc(len(records))
         metrics.journal_pending.set(self.journal.pending)
 
-    def _track(self, records: list[dict[str, Any]]) -> None:
+    def _track(self, records: list[TransitionRecord]) -> None:
         for r in records:
-            self._unstored.setdefault(r["episode_id"], set()).add(r["id"])
+            self._unstored.setdefault(r.episode_id, set()).add(r.id)
 
-    def _mark_stored(self, records: list[dict[str, Any]]) -> None:
+    def _mark_stored(self, records: list[TransitionRecord]) -> None:
         for r in records:
-            pending = self._unstored.get(r["episode_id"])
+            pending = self._unstored.get(r.episode_id)
             if pending is not None:
-                pending.discard(r["id"])
+                pending.discard(r.id)
                 if not pending:
-                    del self._unstored[r["episode_id"]]
+                    del self._unstored[r.episode_id]
         self._stored.set()
         self._stored = asyncio.Event()

@@ -11,10 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
-import aiohttp
-
+from core.vllm import VLLMError
 from proxy.alias import PolicyAlias
-from proxy.upstream import AdapterError, Replica, Upstream
+from proxy.upstream import Replica, Upstream
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +45,8 @@ class ReplicaKeeper:
 
     async def probe(self, replica: Replica) -> None:
         try:
-            loaded = await self._upstream.loaded_adapters(replica, timeout_s=PROBE_TIMEOUT_S)
-        except (aiohttp.ClientError, TimeoutError, AdapterError, ValueError, KeyError) as e:
+            loaded = await self._upstream.vllm.loaded(replica.base_url, timeout_s=PROBE_TIMEOUT_S)
+        except VLLMError as e:
             self._upstream.failed(replica, repr(e))
             return
         policy = self._alias.current[1] if self._alias.current else None

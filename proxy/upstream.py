@@ -1,7 +1,7 @@
 """All outbound HTTP of the proxy: calls to vLLM, spread over its replicas.
 
 Completion calls go through `proxy/http1.py` (a keep-alive pool per replica, cheap per call);
-the rare ones (models, adapters, probes) through one aiohttp session.
+the rare ones (models, adapters, probes) through core's `VLLMAdmin` (`Upstream.vllm`).
 
 `pick()` chooses a replica per call: the episode's own replica (rendezvous hashing, so its growing
 prompt hits that replica's prefix cache) unless that replica already carries more than
@@ -18,20 +18,12 @@ import logging
 import math
 from dataclasses import dataclass
 
-import aiohttp
-import orjson
-
+from core.vllm import MODELS_TIMEOUT_S, VLLMAdmin
 from proxy import http1, metrics
 
 log = logging.getLogger(__name__)
 
-CONNECT_TIMEOUT_S = http1.CONNECT_TIMEOUT_S
-MODELS_TIMEOUT_S = 10.0
 LOAD_FACTOR = 1.25  # an episode's replica may carry up to 1.25x the average before it spills
-
-
-class AdapterError(Exception):
-    """vLLM would not list or load an adapter; the message is vLLM's."""
 
 
 @dataclass(eq=False)
@@ -52,29 +44,21 @@ class Upstream:
         if not urls:
             raise ValueError("no upstream: pass --upstream URL (or FLYWHEEL_UPSTREAM)")
         self.replicas = [Replica(url) for url in dict.fromkeys(urls)]
-        self._headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json"}
         if api_key:
-            self._headers["Authorization"] = f"Bearer {api_key}"
+            headers["Authorization"] = f"Bearer {api_key}"
         self._timeout_s = timeout_s
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s, connect=CONNECT_TIMEOUT_S)
-        self._session: aiohttp.ClientSession | None = None
-        self._pools = {r.base_url: http1.Pool(r.base_url, self._headers) for r in self.replicas}
-
-    async def start(self) -> None:
         # No connection limit: vLLM, not the proxy, decides how many requests it batches.
-        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=300)
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=self._timeout,
-            json_serialize=lambda o: orjson.dumps(o).decode(),
-            auto_decompress=True,
-        )
+        self._pools = {r.base_url: http1.Pool(r.base_url, headers) for r in self.replicas}
+        self.vllm = VLLMAdmin(api_key=api_key)  # models, adapters, probes
 
     async def close(self) -> None:
         for pool in self._pools.values():
             pool.close()
-        if self._session is not None:
-            await self._session.close()
+        await self.vllm.close()
+
+    def replica(self, base_url: str) -> Replica:
+        return next(r for r in self.replicas if r.base_url == base_url)
 
     # --- choosing a replica -----------------------------------------------------------------
 
@@ -143,36 +127,8 @@ class Upstream:
         (vLLM was not reached: safe to send elsewhere) or TimeoutError."""
         return await self._pools[replica.base_url].post(path, body, timeout_s=self._timeout_s)
 
-    async def loaded_adapters(
-        self, replica: Replica, timeout_s: float = MODELS_TIMEOUT_S
-    ) -> set[str]:
-        status, body = await self.models(replica, timeout_s)
-        if status != 200:
-            raise AdapterError(f"{replica.base_url} did not list its models ({status})")
-        return {m["id"] for m in orjson.loads(body)["data"] if m.get("parent")}
-
-    async def load_adapter(self, replica: Replica, name: str, path: str) -> None:
-        assert self._session is not None, "Upstream.start() was not awaited"
-        async with self._session.post(
-            replica.base_url + "/v1/load_lora_adapter",
-            json={"lora_name": name, "lora_path": path},
-            headers=self._headers,
-            timeout=aiohttp.ClientTimeout(total=MODELS_TIMEOUT_S),
-        ) as response:
-            if response.status != 200:
-                raise AdapterError(f"{replica.base_url}: {response.status} {await response.text()}")
-
-    async def models(
-        self, replica: Replica | None = None, timeout_s: float = MODELS_TIMEOUT_S
-    ) -> tuple[int, bytes]:
-        """GET /v1/models of a replica (default: the first one in rotation)."""
-        assert self._session is not None, "Upstream.start() was not awaited"
-        if replica is None:
-            live = [r for r in self.replicas if r.in_rotation]
-            replica = live[0] if live else self.replicas[0]
-        async with self._session.get(
-            replica.base_url + "/v1/models",
-            headers=self._headers,
-            timeout=aiohttp.ClientTimeout(total=timeout_s),
-        ) as response:
-            return response.status, await response.read()
+    async def models(self, timeout_s: float = MODELS_TIMEOUT_S) -> tuple[int, bytes]:
+        """GET /v1/models of the first replica in rotation (raises core.vllm.Unreachable)."""
+        live = [r for r in self.replicas if r.in_rotation]
+        replica = live[0] if live else self.replicas[0]
+        return await self.vllm.models(replica.base_url, timeout_s=timeout_s)

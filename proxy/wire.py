@@ -1,5 +1,9 @@
-"""vLLM's response shapes (0.32, see tests/data/vllm_wire/): reading each choice's tokens out of a
-response or its stream chunks, and removing what the client did not ask for.
+"""The completion routes the proxy records, and vLLM's answers on them (0.32, see
+tests/data/vllm_wire/): reading each choice's tokens out of a response or its stream chunks, and
+removing what the client did not ask for.
+
+`ROUTES` is the one table of completion routes: the edge's fast lane, the app's router and the
+forwarder all read it.
 
 - chat: `prompt_token_ids` at the top level (first chunk when streaming), `choices[i].token_ids`,
   logprobs in `choices[i].logprobs.content[].logprob`;
@@ -10,10 +14,27 @@ response or its stream chunks, and removing what the client did not ask for.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
+
+from core.record import TransitionRecord
+
+
+@dataclass(frozen=True)
+class Route:
+    """An OpenAI-compatible completion route, forwarded to vLLM and recorded."""
+
+    name: str  # recorded as transition.route, and the metrics' label
+    path: str  # the same path on the proxy and on vLLM
+    prompt_key: str  # the request field holding the prompt (recorded by message digest)
+
+
+CHAT = Route("chat", "/v1/chat/completions", "messages")
+COMPLETIONS = Route("completions", "/v1/completions", "prompt")
+ROUTES = (CHAT, COMPLETIONS)
 
 
 @dataclass
@@ -28,7 +49,7 @@ class Choice:
     finish_reason: str | None = None
 
 
-def collect(route: str, data: dict[str, Any]) -> dict[int, Choice]:
+def collect(route: Route, data: dict[str, Any]) -> dict[int, Choice]:
     collected: dict[int, Choice] = {}
     prompt_ids = data.get("prompt_token_ids")  # chat: once per response
     for c in data.get("choices") or ():
@@ -36,7 +57,7 @@ def collect(route: str, data: dict[str, Any]) -> dict[int, Choice]:
         choice.prompt_token_ids = c.get("prompt_token_ids") or prompt_ids
         choice.token_ids = list(c.get("token_ids") or ())
         choice.finish_reason = c.get("finish_reason")
-        if route == "chat":
+        if route is CHAT:
             message = c.get("message") or {}
             choice.text.append(message.get("content") or "")
             for i, tool_call in enumerate(message.get("tool_calls") or ()):
@@ -49,7 +70,7 @@ def collect(route: str, data: dict[str, Any]) -> dict[int, Choice]:
     return collected
 
 
-def collect_chunk(route: str, chunk: dict[str, Any], collected: dict[int, Choice]) -> None:
+def collect_chunk(route: Route, chunk: dict[str, Any], collected: dict[int, Choice]) -> None:
     prompt_ids = chunk.get("prompt_token_ids")  # chat: in the first chunk only
     for c in chunk.get("choices") or ():
         choice = collected.setdefault(c.get("index", 0), Choice())
@@ -58,7 +79,7 @@ def collect_chunk(route: str, chunk: dict[str, Any], collected: dict[int, Choice
         choice.token_ids.extend(c.get("token_ids") or ())
         if c.get("finish_reason") is not None:
             choice.finish_reason = c["finish_reason"]
-        if route == "chat":
+        if route is CHAT:
             delta = c.get("delta") or {}
             if delta.get("content"):
                 choice.text.append(delta["content"])
@@ -126,9 +147,13 @@ def pg_safe(value: Any) -> Any:
     return value
 
 
-def has_nul(record: dict[str, Any]) -> bool:
+def pg_safe_record(record: TransitionRecord) -> TransitionRecord:
+    return TransitionRecord.from_json(pg_safe(dataclasses.asdict(record)))
+
+
+def has_nul(record: TransitionRecord) -> bool:
     """Whether vLLM's side of a record (text, tool calls, error) holds a U+0000."""
-    text, tool_calls, error = record.get("text"), record.get("tool_calls"), record.get("error")
+    text, tool_calls, error = record.text, record.tool_calls, record.error
     return bool(
         (text and "\x00" in text)
         or (tool_calls and b"\\u0000" in orjson.dumps(tool_calls))

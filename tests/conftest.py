@@ -4,7 +4,6 @@ real proxy served by uvicorn on a free port (so real client libraries can talk t
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import threading
 import time
@@ -19,21 +18,15 @@ import psycopg
 import pytest
 import uvicorn
 
+from bench.fake_vllm import FakeVLLM
+from core import database
 from demo.tiny_model import build_demo_model
-from demo.vllm_server import start_vllm, stop_vllm, wait_ready
-from proxy import database
+from demo.vllm_server import free_port, start_vllm, stop_vllm, wait_ready
 from proxy.app import create_app
 from proxy.config import ProxySettings
-from tests.fake_vllm import FakeVLLM
 
 TEMPLATE_DB = f"flywheel_template_{os.getpid()}"  # per run: parallel runs share the server
 TEST_HOME = Path(__file__).resolve().parent.parent / ".flywheel" / "test"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="session")

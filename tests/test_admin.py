@@ -11,8 +11,8 @@ from typing import Any
 
 import psycopg
 
+from bench.fake_vllm import FakeVLLM
 from tests.conftest import RunningProxy
-from tests.fake_vllm import FakeVLLM
 
 
 def add_versions(proxy: RunningProxy, tmp_path: Path, count: int) -> None:
@@ -65,10 +65,32 @@ def test_a_refused_or_retired_adapter_does_not_move_the_alias(
     refused = admin.post("/admin/adapters/1/activate")
     assert refused.status_code == 502 and refused.json()["error"]["code"] == "adapter_rejected"
     (tmp_path / "policy-v1").joinpath("adapter_config.json").unlink()
-    (tmp_path / "policy-v1").rmdir()  # retired: neither loaded nor on disk
-    gone = admin.post("/admin/adapters/1/activate")
-    assert gone.status_code == 409
+    (tmp_path / "policy-v1").rmdir()  # its directory gone: vLLM answers 404, the alias stays
+    missing = admin.post("/admin/adapters/1/activate")
+    assert missing.status_code == 502 and missing.json()["error"]["code"] == "adapter_rejected"
+    # Retired (as the trainer does it: marked, then unloaded and deleted): refused at once.
+    proxy.query("UPDATE adapter_version SET retired_at = now() WHERE version = 1 RETURNING 1")
+    retired = admin.post("/admin/adapters/1/activate")
+    assert retired.status_code == 409 and retired.json()["error"]["code"] == "adapter_retired"
     assert proxy.query("SELECT version FROM adapter_version WHERE is_current") == [(2,)]
+    assert "policy-v1" not in fake_vllm.loras  # nothing was left loaded by the refusals
+
+
+def test_a_proxy_that_cannot_see_the_adapters_can_still_roll_back(
+    make_proxy: Any, fake_vllm: FakeVLLM, tmp_path: Path
+) -> None:
+    """Deployments mount the adapters volume on the trainer and vLLM, not on the proxy: whether a
+    version can be activated is Postgres's knowledge (retired or not), not the proxy's disk."""
+    proxy = make_proxy(admin_key="root")
+    fake_vllm.state.check_lora_paths = False  # vLLM sees a volume the proxy does not
+    with psycopg.connect(proxy.database_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO adapter_version (version, name, path, base_model) "
+            "VALUES (1, 'policy-v1', '/adapters/policy-v1', 'demo')"
+        )
+    r = proxy.client(Authorization="Bearer root").post("/admin/adapters/1/activate")
+    assert r.status_code == 200, r.text
+    assert fake_vllm.loras["policy-v1"] == "/adapters/policy-v1"
 
 
 def test_flywheel_adapters_cli(database_url: str, fake_vllm: FakeVLLM, tmp_path: Path) -> None:
@@ -81,7 +103,7 @@ def test_flywheel_adapters_cli(database_url: str, fake_vllm: FakeVLLM, tmp_path:
             (str(path),),
         )
     env = {**os.environ, "FLYWHEEL_DATABASE_URL": database_url}
-    cli = [sys.executable, "-m", "proxy.cli", "adapters"]
+    cli = [sys.executable, "-m", "flywheel", "adapters"]
     activated = subprocess.run(
         [*cli, "activate", "1", "--vllm", fake_vllm.url],
         env=env,

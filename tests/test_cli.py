@@ -12,10 +12,10 @@ from pathlib import Path
 import httpx
 import psycopg
 
-from tests.conftest import free_port
-from tests.fake_vllm import FakeVLLM
+from bench.fake_vllm import FakeVLLM
+from demo.vllm_server import free_port
 
-FLYWHEEL = [sys.executable, "-m", "proxy.cli"]
+FLYWHEEL = [sys.executable, "-m", "flywheel"]
 
 
 def test_flywheel_proxy_serves_records_and_flushes_on_sigterm(

@@ -26,8 +26,8 @@ from langchain_core.messages import AIMessageChunk
 from langchain_openai import ChatOpenAI
 from openai import AsyncOpenAI, OpenAI
 
+from bench.fake_vllm import FakeVLLM
 from tests.conftest import RunningProxy
-from tests.fake_vllm import FakeVLLM
 
 MESSAGES = [{"role": "user", "content": "What is 3 + 4?"}]
 WEATHER_TOOL = {

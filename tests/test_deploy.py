@@ -25,12 +25,12 @@ import httpx
 import pytest
 import yaml
 
+from bench.fake_vllm import FakeVLLM
 from demo.tiny_model import build_demo_model
-from demo.vllm_server import wait_http
+from demo.vllm_server import free_port, wait_http
 from proxy import metrics as proxy_metrics
 from proxy.config import ProxySettings
-from tests.conftest import TEST_HOME, free_port
-from tests.fake_vllm import FakeVLLM
+from tests.conftest import TEST_HOME
 from trainer import metrics as trainer_metrics
 from trainer.config import TrainerSettings
 
@@ -223,15 +223,15 @@ def test_dockerfiles_install_extras_that_exist() -> None:
 
 # The packages each image runs, and the third-party modules they import.
 IMAGE_PACKAGES = {
-    "Dockerfile.proxy": ("proxy", "migrations"),
-    "Dockerfile.trainer": ("proxy", "migrations", "trainer"),
+    "Dockerfile.proxy": ("flywheel", "core", "proxy", "migrations"),
+    "Dockerfile.trainer": ("flywheel", "core", "proxy", "migrations", "trainer"),  # CLI: proxy.config
 }
 
 
 def imported_distributions(packages: tuple[str, ...]) -> set[str]:
     from importlib.metadata import packages_distributions
 
-    ours = {"proxy", "trainer", "demo", "migrations", "tests"}
+    ours = {"flywheel", "core", "proxy", "trainer", "demo", "bench", "migrations", "tests"}
     modules = set()
     for package in packages:
         for source in (ROOT / package).rglob("*.py"):

@@ -17,7 +17,8 @@ import pytest
 from demo.agent import Episode, print_round, run
 from demo.calculator import build_calculator_model
 from demo.stack import local_loop
-from tests.conftest import TEST_HOME, free_port
+from demo.vllm_server import free_port
+from tests.conftest import TEST_HOME
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

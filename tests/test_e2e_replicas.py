@@ -17,17 +17,15 @@ from typing import Any
 import httpx
 import psycopg
 import pytest
-from sqlalchemy import create_engine
-from sqlalchemy.orm import sessionmaker
 
+from core import database
 from demo.tiny_model import build_demo_model
 from demo.vllm_server import stop_vllm
-from proxy.database import sqlalchemy_url
 from tests.conftest import TEST_HOME, RunningProxy, start_demo_vllm
 from tests.test_replicas import retries
 from trainer.config import TrainerSettings
 from trainer.loop import Trainer
-from trainer.vllm import VLLMAdmin
+from trainer.vllm import Replicas
 
 pytestmark = pytest.mark.e2e
 
@@ -92,7 +90,7 @@ def test_episodes_stick_to_a_replica_and_each_adapter_reaches_both_first(
     assert set(homes.values()) == set(urls)  # and the episodes are spread over both
 
     # The real trainer: one step, published to both replicas before the alias moves.
-    engine = create_engine(sqlalchemy_url(proxy.database_url))
+    engine, sessions = database.create_sessions(proxy.database_url)
     settings = TrainerSettings(
         model=build_demo_model(TEST_HOME / "models" / "demo"),
         vllm=urls,
@@ -113,9 +111,9 @@ def test_episodes_stick_to_a_replica_and_each_adapter_reaches_both_first(
 
     watcher = threading.Thread(target=watch)
     watcher.start()
-    admin = VLLMAdmin(urls, None)
+    admin = Replicas(urls, None)
     try:
-        assert Trainer(settings, sessionmaker(engine), admin).step()
+        assert Trainer(settings, sessions, admin).step()
     finally:
         stop.set()
         watcher.join()

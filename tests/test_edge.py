@@ -7,8 +7,8 @@ from typing import Any
 import psycopg
 import pytest
 
+from bench.fake_vllm import FakeVLLM
 from tests.conftest import RunningProxy
-from tests.fake_vllm import FakeVLLM
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 

@@ -11,8 +11,8 @@ from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, inspect
 
 import migrations
-from proxy.database import migrate, sqlalchemy_url
-from proxy.tables import Base
+from core.database import migrate, sqlalchemy_url
+from core.tables import Base
 
 
 def test_autogenerate_finds_no_difference(database_url: str) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from proxy import database
+from core import database
 from tests.conftest import TEST_HOME, RunningProxy
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -8,8 +8,8 @@ from typing import Any
 
 import orjson
 
+from bench.fake_vllm import FakeVLLM
 from tests.conftest import RunningProxy
-from tests.fake_vllm import FakeVLLM
 
 CHAT = {
     "model": "demo",
@@ -227,7 +227,7 @@ def test_a_very_long_prompt_streams_and_records(proxy: RunningProxy) -> None:
 
 
 def test_random_uuids_are_version_4_and_distinct() -> None:
-    from proxy.forward import random_uuids
+    from proxy.call import random_uuids
 
     ids = random_uuids(500)
     parsed = [uuid.UUID(i) for i in ids]

@@ -20,11 +20,13 @@ import httpx
 import psycopg
 import pytest
 
-from demo.vllm_server import wait_http
+from bench.fake_vllm import FakeVLLM
+from core.policy import NoReplica
+from core.vllm import AdapterRejected
+from demo.vllm_server import free_port, wait_http
 from proxy.upstream import Upstream
-from tests.conftest import RunningProxy, free_port
-from tests.fake_vllm import FakeVLLM
-from trainer.vllm import AdapterRejected, VLLMAdmin
+from tests.conftest import RunningProxy
+from trainer.vllm import Replicas
 
 URLS = ["http://a:1", "http://b:1", "http://c:1"]
 
@@ -81,7 +83,7 @@ def wait_for(condition: Any, timeout: float = 15.0) -> None:
 
 
 class FakeProcess:
-    """tests.fake_vllm as its own process: it can be killed like a crashed vLLM, and restarted."""
+    """bench.fake_vllm as its own process: it can be killed like a crashed vLLM, and restarted."""
 
     def __init__(self, port: int, latency_s: float, log_dir: Path) -> None:
         self.port, self.latency_s, self.log_dir = port, latency_s, log_dir
@@ -91,7 +93,7 @@ class FakeProcess:
 
     def start(self) -> None:
         self.starts += 1
-        command = [sys.executable, "-m", "tests.fake_vllm", "--port", str(self.port)]
+        command = [sys.executable, "-m", "bench.fake_vllm", "--port", str(self.port)]
         command += ["--latency-s", str(self.latency_s), "--log", str(self.log)]
         self.process = subprocess.Popen(command)
         wait_http(self.url + "/health", self.process, timeout=30)
@@ -327,12 +329,14 @@ def test_the_trainer_loads_into_every_reachable_replica(
     path = tmp_path / "policy-v1"
     path.mkdir()
     dead = f"http://127.0.0.1:{free_port()}"
-    admin = VLLMAdmin([fake_vllm.url, dead, second_fake.url], None)
+    admin = Replicas([fake_vllm.url, dead, second_fake.url], None)
+    lone = Replicas([dead], None)
     try:
-        admin.load_everywhere("policy-v1", str(path))
+        rollout = admin.load_everywhere("policy-v1", str(path))
         assert "policy-v1" in fake_vllm.loras and "policy-v1" in second_fake.loras
-        with pytest.raises(AdapterRejected, match="no vLLM reachable"):
-            VLLMAdmin([dead], None).load_everywhere("policy-v2", str(path))
+        assert rollout.loaded == [fake_vllm.url, second_fake.url] and rollout.unreachable == [dead]
+        with pytest.raises(NoReplica, match="no vLLM replica reachable"):
+            lone.load_everywhere("policy-v2", str(path))
         # A refusal anywhere unloads it from the replicas that took it.
         (path / "adapter_config.json").write_text('{"r": 8}')
         second_fake.max_lora_rank = 4
@@ -341,3 +345,4 @@ def test_the_trainer_loads_into_every_reachable_replica(
         assert "policy-v3" not in fake_vllm.loras
     finally:
         admin.close()
+        lone.close()

@@ -6,9 +6,19 @@ refused by Postgres and set aside in the journal's rejected/ folder instead of b
 
 from __future__ import annotations
 
+from typing import Any
+
+from bench.fake_vllm import FakeVLLM
+from core.record import TransitionRecord
 from proxy import wire
 from tests.conftest import RunningProxy
-from tests.fake_vllm import FakeVLLM
+
+
+def record(**fields: Any) -> TransitionRecord:
+    base: dict[str, Any] = {"id": "0", "episode_id": "e", "request_id": "0", "choice_index": 0}
+    base |= {"requested_at": 0.0, "route": "chat", "status": "ok", "http_status": 200}
+    base |= {"messages": [], "latency_ms": 0.0}
+    return TransitionRecord(**(base | fields))
 
 
 def test_pg_safe_replaces_nul_everywhere_and_nothing_else() -> None:
@@ -17,8 +27,11 @@ def test_pg_safe_replaces_nul_everywhere_and_nothing_else() -> None:
         "a\ufffd": ["x\ufffdy", {"k": "\ufffd"}, 1, None, 2.5],
         "b": "plain",
     }
-    assert wire.has_nul({"text": "ok\x00"}) and wire.has_nul({"error": {"message": "\x00"}})
-    assert not wire.has_nul({"text": "ok", "tool_calls": [{"arguments": "{}"}], "error": None})
+    assert wire.has_nul(record(text="ok\x00"))
+    assert wire.has_nul(record(error={"message": "\x00"}))
+    assert not wire.has_nul(record(text="ok", tool_calls=[{"arguments": "{}"}]))
+    scrubbed = wire.pg_safe_record(record(text="a\x00", messages=[{"content": "\x00"}]))
+    assert scrubbed.text == "a\ufffd" and scrubbed.messages == [{"content": "\ufffd"}]
 
 
 def test_a_client_message_with_nul_is_forwarded_as_is_and_recorded(

@@ -12,15 +12,30 @@ import pytest
 from sqlalchemy import text
 
 from bench.recording_rate import episode_records
-from proxy import database, store
+from core import codecs, database
+from core.tables import UNCOMPRESSED
+from proxy import store
 from proxy.journal import Journal
 from proxy.recorder import Recorder
-from proxy.tables import UNCOMPRESSED
+
+
+def stored(rows: store.EpisodeRows | None) -> dict[str, dict[str, Any]]:
+    """An episode's transitions as stored, by id: messages, token ids, logprobs, params."""
+    assert rows is not None
+    return {
+        str(t.id): {
+            "messages": [rows.messages.get(d) for d in t.message_digests],
+            "prompt_token_ids": codecs.unpack(t.prompt_token_ids, "i"),
+            "completion_token_ids": codecs.unpack(t.completion_token_ids, "i"),
+            "logprobs": codecs.unpack(t.logprobs, "f"),
+            "params": t.params,
+        }
+        for t in rows.transitions
+    }
 
 
 async def test_writing_the_same_batch_twice_stores_it_once(database_url: str) -> None:
-    engine = database.create_engine(database_url)
-    sessionmaker = database.create_sessionmaker(engine)
+    engine, sessionmaker = database.create_async_sessions(database_url)
     records = episode_records(random.Random(0), turns=3)
     for _ in range(2):  # a replay after a write whose commit was not acknowledged
         async with sessionmaker.begin() as session:
@@ -28,18 +43,12 @@ async def test_writing_the_same_batch_twice_stores_it_once(database_url: str) ->
     async with sessionmaker() as session:
         transitions = (await session.execute(text("SELECT count(*) FROM transition"))).scalar()
         messages = (await session.execute(text("SELECT count(*) FROM message"))).scalar()
-        [t] = [
-            t
-            for t in (
-                await store.get_episode(records[0]["episode_id"], session=session, tokens=True)
-            )["transitions"]  # type: ignore[index]
-            if t["id"] == records[-1]["id"]
-        ]
+        t = stored(await store.get_episode(records[0].episode_id, session=session))[records[-1].id]
     await engine.dispose()
     assert transitions == 3
     assert messages == 5  # system, 3 users, and the (identical) assistant reply: each once
-    assert t["prompt_token_ids"] == records[-1]["prompt_token_ids"]
-    assert t["params"] == records[-1]["params"] and t["messages"] == records[-1]["messages"]
+    assert t["prompt_token_ids"] == records[-1].prompt_token_ids
+    assert t["params"] == records[-1].params and t["messages"] == records[-1].messages
 
 
 async def count(sessionmaker: Any, table: str) -> int:
@@ -49,28 +58,24 @@ async def count(sessionmaker: Any, table: str) -> int:
 
 async def test_a_partly_stored_batch_stores_only_the_new_rows(database_url: str) -> None:
     """COPY straight into the table meets an existing row: the batch goes the ON CONFLICT way."""
-    engine = database.create_engine(database_url)
-    sessionmaker = database.create_sessionmaker(engine)
+    engine, sessionmaker = database.create_async_sessions(database_url)
     records = episode_records(random.Random(1), turns=4)
     for batch in (records[:2], records):  # a journal replay overlapping a committed batch
         async with sessionmaker.begin() as session:
             await store.insert_transitions(batch, session=session, gamma=None)
     async with sessionmaker() as session:
-        episode = await store.get_episode(records[0]["episode_id"], session=session, tokens=True)
+        episode = stored(await store.get_episode(records[0].episode_id, session=session))
     transitions = await count(sessionmaker, "transition")
     await engine.dispose()
     assert transitions == 4
-    assert episode is not None
-    stored = {t["id"]: t for t in episode["transitions"]}
     for r in records:
-        assert stored[r["id"]]["messages"] == r["messages"]
-        assert stored[r["id"]]["completion_token_ids"] == r["completion_token_ids"]
-        assert stored[r["id"]]["logprobs"] == pytest.approx(r["logprobs"], rel=1e-6)
+        assert episode[r.id]["messages"] == r.messages
+        assert episode[r.id]["completion_token_ids"] == r.completion_token_ids
+        assert episode[r.id]["logprobs"] == pytest.approx(r.logprobs, rel=1e-6)
 
 
 async def test_messages_known_to_be_stored_are_not_sent_again(database_url: str) -> None:
-    engine = database.create_engine(database_url)
-    sessionmaker = database.create_sessionmaker(engine)
+    engine, sessionmaker = database.create_async_sessions(database_url)
     first, second = episode_records(random.Random(2), turns=2)
     async with sessionmaker.begin() as session:
         sent = await store.insert_transitions([first], session=session, gamma=None)
@@ -80,33 +85,28 @@ async def test_messages_known_to_be_stored_are_not_sent_again(database_url: str)
             [second], session=session, gamma=None, stored_messages=set(sent)
         )
     async with sessionmaker() as session:
-        episode = await store.get_episode(first["episode_id"], session=session, tokens=False)
+        episode = stored(await store.get_episode(first.episode_id, session=session))
     messages = await count(sessionmaker, "message")
     await engine.dispose()
     assert len(sent_again) == 2  # the assistant's reply and the next user message
     assert messages == 4
-    assert episode is not None
-    assert [t["messages"] for t in episode["transitions"]] == [
-        first["messages"],
-        second["messages"],
-    ]
+    assert [t["messages"] for t in episode.values()] == [first.messages, second.messages]
 
 
 async def test_a_call_without_prompt_messages_stores_an_empty_list(database_url: str) -> None:
-    engine = database.create_engine(database_url)
-    sessionmaker = database.create_sessionmaker(engine)
+    engine, sessionmaker = database.create_async_sessions(database_url)
     [record] = episode_records(random.Random(3), turns=1)
-    record["messages"] = []
+    record.messages = []
     async with sessionmaker.begin() as session:
         await store.insert_transitions([record], session=session, gamma=None)
     async with sessionmaker() as session:
-        episode = await store.get_episode(record["episode_id"], session=session, tokens=False)
+        episode = stored(await store.get_episode(record.episode_id, session=session))
     await engine.dispose()
-    assert episode is not None and episode["transitions"][0]["messages"] == []
+    assert episode[record.id]["messages"] == []
 
 
 async def test_packed_columns_are_stored_uncompressed(database_url: str) -> None:
-    engine = database.create_engine(database_url)
+    engine, _ = database.create_async_sessions(database_url)
     async with engine.connect() as conn:
         storage = dict(
             (
@@ -130,8 +130,7 @@ async def test_interleaved_episodes_through_two_writers_lose_nothing(
     rng = random.Random(4)
     episodes = [episode_records(rng, turns=5) for _ in range(8)]
     records = [r for turn in zip(*episodes, strict=True) for r in turn]
-    engine = database.create_engine(database_url)
-    sessionmaker = database.create_sessionmaker(engine)
+    engine, sessionmaker = database.create_async_sessions(database_url)
     recorder = Recorder(
         sessionmaker, Journal(tmp_path), batch_size=3, queue_max=1000, retry_s=1.0, gamma=None
     )
@@ -140,7 +139,7 @@ async def test_interleaved_episodes_through_two_writers_lose_nothing(
         recorder.submit(records[i : i + 4])
         await asyncio.sleep(0)
     for episode in episodes:
-        assert await recorder.wait_stored(episode[0]["episode_id"], timeout=60)
+        assert await recorder.wait_stored(episode[0].episode_id, timeout=60)
     await recorder.stop()
     transitions, messages = (
         await count(sessionmaker, "transition"),
@@ -149,11 +148,11 @@ async def test_interleaved_episodes_through_two_writers_lose_nothing(
     await engine.dispose()
     assert recorder.journal.pending == 0
     assert transitions == len(records)
-    assert messages == len({store.message_digest(m) for r in records for m in r["messages"]})
+    assert messages == len({codecs.message_digest(m) for r in records for m in r.messages})
 
 
 def test_memoised_message_digests_equal_the_plain_ones() -> None:
-    long_text = "x" * (store.MEMO_MAX_CHARS + 1)
+    long_text = "x" * (codecs.MEMO_MAX_CHARS + 1)
     for body in [
         {"role": "user", "content": "hi"},
         {"content": "hi", "role": "user"},
@@ -162,5 +161,6 @@ def test_memoised_message_digests_equal_the_plain_ones() -> None:
         {"role": "user", "content": [{"type": "text", "text": "hi"}]},
         {"prompt": "2+3="},
     ]:
-        assert store.message_digest(body) == store._digest(body)
-        assert store.message_digest(body) == store.message_digest(orjson.loads(orjson.dumps(body)))
+        assert codecs.message_digest(body) == codecs._digest(body)
+        digest_again = codecs.message_digest(orjson.loads(orjson.dumps(body)))
+        assert codecs.message_digest(body) == digest_again

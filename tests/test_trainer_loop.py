@@ -18,17 +18,18 @@ from typing import Any
 
 import httpx
 import pytest
-from sqlalchemy import create_engine
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import Session
 
+from bench.fake_vllm import FakeVLLM
+from core import database, policy
+from core.database import Sessions
 from demo.tiny_model import build_demo_model
-from proxy.database import sqlalchemy_url
-from tests.conftest import TEST_HOME, RunningProxy, free_port
-from tests.fake_vllm import FakeVLLM
+from demo.vllm_server import free_port
+from tests.conftest import TEST_HOME, RunningProxy
 from trainer import store
 from trainer.config import TrainerSettings
 from trainer.loop import Trainer
-from trainer.vllm import VLLMAdmin
+from trainer.vllm import Replicas
 
 pytestmark = pytest.mark.slow
 
@@ -53,17 +54,17 @@ def play(proxy: RunningProxy, tasks: int = 2, episodes_per_task: int = 4, agent:
 
 
 @pytest.fixture
-def sessions(proxy: RunningProxy) -> Iterator[sessionmaker[Session]]:
-    engine = create_engine(sqlalchemy_url(proxy.database_url))
-    yield sessionmaker(engine)
+def sessions(proxy: RunningProxy) -> Iterator[Sessions]:
+    engine, sessions = database.create_sessions(proxy.database_url)
+    yield sessions
     engine.dispose()
 
 
 @pytest.fixture
 def make_trainer(
-    proxy: RunningProxy, fake_vllm: FakeVLLM, sessions: sessionmaker[Session], tmp_path: Path
+    proxy: RunningProxy, fake_vllm: FakeVLLM, sessions: Sessions, tmp_path: Path
 ) -> Iterator[Any]:
-    admins: list[VLLMAdmin] = []
+    admins: list[Replicas] = []
 
     def make(**overrides: Any) -> Trainer:
         values: dict[str, Any] = {
@@ -77,7 +78,7 @@ def make_trainer(
             "learning_rate": 1e-3,
         }
         settings = TrainerSettings(**(values | overrides))
-        admins.append(VLLMAdmin(settings.vllm, None))
+        admins.append(Replicas(settings.vllm, None))
         return Trainer(settings, sessions, admins[-1])
 
     yield make
@@ -85,13 +86,13 @@ def make_trainer(
         admin.close()
 
 
-def current(sessions: sessionmaker[Session]) -> store.Adapter | None:
+def current(sessions: Sessions) -> policy.Adapter | None:
     with sessions.begin() as session:
-        return store.current(session=session)
+        return policy.current(session=session)
 
 
 def test_a_step_publishes_a_version_the_alias_follows(
-    proxy: RunningProxy, fake_vllm: FakeVLLM, make_trainer: Any, sessions: sessionmaker[Session]
+    proxy: RunningProxy, fake_vllm: FakeVLLM, make_trainer: Any, sessions: Sessions
 ) -> None:
     play(proxy)
     trainer = make_trainer()
@@ -136,7 +137,7 @@ def test_selective_optimisation_trains_only_the_chosen_agents(
 
 
 def test_a_rejected_adapter_leaves_the_alias_where_it_was(
-    proxy: RunningProxy, fake_vllm: FakeVLLM, make_trainer: Any, sessions: sessionmaker[Session]
+    proxy: RunningProxy, fake_vllm: FakeVLLM, make_trainer: Any, sessions: Sessions
 ) -> None:
     play(proxy)
     trainer = make_trainer()
@@ -161,8 +162,34 @@ def test_a_rejected_adapter_leaves_the_alias_where_it_was(
     assert current(sessions).name == "policy-v3"  # type: ignore[union-attr]
 
 
+def test_old_versions_are_retired_marked_then_unloaded_then_deleted(
+    proxy: RunningProxy, fake_vllm: FakeVLLM, make_trainer: Any, sessions: Sessions
+) -> None:
+    dead = f"http://127.0.0.1:{free_port()}"  # a replica down: nothing may be deleted yet
+    trainer = make_trainer(retain_versions=1, vllm=[fake_vllm.url, dead])
+    for agent in ("a", "b"):
+        play(proxy, agent=agent)
+        assert trainer.step()
+    with sessions() as session:
+        adapters = policy.versions(session=session)
+    assert [(a.name, a.retired_at is not None) for a in adapters] == [
+        ("policy-v1", True),
+        ("policy-v2", False),
+    ]
+    assert set(fake_vllm.loras) == {"policy-v2"}  # unloaded where it could be...
+    dirs = sorted(d.name for d in trainer.settings.adapters_dir.iterdir())
+    assert dirs == ["policy-v1", "policy-v2"]  # ...but kept: the dead replica may still read it
+    trainer.vllm.urls = [fake_vllm.url]  # the dead replica is gone for good
+    play(proxy, agent="c")
+    assert trainer.step()
+    dirs = sorted(d.name for d in trainer.settings.adapters_dir.iterdir())
+    assert dirs == ["policy-v3"] and set(fake_vllm.loras) == {"policy-v3"}
+    with sessions() as session:
+        assert [a.version for a in policy.versions(session=session) if not a.retired_at] == [3]
+
+
 def test_a_killed_trainers_claim_is_taken_over_after_its_lease(
-    proxy: RunningProxy, make_trainer: Any, sessions: sessionmaker[Session]
+    proxy: RunningProxy, make_trainer: Any, sessions: Sessions
 ) -> None:
     play(proxy)
     with sessions.begin() as session:  # trainer "dead" claims the batch, then dies
@@ -196,7 +223,7 @@ def test_a_killed_trainers_claim_is_taken_over_after_its_lease(
 
 
 def test_two_trainers_at_once_never_train_the_same_transition(
-    proxy: RunningProxy, make_trainer: Any, sessions: sessionmaker[Session]
+    proxy: RunningProxy, make_trainer: Any, sessions: Sessions
 ) -> None:
     for agent in ("a", "b", "c"):
         play(proxy, agent=agent)
@@ -219,7 +246,7 @@ def test_two_trainers_at_once_never_train_the_same_transition(
     )
     assert [n for _, n in per_version] == [8, 8, 8]
     with sessions.begin() as session:
-        adapters = store.adapters(session=session)
+        adapters = policy.versions(session=session)
     assert sorted(a.trained_transitions for a in adapters) == [8, 8, 8]
     assert len({a.name for a in adapters}) == 3
 
@@ -245,7 +272,7 @@ def test_flywheel_trainer_process_prints_progress_and_serves_metrics(
         [
             sys.executable,
             "-m",
-            "proxy.cli",
+            "flywheel",
             "trainer",
             "--model",
             str(build_demo_model(TEST_HOME / "models" / "demo")),
@@ -305,7 +332,7 @@ def test_data_from_another_base_model_is_set_aside_not_fatal(
     ) == [("token_out_of_vocab", 1)]
 
 
-def test_concurrent_publishes_are_serialised(sessions: sessionmaker[Session]) -> None:
+def test_concurrent_publishes_are_serialised(sessions: Sessions) -> None:
     def publish(session: Session, version: int) -> None:
         store.finish(
             session=session,

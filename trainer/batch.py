@@ -1,6 +1,7 @@
 """From claimed transitions to engine samples, setting aside (and counting) what can't be trained.
 
-Token ids are the ones vLLM sampled, as recorded: never re-tokenised.
+Token ids are the ones vLLM sampled, as recorded: never re-tokenised. Torch-free: the engine
+(trainer/engine.py) takes the `Sample`s built here.
 """
 
 from __future__ import annotations
@@ -10,8 +11,26 @@ from dataclasses import dataclass, field
 
 from trainer.advantages import RunningBaseline, Scored, group_advantages
 from trainer.config import TrainerSettings
-from trainer.engine import ModelLimits, Sample
 from trainer.store import Claimed
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One transition as the engine sees it."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]  # behaviour log-probs, one per completion token
+    advantage: float
+    reward: float
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    """What the model being trained can take (recorded data may come from another base model)."""
+
+    vocab_size: int
+    max_length: int
 
 
 @dataclass

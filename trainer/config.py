@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from proxy.config import DatabaseSettings, split_commas
+from core.settings import DatabaseSettings, split_commas
 
 # vLLM accepts only these LoRA ranks (--max-lora-rank must be one of them, and >= ours).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

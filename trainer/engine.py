@@ -30,6 +30,7 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
     from trl import GRPOConfig, GRPOTrainer  # type: ignore[attr-defined]
 
+from trainer.batch import ModelLimits, Sample
 from trainer.config import TrainerSettings
 
 # The trainable weights and the optimizer state: what undoing a step needs.
@@ -37,25 +38,6 @@ Snapshot = tuple[dict[str, torch.Tensor], dict[str, Any]]
 
 # vLLM rejects adapters with DoRA, LoRA bias or modules_to_save; these all load.
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-@dataclass(frozen=True)
-class Sample:
-    """One transition as the engine sees it."""
-
-    prompt_ids: list[int]
-    completion_ids: list[int]
-    logprobs: list[float]  # behaviour log-probs, one per completion token
-    advantage: float
-    reward: float
-
-
-@dataclass(frozen=True)
-class ModelLimits:
-    """What the model being trained can take (recorded data may come from another base model)."""
-
-    vocab_size: int
-    max_length: int
 
 
 @dataclass(frozen=True)

@@ -17,18 +17,17 @@ import shutil
 import time
 from pathlib import Path
 
-import httpx
 from prometheus_client import start_http_server
-from sqlalchemy import create_engine
-from sqlalchemy.orm import Session, sessionmaker
 
-from proxy import database
+from core import database, policy
+from core.database import Sessions
+from core.vllm import VLLMError
 from trainer import metrics, store
 from trainer.advantages import RunningBaseline
 from trainer.batch import Batch, build_batch
 from trainer.config import TrainerSettings
 from trainer.engine import Engine, Snapshot, StepStats
-from trainer.vllm import AdapterRejected, VLLMAdmin
+from trainer.vllm import Replicas
 
 log = logging.getLogger("flywheel.trainer")
 
@@ -36,13 +35,13 @@ log = logging.getLogger("flywheel.trainer")
 def run(settings: TrainerSettings) -> None:
     url = database.resolve_url(settings.database_url, settings.home)
     database.migrate(url)
-    db = create_engine(database.sqlalchemy_url(url), pool_pre_ping=True)
-    vllm = VLLMAdmin(
+    db, sessions = database.create_sessions(url)
+    vllm = Replicas(
         settings.vllm,
         settings.vllm_api_key.get_secret_value() if settings.vllm_api_key else None,
     )
     try:
-        trainer = Trainer(settings, sessionmaker(db), vllm)
+        trainer = Trainer(settings, sessions, vllm)
         if settings.metrics_port:  # opened once the engine is built: it doubles as readiness
             start_http_server(settings.metrics_port)
         trainer.run()
@@ -52,15 +51,13 @@ def run(settings: TrainerSettings) -> None:
 
 
 class Trainer:
-    def __init__(
-        self, settings: TrainerSettings, sessions: sessionmaker[Session], vllm: VLLMAdmin
-    ) -> None:
+    def __init__(self, settings: TrainerSettings, sessions: Sessions, vllm: Replicas) -> None:
         self.settings, self.sessions, self.vllm = settings, sessions, vllm
         settings.adapters_dir.mkdir(parents=True, exist_ok=True)
         for partial in settings.adapters_dir.glob(".*.tmp"):  # a save cut short by a crash
             shutil.rmtree(partial, ignore_errors=True)
         with sessions.begin() as session:
-            current = store.current(session=session)
+            current = policy.current(session=session)
         resume = Path(current.path) if current and Path(current.path).exists() else None
         log.info("starting from %s", current.name if current else "the base model")
         self.engine = Engine(settings, resume_from=resume)
@@ -85,7 +82,7 @@ class Trainer:
         """Train and publish one batch if there is one. True when a new version was published."""
         s = self.settings
         with self.sessions.begin() as session:
-            current = store.current(session=session)
+            current = policy.current(session=session)
             claimed = store.claim(
                 session=session,
                 trainer_id=s.trainer_id,
@@ -126,7 +123,7 @@ class Trainer:
     def _publish(self, batch: Batch, stats: StepStats, before: Snapshot) -> bool:
         s = self.settings
         with self.sessions.begin() as session:
-            version = store.next_version(session=session)
+            version = policy.next_version(session=session)
         name = f"{s.adapter_prefix}-v{version}"
         final = (s.adapters_dir / name).resolve()
         partial = s.adapters_dir / f".{name}.tmp"
@@ -134,11 +131,14 @@ class Trainer:
         os.rename(partial, final)  # vLLM never sees a half-written adapter
 
         try:
-            swap_s = self.vllm.load_everywhere(name, str(final))
-        except (AdapterRejected, httpx.HTTPError) as e:
+            rollout = self.vllm.load_everywhere(name, str(final))
+        except VLLMError as e:
             log.error("vLLM rejected %s; the alias stays where it was: %s", name, e)
             self._abandon(batch, final, before, reason="adapter_rejected")
             return False
+        for url in rollout.unreachable:
+            log.warning("vLLM %s unreachable, %s not loaded there (reconcile will)", url, name)
+        swap_s = rollout.seconds
         try:
             with self.sessions.begin() as session:
                 store.finish(
@@ -154,7 +154,10 @@ class Trainer:
                 )
         except store.LostClaim as e:
             log.warning("discarding %s: %s", name, e)
-            self.vllm.unload_everywhere(name)
+            try:
+                self.vllm.unload_everywhere(name)
+            except VLLMError as unload_error:  # reconcile unloads it once it is an orphan
+                log.warning("could not unload %s yet: %s", name, unload_error)
             self._abandon(batch, final, before, reason="lost_claim")
             return False
 
@@ -181,8 +184,8 @@ class Trainer:
         s = self.settings
         self._next_reconcile = time.monotonic() + s.reconcile_s
         with self.sessions.begin() as session:
-            adapters = store.adapters(session=session)
-        retained = _retained(adapters, s.retain_versions)
+            adapters = policy.versions(session=session)
+        retained = [a for a in adapters if a.retired_at is None]
         recorded = {a.name for a in adapters}
         for url in self.vllm.urls:
             try:
@@ -194,23 +197,27 @@ class Trainer:
                 for name in loaded - recorded:
                     if name.startswith(f"{s.adapter_prefix}-v") and _is_orphan(s, name):
                         self.vllm.unload(url, name)
-            except (AdapterRejected, httpx.HTTPError) as e:
+            except VLLMError as e:
                 log.warning("could not reconcile %s: %s", url, e)
         for path in s.adapters_dir.glob(f"{s.adapter_prefix}-v*"):
             if path.name not in recorded and _is_orphan(s, path.name):
                 shutil.rmtree(path, ignore_errors=True)
 
     def _retire_old_versions(self) -> None:
+        """Retire all but the newest `retain_versions` and the current one: marked first (so no
+        rollback can pick them any more), then unloaded everywhere, then deleted."""
         with self.sessions.begin() as session:
-            adapters = store.adapters(session=session)
-        keep = {a.name for a in _retained(adapters, self.settings.retain_versions)}
-        for a in adapters:
-            if a.name in keep or not Path(a.path).exists():
-                continue
+            policy.mark_retired(session=session, keep=self.settings.retain_versions)
+            retired = [a for a in policy.versions(session=session) if a.retired_at is not None]
+        for a in retired:
+            if not Path(a.path).exists():
+                continue  # done already
             try:
                 self.vllm.unload_everywhere(a.name)
-            except (AdapterRejected, httpx.HTTPError) as e:
-                log.warning("could not unload %s yet: %s", a.name, e)
+            except VLLMError as e:
+                log.warning(
+                    "could not unload %s yet (tried again after the next step): %s", a.name, e
+                )
                 continue
             shutil.rmtree(a.path, ignore_errors=True)  # only once no vLLM can read it
 
@@ -242,12 +249,6 @@ class Trainer:
             swap_s * 1000,
             skipped,
         )
-
-
-def _retained(adapters: list[store.Adapter], count: int) -> list[store.Adapter]:
-    newest = sorted(adapters, key=lambda a: a.version)[-count:]
-    current = [a for a in adapters if a.is_current and a not in newest]
-    return newest + current
 
 
 def _is_orphan(settings: TrainerSettings, name: str) -> bool:

@@ -1,4 +1,5 @@
 """All SQL of the trainer. Functions take `*, session` and never commit: the loop owns transactions.
+(The adapter versions' SQL, which the proxy shares, is in core/policy.py.)
 
 Claims are leases: `claimed_by` + `claim_expires_at`, taken with FOR UPDATE SKIP LOCKED, so two
 trainers never take the same rows and a crashed trainer's rows come back when its lease runs out.
@@ -10,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from proxy.store import NOTIFY_POLICY, PUBLISH_LOCK, unpack
+from core import policy
+from core.codecs import unpack
 
 
 @dataclass(frozen=True)
@@ -120,7 +121,7 @@ def finish(
     if len(done) != len(trained):
         raise LostClaim(f"{len(trained) - len(done)} of {len(trained)} rows were taken over")
     set_aside(skipped, session=session, trainer_id=trainer_id)
-    publish(
+    policy.publish(
         session=session,
         version=version,
         name=name,
@@ -129,37 +130,6 @@ def finish(
         stats=stats,
         trained_transitions=len(trained),
     )
-
-
-def publish(
-    *,
-    session: Session,
-    version: int,
-    name: str,
-    path: str,
-    base_model: str,
-    stats: dict[str, Any],
-    trained_transitions: int,
-) -> None:
-    """Record `version` as the current adapter; every proxy's alias follows when this commits."""
-    session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": PUBLISH_LOCK})
-    session.execute(text("UPDATE adapter_version SET is_current = false WHERE is_current"))
-    session.execute(
-        text(
-            "INSERT INTO adapter_version (version, name, path, base_model, is_current, "
-            "trained_transitions, stats) VALUES (:v, :name, :path, :base, true, :n, "
-            "CAST(:stats AS jsonb))"
-        ),
-        {
-            "v": version,
-            "name": name,
-            "path": path,
-            "base": base_model,
-            "n": trained_transitions,
-            "stats": _json(stats),
-        },
-    )
-    session.execute(NOTIFY_POLICY)  # proxies move their alias as soon as this commits
 
 
 def set_aside(skipped: dict[str, str], *, session: Session, trainer_id: str) -> None:
@@ -189,41 +159,6 @@ def release(ids: list[str], *, session: Session, trainer_id: str) -> None:
     )
 
 
-def next_version(*, session: Session) -> int:
-    return int(session.execute(text("SELECT nextval('adapter_version_seq')")).scalar_one())
-
-
-@dataclass(frozen=True)
-class Adapter:
-    version: int
-    name: str
-    path: str
-    is_current: bool
-    created_at: str
-    trained_transitions: int
-    stats: dict[str, Any] | None
-
-
-def adapters(*, session: Session) -> list[Adapter]:
-    rows = session.execute(
-        text(
-            "SELECT version, name, path, is_current, created_at::text, trained_transitions, stats "
-            "FROM adapter_version ORDER BY version"
-        )
-    ).all()
-    return [Adapter(*row) for row in rows]
-
-
-def current(*, session: Session) -> Adapter | None:
-    row = session.execute(
-        text(
-            "SELECT version, name, path, is_current, created_at::text, trained_transitions, stats "
-            "FROM adapter_version WHERE is_current"
-        )
-    ).first()
-    return Adapter(*row) if row else None
-
-
 def queue_depth(*, session: Session, agents: list[str]) -> int:
     """Credited, untrained, trainable transitions waiting (claimed or not)."""
     return int(
@@ -236,7 +171,3 @@ def queue_depth(*, session: Session, agents: list[str]) -> int:
             {"agents": agents or None},
         ).scalar_one()
     )
-
-
-def _json(value: Any) -> str:
-    return orjson.dumps(value).decode()

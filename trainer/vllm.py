@@ -1,83 +1,48 @@
-"""All outbound HTTP of the trainer: vLLM's adapter endpoints, on every replica.
+"""The trainer's hands on every vLLM: core's adapter client (core/vllm.py) and the one
+load-everywhere policy (core/policy.py), run on a private event loop.
 
-vLLM reads an adapter's directory lazily and answers 400 to a name it already has, so every version
-gets a new name and directory; a directory is deleted only after every vLLM unloaded it.
+The trainer is synchronous (torch), so each call here blocks until every replica has answered,
+as it should: a step publishes only once its adapter is loaded. No event loop is set for the
+thread, so this does not meddle with anyone else's.
 """
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import time
+import asyncio
+from collections.abc import Coroutine
+from typing import Any, TypeVar
 
-import httpx
+from core import policy
+from core.vllm import VLLMAdmin
 
-log = logging.getLogger(__name__)
-
-TIMEOUT_S = 60.0  # loading reads the adapter from disk; rank-8 adapters take milliseconds
-
-
-class AdapterRejected(Exception):
-    """A vLLM refused an adapter; the message is vLLM's own."""
+T = TypeVar("T")
 
 
-class VLLMAdmin:
+class Replicas:
     def __init__(self, urls: list[str], api_key: str | None) -> None:
         self.urls = urls
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(headers=headers, timeout=httpx.Timeout(TIMEOUT_S, connect=5.0))
+        self._loop = asyncio.new_event_loop()
+        self._vllm = VLLMAdmin(api_key=api_key)
+
+    def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
+        return self._loop.run_until_complete(coroutine)
 
     def close(self) -> None:
-        self._http.close()
+        self._run(self._vllm.close())
+        self._loop.close()
 
-    def loaded(self, url: str) -> set[str]:
-        """The adapters a vLLM has loaded (models with a parent)."""
-        response = self._http.get(f"{url}/v1/models")
-        response.raise_for_status()
-        return {m["id"] for m in response.json()["data"] if m.get("parent")}
-
-    def load(self, url: str, name: str, path: str) -> None:
-        response = self._http.post(
-            f"{url}/v1/load_lora_adapter", json={"lora_name": name, "lora_path": path}
-        )
-        if response.status_code != 200:
-            raise AdapterRejected(f"{url} refused {name}: {response.status_code} {response.text}")
-
-    def unload(self, url: str, name: str) -> None:
-        response = self._http.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": name})
-        if response.status_code not in (200, 404):  # 404: already gone, which is what we want
-            raise AdapterRejected(f"{url} would not unload {name}: {response.text}")
-
-    def load_everywhere(self, name: str, path: str) -> float:
-        """Load into every vLLM that answers, or into none: a refusal unloads it everywhere.
-
-        A replica that cannot be reached is skipped (and logged): the proxy keeps it out of
-        rotation and loads the current adapter into it before it takes policy traffic again, and
-        `Trainer.reconcile` catches it up too. At least one replica must take the adapter.
-        """
-        started = time.perf_counter()
-        done: list[str] = []
-        unreachable: list[str] = []
-        try:
-            for url in self.urls:
-                try:
-                    if name not in self.loaded(url):
-                        self.load(url, name, path)
-                except httpx.TransportError as e:
-                    log.warning("vLLM %s unreachable, not loading %s there now: %r", url, name, e)
-                    unreachable.append(url)
-                    continue
-                done.append(url)
-            if not done:
-                raise AdapterRejected(f"no vLLM reachable to load {name}: {', '.join(unreachable)}")
-        except (AdapterRejected, httpx.HTTPError):
-            for url in done:
-                # If this fails too, that replica keeps an unused adapter until reconcile.
-                with contextlib.suppress(AdapterRejected, httpx.HTTPError):
-                    self.unload(url, name)
-            raise
-        return time.perf_counter() - started
+    def load_everywhere(self, name: str, path: str) -> policy.Rollout:
+        """core.policy.load_everywhere: raises AdapterRejected or NoReplica (nothing loaded)."""
+        return self._run(policy.load_everywhere(self._vllm, self.urls, name, path))
 
     def unload_everywhere(self, name: str) -> None:
-        for url in self.urls:
-            self.unload(url, name)
+        self._run(policy.unload_everywhere(self._vllm, self.urls, name))
+
+    def loaded(self, url: str) -> set[str]:
+        return self._run(self._vllm.loaded(url))
+
+    def load(self, url: str, name: str, path: str) -> None:
+        self._run(self._vllm.load(url, name, path))
+
+    def unload(self, url: str, name: str) -> None:
+        self._run(self._vllm.unload(url, name))

@@ -148,7 +148,8 @@ class Reward(Base):
 
 
 class AdapterVersion(Base):
-    """A trained LoRA adapter; the trainer inserts rows, the proxy's alias follows `is_current`."""
+    """A trained LoRA adapter; its lifecycle is `core/policy.py`; the proxy's alias follows
+    `is_current`."""
 
     __tablename__ = "adapter_version"
 
@@ -161,6 +162,9 @@ class AdapterVersion(Base):
     is_current: Mapped[bool] = mapped_column(Boolean, server_default=sql("false"))
     trained_transitions: Mapped[int] = mapped_column(Integer, server_default=sql("0"))
     stats: Mapped[dict[str, Any] | None]  # the training step's figures, for `adapters list`
+    # Set before it is unloaded from every vLLM and its directory deleted (core/policy.py): a
+    # retired version can never become current again.
+    retired_at: Mapped[datetime | None]
 
     __table_args__ = (
         Index(

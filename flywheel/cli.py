@@ -8,13 +8,15 @@
     flywheel up [--port P]              # the whole local stack on embedded defaults
     flywheel demo-model DIR             # generate the tiny demo model
 
-Every option is also a FLYWHEEL_* environment variable (see proxy/config.py); flags win.
+Every option is also a FLYWHEEL_* environment variable (core/settings.py, proxy/config.py,
+trainer/config.py); flags win. This package sits above all the others: the proxy, the trainer and
+the demo never import each other, only `core`.
 """
 
 from __future__ import annotations
 
 import argparse
-import gc
+import asyncio
 import logging
 import sys
 from pathlib import Path
@@ -22,8 +24,10 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
-from proxy.config import DatabaseSettings, ProxySettings
-from proxy.errors import ApiError
+from core import database, policy
+from core.settings import DatabaseSettings
+from core.vllm import VLLMAdmin, VLLMError
+from proxy.config import ProxySettings
 
 S = TypeVar("S", bound=DatabaseSettings)
 
@@ -78,89 +82,69 @@ def main(argv: list[str] | None = None) -> None:
         run(trainer_settings)
         return
     if args.command == "adapters":
-        _adapters(args, _settings(ProxySettings, given | {"upstream": args.vllm or []}))
+        _adapters(args, _settings(DatabaseSettings, given))
         return
     settings = _settings(ProxySettings, given)
     _configure_logging(settings.log_level)
     if args.command == "proxy":
         if not settings.upstream:
             sys.exit("flywheel proxy: no upstream; pass --upstream URL or set FLYWHEEL_UPSTREAM")
-        serve(settings)
-    elif args.command == "migrate":
-        from proxy import database
+        from proxy.main import run as run_proxy
 
+        run_proxy(settings)
+    elif args.command == "migrate":
         database.migrate(database.resolve_url(settings.database_url, settings.home))
         print("database is at the newest migration")
     elif args.command == "up":
         from demo.stack import run_local_stack
 
-        run_local_stack(settings, vllm_port=args.vllm_port)
+        run_local_stack(
+            settings.home,
+            database_url=settings.database_url,
+            port=settings.port,
+            vllm_port=args.vllm_port,
+        )
 
 
-def serve(settings: ProxySettings) -> None:
-    import uvicorn
+def _adapters(args: argparse.Namespace, settings: DatabaseSettings) -> None:
+    url = database.resolve_url(settings.database_url, settings.home)
+    if args.action == "list":
+        engine, sessions = database.create_sessions(url)
+        with sessions() as session:
+            adapters = policy.versions(session=session)
+        engine.dispose()
+        for a in adapters:
+            mark = "*" if a.is_current else " "
+            reward = (a.stats or {}).get("reward_mean", float("nan"))
+            state = f"retired {a.retired_at:%Y-%m-%d %H:%M}" if a.retired_at else a.path
+            print(
+                f"{mark} v{a.version:<5} {a.name:<16} {a.created_at:%Y-%m-%d %H:%M:%S} "
+                f"trained={a.trained_transitions:<6} reward={reward:.3f} {state}"
+            )
+        return
+    if args.version is None or not args.vllm:
+        sys.exit("flywheel adapters activate N --vllm URL [--vllm URL ...]")
+    urls = [url.rstrip("/").removesuffix("/v1") for url in args.vllm]
 
-    from proxy.app import create_app
-
-    app = create_app(settings)
-    # Per-call garbage is short-lived; the ~10^5 objects of the imported libraries are not. Keep
-    # the collector off the latter (freeze) and run it less often: it took ~20% of the proxy's
-    # CPU at 64 clients (py-spy, bench/scaling.md).
-    gc.freeze()
-    gc.set_threshold(20_000, 20, 20)
-    uvicorn.run(
-        app,
-        host=settings.host,
-        port=settings.port,
-        loop="uvloop",
-        http="httptools",
-        log_level=settings.log_level.lower(),
-        access_log=False,  # requests are counted in /metrics; an access log costs per request
-        proxy_headers=False,  # nothing reads the client's address; one ASGI layer less per call
-        timeout_graceful_shutdown=30,
-    )
-
-
-def _adapters(args: argparse.Namespace, settings: ProxySettings) -> None:
-    import asyncio
-
-    from proxy import admin, database, store
-    from proxy.upstream import Upstream
-
-    async def go() -> None:
-        url = database.resolve_url(settings.database_url, settings.home)
-        engine = database.create_engine(url, pool_size=1)
-        sessionmaker = database.create_sessionmaker(engine)
+    async def activate() -> policy.Adapter | None:
+        engine, sessions = database.create_async_sessions(url, pool_size=1)
+        vllm = VLLMAdmin(api_key=None)
         try:
-            if args.action == "list":
-                async with sessionmaker() as session:
-                    for a in await store.list_adapters(session=session):
-                        mark = "*" if a["is_current"] else " "
-                        stats = a["stats"] or {}
-                        print(
-                            f"{mark} v{a['version']:<5} {a['name']:<16} {a['created_at'][:19]} "
-                            f"trained={a['trained_transitions']:<6} "
-                            f"reward={stats.get('reward_mean', float('nan')):.3f} {a['path']}"
-                        )
-                return
-            if args.version is None or not settings.upstream:
-                sys.exit("flywheel adapters activate N --vllm URL [--vllm URL ...]")
-            upstream = Upstream(settings.upstream, api_key=None, timeout_s=60)
-            await upstream.start()
-            try:
-                found = await admin.activate(
-                    args.version, sessionmaker=sessionmaker, upstream=upstream
-                )
-            finally:
-                await upstream.close()
-            print(f"the alias now serves {found['name'] or 'the base model'}")
+            adapter, rollout = await policy.activate(
+                args.version, sessions=sessions, vllm=vllm, urls=urls
+            )
         finally:
+            await vllm.close()
             await engine.dispose()
+        for unreachable in rollout.unreachable if rollout else ():
+            print(f"warning: {unreachable} unreachable; it does not have the adapter yet")
+        return adapter
 
     try:
-        asyncio.run(go())
-    except ApiError as e:
-        sys.exit(f"flywheel adapters: {e.message}")
+        adapter = asyncio.run(activate())
+    except (policy.UnknownVersion, policy.RetiredVersion, VLLMError) as e:
+        sys.exit(f"flywheel adapters: {e}")
+    print(f"the alias now serves {adapter.name if adapter else 'the base model'}")
 
 
 def _configure_logging(level: str) -> None:

@@ -8,23 +8,31 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+from fastapi import APIRouter, Request
 from pydantic import ValidationError
-from sqlalchemy.ext.asyncio import async_sessionmaker
+from starlette.responses import Response
 
-from proxy import metrics, store
+from proxy import metrics, store, wire
 from proxy.errors import ApiError
-from proxy.recorder import OUTAGE_ERRORS, STORED_WAIT_S, Recorder
+from proxy.recorder import OUTAGE_ERRORS, STORED_WAIT_S
+from proxy.routes.body import read_json
 from proxy.schemas import MAX_REWARDS_PER_POST, RewardIn
+from proxy.services import Services, ServicesDep
+
+router = APIRouter()
 
 
-async def post_rewards(
-    body: Any,
-    *,
-    sessionmaker: async_sessionmaker,  # type: ignore[type-arg]
-    recorder: Recorder,
-    gamma: float | None,
-) -> dict[str, Any]:
+@router.post("/v1/rewards")
+async def post_rewards(request: Request, services: ServicesDep) -> Response:
+    body, nul = await read_json(request, services.settings.max_body_bytes)
+    out = await store_rewards(wire.pg_safe(body) if nul else body, services)
+    return Response(orjson.dumps(out), media_type="application/json")
+
+
+async def store_rewards(body: Any, services: Services) -> dict[str, Any]:
     items = parse_rewards(body)
+    recorder = services.recorder
     if not recorder.database_up:
         # The writer is journaling: Postgres was unreachable moments ago. Say so at once rather
         # than wait; the client retries with the same idempotency key once it is back.
@@ -52,7 +60,7 @@ async def post_rewards(
             )
     results = []
     try:
-        async with sessionmaker.begin() as session:
+        async with services.sessionmaker.begin() as session:
             for r in items:
                 try:
                     duplicate, credited = await store.add_reward(
@@ -61,7 +69,7 @@ async def post_rewards(
                         value=r.reward,
                         transition_id=r.transition_id,
                         idempotency_key=r.idempotency_key,
-                        gamma=gamma,
+                        gamma=services.settings.credit_gamma,
                     )
                 except store.UnknownTransition as e:
                     raise ApiError(

@@ -15,7 +15,7 @@ body)`, and `requests` (every JSON body received, for assertions).
         httpx.post(fake.url + "/v1/chat/completions", json={...})
         assert fake.requests[-1]["body"]["return_token_ids"]
 
-    .venv/bin/python -m tests.fake_vllm --port 18002    # for benchmarks
+    .venv/bin/python -m bench.fake_vllm --port 18002    # for benchmarks
 """
 
 import argparse

@@ -1,21 +1,38 @@
-"""Where the database comes from: a configured URL, or an embedded PostgreSQL under FLYWHEEL_HOME.
+"""Where the database comes from (a configured URL, or an embedded PostgreSQL under
+FLYWHEEL_HOME), how to connect to it (async for the proxy, sync for the trainer) and the Alembic
+migrations (at start-up and for `flywheel migrate`).
 
-Also runs the Alembic migrations (at start-up and for `flywheel migrate`).
+SQL that both processes run (the adapter lifecycle, `core/policy.py`) is written once, for a sync
+`Session`; the proxy runs it on its async session with `run_sync`.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
+import orjson
 from alembic import command
 from alembic.config import Config
-from sqlalchemy.ext.asyncio import AsyncEngine, async_sessionmaker, create_async_engine
+from sqlalchemy import Engine, create_engine
+from sqlalchemy.ext.asyncio import (
+    AsyncEngine,
+    AsyncSession,
+    async_sessionmaker,
+    create_async_engine,
+)
+from sqlalchemy.orm import Session, sessionmaker
 
 import migrations
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+AsyncSessions = async_sessionmaker[AsyncSession]
+Sessions = sessionmaker[Session]
 
 
 def sqlalchemy_url(url: str) -> str:
@@ -65,12 +82,32 @@ def migrate(url: str) -> None:
     command.upgrade(config, "head")
 
 
-def create_engine(url: str, *, pool_size: int = 10) -> AsyncEngine:
-    # pool_pre_ping: a Postgres restart must not leave dead connections that fail the next write.
-    return create_async_engine(
-        sqlalchemy_url(url), pool_size=pool_size, max_overflow=pool_size, pool_pre_ping=True
+# Both engines: pool_pre_ping, so that a Postgres restart does not leave dead connections that
+# fail the next write; JSON by orjson, as everywhere here (NaN becomes null, which jsonb accepts).
+
+
+def _json(value: Any) -> str:
+    return orjson.dumps(value).decode()
+
+
+def create_async_sessions(url: str, *, pool_size: int = 10) -> tuple[AsyncEngine, AsyncSessions]:
+    """The proxy's engine and sessions (dispose the engine at shutdown)."""
+    engine = create_async_engine(
+        sqlalchemy_url(url),
+        pool_size=pool_size,
+        max_overflow=pool_size,
+        pool_pre_ping=True,
+        json_serializer=_json,
     )
+    return engine, async_sessionmaker(engine, expire_on_commit=False)
 
 
-def create_sessionmaker(engine: AsyncEngine) -> async_sessionmaker:  # type: ignore[type-arg]
-    return async_sessionmaker(engine, expire_on_commit=False)
+def create_sessions(url: str) -> tuple[Engine, Sessions]:
+    """The trainer's (and the tools') engine and sessions: synchronous, like the trainer."""
+    engine = create_engine(sqlalchemy_url(url), pool_pre_ping=True, json_serializer=_json)
+    return engine, sessionmaker(engine, expire_on_commit=False)
+
+
+async def run_sync(session: AsyncSession, fn: Callable[..., T], /, **kwargs: Any) -> T:
+    """Run a store function written for a sync session (`fn(*, session, ...)`) on this one."""
+    return await session.run_sync(lambda sync_session: fn(session=sync_session, **kwargs))

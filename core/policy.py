@@ -1,0 +1,257 @@
+"""The policy's adapter versions, from publish to retirement: one lifecycle for every process.
+
+    publish  (trainer)  save policy-vN/ -> load_everywhere -> one transaction: the batch trained,
+                        N inserted and made current, NOTIFY
+    activate (rollback) load_everywhere -> make_current; POST /admin/adapters/N/activate on the
+                        proxy and `flywheel adapters activate N` both call `activate`
+    retire   (trainer)  mark_retired (under the lock) -> unload_everywhere -> delete the directory
+
+Whoever moves `is_current` or retires a version holds PUBLISH_LOCK for that transaction, and a
+move NOTIFYs POLICY_CHANNEL: every proxy's alias (proxy/alias.py) listens and follows the commit
+at once. Because retiring marks the row before anything is unloaded, and `make_current` refuses a
+retired row under the same lock, a rollback racing a retirement either wins (the version is
+current, so it is not retired) or gets `RetiredVersion`; never an alias on an unloaded adapter.
+
+The SQL functions take a sync `session` (the trainer's); the proxy and the CLI run them on their
+async sessions with `core.database.run_sync`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, insert, select, text, update
+from sqlalchemy.orm import Session
+
+from core.database import AsyncSessions, run_sync
+from core.tables import AdapterVersion
+from core.vllm import Unreachable, VLLMAdmin, VLLMError
+
+BASE_VERSION = 0  # the policy before any training: the base model itself
+PUBLISH_LOCK = 7239012  # transaction-level advisory lock of everyone who moves `is_current`
+POLICY_CHANNEL = "flywheel_policy"  # NOTIFY'd (delivered on commit) when `is_current` moves
+
+
+@dataclass(frozen=True)
+class Adapter:
+    version: int
+    name: str
+    path: str
+    base_model: str
+    is_current: bool
+    created_at: datetime
+    trained_transitions: int
+    stats: dict[str, Any] | None  # the training step's figures
+    retired_at: datetime | None
+
+
+class UnknownVersion(LookupError):
+    pass
+
+
+class RetiredVersion(Exception):
+    """The version was retired: unloaded everywhere, its directory deleted."""
+
+
+class NoReplica(VLLMError):
+    """No vLLM replica could be reached: nothing was loaded, the alias did not move."""
+
+
+# --- SQL -------------------------------------------------------------------------------------
+
+
+def _adapter(row: AdapterVersion) -> Adapter:
+    return Adapter(
+        row.version,
+        row.name,
+        row.path,
+        row.base_model,
+        row.is_current,
+        row.created_at,
+        row.trained_transitions,
+        row.stats,
+        row.retired_at,
+    )
+
+
+def current(*, session: Session) -> Adapter | None:
+    row = session.scalar(select(AdapterVersion).where(AdapterVersion.is_current))
+    return _adapter(row) if row else None
+
+
+def get(version: int, *, session: Session) -> Adapter | None:
+    row = session.get(AdapterVersion, version)
+    return _adapter(row) if row else None
+
+
+def named(name: str, *, session: Session) -> Adapter | None:
+    row = session.scalar(select(AdapterVersion).where(AdapterVersion.name == name))
+    return _adapter(row) if row else None
+
+
+def versions(*, session: Session) -> list[Adapter]:
+    rows = session.scalars(select(AdapterVersion).order_by(AdapterVersion.version))
+    return [_adapter(row) for row in rows]
+
+
+def next_version(*, session: Session) -> int:
+    """A new version number; numbers come from a sequence, so two trainers never share one."""
+    return int(session.execute(text("SELECT nextval('adapter_version_seq')")).scalar_one())
+
+
+def _lock(session: Session) -> None:
+    # Without it two publishers both clear the flag, then collide on setting it.
+    session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": PUBLISH_LOCK})
+
+
+def publish(
+    *,
+    session: Session,
+    version: int,
+    name: str,
+    path: str,
+    base_model: str,
+    stats: dict[str, Any],
+    trained_transitions: int,
+) -> None:
+    """Record a new version as the current one; every proxy's alias follows when this commits."""
+    _lock(session)
+    session.execute(
+        update(AdapterVersion).where(AdapterVersion.is_current).values(is_current=False)
+    )
+    session.execute(
+        insert(AdapterVersion).values(
+            version=version,
+            name=name,
+            path=path,
+            base_model=base_model,
+            is_current=True,
+            trained_transitions=trained_transitions,
+            stats=stats,
+        )
+    )
+    session.execute(text(f"NOTIFY {POLICY_CHANNEL}"))
+
+
+def make_current(version: int | None, *, session: Session) -> None:
+    """Point the alias at an existing version, or at the base model (None)."""
+    _lock(session)
+    if version is not None:
+        row = session.get(AdapterVersion, version)
+        if row is None:
+            raise UnknownVersion(f"no adapter version {version}")
+        if row.retired_at is not None:
+            raise RetiredVersion(f"{row.name} was retired at {row.retired_at:%Y-%m-%d %H:%M:%S}")
+    session.execute(
+        update(AdapterVersion).where(AdapterVersion.is_current).values(is_current=False)
+    )
+    if version is not None:
+        session.execute(
+            update(AdapterVersion).where(AdapterVersion.version == version).values(is_current=True)
+        )
+    session.execute(text(f"NOTIFY {POLICY_CHANNEL}"))
+
+
+def mark_retired(*, session: Session, keep: int) -> None:
+    """Retire every version but the newest `keep` and the current one (they stay loadable)."""
+    _lock(session)
+    newest = select(AdapterVersion.version).order_by(AdapterVersion.version.desc()).limit(keep)
+    session.execute(
+        update(AdapterVersion)
+        .where(
+            AdapterVersion.retired_at.is_(None),
+            AdapterVersion.is_current.is_(False),
+            AdapterVersion.version.not_in(newest.scalar_subquery()),
+        )
+        .values(retired_at=func.now())
+    )
+
+
+# --- vLLM: load into every replica, then move the alias --------------------------------------
+
+
+@dataclass(frozen=True)
+class Rollout:
+    """Where a version went: `loaded` has it now; `unreachable` did not answer."""
+
+    loaded: list[str]
+    unreachable: list[str]
+    seconds: float
+
+
+async def load_everywhere(vllm: VLLMAdmin, urls: Sequence[str], name: str, path: str) -> Rollout:
+    """Load `name` into every replica that answers, or into none. The one failure policy of
+    "load into every replica, then move the alias"; its caller moves the alias only on return.
+
+    - A replica that has it already counts as loaded.
+    - A replica that does not answer is skipped: it takes no policy traffic until it has the
+      current adapter (the proxy's probe and the trainer's reconcile load it there).
+    - A replica that refuses it (a bad adapter, a rank above its --max-lora-rank, a missing
+      directory): it is unloaded from the replicas this call loaded it into, and AdapterRejected
+      is raised. No replica reached: NoReplica. Either way the alias must not move.
+    """
+    started = time.perf_counter()
+    outcomes = await asyncio.gather(
+        *(_load(vllm, url, name, path) for url in urls), return_exceptions=True
+    )
+    took = [url for url, outcome in zip(urls, outcomes, strict=True) if outcome is True]
+    had = [url for url, outcome in zip(urls, outcomes, strict=True) if outcome is False]
+    unreachable = [url for url, o in zip(urls, outcomes, strict=True) if isinstance(o, Unreachable)]
+    failed = [
+        o for o in outcomes if isinstance(o, BaseException) and not isinstance(o, Unreachable)
+    ]
+    if failed or not (took or had):
+        # Undo (a replica that fails this too keeps an unused adapter until a reconcile).
+        await asyncio.gather(*(vllm.unload(url, name) for url in took), return_exceptions=True)
+        if failed:
+            raise failed[0]
+        raise NoReplica(f"no vLLM replica reachable to load {name}: {', '.join(unreachable)}")
+    return Rollout(took + had, unreachable, time.perf_counter() - started)
+
+
+async def _load(vllm: VLLMAdmin, url: str, name: str, path: str) -> bool:
+    """True: loaded now; False: it was there already."""
+    if name in await vllm.loaded(url):
+        return False
+    await vllm.load(url, name, path)
+    return True
+
+
+async def unload_everywhere(vllm: VLLMAdmin, urls: Sequence[str], name: str) -> None:
+    """Unload `name` from every replica; raises unless every one confirmed (then its directory
+    must stay: vLLM reads adapters lazily, and a missing directory can crash its engine)."""
+    outcomes = await asyncio.gather(
+        *(vllm.unload(url, name) for url in urls), return_exceptions=True
+    )
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+
+
+async def activate(
+    version: int, *, sessions: AsyncSessions, vllm: VLLMAdmin, urls: Sequence[str]
+) -> tuple[Adapter | None, Rollout | None]:
+    """Roll back (or forward) to `version` (0: the base model): load it everywhere, then move
+    the alias. Raises UnknownVersion, RetiredVersion, AdapterRejected or NoReplica, and then the
+    alias has not moved. The database is not held while vLLM loads."""
+    if version == BASE_VERSION:
+        async with sessions.begin() as session:
+            await run_sync(session, make_current, version=None)
+        return None, None
+    async with sessions() as session:
+        adapter = await run_sync(session, get, version=version)
+    if adapter is None:
+        raise UnknownVersion(f"no adapter version {version}")
+    if adapter.retired_at is not None:
+        raise RetiredVersion(
+            f"{adapter.name} was retired at {adapter.retired_at:%Y-%m-%d %H:%M:%S}"
+        )
+    rollout = await load_everywhere(vllm, urls, adapter.name, adapter.path)
+    async with sessions.begin() as session:
+        await run_sync(session, make_current, version=version)
+    return adapter, rollout

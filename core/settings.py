@@ -1,0 +1,43 @@
+"""Settings every process shares: where the data lives. Each process's own settings class
+(`proxy/config.py`, `trainer/config.py`) extends `DatabaseSettings`; it is built once at start-up
+and passed down. Every field is also a `FLYWHEEL_*` environment variable.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+def split_commas(value: object) -> object:
+    """Lists are comma-separated in the environment (`FLYWHEEL_UPSTREAM=http://a,http://b`)."""
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+class DatabaseSettings(BaseSettings):
+    """What the proxy and the trainer share: where the data lives."""
+
+    model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", extra="ignore")
+
+    home: Path = Field(Path(".flywheel"), description="Data directory: embedded Postgres, journal.")
+    database_url: str | None = Field(
+        None,
+        description="Postgres URL (postgresql://...). Unset: an embedded Postgres under `home`.",
+    )
+    require_database_url: bool = Field(
+        False, description="Refuse to start the embedded Postgres (set in deployments)."
+    )
+    log_level: str = Field("info", description="Python log level.")
+
+    @model_validator(mode="after")
+    def _check_database(self) -> DatabaseSettings:
+        if self.require_database_url and not self.database_url:
+            raise ValueError(
+                "FLYWHEEL_DATABASE_URL is required here (FLYWHEEL_REQUIRE_DATABASE_URL is set); "
+                "set it to your Postgres URL, e.g. postgresql://user:pass@host:5432/flywheel"
+            )
+        return self

@@ -1,0 +1,1 @@
+"""The `flywheel` console script: the one package that may import every other."""

@@ -1,0 +1,80 @@
+"""The admin routes (Authorization: Bearer FLYWHEEL_ADMIN_KEY, checked by the edge):
+
+    GET  /admin/adapters                  every adapter version, the current one flagged
+    POST /admin/adapters/{N}/activate     roll back (or forward) to version N; 0 = the base model
+
+Activation is `core.policy.activate`, the same lifecycle the trainer's publish and
+`flywheel adapters activate` use: load N into every vLLM replica, then move the alias. A replica
+that cannot be reached is ejected here; it rejoins once it has the current adapter
+(proxy/replicas.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import APIRouter
+from starlette.responses import Response
+
+from core import policy
+from core.database import run_sync
+from core.vllm import AdapterRejected
+from proxy.errors import ApiError
+from proxy.services import ServicesDep
+
+router = APIRouter()
+
+
+@router.get("/admin/adapters")
+async def list_adapters(services: ServicesDep) -> Response:
+    async with services.sessionmaker() as session:
+        adapters = await run_sync(session, policy.versions)
+    body = {"object": "list", "data": [adapter_json(a) for a in adapters]}
+    return Response(orjson.dumps(body), media_type="application/json")
+
+
+@router.post("/admin/adapters/{version}/activate")
+async def activate(version: int, services: ServicesDep) -> Response:
+    upstream = services.upstream
+    try:
+        adapter, rollout = await policy.activate(
+            version,
+            sessions=services.sessionmaker,
+            vllm=upstream.vllm,
+            urls=[r.base_url for r in upstream.replicas],
+        )
+    except policy.UnknownVersion as e:
+        raise ApiError(404, str(e), code="adapter_not_found") from e
+    except policy.RetiredVersion as e:
+        raise ApiError(409, f"{e}; it cannot be activated", code="adapter_retired") from e
+    except AdapterRejected as e:
+        raise ApiError(
+            502,
+            f"vLLM refused the adapter: {e}; the alias did not move",
+            type="upstream_error",
+            code="adapter_rejected",
+        ) from e
+    except policy.NoReplica as e:
+        raise ApiError(502, f"{e}; the alias did not move", type="upstream_error") from e
+    for url in rollout.unreachable if rollout else ():
+        upstream.failed(upstream.replica(url), "unreachable while activating an adapter")
+    await services.alias.refresh()  # this proxy follows at once (the others on the NOTIFY)
+    if adapter is None:
+        body: dict[str, Any] = {"version": policy.BASE_VERSION, "name": None, "is_current": True}
+    else:
+        body = adapter_json(adapter) | {"is_current": True}
+    return Response(orjson.dumps(body), media_type="application/json")
+
+
+def adapter_json(a: policy.Adapter) -> dict[str, Any]:
+    return {
+        "version": a.version,
+        "name": a.name,
+        "path": a.path,
+        "is_current": a.is_current,
+        "created_at": a.created_at.isoformat(),
+        "trained_transitions": a.trained_transitions,
+        "stats": a.stats,
+        "retired_at": a.retired_at.isoformat() if a.retired_at else None,
+    }

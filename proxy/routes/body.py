@@ -1,0 +1,38 @@
+"""Reading a JSON request body: the size limit, and whether it holds a U+0000."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+
+from proxy.errors import ApiError
+
+
+async def read_json(request: Request, max_bytes: int) -> tuple[Any, bool]:
+    """The parsed body, and whether it holds a U+0000 (which Postgres cannot store)."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(
+            413,
+            f"request body of {declared} bytes exceeds the limit of {max_bytes}",
+            code="payload_too_large",
+        )
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise ApiError(
+                413,
+                f"request body exceeds the limit of {max_bytes} bytes",
+                code="payload_too_large",
+            )
+        chunks.append(chunk)
+    raw = b"".join(chunks)
+    if not raw:
+        raise ApiError(400, "the request body is empty; send JSON")
+    try:
+        return orjson.loads(raw), b"\\u0000" in raw
+    except orjson.JSONDecodeError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from e

@@ -1,0 +1,27 @@
+"""POST /v1/chat/completions and /v1/completions (every route of `wire.ROUTES`): forwarded to
+vLLM and recorded by `Forwarder`. The edge calls `complete` directly, without FastAPI's
+middleware, router and dependency machinery: every agent call comes this way.
+"""
+
+from __future__ import annotations
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope
+
+from proxy import wire
+from proxy.errors import ApiError
+from proxy.routes.body import read_json
+from proxy.services import Services
+from proxy.tags import resolve
+
+
+async def complete(
+    route: wire.Route, services: Services, scope: Scope, receive: Receive
+) -> Response:
+    request = Request(scope, receive)
+    body, nul = await read_json(request, services.settings.max_body_bytes)
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    tags = resolve(scope.get("flywheel.path_tags", {}), request.headers)  # type: ignore[arg-type]
+    return await services.forwarder.handle(route, body, tags, scrub=nul)

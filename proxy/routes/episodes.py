@@ -1,0 +1,87 @@
+"""GET /v1/episodes/{id}[?tokens=true]: an episode's transitions (text, tool calls, the return
+once credited; token ids and logprobs on request) and its rewards, as JSON."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+from fastapi import APIRouter
+from starlette.responses import Response
+
+from core.codecs import unpack
+from core.tables import Reward, Transition
+from proxy import store
+from proxy.errors import ApiError
+from proxy.recorder import OUTAGE_ERRORS, STORED_WAIT_S
+from proxy.services import ServicesDep
+
+router = APIRouter()
+
+
+@router.get("/v1/episodes/{episode_id}")
+async def get_episode(episode_id: str, services: ServicesDep, tokens: bool = False) -> Response:
+    # This process's own unwritten transitions of the episode first: a read after a call sees it.
+    await services.recorder.wait_stored(episode_id, timeout=STORED_WAIT_S)
+    try:
+        async with services.sessionmaker() as session:
+            rows = await store.get_episode(episode_id, session=session)
+    except OUTAGE_ERRORS as e:
+        raise ApiError(503, "database unavailable", type="service_unavailable") from e
+    if rows is None:
+        raise ApiError(
+            404, f"no episode {episode_id!r}", param="episode_id", code="episode_not_found"
+        )
+    episode = {
+        "id": rows.episode.id,
+        "object": "episode",
+        "task_id": rows.episode.task_id,
+        "final_reward": rows.episode.final_reward,
+        "created_at": rows.episode.created_at.isoformat(),
+        "transitions": [_transition(t, rows.messages, tokens) for t in rows.transitions],
+        "rewards": [_reward(r) for r in rows.rewards],
+    }
+    return Response(orjson.dumps(episode), media_type="application/json")
+
+
+def _transition(t: Transition, bodies: dict[bytes, Any], tokens: bool) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "id": str(t.id),
+        "request_id": str(t.request_id),
+        "choice_index": t.choice_index,
+        "task_id": t.task_id,
+        "agent_name": t.agent_name,
+        "requested_at": t.requested_at.isoformat(),
+        "route": t.route,
+        "status": t.status,
+        "http_status": t.http_status,
+        "model_requested": t.model_requested,
+        "model_used": t.model_used,
+        "policy_version": t.policy_version,
+        "messages": [bodies.get(d) for d in t.message_digests],
+        "params": t.params,
+        "text": t.text,
+        "tool_calls": t.tool_calls,
+        "finish_reason": t.finish_reason,
+        "error": t.error,
+        "latency_ms": t.latency_ms,
+        "usage": {"prompt_tokens": t.prompt_tokens, "completion_tokens": t.completion_tokens},
+        "return": t.return_,
+        "credited_at": t.credited_at.isoformat() if t.credited_at else None,
+        "trained_at": t.trained_at.isoformat() if t.trained_at else None,
+    }
+    if tokens:
+        out["prompt_token_ids"] = unpack(t.prompt_token_ids, "i")
+        out["completion_token_ids"] = unpack(t.completion_token_ids, "i")
+        out["logprobs"] = unpack(t.logprobs, "f")
+    return out
+
+
+def _reward(r: Reward) -> dict[str, Any]:
+    return {
+        "id": r.id,
+        "transition_id": str(r.transition_id) if r.transition_id else None,
+        "reward": r.value,
+        "idempotency_key": r.idempotency_key,
+        "created_at": r.created_at.isoformat(),
+    }

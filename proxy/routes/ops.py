@@ -1,0 +1,60 @@
+"""What operators and clients ask of the proxy itself: GET /v1/models (vLLM's models plus the
+policy alias), GET /healthz and GET /metrics (Prometheus)."""
+
+from __future__ import annotations
+
+import orjson
+from fastapi import APIRouter
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.responses import Response
+
+from core.vllm import VLLMError
+from proxy.errors import ApiError
+from proxy.services import ServicesDep
+
+router = APIRouter()
+
+
+@router.get("/v1/models")
+async def models(services: ServicesDep) -> Response:
+    try:
+        status, payload = await services.upstream.models()
+    except VLLMError as e:
+        raise ApiError(502, f"vLLM unreachable: {e}", type="upstream_error") from e
+    if status != 200:
+        return Response(payload, status_code=status, media_type="application/json")
+    data = orjson.loads(payload)
+    created = max((m.get("created", 0) for m in data.get("data", [])), default=0)
+    data.setdefault("data", []).append(
+        {
+            "id": services.settings.policy_alias,
+            "object": "model",
+            "created": created,
+            "owned_by": "flywheel",
+            "root": None,
+            "parent": None,
+        }
+    )
+    return Response(orjson.dumps(data), media_type="application/json")
+
+
+@router.get("/healthz")
+async def healthz(services: ServicesDep) -> Response:
+    recorder, alias = services.recorder, services.alias
+    health = {
+        "status": "ok",
+        "database": "up" if recorder.database_up else "unreachable (journaling)",
+        "journal_pending": recorder.journal.pending,
+        "writer_queue": recorder.queue_depth,
+        "policy_version": alias.current[0] if alias.current else 0,
+        "replicas": {
+            r.base_url: {"in_rotation": r.in_rotation, "outstanding": r.outstanding}
+            for r in services.upstream.replicas
+        },
+    }
+    return Response(orjson.dumps(health), media_type="application/json")
+
+
+@router.get("/metrics")
+async def prometheus_metrics() -> Response:
+    return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

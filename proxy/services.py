@@ -1,0 +1,88 @@
+"""Everything a route may use, started once by the app's lifespan and handed to each route as one
+typed object: `ServicesDep` for FastAPI routes, `services_of(app)` for the edge's fast lane.
+
+Start-up: find the database (configured or embedded), migrate it, start the background writer
+(replaying any journal left from before), the upstream client, the alias and the replica probes.
+Shutdown, in reverse: probes and alias stop, then every recorded transition is flushed (to
+Postgres, or to the journal if Postgres can't take them), then connections close.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Annotated, cast
+
+from fastapi import Depends, FastAPI, Request
+
+from core import database
+from core.database import AsyncSessions
+from proxy.alias import PolicyAlias
+from proxy.config import ProxySettings
+from proxy.forward import Forwarder
+from proxy.journal import Journal
+from proxy.recorder import Recorder
+from proxy.replicas import ReplicaKeeper
+from proxy.upstream import Upstream
+
+
+@dataclass(frozen=True)
+class Services:
+    settings: ProxySettings
+    sessionmaker: AsyncSessions
+    recorder: Recorder
+    upstream: Upstream
+    alias: PolicyAlias
+    forwarder: Forwarder
+
+
+@asynccontextmanager
+async def running(settings: ProxySettings) -> AsyncIterator[Services]:
+    url = await asyncio.to_thread(database.resolve_url, settings.database_url, settings.home)
+    await asyncio.to_thread(database.migrate, url)
+    engine, sessionmaker = database.create_async_sessions(url)
+    api_key = settings.upstream_api_key.get_secret_value() if settings.upstream_api_key else None
+    upstream = Upstream(settings.upstream, api_key=api_key, timeout_s=settings.upstream_timeout_s)
+    recorder = Recorder(
+        sessionmaker,
+        Journal(settings.journal_dir),
+        batch_size=settings.writer_batch_size,
+        queue_max=settings.writer_queue_max,
+        retry_s=settings.journal_retry_s,
+        gamma=settings.credit_gamma,
+    )
+    recorder.start()
+    alias = PolicyAlias(
+        settings.policy_alias,
+        sessionmaker,
+        upstream,
+        base_model=settings.base_model,
+        refresh_s=settings.alias_refresh_s,
+        listen_url=database.libpq_url(url),
+    )
+    await alias.start()
+    keeper = ReplicaKeeper(upstream, alias, probe_s=settings.replica_probe_s)
+    await keeper.start()
+    try:
+        yield Services(
+            settings, sessionmaker, recorder, upstream, alias, Forwarder(upstream, alias, recorder)
+        )
+    finally:
+        await keeper.stop()
+        await alias.stop()
+        await recorder.stop()
+        await upstream.close()
+        await engine.dispose()
+
+
+def services_of(app: FastAPI) -> Services:
+    return cast(Services, app.state.services)  # set by create_app's lifespan
+
+
+def _services(request: Request) -> Services:
+    return services_of(request.app)
+
+
+ServicesDep = Annotated[Services, Depends(_services)]

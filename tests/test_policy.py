@@ -1,0 +1,132 @@
+"""The adapter lifecycle of core/policy.py on real Postgres and fake vLLMs: publish, activate,
+retire, and the one failure policy for "load into every replica, then move the alias"."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from bench.fake_vllm import FakeVLLM
+from core import database, policy
+from core.database import Sessions
+from core.vllm import AdapterRejected, VLLMAdmin
+
+
+@pytest.fixture
+def sessions(database_url: str) -> Iterator[Sessions]:
+    engine, sessions = database.create_sessions(database_url)
+    yield sessions
+    engine.dispose()
+
+
+def publish(sessions: Sessions, version: int, path: str = "/adapters/x") -> None:
+    with sessions.begin() as session:
+        policy.publish(
+            session=session,
+            version=version,
+            name=f"policy-v{version}",
+            path=path,
+            base_model="demo",
+            stats={"loss": float("nan")},  # a diverged step still publishes (NaN -> null)
+            trained_transitions=8,
+        )
+
+
+def current(sessions: Sessions) -> int | None:
+    with sessions() as session:
+        adapter = policy.current(session=session)
+    return adapter.version if adapter else None
+
+
+def test_publish_makes_the_new_version_current_and_notifies_on_commit(
+    sessions: Sessions, database_url: str
+) -> None:
+    with psycopg.connect(database_url, autocommit=True) as listener:
+        listener.execute(f"LISTEN {policy.POLICY_CHANNEL}")
+        publish(sessions, 1)
+        publish(sessions, 2)
+        heard = list(listener.notifies(timeout=2, stop_after=2))
+    assert [n.channel for n in heard] == [policy.POLICY_CHANNEL] * 2
+    assert current(sessions) == 2
+    with sessions() as session:
+        [first, second] = policy.versions(session=session)
+    assert (first.is_current, second.is_current) == (False, True)
+    assert second.stats == {"loss": None} and second.trained_transitions == 8
+
+
+def test_retiring_keeps_the_newest_and_the_current_one(sessions: Sessions) -> None:
+    for version in range(1, 6):
+        publish(sessions, version)
+    with sessions.begin() as session:
+        policy.make_current(2, session=session)  # a rollback to an old version
+        policy.mark_retired(session=session, keep=2)
+    with sessions() as session:
+        retired = {a.version for a in policy.versions(session=session) if a.retired_at}
+    assert retired == {1, 3}  # 4 and 5 are the newest two, 2 is current
+    with sessions.begin() as session, pytest.raises(policy.RetiredVersion, match="policy-v3"):
+        policy.make_current(3, session=session)
+    with sessions.begin() as session, pytest.raises(policy.UnknownVersion):
+        policy.make_current(9, session=session)
+    assert current(sessions) == 2
+    with sessions.begin() as session:
+        policy.make_current(None, session=session)  # the base model
+    assert current(sessions) is None
+
+
+def test_a_rollback_racing_a_retirement_never_points_at_a_retired_version(
+    sessions: Sessions,
+) -> None:
+    """Retirement marks the row under the publish lock before anything is unloaded: a rollback
+    that commits after it is refused; one that commits first keeps its version (current)."""
+    for version in range(1, 4):
+        publish(sessions, version)
+    retiring = sessions()
+    retiring.begin()
+    policy.mark_retired(session=retiring, keep=1)  # retires v1 and v2, holds the lock
+    outcome: dict[str, object] = {}
+
+    def roll_back() -> None:
+        try:
+            with sessions.begin() as session:
+                policy.make_current(1, session=session)
+        except policy.RetiredVersion as e:
+            outcome["refused"] = str(e)
+
+    thread = threading.Thread(target=roll_back)
+    thread.start()
+    thread.join(0.5)
+    assert thread.is_alive()  # waits for the retirement's lock
+    retiring.commit()
+    retiring.close()
+    thread.join(10)
+    assert "policy-v1 was retired" in str(outcome.get("refused"))
+    assert current(sessions) == 3
+
+
+def test_load_everywhere_undoes_only_its_own_loads(tmp_path: Path) -> None:
+    path = tmp_path / "policy-v7"
+    path.mkdir()
+    (path / "adapter_config.json").write_text('{"r": 16}')
+
+    async def go(urls: list[str]) -> policy.Rollout:
+        vllm = VLLMAdmin(api_key=None)
+        try:
+            return await policy.load_everywhere(vllm, urls, "policy-v7", str(path))
+        finally:
+            await vllm.close()
+
+    with FakeVLLM() as serving, FakeVLLM() as fresh, FakeVLLM() as small:
+        serving.state.max_lora_rank = fresh.state.max_lora_rank = 16
+        serving.loras["policy-v7"] = str(path)  # it serves this version already
+        small.state.max_lora_rank = 8  # refuses a rank-16 adapter
+        with pytest.raises(AdapterRejected, match="greater than max_lora_rank"):
+            asyncio.run(go([serving.url, fresh.url, small.url]))
+        assert "policy-v7" in serving.loras  # not unloaded: it was there before this call
+        assert "policy-v7" not in fresh.loras and "policy-v7" not in small.loras
+        rollout = asyncio.run(go([serving.url, fresh.url]))
+    assert rollout.loaded == [fresh.url, serving.url] and rollout.unreachable == []
