@@ -36,6 +36,8 @@ lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
+	@# The layering (pyproject.toml [tool.importlinter]; tests/test_layers.py shows it can fail).
+	$(BIN)/lint-imports --no-cache
 	@# The deployment files (no Docker engine or cluster needed; tests/test_deploy.py does more).
 	command -v docker-compose >/dev/null || { apt-get update -qq && apt-get install -y -qq docker-compose; }
 	docker-compose --env-file .env.example config -q

@@ -1,0 +1,62 @@
+"""The import contract (`lint-imports`, run by `make lint`) really fails when the layering breaks.
+
+Each case copies the packages into a temporary directory, adds one forbidden import, and runs
+lint-imports there with this project's configuration.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("flywheel", "bench", "demo", "proxy", "trainer", "core")
+LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
+
+
+def lint_imports(
+    tmp_path: Path, module: str = "", line: str = ""
+) -> subprocess.CompletedProcess[str]:
+    for package in PACKAGES:
+        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("*.md"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    if module:
+        path = tmp_path / module
+        path.write_text(path.read_text() + f"\n{line}\n")
+    return subprocess.run(
+        [str(LINT_IMPORTS), "--no-cache"],
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(tmp_path), "PATH": str(LINT_IMPORTS.parent)},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_the_packages_as_they_are_keep_every_contract(tmp_path: Path) -> None:
+    result = lint_imports(tmp_path)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 kept, 0 broken" in result.stdout
+
+
+@pytest.mark.parametrize(
+    ("module", "line", "broken"),
+    [
+        ("proxy/alias.py", "import trainer.store", "proxy.alias -> trainer.store"),
+        ("trainer/loop.py", "from proxy import wire", "trainer.loop -> proxy.wire"),
+        ("core/policy.py", "import proxy.upstream", "core.policy -> proxy.upstream"),
+        ("proxy/forward.py", "import demo.agent", "proxy.forward -> demo.agent"),
+        ("demo/stack.py", "import flywheel.cli", "demo.stack -> flywheel.cli"),
+        ("core/record.py", "import torch", "core.record -> torch"),
+    ],
+)
+def test_a_forbidden_import_breaks_a_contract(
+    tmp_path: Path, module: str, line: str, broken: str
+) -> None:
+    result = lint_imports(tmp_path, module, line)
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert broken in result.stdout
