@@ -24,11 +24,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import gc
 import os
 import random
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -111,6 +114,8 @@ def backend_cpu_s(url: str) -> float | None:
 class Run:
     elapsed_s: float
     writer_cpu_s: float  # this process: the Recorder, psycopg, SQLAlchemy
+    gc_cpu_s: float  # of which in the garbage collector's collections (a generation-2 pass
+    # costs ~20 µs/transition here; whether one falls inside a run shifts run to run)
     postgres_cpu_s: float | None  # the backends that wrote (None: not on this machine)
     curve: list[tuple[float, int]]  # (seconds, transitions stored so far)
 
@@ -130,11 +135,12 @@ async def measure(url: str, records: list[TransitionRecord], batch_size: int) ->
         before, curve = recorded(), list[tuple[float, int]]()
         started, cpu_started = time.perf_counter(), time.process_time()
         sampler = asyncio.create_task(sample_stored(started, before, curve))
-        for i in range(0, len(records), 100):  # arriving in bursts, as from many clients
-            recorder.submit(records[i : i + 100])
-            await asyncio.sleep(0)
-        for episode_id in {r.episode_id: None for r in records}:
-            assert await recorder.wait_stored(episode_id, timeout=600), "not stored in time"
+        with gc_seconds() as gc_s:
+            for i in range(0, len(records), 100):  # arriving in bursts, as from many clients
+                recorder.submit(records[i : i + 100])
+                await asyncio.sleep(0)
+            for episode_id in {r.episode_id: None for r in records}:
+                assert await recorder.wait_stored(episode_id, timeout=600), "not stored in time"
         elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
         sampler.cancel()
         curve.append((elapsed, recorded() - before))
@@ -143,7 +149,25 @@ async def measure(url: str, records: list[TransitionRecord], batch_size: int) ->
         await recorder.stop()
     await engine.dispose()
     assert journaled == 0, f"{journaled} transitions went to the journal: Postgres failed"
-    return Run(elapsed, cpu, postgres_cpu, curve)
+    return Run(elapsed, cpu, gc_s[0], postgres_cpu, curve)
+
+
+@contextlib.contextmanager
+def gc_seconds() -> Iterator[list[float]]:
+    """CPU seconds spent in garbage collections while the block runs (in [0] once it ends)."""
+    spent, started = [0.0], [0.0]
+
+    def callback(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started[0] = time.process_time()
+        else:
+            spent[0] += time.process_time() - started[0]
+
+    gc.callbacks.append(callback)
+    try:
+        yield spent
+    finally:
+        gc.callbacks.remove(callback)
 
 
 def recorded() -> int:
@@ -247,7 +271,7 @@ def one_run(base: str, records: list[TransitionRecord], args: Any) -> Run:
         f"recorded {stored}/{n} transitions in {run.elapsed_s:.2f} s: {rate:,.0f}/s "
         f"(mean prompt {prompt_tokens:.0f} tokens; {size / n:,.0f} bytes/transition "
         "on disk incl. indexes and shared messages; CPU per transition: writer "
-        f"{writer_us} µs, Postgres {postgres_us} µs)"
+        f"{writer_us} µs (GC {run.gc_cpu_s / n * 1e6:.0f}), Postgres {postgres_us} µs)"
     )
     if stored != n:
         raise SystemExit(f"LOST {n - stored} transitions")
