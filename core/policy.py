@@ -57,6 +57,9 @@ class UnknownVersion(LookupError):
 class RetiredVersion(Exception):
     """The version was retired: unloaded everywhere, its directory deleted."""
 
+    def __init__(self, name: str, retired_at: datetime) -> None:
+        super().__init__(f"{name} was retired at {retired_at:%Y-%m-%d %H:%M:%S}")
+
 
 class NoReplica(VLLMError):
     """No vLLM replica could be reached: nothing was loaded, the alias did not move."""
@@ -146,7 +149,7 @@ def make_current(version: int | None, *, session: Session) -> None:
         if row is None:
             raise UnknownVersion(f"no adapter version {version}")
         if row.retired_at is not None:
-            raise RetiredVersion(f"{row.name} was retired at {row.retired_at:%Y-%m-%d %H:%M:%S}")
+            raise RetiredVersion(row.name, row.retired_at)
     session.execute(
         update(AdapterVersion).where(AdapterVersion.is_current).values(is_current=False)
     )
@@ -248,9 +251,7 @@ async def activate(
     if adapter is None:
         raise UnknownVersion(f"no adapter version {version}")
     if adapter.retired_at is not None:
-        raise RetiredVersion(
-            f"{adapter.name} was retired at {adapter.retired_at:%Y-%m-%d %H:%M:%S}"
-        )
+        raise RetiredVersion(adapter.name, adapter.retired_at)
     rollout = await load_everywhere(vllm, urls, adapter.name, adapter.path)
     async with sessions.begin() as session:
         await run_sync(session, make_current, version=version)
