@@ -224,7 +224,7 @@ def profile(flywheel: common.Server, seconds: float) -> list[str]:
             (
                 (f, share)
                 for f, share in p.total.items()
-                if "(proxy/" in f and "proxy/cli.py" not in f
+                if "(proxy/" in f or "(core/" in f  # our code on the proxy's path
             ),
             key=lambda item: item[1],
             reverse=True,

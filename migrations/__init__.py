@@ -1,1 +1,1 @@
-"""Alembic migrations for Flywheel's tables (see proxy/tables.py). Applied by `flywheel migrate`."""
+"""Alembic migrations for Flywheel's tables (see core/tables.py). Applied by `flywheel migrate`."""
