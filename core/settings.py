@@ -18,6 +18,14 @@ def split_commas(value: object) -> object:
     return value
 
 
+def vllm_base_urls(urls: list[str], name: str) -> list[str]:
+    """vLLM URLs as every process keeps them: http(s), without a trailing `/` or `/v1`."""
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"{name} {url!r} must start with http:// or https://")
+    return [url.rstrip("/").removesuffix("/v1") for url in urls]
+
+
 class DatabaseSettings(BaseSettings):
     """What the proxy and the trainer share: where the data lives."""
 

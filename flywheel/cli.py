@@ -25,7 +25,7 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 
 from core import database, policy
-from core.settings import DatabaseSettings
+from core.settings import DatabaseSettings, vllm_base_urls
 from core.vllm import VLLMAdmin, VLLMError
 from proxy.config import ProxySettings
 
@@ -124,7 +124,10 @@ def _adapters(args: argparse.Namespace, settings: DatabaseSettings) -> None:
         return
     if args.version is None or not args.vllm:
         sys.exit("flywheel adapters activate N --vllm URL [--vllm URL ...]")
-    urls = [url.rstrip("/").removesuffix("/v1") for url in args.vllm]
+    try:
+        urls = vllm_base_urls(args.vllm, "--vllm")
+    except ValueError as e:
+        sys.exit(f"flywheel adapters: {e}")
 
     async def activate() -> policy.Adapter | None:
         engine, sessions = database.create_async_sessions(url, pool_size=1)

@@ -13,7 +13,7 @@ from typing import Annotated
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import NoDecode
 
-from core.settings import DatabaseSettings, split_commas
+from core.settings import DatabaseSettings, split_commas, vllm_base_urls
 
 TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,199}$"
 
@@ -73,10 +73,7 @@ class ProxySettings(DatabaseSettings):
     @field_validator("upstream")
     @classmethod
     def _check_upstream(cls, urls: list[str]) -> list[str]:
-        for url in urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"upstream {url!r} must start with http:// or https://")
-        return [url.rstrip("/").removesuffix("/v1") for url in urls]
+        return vllm_base_urls(urls, "upstream")
 
     @property
     def journal_dir(self) -> Path:

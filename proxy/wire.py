@@ -2,8 +2,8 @@
 tests/data/vllm_wire/): reading each choice's tokens out of a response or its stream chunks, and
 removing what the client did not ask for.
 
-`ROUTES` is the one table of completion routes: the edge's fast lane, the app's router and the
-forwarder all read it.
+`ROUTES` is the one table of completion routes: the edge (which answers them entirely) and the
+forwarder read it.
 
 - chat: `prompt_token_ids` at the top level (first chunk when streaming), `choices[i].token_ids`,
   logprobs in `choices[i].logprobs.content[].logprob`;

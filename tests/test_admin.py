@@ -123,6 +123,14 @@ def test_flywheel_adapters_cli(database_url: str, fake_vllm: FakeVLLM, tmp_path:
         timeout=60,
     )
     assert missing.returncode != 0 and "no adapter version 7" in missing.stderr
+    bad_url = subprocess.run(
+        [*cli, "activate", "1", "--vllm", "vllm:8000"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert bad_url.returncode != 0 and "must start with http:// or https://" in bad_url.stderr
 
 
 def test_a_restarted_vllm_gets_the_adapter_back_on_first_use(

@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from core.settings import DatabaseSettings, split_commas
+from core.settings import DatabaseSettings, split_commas, vllm_base_urls
 
 # vLLM accepts only these LoRA ranks (--max-lora-rank must be one of them, and >= ours).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -95,10 +95,7 @@ class TrainerSettings(DatabaseSettings):
     def _check_vllm(cls, urls: list[str]) -> list[str]:
         if not urls:
             raise ValueError("give at least one --vllm URL (or FLYWHEEL_VLLM)")
-        for url in urls:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"vllm {url!r} must start with http:// or https://")
-        return [url.rstrip("/").removesuffix("/v1") for url in urls]
+        return vllm_base_urls(urls, "vllm")
 
     @model_validator(mode="after")
     def _check_combinations(self) -> TrainerSettings:
