@@ -7,9 +7,10 @@ code tested against it works against vLLM. tests/test_fake_vllm.py keeps it hone
 Completions are deterministic: token ids and logprobs come from a pseudo-random stream seeded by
 the model name, the prompt, the choice index and `seed`. Tool calls come back when the request has
 `tools` and either `tool_choice` names a function or is "required", or the last user message says
-"call a tool". Knobs: `latency_s` (before each answer), `token_delay_s` (between stream chunks),
-`always_detail` (token ids and logprobs whether asked or not: benchmarks), `fail_next(n, status,
-body)`, and `requests` (every JSON body received, for assertions).
+"call a tool" (`/v1/responses` lives in bench/fake_responses.py). Knobs: `latency_s` (before each
+answer), `token_delay_s` (between stream chunks), `always_detail` (token ids and logprobs whether
+asked or not: benchmarks), `fail_next(n, status, body)`, and `requests` (every JSON body
+received, for assertions).
 
     with FakeVLLM() as fake:            # background thread, free port
         httpx.post(fake.url + "/v1/chat/completions", json={...})
@@ -303,12 +304,15 @@ class FakeVLLM:
 
 
 def make_app(state: FakeState) -> web.Application:
+    from bench.fake_responses import responses  # it builds on this module
+
     app = web.Application(client_max_size=2**30)  # vLLM sets no body limit of its own
     app.router.add_get("/health", health)
     app.router.add_get("/v1/models", wrap(state, models))
     for path, handler in [
         ("/v1/chat/completions", chat_completions),
         ("/v1/completions", completions),
+        ("/v1/responses", responses),
         ("/v1/load_lora_adapter", load_lora),
         ("/v1/unload_lora_adapter", unload_lora),
     ]:

@@ -49,13 +49,14 @@ class TransitionRecord:
     task_id: str | None = _column("text", default=None)
     agent_name: str | None = _column("text", default=None)
     requested_at: float = _column("timestamptz", encode=_timestamp)  # unix seconds
-    route: str = _column("text")  # a wire.Route name: "chat" | "completions"
+    route: str = _column("text")  # a wire.Route name: "chat" | "completions" | "responses"
     status: str = _column("text")  # "ok" | "aborted" | "failed"
     http_status: int = _column("int2")
     model_requested: str | None = _column("text", default=None)
     model_used: str | None = _column("text", default=None)
     policy_version: int | None = _column("int4", default=None)  # None: not the policy
-    # The prompt's messages (chat) or [{"prompt": ...}] (completions), stored once each by digest.
+    # The prompt's messages (chat), [{"prompt": ...}] (completions) or instructions and input items
+    # (responses), stored once each by digest.
     messages: list[Any] = _column("bytea[]", column="message_digests")
     params: dict[str, Any] = _column("jsonb", default_factory=dict)  # the request minus the prompt
     prompt_token_ids: list[int] | None = _column("bytea", default=None)

@@ -15,7 +15,7 @@ from typing import Any
 import orjson
 
 from core.record import TransitionRecord
-from proxy import wire
+from proxy import responses, wire
 from proxy.tags import Tags
 from proxy.upstream import Replica
 
@@ -38,11 +38,15 @@ class Call:
 
     @property
     def wants_logprobs(self) -> bool:
+        if self.route is wire.RESPONSES:
+            return responses.wants(self.body)[1]
         value = self.body.get("logprobs")
         return value is not None and value is not False
 
     @property
     def wants_token_ids(self) -> bool:
+        if self.route is wire.RESPONSES:
+            return responses.wants(self.body)[0]
         return bool(self.body.get("return_token_ids"))
 
     def headers(self) -> dict[str, str]:
@@ -96,9 +100,13 @@ def _record(
 ) -> TransitionRecord:
     body = call.body
     prompt_key = call.route.prompt_key
+    unrecorded: tuple[str, ...] = (prompt_key,)  # params: the request minus the prompt
     if call.route is wire.CHAT:
         messages = body.get(prompt_key)
         prompt_messages = messages if isinstance(messages, list) else []
+    elif call.route is wire.RESPONSES:
+        prompt_messages = responses.prompt_messages(body)
+        unrecorded = (prompt_key, "instructions")
     else:
         prompts = wire.prompts(body.get(prompt_key))
         n = len(call.transition_ids) // max(1, len(prompts))
@@ -118,7 +126,7 @@ def _record(
         model_used=call.model_used,
         policy_version=call.policy_version,
         messages=prompt_messages,
-        params={k: v for k, v in body.items() if k != prompt_key},
+        params={k: v for k, v in body.items() if k not in unrecorded},
         latency_ms=call.upstream_s * 1000.0,
     )
 

@@ -19,7 +19,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from core.record import TransitionRecord
-from proxy import metrics, wire
+from proxy import metrics, responses, wire
 from proxy.alias import PolicyAlias
 from proxy.call import Call, failure, random_uuids, transitions
 from proxy.errors import ApiError, error_response
@@ -55,14 +55,11 @@ class Forwarder:
         stream = body.get("stream", False)
         if not isinstance(stream, bool) and stream is not None:
             raise ApiError(400, "`stream` must be a boolean", param="stream")
-        n = body.get("n", 1)
-        if n is None:
-            n = 1
-        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-            raise ApiError(400, "`n` must be a positive integer", param="n")
-        choices = n * wire.prompt_count(body) if route is wire.COMPLETIONS else n
-        if choices > MAX_CHOICES:
-            raise ApiError(400, f"n x prompts = {choices} exceeds {MAX_CHOICES}", param="n")
+        choices = 1
+        if route is wire.RESPONSES:
+            responses.check(body)  # one model call, one transition
+        else:
+            choices = _choices(route, body)
 
         model_used, version = await self._alias.resolve(model)
         *transition_ids, request_id = random_uuids(choices + 1)
@@ -76,11 +73,7 @@ class Forwarder:
             request_id=request_id,
             scrub=scrub,
         )
-        upstream_body = {**body, "model": model_used, "return_token_ids": True}
-        if route is wire.CHAT:
-            upstream_body["logprobs"] = True
-        elif not call.wants_logprobs:
-            upstream_body["logprobs"] = 0  # completions: 0 = the sampled token's logprob only
+        upstream_body = _upstream_body(call, model_used)
 
         sent = time.perf_counter()
         try:
@@ -113,9 +106,9 @@ class Forwarder:
                 headers=call.headers(),
             )
         data = orjson.loads(payload)
-        collected = wire.collect(call.route, data)
+        collected = _collect(call.route, data)
         if not (call.wants_logprobs and call.wants_token_ids):
-            wire.strip(data, token_ids=call.wants_token_ids, logprobs=call.wants_logprobs)
+            _strip(call, data)
             payload = orjson.dumps(data)
         self._submit(call, transitions(call, collected, "ok"))
         return Response(payload, media_type="application/json", headers=call.headers())
@@ -174,23 +167,29 @@ class Forwarder:
         """Pass SSE events through as they come, collecting each choice's tokens on the way."""
         collected: dict[int, wire.Choice] = {}
         status, error = "aborted", None
+        detailed = call.wants_logprobs and call.wants_token_ids
         try:
-            async for data_bytes in sse_data(response):
-                if data_bytes == b"[DONE]":
+            async for name, data_bytes in sse_events(response):
+                if data_bytes == b"[DONE]":  # chat and completions
                     status = "ok" if error is None else "failed"
                     yield b"data: [DONE]\n\n"
                     continue
                 chunk = orjson.loads(data_bytes)
-                if "error" in chunk:
+                if call.route is wire.RESPONSES:
+                    ended = responses.read_event(chunk, collected.setdefault(0, wire.Choice()))
+                    if ended is not None:
+                        status = ended
+                        if ended == "failed":
+                            error = responses.error_of(chunk)
+                elif "error" in chunk:
                     error = chunk
                 else:
                     wire.collect_chunk(call.route, chunk, collected)
-                    if not (call.wants_logprobs and call.wants_token_ids):
-                        wire.strip(
-                            chunk, token_ids=call.wants_token_ids, logprobs=call.wants_logprobs
-                        )
-                        data_bytes = orjson.dumps(chunk)
-                yield b"data: " + data_bytes + b"\n\n"
+                if not detailed and error is None:
+                    _strip(call, chunk)
+                    data_bytes = orjson.dumps(chunk)
+                head = b"event: " + name + b"\ndata: " if name else b"data: "
+                yield head + data_bytes + b"\n\n"
         except UPSTREAM_ERRORS as e:
             status, error = "failed", {"error": {"message": f"upstream stream broke: {e}"}}
             log.warning("upstream stream broke: %s", e)
@@ -261,10 +260,11 @@ class RelayResponse(StreamingResponse):
             self._after()
 
 
-async def sse_data(response: UpstreamResponse) -> AsyncIterator[bytes]:
-    """The `data:` payloads of vLLM's SSE stream (events end with a blank line), however long
-    (vLLM's first chunk carries every prompt token id). Each byte is scanned once, however the
-    blocks arrive.
+async def sse_events(response: UpstreamResponse) -> AsyncIterator[tuple[bytes, bytes]]:
+    """(event name or b"", data) of each event of vLLM's SSE stream (events end with a blank line),
+    however long (vLLM's first chunk carries every prompt token id). Each byte is scanned once,
+    however the blocks arrive. Chat and completions send only `data:` lines; the Responses API
+    names each event (`event: response.output_text.delta`).
     """
     buffer = bytearray()
     async for block in response.iter_any():
@@ -273,6 +273,53 @@ async def sse_data(response: UpstreamResponse) -> AsyncIterator[bytes]:
         while (end := buffer.find(b"\n\n", start)) != -1:
             event, start = bytes(buffer[:end]), 0
             del buffer[: end + 2]
+            name = b""
             for line in event.split(b"\n"):
                 if line.startswith(b"data:"):
-                    yield line[5:].lstrip(b" ")
+                    yield name, line[5:].lstrip(b" ")
+                elif line.startswith(b"event:"):
+                    name = line[6:].strip()
+
+
+def _choices(route: wire.Route, body: dict[str, Any]) -> int:
+    """How many transitions a chat or completions call records (n x prompts)."""
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ApiError(400, "`n` must be a positive integer", param="n")
+    choices = n * wire.prompt_count(body) if route is wire.COMPLETIONS else n
+    if choices > MAX_CHOICES:
+        raise ApiError(400, f"n x prompts = {choices} exceeds {MAX_CHOICES}", param="n")
+    return int(choices)
+
+
+def _upstream_body(call: Call, model_used: str) -> dict[str, Any]:
+    """The request as vLLM gets it: the alias resolved, token ids and logprobs always asked for."""
+    if call.route is wire.RESPONSES:
+        return {**responses.upstream_body(call.body), "model": model_used}
+    upstream_body = {**call.body, "model": model_used, "return_token_ids": True}
+    if call.route is wire.CHAT:
+        upstream_body["logprobs"] = True
+    elif not call.wants_logprobs:
+        upstream_body["logprobs"] = 0  # completions: 0 = the sampled token's logprob only
+    return upstream_body
+
+
+def _collect(route: wire.Route, data: dict[str, Any]) -> dict[int, wire.Choice]:
+    if route is not wire.RESPONSES:
+        return wire.collect(route, data)
+    choice = wire.Choice()
+    responses.read(data, choice)
+    return {0: choice}
+
+
+def _strip(call: Call, data: dict[str, Any]) -> None:
+    """Remove what the proxy added to the request from a response or a stream event, in place."""
+    token_ids, logprobs = call.wants_token_ids, call.wants_logprobs
+    if call.route is not wire.RESPONSES:
+        wire.strip(data, token_ids=token_ids, logprobs=logprobs)
+    elif "object" in data:  # a response object, or else an event
+        responses.strip(data, token_ids=token_ids, logprobs=logprobs)
+    else:
+        responses.strip_event(data, token_ids=token_ids, logprobs=logprobs)

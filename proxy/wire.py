@@ -1,6 +1,6 @@
-"""The completion routes the proxy records, and vLLM's answers on them (0.32, see
+"""The completion routes the proxy records, and vLLM's answers on chat and completions (0.32, see
 tests/data/vllm_wire/): reading each choice's tokens out of a response or its stream chunks, and
-removing what the client did not ask for.
+removing what the client did not ask for. The Responses API's answers are read in responses.py.
 
 `ROUTES` is the one table of completion routes: the edge (which answers them entirely) and the
 forwarder read it.
@@ -34,7 +34,8 @@ class Route:
 
 CHAT = Route("chat", "/v1/chat/completions", "messages")
 COMPLETIONS = Route("completions", "/v1/completions", "prompt")
-ROUTES = (CHAT, COMPLETIONS)
+RESPONSES = Route("responses", "/v1/responses", "input")  # `instructions` is recorded with it
+ROUTES = (CHAT, COMPLETIONS, RESPONSES)
 
 
 @dataclass

@@ -32,6 +32,9 @@ REQUEST_OVERRIDES: dict[str, dict[str, Any]] = {
     "error_prompt_too_long": {"prompt": "What is 3 + 4? " * 120},
     "chat_tools_auto_parsed": CALL,
     "chat_stream_tools_auto_parsed": CALL,
+    "responses_stop": {"max_output_tokens": 64},  # the fake's texts are longer than "7"
+    "responses_tools_auto_parsed": {"input": "Please call a tool."},
+    "responses_stream_tools_auto_parsed": {"input": "Please call a tool."},
 }
 CASES = sorted(p.stem for p in WIRE.glob("*.json") if p.stem not in LORA_SEQUENCE)
 
@@ -60,11 +63,25 @@ def shape(value: Any, key: str = "") -> Any:
 
 
 def sse_events(raw: str) -> list[Any]:
-    """Check vLLM's framing (`data: {json}\\n\\n` ... `data: [DONE]\\n\\n`); return the chunks."""
-    assert raw.endswith("data: [DONE]\n\n")
-    events = raw.split("\n\n")[:-1]
+    """Check vLLM's framing and return the chunks: chat and completions send `data: {json}\\n\\n`
+    ... `data: [DONE]\\n\\n`; the Responses API `event: <type>\\ndata: {json}\\n\\n`, no [DONE]."""
+    events = raw.split("\n\n")
+    assert events.pop() == ""
+    if events[0].startswith("event: "):
+        chunks = []
+        for event in events:
+            name, data = event.split("\n")
+            chunks.append(json.loads(data.removeprefix("data: ")))
+            assert name == f"event: {chunks[-1]['type']}"
+        return chunks
+    assert events.pop() == "data: [DONE]"
     assert all(event.startswith("data: ") for event in events)
-    return [json.loads(event.removeprefix("data: ")) for event in events[:-1]]
+    return [json.loads(event.removeprefix("data: ")) for event in events]
+
+
+def dedupe(chunks: list[Any]) -> list[Any]:
+    """Consecutive events of one type as one (the number of deltas depends on the text)."""
+    return [c for i, c in enumerate(chunks) if i == 0 or c["type"] != chunks[i - 1]["type"]]
 
 
 def mask(message: str) -> str:
@@ -95,9 +112,18 @@ def assert_same_structure(real: dict[str, Any], response: httpx.Response) -> Non
         assert {json.dumps(shape(c)) for c in fake_chunks} == {
             json.dumps(shape(c)) for c in real_chunks
         }
-        real_deltas = {tuple(sorted(c.get("delta", ()))) for r in real_chunks for c in r["choices"]}
-        fake_deltas = {tuple(sorted(c.get("delta", ()))) for f in fake_chunks for c in f["choices"]}
-        assert fake_deltas <= real_deltas | {()}  # () is the end-of-sequence token's delta
+        if "choices" in real_chunks[0]:
+            real_deltas = {
+                tuple(sorted(c.get("delta", ()))) for r in real_chunks for c in r["choices"]
+            }
+            fake_deltas = {
+                tuple(sorted(c.get("delta", ()))) for f in fake_chunks for c in f["choices"]
+            }
+            assert fake_deltas <= real_deltas | {()}  # () is the end-of-sequence token's delta
+        else:  # the Responses API: the same event types in the same order
+            assert [c["type"] for c in dedupe(fake_chunks)] == [
+                c["type"] for c in dedupe(real_chunks)
+            ]
     elif "text" in real:
         assert response.text == real["text"]
     else:

