@@ -3,7 +3,7 @@ captured in tests/data/vllm_wire/responses_*, with the same deterministic comple
 
 Like the vLLM it imitates, it keeps no responses (`store` off): `previous_response_id` gets 404
 and `background` a 400. A tool call comes back under the same rule as chat: `tool_choice` names a
-function or is "required", or the input says "call a tool".
+function or is "required", or the input says "call a tool" and does not end with a tool's result.
 """
 
 import asyncio
@@ -41,8 +41,11 @@ def as_chat(body: Json) -> Json:
     choice = body.get("tool_choice", "auto")
     if isinstance(choice, dict):
         choice = {"type": "function", "function": {"name": choice.get("name")}}
-    return {"tools": tools, "tool_choice": choice,
-            "messages": [{"role": "user", "content": rendered(body)}]}  # fmt: skip
+    messages = [{"role": "user", "content": rendered(body)}]
+    items = body["input"]
+    if isinstance(items, list) and items and items[-1].get("type") == "function_call_output":
+        messages.append({"role": "tool", "content": items[-1].get("output")})
+    return {"tools": tools, "tool_choice": choice, "messages": messages}
 
 
 def validate(body: Json, served: list[str]) -> web.Response | None:
@@ -155,6 +158,11 @@ async def responses(state: fv.FakeState, body: Json, request: web.Request) -> An
     key = f"{model}|{prompt_ids}|0|{body.get('seed')}"
     max_tokens = body.get("max_output_tokens") or 16
     choice = fv.tool_choice_for(as_chat(body), key) or fv.sample(key, max_tokens)
+    if len(state.sampled) > 10_000:  # a benchmark's worth
+        state.sampled.clear()
+    state.sampled[(*prompt_ids, *(t.id for t in choice.tokens))] = [
+        t.logprob for t in choice.tokens
+    ]
     response_id, created = f"resp_{fv.new_id('x')[2:]}", int(time.time())
     item_id = ("fc_" if choice.tool_call else "msg_") + fv.new_id("x")[2:]
     output = output_items(choice, item_id, wants_logprobs(body))

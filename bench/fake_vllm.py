@@ -7,10 +7,10 @@ code tested against it works against vLLM. tests/test_fake_vllm.py keeps it hone
 Completions are deterministic: token ids and logprobs come from a pseudo-random stream seeded by
 the model name, the prompt, the choice index and `seed`. Tool calls come back when the request has
 `tools` and either `tool_choice` names a function or is "required", or the last user message says
-"call a tool" (`/v1/responses` lives in bench/fake_responses.py). Knobs: `latency_s` (before each
-answer), `token_delay_s` (between stream chunks), `always_detail` (token ids and logprobs whether
-asked or not: benchmarks), `fail_next(n, status, body)`, and `requests` (every JSON body
-received, for assertions).
+"call a tool" and no tool result follows it (`/v1/responses` lives in bench/fake_responses.py).
+Knobs: `latency_s` (before each answer), `token_delay_s` (between stream chunks), `always_detail`
+(token ids and logprobs whether asked or not: benchmarks), `fail_next(n, status, body)`, and
+`requests` (every JSON body received, for assertions).
 
     with FakeVLLM() as fake:            # background thread, free port
         httpx.post(fake.url + "/v1/chat/completions", json={...})
@@ -110,7 +110,9 @@ def tool_choice_for(body: Json, key: str) -> Choice | None:
         return None
     named = isinstance(tool_choice, dict)
     users = [m for m in body["messages"] if m.get("role") == "user"]
-    wants = named or tool_choice == "required" or "call a tool" in str(users[-1:]).lower()
+    answered = body["messages"][-1].get("role") == "tool"  # a tool's result came back: answer it
+    asked = "call a tool" in str(users[-1:]).lower() and not answered
+    wants = named or tool_choice == "required" or asked
     if not wants:
         return None
     name = tool_choice["function"]["name"] if named else tools[0]["function"]["name"]
@@ -244,6 +246,9 @@ class FakeState:
     # Benchmarks: send token ids and sampled-token logprobs whether asked or not, so that the
     # fake does the same work for a direct caller as for the proxy (which always asks for them).
     always_detail: bool = False
+    # What /v1/responses sampled (prompt + completion ids -> completion logprobs), so that
+    # `prompt_logprobs` scores those tokens as sampled, as a real model does (proxy/scoring.py).
+    sampled: dict[tuple[int, ...], list[float]] = field(default_factory=dict)
 
     def fail_next(self, n: int = 1, status: int = 500, body: Json | None = None) -> None:
         """Answer the next n requests (of any kind) with this status and error body."""
@@ -600,17 +605,33 @@ async def completions(state: FakeState, body: Json, request: web.Request) -> Any
             chunks.append({**head, "choices": [], "usage": usage(n_prompt, n_completion,
                            details=False), "system_fingerprint": FINGERPRINT})  # fmt: skip
         return await send_sse(state, request, chunks)
+    scores = body.get("prompt_logprobs") is not None
     out = [
         {"index": i, "text": "".join(t.text for t in c.tokens),
          "logprobs": completion_logprobs(c.tokens, top) if top is not None else None,
          "finish_reason": c.finish_reason, "stop_reason": None,
-         "token_ids": [t.id for t in c.tokens] if want_ids else None, "prompt_logprobs": None,
+         "token_ids": [t.id for t in c.tokens] if want_ids else None,
+         "prompt_logprobs": prompt_logprobs(state, prompts[i // n]) if scores else None,
          "prompt_token_ids": prompts[i // n] if want_ids else None, "routed_experts": None}
         for i, c in enumerate(choices)
     ]  # fmt: skip
     response = {**head, "choices": out, "service_tier": None, "system_fingerprint": FINGERPRINT,
                 "usage": usage(n_prompt, n_completion, details=True), **RESPONSE_TAIL}  # fmt: skip
     return web.json_response(response, dumps=compact)
+
+
+def prompt_logprobs(state: FakeState, prompt: list[int]) -> list[Json | None]:
+    """vLLM's `prompt_logprobs: 0`: None for the first position, then {id: {logprob, rank,
+    decoded_token}} of each prompt token; the logprobs of what /v1/responses sampled if this
+    prompt is one of its prompts and completions."""
+    known = state.sampled.get(tuple(prompt), [])
+    rng = random.Random(str(prompt))
+    values = [-round(rng.uniform(0.05, 7.0), 6) for _ in prompt[1:]]
+    values[len(values) - len(known) :] = known
+    return [None] + [
+        {str(t): {"logprob": v, "rank": 1 + t % 600, "decoded_token": token_text(t)}}
+        for t, v in zip(prompt[1:], values, strict=True)
+    ]
 
 
 if __name__ == "__main__":

@@ -49,6 +49,10 @@ def vllm_command(
         # Behaviour-policy logprobs for the trainer must be those of the distribution actually
         # sampled from (after temperature/top-p), not vLLM's default raw logits.
         "--logprobs-mode", "processed_logprobs",
+        # Sampling is what each request says, and that is what the proxy records (params): a
+        # model's generation_config.json defaults (Qwen's temperature 0.7, top_p 0.8) would make
+        # calls that set nothing sample differently from what the trainer assumes.
+        "--generation-config", "vllm",
         # Tool calls come back parsed (`message.tool_calls`) for Qwen2-style <tool_call> output.
         "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
     ]  # fmt: skip

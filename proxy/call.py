@@ -34,6 +34,7 @@ class Call:
     upstream_s: float = 0.0
     recorded: bool = False
     replica: Replica | None = None  # holds an outstanding slot there while set
+    served_by: str | None = None  # the base URL of the replica that answered
     scrub: bool = False  # the request holds a U+0000: make the records storable
 
     @property

@@ -26,6 +26,7 @@ from proxy.errors import ApiError, error_response
 from proxy.http1 import Response as UpstreamResponse
 from proxy.http1 import UpstreamBroken
 from proxy.recorder import Recorder
+from proxy.scoring import Scorer, needs_scoring
 from proxy.tags import Tags
 from proxy.upstream import Replica, Upstream
 
@@ -40,10 +41,13 @@ _PROXY_OVERHEAD = {r.name: metrics.proxy_overhead.labels(r.name) for r in wire.R
 
 
 class Forwarder:
-    def __init__(self, upstream: Upstream, alias: PolicyAlias, recorder: Recorder) -> None:
+    def __init__(
+        self, upstream: Upstream, alias: PolicyAlias, recorder: Recorder, scorer: Scorer
+    ) -> None:
         self._upstream = upstream
         self._alias = alias
         self._recorder = recorder
+        self._scorer = scorer
 
     async def handle(
         self, route: wire.Route, body: dict[str, Any], tags: Tags, *, scrub: bool = False
@@ -132,6 +136,7 @@ class Forwarder:
                 response = await self._post(call, replica, body)
                 if read:
                     await response.read()  # kept for the caller
+                call.served_by = replica.base_url
                 return response
             except UpstreamBroken as e:
                 self._free(call)
@@ -232,7 +237,10 @@ class Forwarder:
         call.recorded = True
         if call.scrub or any(wire.has_nul(r) for r in records):
             records = [wire.pg_safe_record(r) for r in records]
-        self._recorder.submit(records)
+        if call.route is wire.RESPONSES and call.served_by and needs_scoring(records[0]):
+            self._scorer.submit(call.served_by, records[0])  # it hands the record on
+        else:
+            self._recorder.submit(records)
         elapsed = time.perf_counter() - call.started
         _UPSTREAM_LATENCY[call.route.name].observe(call.upstream_s)
         _PROXY_OVERHEAD[call.route.name].observe(max(0.0, elapsed - call.upstream_s))

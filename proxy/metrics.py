@@ -53,3 +53,8 @@ upstream_retries = Counter(
     "flywheel_upstream_retries_total",
     "Calls sent again to another replica because the first could not be reached.",
 )
+logprobs_scored = Counter(
+    "flywheel_logprobs_scored_total",
+    "Transitions whose missing logprobs the proxy asked vLLM for (proxy/scoring.py).",
+    ["outcome"],
+)

@@ -3,8 +3,9 @@ typed object: `ServicesDep` for FastAPI routes, `services_of(app)` for the edge'
 
 Start-up: find the database (configured or embedded), migrate it, start the background writer
 (replaying any journal left from before), the upstream client, the alias and the replica probes.
-Shutdown, in reverse: probes and alias stop, then every recorded transition is flushed (to
-Postgres, or to the journal if Postgres can't take them), then connections close.
+Shutdown, in reverse: probes stop, records still being scored (proxy/scoring.py) are handed to
+the writer, the alias stops, then every recorded transition is flushed (to Postgres, or to the
+journal if Postgres can't take them), then connections close.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from proxy.forward import Forwarder
 from proxy.journal import Journal
 from proxy.recorder import Recorder
 from proxy.replicas import ReplicaKeeper
+from proxy.scoring import Scorer
 from proxy.upstream import Upstream
 
 
@@ -65,12 +67,15 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
     await alias.start()
     keeper = ReplicaKeeper(upstream, alias, probe_s=settings.replica_probe_s)
     await keeper.start()
+    scorer = Scorer(upstream, recorder)
     try:
         yield Services(
-            settings, sessionmaker, recorder, upstream, alias, Forwarder(upstream, alias, recorder)
-        )
+            settings, sessionmaker, recorder, upstream, alias,
+            Forwarder(upstream, alias, recorder, scorer),
+        )  # fmt: skip
     finally:
         await keeper.stop()
+        await scorer.stop()  # hands its last records to the writer
         await alias.stop()
         await recorder.stop()
         await upstream.close()

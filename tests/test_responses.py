@@ -125,7 +125,9 @@ def test_stream_passes_events_through_and_records_at_the_end(
 
 
 @pytest.mark.parametrize("stream", [False, True])
-def test_function_call_is_recorded_as_a_tool_call(proxy: RunningProxy, stream: bool) -> None:
+def test_function_call_is_recorded_as_a_tool_call_with_scored_logprobs(
+    proxy: RunningProxy, fake_vllm: FakeVLLM, stream: bool
+) -> None:
     body = {**RESPONSE, "input": "Please call a tool.", "tools": TOOLS, "stream": stream}
     r = proxy.client(**{"X-Episode-Id": f"tool-{stream}"}).post("/v1/responses", json=body)
     assert r.status_code == 200
@@ -135,9 +137,23 @@ def test_function_call_is_recorded_as_a_tool_call(proxy: RunningProxy, stream: b
     assert json.loads(call["function"]["arguments"]) == {"expression": "Paris"}
     assert call["id"].startswith("chatcmpl-tool-")
     assert t["finish_reason"] == "tool_calls"
-    assert t["completion_token_ids"]
-    # vLLM returns no logprobs for an output that is only a function call.
-    assert t["logprobs"] == []
+    # vLLM returns no logprobs for an output that is only a function call: the proxy asked the
+    # same replica for them (prompt_logprobs), and got what was sampled.
+    scoring = fake_vllm.requests[-1]
+    assert scoring["path"] == "/v1/completions"
+    assert scoring["body"]["prompt"] == t["prompt_token_ids"] + t["completion_token_ids"]
+    sampled = fake_vllm.state.sampled[tuple(scoring["body"]["prompt"])]
+    assert t["logprobs"] == pytest.approx(sampled, rel=1e-6)
+
+
+def test_calls_not_sampled_from_the_raw_distribution_are_not_scored(
+    proxy: RunningProxy, fake_vllm: FakeVLLM
+) -> None:
+    body = {**RESPONSE, "input": "Please call a tool.", "tools": TOOLS, "temperature": 0.5}
+    proxy.client(**{"X-Episode-Id": "hot"}).post("/v1/responses", json=body)
+    [t] = episode(proxy, "hot")
+    assert t["completion_token_ids"] and t["logprobs"] == []  # the trainer skips it
+    assert [r["path"] for r in fake_vllm.requests] == ["/v1/responses"]
 
 
 def test_a_tool_round_trip_records_each_turn_with_its_items(proxy: RunningProxy) -> None:

@@ -152,6 +152,10 @@ def main(base_url: str, model_dir: str) -> None:
          completion(stream=True, **USAGE, return_token_ids=True, logprobs=1))  # fmt: skip
     save(client, "completions_token_prompt", COMPLETIONS,
          completion(prompt=[263, 260, 223, 21], return_token_ids=True))  # fmt: skip
+    # proxy/scoring.py: the logprob of each given token (the first position has none)
+    save(client, "completions_prompt_logprobs", COMPLETIONS,
+         completion(prompt=[263, 260, 223, 21], max_tokens=1, prompt_logprobs=0,
+                    temperature=1.0))  # fmt: skip
 
     save(client, "responses_plain", RESPONSES, response())
     save(client, "responses_ids_logprobs", RESPONSES, response(**RAW))
