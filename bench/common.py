@@ -70,10 +70,14 @@ def quantile(values: list[float], q: float) -> float:
 
 
 def first_content(data: bytes) -> bool:
-    """Whether an SSE data payload carries generated text (chat delta or completions text)."""
+    """Whether an SSE data payload carries generated text (chat delta, completions text, or a
+    Responses output_text.delta event)."""
     if data == b"[DONE]":
         return False
-    for choice in orjson.loads(data).get("choices") or ():
+    event = orjson.loads(data)
+    if event.get("type") == "response.output_text.delta":
+        return bool(event.get("delta"))
+    for choice in event.get("choices") or ():
         if (choice.get("delta") or {}).get("content") or choice.get("text"):
             return True
     return False
@@ -98,12 +102,13 @@ async def _one(
             while (end := buffer.find(b"\n\n")) != -1:
                 event = bytes(buffer[:end])
                 del buffer[: end + 2]
-                if not event.startswith(b"data:"):
+                if (data := event.find(b"data:")) == -1:  # after an `event:` line (Responses)
                     continue
-                last = event[5:].strip()
+                last = event[data + 5 :].strip()
                 if ttft is None and first_content(last):
                     ttft = time.perf_counter() - started
-        if last != b"[DONE]" or ttft is None:
+        finished = last == b"[DONE]" or b'"type":"response.completed"' in last
+        if not finished or ttft is None:
             return None
         return time.perf_counter() - started, ttft
 
@@ -159,6 +164,12 @@ def load(
 def chat_body(messages: list[dict[str, str]], *, stream: bool, max_tokens: int = 16) -> bytes:
     return orjson.dumps(
         {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": stream}
+    )
+
+
+def responses_body(text: str, *, stream: bool, max_tokens: int = 16) -> bytes:
+    return orjson.dumps(
+        {"model": MODEL, "input": text, "max_output_tokens": max_tokens, "stream": stream}
     )
 
 

@@ -150,9 +150,17 @@ def wants_logprobs(body: Json) -> bool:
     return LOGPROBS in (body.get("include") or ())
 
 
+def with_detail(body: Json) -> Json:
+    """The fake's `always_detail` (benchmarks): ids and logprobs whether asked or not."""
+    include = [*(body.get("include") or ()), LOGPROBS]
+    return {**body, "enable_response_messages": True, "include": include}
+
+
 async def responses(state: fv.FakeState, body: Json, request: web.Request) -> Any:
     if (invalid := validate(body, fv.served_names(state))) is not None:
         return invalid
+    if state.always_detail:
+        body = with_detail(body)
     model = body.get("model") or state.model
     prompt_ids = fv.tokenize(rendered(body))
     key = f"{model}|{prompt_ids}|0|{body.get('seed')}"

@@ -9,7 +9,10 @@ streaming calls, the targets run interleaved (direct, flywheel, litellm, then th
 drift hits all alike. Everything shares the machine's cores: saturated latency is mostly queueing.
 
     PYTHONPATH=. .venv/bin/python -m bench.proxy_overhead [--concurrency 1,16,64,256]
-        [--seconds 5] [--rounds 2] [--no-litellm] [--note "shared machine"]
+        [--seconds 5] [--rounds 2] [--no-litellm] [--route chat|responses] [--note "..."]
+
+`--route responses` measures `POST /v1/responses` the same way (direct and Flywheel only: the
+LiteLLM baseline is measured on chat).
 
 Prints the tables and the goals of issue 5, appends a dated section (with this command) to
 bench/proxy_overhead.md and writes docs/img/proxy_overhead_{latency,throughput}.png.
@@ -28,6 +31,7 @@ RESULTS = Path(__file__).with_suffix(".md")  # this script's own report
 IMG_DIR = common.ROOT / "docs" / "img"
 MODES = ("non-streaming", "streaming")
 PROMPT = [{"role": "user", "content": "What is 3 + 4?"}]
+PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses"}
 # Issue 5's goals for Flywheel's proxy.
 GOAL_ADDED_P50_MS, GOAL_ADDED_P99_MS = 1.0, 2.0  # one client at a time
 GOAL_DIRECT_RATIO, GOAL_LITELLM_RATIO = 0.5, 20.0  # throughput at 64 clients
@@ -61,14 +65,22 @@ class Cell:
         return self.cpu_s / max(1, len(self.latencies)) * 1e3
 
 
+def body_for(route: str, mode: str) -> bytes:
+    stream = mode == "streaming"
+    if route == "responses":
+        return common.responses_body(PROMPT[0]["content"], stream=stream)
+    return common.chat_body(PROMPT, stream=stream)
+
+
 def measure(
     urls: dict[str, str],
     meters: dict[str, common.ProcessMeter],
     concurrencies: list[int],
     seconds: float,
     rounds: int,
+    route: str = "chat",
 ) -> list[Cell]:
-    bodies = {mode: common.chat_body(PROMPT, stream=mode == "streaming") for mode in MODES}
+    bodies = {mode: body_for(route, mode) for mode in MODES}
     cells: list[Cell] = []
     for clients in concurrencies:
         for mode in MODES:
@@ -109,12 +121,12 @@ def constant(body: bytes) -> common.BodyFactory:
     return lambda client, number: body
 
 
-def warm_up(urls: dict[str, str]) -> dict[str, int]:
+def warm_up(urls: dict[str, str], route: str = "chat") -> dict[str, int]:
     """A short, uncounted load per target and mode (LiteLLM's first calls are slow): calls made."""
     calls = dict.fromkeys(urls, 0)
     for target, url in urls.items():
         for mode in MODES:
-            body = constant(common.chat_body(PROMPT, stream=mode == "streaming"))
+            body = constant(body_for(route, mode))
             run = common.load(url, body, 4, 0.5, stream=mode == "streaming")
             calls[target] += len(run.latencies) + run.failed
     return calls
@@ -191,7 +203,8 @@ def goals(cells: list[Cell]) -> list[str]:
     return out
 
 
-def plot(cells: list[Cell], img_dir: Path) -> list[Path]:
+def plot(cells: list[Cell], img_dir: Path, route: str = "chat") -> list[Path]:
+    suffix = "" if route == "chat" else f"_{route}"  # chat keeps the names the docs link
     clients = sorted({c.clients for c in cells})
     targets = list(dict.fromkeys(c.target for c in cells))
     by_key = {(c.mode, c.clients, c.target): c for c in cells}
@@ -220,13 +233,13 @@ def plot(cells: list[Cell], img_dir: Path) -> list[Path]:
     }
     return [
         plots.lines(
-            img_dir / "proxy_overhead_latency.png", clients, latency_panels,
+            img_dir / f"proxy_overhead_latency{suffix}.png", clients, latency_panels,
             xlabel="concurrent clients", ylabel="ms added vs direct (log)",
-            title="Latency added by the proxy (fake vLLM upstream)", log_y=True,
+            title=f"Latency added by the proxy, {PATHS[route]} (fake vLLM upstream)", log_y=True,
             hlines={"goal p50, 1 client": GOAL_ADDED_P50_MS, "goal p99": GOAL_ADDED_P99_MS},
         ),
         plots.lines(
-            img_dir / "proxy_overhead_throughput.png", clients, throughput_panels,
+            img_dir / f"proxy_overhead_throughput{suffix}.png", clients, throughput_panels,
             xlabel="concurrent clients", ylabel="requests/s (log)",
             title="Throughput per target (same run, interleaved)", log_y=True,
         ),
@@ -240,6 +253,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds per cell")
     common.add_fake_arguments(parser)
     parser.add_argument("--no-litellm", action="store_true", help="skip LiteLLM's proxy")
+    parser.add_argument("--route", choices=sorted(PATHS), default="chat", help="what to call")
     parser.add_argument("--database-url", help="default: an embedded Postgres (.flywheel/bench)")
     parser.add_argument("--results", type=Path, default=RESULTS, help="report to append to")
     parser.add_argument("--img-dir", type=Path, default=IMG_DIR, help="where the PNGs go")
@@ -257,14 +271,14 @@ def main() -> None:
             servers.append(flywheel)
             urls = {"direct": fake.url, "flywheel": flywheel.url}
             meters["flywheel"] = common.ProcessMeter(flywheel.process.pid)
-            if not args.no_litellm:
+            if not args.no_litellm and args.route == "chat":
                 litellm = common.start_litellm(fake.url)
                 servers.append(litellm)
                 urls["litellm"] = litellm.url
                 meters["litellm"] = common.ProcessMeter(litellm.process.pid)
-            urls = {t: u + "/v1/chat/completions" for t, u in urls.items()}
-            warm = warm_up(urls)["flywheel"]
-            cells = measure(urls, meters, concurrencies, args.seconds, args.rounds)
+            urls = {t: u + PATHS[args.route] for t, u in urls.items()}
+            warm = warm_up(urls, args.route)["flywheel"]
+            cells = measure(urls, meters, concurrencies, args.seconds, args.rounds, args.route)
             calls = warm + sum(len(c.latencies) + c.failed for c in cells if c.target == "flywheel")
             recorded, _ = common.wait_recorded(db_url, calls, timeout=30)
         finally:
@@ -279,10 +293,14 @@ def main() -> None:
         f"transitions recorded by the proxy: {recorded} of {calls} calls (warm-up included)"
     )
     print(body, "", *goal_lines, recorded_line, sep="\n")
-    pngs = plot(cells, args.img_dir)
+    pngs = plot(cells, args.img_dir, args.route)
     bullets = [f"- {line}" for line in [*goal_lines, recorded_line]]
     common.append_report(
-        args.results, "Proxy overhead", "bench.proxy_overhead", args, [body + "\n", *bullets]
+        args.results,
+        f"Proxy overhead, {PATHS[args.route]}",
+        "bench.proxy_overhead",
+        args,
+        [body + "\n", *bullets],
     )
     print("wrote", args.results, *pngs, file=sys.stderr)
 

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from bench.common import summarise_profile
 
 
@@ -53,12 +55,13 @@ def _number(cell: str) -> float:
     return float("nan") if cell == "-" else float(cell.replace(",", ""))
 
 
-def test_proxy_overhead_smoke(postgres_url: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("route", ["chat", "responses"])
+def test_proxy_overhead_smoke(postgres_url: str, tmp_path: Path, route: str) -> None:
     report = tmp_path / "overhead.md"
     run = _bench(
         "bench.proxy_overhead", "--concurrency", "1,2", "--seconds", "0.3", "--rounds", "1",
         "--no-litellm", "--database-url", postgres_url, "--results", str(report),
-        "--img-dir", str(tmp_path),
+        "--img-dir", str(tmp_path), "--route", route,
     )  # fmt: skip
     both = _table(report, ("non-streaming", "streaming"))
     rows, ratios = [r for r in both if len(r) == 15], [r for r in both if len(r) == 4]
@@ -82,7 +85,8 @@ def test_proxy_overhead_smoke(postgres_url: str, tmp_path: Path) -> None:
     assert "`PYTHONPATH=. .venv/bin/python -m bench.proxy_overhead --concurrency 1,2" in (
         report.read_text()
     )
-    for name in ("proxy_overhead_latency.png", "proxy_overhead_throughput.png"):
+    suffix = "" if route == "chat" else "_" + route
+    for name in (f"proxy_overhead_latency{suffix}.png", f"proxy_overhead_throughput{suffix}.png"):
         assert (tmp_path / name).read_bytes().startswith(b"\x89PNG")
 
 
