@@ -26,17 +26,7 @@ from openai import AsyncOpenAI, OpenAI
 from bench.fake_vllm import FakeVLLM
 from tests.conftest import RunningProxy
 from tests.test_clients import assert_complete, recorded, tag_headers
-
-CALCULATOR = {
-    "type": "function",
-    "name": "calculator",
-    "description": "Evaluate an arithmetic expression.",
-    "parameters": {
-        "type": "object",
-        "properties": {"expression": {"type": "string"}},
-        "required": ["expression"],
-    },
-}
+from tests.test_responses import CALCULATOR
 
 
 def test_openai_responses_create_with_raw_response_headers(proxy: RunningProxy) -> None:

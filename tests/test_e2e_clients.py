@@ -14,20 +14,10 @@ from langchain_openai import ChatOpenAI
 from openai import AsyncOpenAI, OpenAI
 
 from tests.conftest import RunningProxy
+from tests.test_responses import CALCULATOR, RAW
 
 pytestmark = pytest.mark.e2e
 
-RAW = {"enable_response_messages": True, "include": ["message.output_text.logprobs"]}
-CALCULATOR = {
-    "type": "function",
-    "name": "calculator",
-    "description": "Evaluate an arithmetic expression.",
-    "parameters": {
-        "type": "object",
-        "properties": {"expression": {"type": "string"}},
-        "required": ["expression"],
-    },
-}
 # The random model never calls a tool by itself: a regex makes it write one, which vLLM's hermes
 # parser turns into a function_call item (as tests/data/vllm_wire/responses_tools_auto_parsed).
 CALL = '\\{"name": "calculator", "arguments": \\{"expression": "3 \\+ 4"\\}\\}'

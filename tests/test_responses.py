@@ -14,18 +14,17 @@ from bench.fake_vllm import FakeVLLM
 from tests.conftest import RunningProxy
 
 RESPONSE = {"model": "demo", "input": "What is 3 + 4?", "max_output_tokens": 5, "seed": 3}
-TOOLS = [
-    {
-        "type": "function",
-        "name": "calculator",
-        "description": "Evaluate an arithmetic expression.",
-        "parameters": {
-            "type": "object",
-            "properties": {"expression": {"type": "string"}},
-            "required": ["expression"],
-        },
-    }
-]
+CALCULATOR = {  # a Responses function tool (flat, not nested under "function" as in chat)
+    "type": "function",
+    "name": "calculator",
+    "description": "Evaluate an arithmetic expression.",
+    "parameters": {
+        "type": "object",
+        "properties": {"expression": {"type": "string"}},
+        "required": ["expression"],
+    },
+}
+TOOLS = [CALCULATOR]
 RAW = {"enable_response_messages": True, "include": ["message.output_text.logprobs"]}
 # What differs between two answers to the same request: generated ids and timestamps.
 VOLATILE = re.compile(r'"(id|call_id|item_id|created_at)":"?[\w-]+"?')
