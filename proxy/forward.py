@@ -1,9 +1,11 @@
 """Forwarding one completion call to vLLM and recording what came back.
 
 The request goes upstream as the client wrote it, except: the model alias is resolved, and vLLM
-is always asked for `return_token_ids` and sampled-token `logprobs`. On the way back those are
-removed again where the client did not ask for them, so the client sees what vLLM would have sent
-it. Each choice becomes one transition, handed to the background writer (never awaited here).
+is always asked for token ids and sampled-token logprobs (`return_token_ids` and `logprobs` on
+chat and completions; `enable_response_messages` and output logprobs on the Responses API, see
+responses.py). On the way back those are removed again where the client did not ask for them, so
+the client sees what vLLM would have sent it. Each choice becomes one transition, handed to the
+background writer (never awaited here), or first to the scorer when vLLM left its logprobs out.
 """
 
 from __future__ import annotations
