@@ -64,6 +64,7 @@ class TransitionRecord:
     logprobs: list[float] | None = _column("bytea", encode=_pack_logprobs, default=None)
     text: str | None = _column("text", default=None)
     tool_calls: list[Any] | None = _column("jsonb", default=None)
+    tool_errors: list[Any] | None = _column("jsonb", default=None)  # proxy/air.py, when on
     finish_reason: str | None = _column("text", default=None)
     error: dict[str, Any] | None = _column("jsonb", default=None)
     latency_ms: float = _column("float8")

@@ -92,7 +92,7 @@ class Transition(Base):
     task_id: Mapped[str | None] = mapped_column(Text)
     agent_name: Mapped[str | None] = mapped_column(Text)
     requested_at: Mapped[datetime]
-    route: Mapped[str] = mapped_column(Text)  # "chat" | "completions"
+    route: Mapped[str] = mapped_column(Text)  # "chat" | "completions" | "responses"
     status: Mapped[str] = mapped_column(Text)  # "ok" | "aborted" | "failed"
     http_status: Mapped[int] = mapped_column(SmallInteger)
     model_requested: Mapped[str | None] = mapped_column(Text)
@@ -105,6 +105,8 @@ class Transition(Base):
     logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
     text: Mapped[str | None] = mapped_column(Text)
     tool_calls: Mapped[list[Any] | None] = mapped_column(JSONB)
+    # What AIR found wrong with the tool calls (proxy/air.py); NULL: nothing, or AIR off.
+    tool_errors: Mapped[list[Any] | None] = mapped_column(JSONB)
     finish_reason: Mapped[str | None] = mapped_column(Text)
     error: Mapped[dict[str, Any] | None]
     latency_ms: Mapped[float] = mapped_column(Double)
@@ -143,6 +145,9 @@ class Reward(Base):
     episode_id: Mapped[str] = mapped_column(ForeignKey("episode.id"), index=True)
     transition_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("transition.id"), index=True)
     value: Mapped[float] = mapped_column(Double)
+    # Who gave it: NULL (the application, unsaid), "air" (the proxy's own, proxy/air.py), or
+    # what the client posted (e.g. "tool" for a tool run it saw fail).
+    source: Mapped[str | None] = mapped_column(Text)
     idempotency_key: Mapped[str | None] = mapped_column(Text, unique=True)
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
 

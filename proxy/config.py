@@ -50,6 +50,18 @@ class ProxySettings(DatabaseSettings):
         le=1,
         description="Discount for credit assignment; unset = identical assignment (paper default).",
     )
+    air_penalty: float | None = Field(
+        None,
+        ge=0,
+        description="Automatic intermediate rewards (proxy/air.py): a transition whose tool call "
+        "names an undeclared tool, has non-JSON arguments or breaks the tool's schema gets an "
+        "intermediate reward of minus this. Unset: AIR off (0: check and record, no penalty).",
+    )
+    air_tool_call_marker: str = Field(
+        "<tool_call>",
+        description="Text that starts a tool call in the served model's output (Hermes/Qwen: "
+        "<tool_call>); seen with no call parsed, AIR counts an unparsed call. Empty: not checked.",
+    )
     writer_batch_size: int = Field(500, ge=1, description="Most transitions per database write.")
     journal_retry_s: float = Field(
         1.0, gt=0, description="While Postgres is unreachable, how often a journal replay is tried."

@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from core.record import TransitionRecord
 from proxy import metrics, responses, wire
+from proxy.air import ToolCheck
 from proxy.alias import PolicyAlias
 from proxy.call import Call, failure, random_uuids, transitions
 from proxy.errors import ApiError, error_response
@@ -44,12 +45,18 @@ _PROXY_OVERHEAD = {r.name: metrics.proxy_overhead.labels(r.name) for r in wire.R
 
 class Forwarder:
     def __init__(
-        self, upstream: Upstream, alias: PolicyAlias, recorder: Recorder, scorer: Scorer
+        self,
+        upstream: Upstream,
+        alias: PolicyAlias,
+        recorder: Recorder,
+        scorer: Scorer,
+        tool_check: ToolCheck | None = None,
     ) -> None:
         self._upstream = upstream
         self._alias = alias
         self._recorder = recorder
         self._scorer = scorer
+        self._tool_check = tool_check  # AIR (proxy/air.py); None: off
 
     async def handle(
         self, route: wire.Route, body: dict[str, Any], tags: Tags, *, scrub: bool = False
@@ -239,6 +246,14 @@ class Forwarder:
         call.recorded = True
         if call.scrub or any(wire.has_nul(r) for r in records):
             records = [wire.pg_safe_record(r) for r in records]
+        if self._tool_check is not None and "tools" in call.body:
+            for r in records:
+                if r.status == "ok":
+                    errors = self._tool_check.errors(call.body["tools"], r)
+                    for error in errors or ():
+                        metrics.tool_call_errors.labels(error["kind"]).inc()
+                    # (a schema holding a U+0000 may be quoted in a detail)
+                    r.tool_errors = wire.pg_safe(errors) if call.scrub else errors
         if call.route is wire.RESPONSES and call.served_by and needs_scoring(records[0]):
             self._scorer.submit(call.served_by, records[0])  # it hands the record on
         else:

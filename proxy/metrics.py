@@ -58,3 +58,8 @@ logprobs_scored = Counter(
     "Transitions whose missing logprobs the proxy asked vLLM for (proxy/scoring.py).",
     ["outcome"],
 )
+tool_call_errors = Counter(
+    "flywheel_tool_call_errors_total",
+    "Tool calls AIR found wrong (proxy/air.py), by kind; counted only while AIR is on.",
+    ["kind"],
+)

@@ -53,6 +53,7 @@ class Recorder:
         queue_max: int,
         retry_s: float,
         gamma: float | None,
+        air_penalty: float | None = None,
     ) -> None:
         self._sessionmaker = sessionmaker
         self.journal = journal
@@ -60,6 +61,7 @@ class Recorder:
         self._queue_max = queue_max
         self._retry_s = retry_s
         self._gamma = gamma
+        self._air_penalty = air_penalty
         self._queue: deque[TransitionRecord] = deque()
         self._inflight: dict[int, list[TransitionRecord]] = {}  # writer -> its batch
         self._replaying = False
@@ -184,6 +186,7 @@ class Recorder:
                     records,
                     session=session,
                     gamma=self._gamma,
+                    air_penalty=self._air_penalty,
                     stored_messages=self._stored_messages,
                 )
         except OUTAGE_ERRORS:

@@ -20,6 +20,7 @@ from fastapi import Depends, FastAPI, Request
 
 from core import database
 from core.database import AsyncSessions
+from proxy.air import ToolCheck
 from proxy.alias import PolicyAlias
 from proxy.config import ProxySettings
 from proxy.forward import Forwarder
@@ -54,6 +55,7 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
         queue_max=settings.writer_queue_max,
         retry_s=settings.journal_retry_s,
         gamma=settings.credit_gamma,
+        air_penalty=settings.air_penalty,
     )
     recorder.start()
     alias = PolicyAlias(
@@ -68,10 +70,11 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
     keeper = ReplicaKeeper(upstream, alias, probe_s=settings.replica_probe_s)
     await keeper.start()
     scorer = Scorer(upstream, recorder)
+    check = None if settings.air_penalty is None else ToolCheck(settings.air_tool_call_marker)
     try:
         yield Services(
             settings, sessionmaker, recorder, upstream, alias,
-            Forwarder(upstream, alias, recorder, scorer),
+            Forwarder(upstream, alias, recorder, scorer, check),
         )  # fmt: skip
     finally:
         await keeper.stop()

@@ -51,9 +51,11 @@ async def insert_transitions(
     *,
     session: AsyncSession,
     gamma: float | None,
+    air_penalty: float | None = None,
     stored_messages: Container[bytes] = frozenset(),
 ) -> list[bytes]:
-    """Write recorded transitions (idempotent by id: journal replays may repeat some).
+    """Write recorded transitions (idempotent by id: journal replays may repeat some), with an
+    `air` reward of -air_penalty for each one whose tool calls AIR found wrong (proxy/air.py).
 
     Messages whose digest is in `stored_messages` (known to be committed already) are not sent
     again. Returns the digests of the messages it sent: stored once the caller commits.
@@ -88,8 +90,31 @@ async def insert_transitions(
         # In digest order: two writers inserting the same new messages never deadlock.
         await copy_insert(session, "message", MESSAGE_COLUMNS, sorted(messages.items()))
     await copy_insert(session, "transition", TRANSITION_COLUMNS, rows)
+    if air_penalty is not None:
+        await add_air_rewards([r for r in records if r.tool_errors], -air_penalty, session=session)
     await credit_episodes(sorted(episodes), session=session, gamma=gamma)
     return list(messages)
+
+
+async def add_air_rewards(
+    records: list[TransitionRecord], value: float, *, session: AsyncSession
+) -> None:
+    """One `air` reward per record, keyed by its transition (a replayed record adds none)."""
+    if not records:
+        return
+    await session.execute(
+        text(
+            "INSERT INTO reward (episode_id, transition_id, value, source, idempotency_key) "
+            "SELECT e, t, :value, 'air', 'air:' || t "
+            "FROM unnest(CAST(:episodes AS text[]), CAST(:transitions AS uuid[])) AS u(e, t) "
+            "ON CONFLICT (idempotency_key) DO NOTHING"
+        ),
+        {
+            "value": value,
+            "episodes": [r.episode_id for r in records],
+            "transitions": [r.id for r in records],
+        },
+    )
 
 
 # --- credit ----------------------------------------------------------------------------------
@@ -152,6 +177,10 @@ class UnknownTransition(Exception):
     pass
 
 
+class AmbiguousToolCall(Exception):
+    """A tool call id that several transitions of one episode share (n > 1 with fixed ids)."""
+
+
 async def add_reward(
     *,
     session: AsyncSession,
@@ -160,6 +189,7 @@ async def add_reward(
     transition_id: uuid.UUID | None,
     idempotency_key: str | None,
     gamma: float | None,
+    source: str | None = None,
 ) -> tuple[bool, int]:
     """Record one reward and re-credit its episode. Returns (duplicate, transitions credited)."""
     await lock_episodes({episode_id: None}, session=session)
@@ -205,10 +235,36 @@ async def add_reward(
             episode_id=episode_id,
             transition_id=transition_id,
             value=value,
+            source=source,
             idempotency_key=idempotency_key,
         )
     )
     return False, await credit_episodes([episode_id], session=session, gamma=gamma)
+
+
+async def transition_of_tool_call(
+    episode_id: str, tool_call_id: str, *, session: AsyncSession
+) -> uuid.UUID:
+    """The transition of this episode whose completion made the tool call `tool_call_id` (the id
+    a framework sends back with the tool's result: chat `tool_call_id`, Responses `call_id`)."""
+    found = (
+        await session.scalars(
+            select(Transition.id)
+            .where(
+                Transition.episode_id == episode_id,
+                Transition.tool_calls.contains([{"id": tool_call_id}]),
+            )
+            .limit(2)
+        )
+    ).all()
+    if not found:
+        raise UnknownTransition(f"no tool call {tool_call_id!r} in episode {episode_id!r}")
+    if len(found) > 1:
+        raise AmbiguousToolCall(
+            f"tool call id {tool_call_id!r} appears in several transitions of episode "
+            f"{episode_id!r}; name the transition_id"
+        )
+    return found[0]
 
 
 # --- reading ---------------------------------------------------------------------------------

@@ -62,6 +62,7 @@ def _transition(t: Transition, bodies: dict[bytes, Any], tokens: bool) -> dict[s
         "params": t.params,
         "text": t.text,
         "tool_calls": t.tool_calls,
+        "tool_errors": t.tool_errors,
         "finish_reason": t.finish_reason,
         "error": t.error,
         "latency_ms": t.latency_ms,
@@ -82,6 +83,7 @@ def _reward(r: Reward) -> dict[str, Any]:
         "id": r.id,
         "transition_id": str(r.transition_id) if r.transition_id else None,
         "reward": r.value,
+        "source": r.source,
         "idempotency_key": r.idempotency_key,
         "created_at": r.created_at.isoformat(),
     }

@@ -1,5 +1,9 @@
 """POST /v1/rewards: validate, wait for the transitions the rewards name, store them all or none.
 
+A step reward names its transition (`transition_id`, from the X-Transition-Id header) or a tool
+call the transition made (`tool_call_id`: what a framework that ran the tool knows); `source`
+says who gave it ("tool" for a failed tool run, say; "air" is the proxy's own, proxy/air.py).
+
 A reward for an episode whose transitions are still in this process's writer queue waits for them
 (`Recorder.wait_stored`), so a reward posted after its completion's response always joins it.
 """
@@ -44,13 +48,13 @@ async def store_rewards(body: Any, services: Services) -> dict[str, Any]:
             code="database_unavailable",
         )
     for episode_id in {r.episode_id for r in items}:
-        step_ids = [
-            str(r.transition_id)
-            for r in items
-            if r.episode_id == episode_id and r.transition_id is not None
-        ]
-        stored = await recorder.wait_stored(episode_id, step_ids or None, timeout=STORED_WAIT_S)
-        if not stored and step_ids:
+        mine = [r for r in items if r.episode_id == episode_id]
+        step_ids = [str(r.transition_id) for r in mine if r.transition_id is not None]
+        # A tool call id may be any of the episode's transitions: wait for all of them.
+        by_call = any(r.tool_call_id is not None for r in mine)
+        wanted = None if by_call else step_ids or None
+        stored = await recorder.wait_stored(episode_id, wanted, timeout=STORED_WAIT_S)
+        if not stored and (step_ids or by_call):
             raise ApiError(
                 503,
                 "the transitions of this reward are not stored yet "
@@ -62,27 +66,35 @@ async def store_rewards(body: Any, services: Services) -> dict[str, Any]:
     try:
         async with services.sessionmaker.begin() as session:
             for r in items:
+                param = "tool_call_id" if r.tool_call_id is not None else "transition_id"
                 try:
+                    transition_id = r.transition_id
+                    if r.tool_call_id is not None:
+                        transition_id = await store.transition_of_tool_call(
+                            r.episode_id, r.tool_call_id, session=session
+                        )
                     duplicate, credited = await store.add_reward(
                         session=session,
                         episode_id=r.episode_id,
                         value=r.reward,
-                        transition_id=r.transition_id,
+                        transition_id=transition_id,
                         idempotency_key=r.idempotency_key,
                         gamma=services.settings.credit_gamma,
+                        source=r.source,
                     )
                 except store.UnknownTransition as e:
-                    raise ApiError(
-                        404, str(e), param="transition_id", code="transition_not_found"
-                    ) from e
+                    raise ApiError(404, str(e), param=param, code="transition_not_found") from e
+                except store.AmbiguousToolCall as e:
+                    raise ApiError(409, str(e), param=param, code="ambiguous_tool_call") from e
                 except store.RewardConflict as e:
                     raise ApiError(409, str(e), code="already_trained") from e
                 results.append(
                     {
                         "object": "reward",
                         "episode_id": r.episode_id,
-                        "transition_id": str(r.transition_id) if r.transition_id else None,
+                        "transition_id": str(transition_id) if transition_id else None,
                         "reward": r.reward,
+                        "source": r.source,
                         "status": "duplicate" if duplicate else "accepted",
                         "credited_transitions": credited,
                     }
@@ -95,9 +107,9 @@ async def store_rewards(body: Any, services: Services) -> dict[str, Any]:
             type="service_unavailable",
             code="database_unavailable",
         ) from e
-    for r, result in zip(items, results, strict=True):
+    for result in results:
         metrics.rewards_ingested.labels(
-            "step" if r.transition_id else "final", result["status"]
+            "final" if result["transition_id"] is None else "step", result["status"]
         ).inc()
     if isinstance(body, dict):
         return results[0]
