@@ -87,6 +87,11 @@ class Recorder:
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name="flywheel-writer")
 
+    def expect(self, records: list[TransitionRecord]) -> None:
+        """Records on their way here (being scored, proxy/scoring.py): rewards and episode reads
+        wait for them as for records already queued."""
+        self._track(records)
+
     def submit(self, records: list[TransitionRecord]) -> None:
         self._track(records)
         self._queue.extend(records)

@@ -56,7 +56,9 @@ class Scorer:
         self._tasks: set[asyncio.Task[None]] = set()
 
     def submit(self, replica_url: str, record: TransitionRecord) -> None:
-        """Score `record` on the replica that sampled it, then hand it to the writer."""
+        """Score `record` on the replica that sampled it, then hand it to the writer (which
+        counts it as unstored from now on: a reward naming it waits for it)."""
+        self._recorder.expect([record])
         task = asyncio.create_task(self._score_then_record(replica_url, record))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)

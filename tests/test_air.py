@@ -219,3 +219,19 @@ def test_bad_step_reports_are_refused_and_store_nothing(
     assert r.status_code == status, r.text
     assert r.json()["error"]["param"] == param and r.json()["error"]["message"]
     assert proxy.query("SELECT count(*) FROM reward")[0][0] == 0
+
+
+def test_a_report_right_after_a_call_still_being_scored_finds_it(
+    proxy: RunningProxy, fake_vllm: Any
+) -> None:
+    """A Responses output that is only a function call waits for its logprobs (proxy/scoring.py)
+    before it is queued; a step reward naming it must wait for it, not miss it."""
+    fake_vllm.latency_s = 0.5  # the scoring call too: the reward arrives while it is out
+    body = {"model": "demo", "input": "Please call a tool.", "tools": [CALCULATOR]}
+    r = proxy.client(**{"X-Episode-Id": "scored"}).post("/v1/responses", json=body)
+    [call] = [item for item in r.json()["output"] if item["type"] == "function_call"]
+    report = {"episode_id": "scored", "tool_call_id": call["call_id"], "reward": -1.0}
+    posted = proxy.client().post("/v1/rewards", json=report)
+    assert posted.status_code == 200, posted.text
+    assert posted.json()["transition_id"] == r.headers["x-transition-id"]
+    assert [p["path"] for p in fake_vllm.requests] == ["/v1/responses", "/v1/completions"]
