@@ -38,6 +38,13 @@ class ProxySettings(DatabaseSettings):
         None,
         description="Model the alias serves before any adapter exists (default: vLLM's first).",
     )
+    keep_alive_s: int = Field(
+        65,
+        ge=1,
+        description="How long an idle client connection is kept open. Longer than the clients' "
+        "own idle expiry (httpx, which openai-python uses: 5 s) and load balancers' (often 60 s), "
+        "so they close first: a server closing at the same moment races their next request.",
+    )
     max_body_bytes: int = Field(16 * 2**20, ge=1024, description="Larger request bodies get 413.")
     upstream_timeout_s: float = Field(
         600.0,

@@ -32,4 +32,5 @@ def run(settings: ProxySettings) -> None:
         access_log=False,  # requests are counted in /metrics; an access log costs per request
         proxy_headers=False,  # nothing reads the client's address; one ASGI layer less per call
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        timeout_keep_alive=settings.keep_alive_s,
     )

@@ -136,6 +136,7 @@ def start_proxy(settings: ProxySettings) -> RunningProxy:
         log_level="warning",
         loop="asyncio",
         lifespan="on",
+        timeout_keep_alive=settings.keep_alive_s,
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
