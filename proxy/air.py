@@ -1,5 +1,5 @@
 """Automatic intermediate rewards (the paper's AIR): what the proxy can tell about a tool call
-from the call alone, without waiting for the application.
+by itself, without waiting for the application.
 
 A recorded transition's tool calls are checked against the tools its request declared:
 - `undeclared_tool`: the name is not among the declared function tools;
