@@ -151,10 +151,10 @@ def report(rounds: list[Round], totals: dict[str, float], results: Path) -> str:
     return text
 
 
-def plot(rounds: list[Round]) -> Path:
+def plot(rounds: list[Round], path: Path = PLOT) -> Path:
     x = list(range(len(rounds)))
     return plots.curves(
-        PLOT,
+        path,
         x,
         {
             "reward (mean, 64 episodes)": [r.reward for r in rounds],

@@ -140,3 +140,19 @@ def test_cpu_split_smoke(postgres_url: str, tmp_path: Path) -> None:
     direct, flywheel = ([_number(c) for c in row[1:]] for row in rows)
     assert direct[-1] == 0 and flywheel[-1] == 0  # nothing failed
     assert flywheel[3] > 0 and direct[3] < flywheel[3]  # the proxy worked only when called
+
+
+def test_tool_learning_report_and_plot(tmp_path: Path) -> None:
+    """The report and plot of bench/tool_learning.py from rounds as its loop measures them (the
+    loop itself is tests/test_e2e_tools.py's)."""
+    from bench.tool_learning import Round, plot, report
+
+    rounds = [
+        Round(reward=0.3, valid=0.45, air=0.4, tool=0.1, calls=1.6, versions="0", wall_s=20),
+        Round(reward=0.6, valid=0.8, air=0.1, tool=0.02, calls=1.9, versions="4-6", wall_s=41),
+    ]
+    text = report(rounds, {"trained": 120, "skipped": 0}, tmp_path / "report.md")
+    assert "| 1 | 0.60 | 0.80 | 0.10 | 0.02 | 1.90 | v4-6 | 41 |" in text
+    assert "last three: reward 0.450" in text
+    assert (tmp_path / "report.md").read_text() == text
+    assert plot(rounds, tmp_path / "curve.png").stat().st_size > 0
