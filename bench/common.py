@@ -367,6 +367,17 @@ def bench_database(database_url: str | None) -> Iterator[str]:
             conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
+def version_key(v: str) -> int:
+    """An X-Policy-Version header as a sortable number ("none" and "?" first)."""
+    return int(v) if v.isdigit() else -1
+
+
+def version_span(versions: set[str]) -> str:
+    """The policy versions that served a round, as "3" or "3-5"."""
+    ordered = sorted(versions, key=version_key)
+    return ordered[0] if len(ordered) == 1 else f"{ordered[0]}-{ordered[-1]}"
+
+
 def count_transitions(url: str) -> int:
     with psycopg.connect(url) as conn:
         row = conn.execute("SELECT count(*) FROM transition").fetchone()

@@ -36,6 +36,7 @@ import httpx
 import psutil
 import psycopg
 
+from bench.common import version_key, version_span
 from core import database
 from demo.agent import MAX_TOKENS, TEMPERATURE, Agent, Episode, print_round
 from demo.calculator import QUESTIONS, SYSTEM, build_calculator_model, messages, reward
@@ -109,10 +110,12 @@ def run_flywheel(
                     episodes = agent.round()
                     history += episodes
                     print_round(r, episodes)
-                    versions = sorted({e.policy_version for e in episodes}, key=_version_key)
                     curve.points.append(
                         Point(
-                            len(history), time.perf_counter() - t0, _mean(episodes), _span(versions)
+                            len(history),
+                            time.perf_counter() - t0,
+                            _mean(episodes),
+                            version_span({e.policy_version for e in episodes}),
                         )
                     )
             finally:
@@ -137,7 +140,7 @@ def run_flywheel(
                     f"{clients} at a time; no proxy, recording, rewards or training): "
                     f"{len(history)} completions in {alone:.1f} s ({len(history) / alone:.0f}/s)"
                 )
-        top = max(_version_key(e.policy_version) for e in history)
+        top = max(version_key(e.policy_version) for e in history)
         curve.notes.append(f"adapter versions 0..{top} served ({top} optimizer steps published)")
         failed = [e.failed for e in history if e.failed]
         if failed:
@@ -203,14 +206,6 @@ def _kind(p: psutil.Process) -> str:
         command = " ".join(p.cmdline())
         return next((k for k, marker in KINDS.items() if marker in command), p.name())
     return "?"
-
-
-def _version_key(v: str) -> int:
-    return int(v) if v.isdigit() else -1
-
-
-def _span(versions: list[str]) -> str:
-    return versions[0] if len(versions) == 1 else f"{versions[0]}-{versions[-1]}"
 
 
 # --- TRL: GRPOTrainer generating and training in one process --------------------------------

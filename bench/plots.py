@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import matplotlib
 
@@ -46,11 +47,7 @@ def lines(
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(fig, path)
 
 
 def curves(path: Path, x: Sequence[float], series: Series, *, xlabel: str, title: str) -> Path:
@@ -62,6 +59,10 @@ def curves(path: Path, x: Sequence[float], series: Series, *, xlabel: str, title
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     ax.set_title(title, fontsize=10)
+    return _save(fig, path)
+
+
+def _save(fig: Any, path: Path) -> Path:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

