@@ -5,12 +5,18 @@ clients that asked for them and for clients that did not.
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 import httpx
 import pytest
 from agents import Agent, ModelSettings, Runner, set_default_openai_client, set_tracing_disabled
+from autogen_agentchat.agents import AssistantAgent
+from autogen_ext.models.openai import OpenAIChatCompletionClient
+from langchain_core.tools import tool
 from langchain_openai import ChatOpenAI
+from langgraph.prebuilt import create_react_agent
 from openai import AsyncOpenAI, OpenAI
 
 from tests.conftest import RunningProxy
@@ -18,10 +24,17 @@ from tests.test_responses import CALCULATOR, RAW
 
 pytestmark = pytest.mark.e2e
 
+
 # The random model never calls a tool by itself: a regex makes it write one, which vLLM's hermes
 # parser turns into a function_call item (as tests/data/vllm_wire/responses_tools_auto_parsed).
-CALL = '\\{"name": "calculator", "arguments": \\{"expression": "3 \\+ 4"\\}\\}'
-FORCED_CALL = {"structured_outputs": {"regex": f"<tool_call>\n{CALL}\n</tool_call>"}}
+def forced_call(name: str, arguments: str) -> dict[str, Any]:
+    """vLLM's structured output: the model writes exactly this hermes tool call."""
+    call = json.dumps({"name": name, "arguments": json.loads(arguments)})
+    call = re.sub(r"([\\{}()\[\].*+?^$|])", r"\\\1", call)  # a regex for vLLM's grammar
+    return {"structured_outputs": {"regex": f"<tool_call>\n{call}\n</tool_call>"}}
+
+
+FORCED_CALL = forced_call("calculator", '{"expression": "3 + 4"}')
 
 
 @pytest.fixture
@@ -154,3 +167,110 @@ def test_langchain_responses_mode(real_proxy: RunningProxy) -> None:
     [t] = recorded(real_proxy, "x5")
     assert t["route"] == "responses" and t["text"] == message.text
     assert len(t["logprobs"]) == len(t["completion_token_ids"]) > 0
+
+
+# --- Chat-completions clients on the real model ------------------------------------------------
+# The same regex makes the random model call the tool through vLLM's hermes parser on the chat
+# route; ANSWER makes it answer "7" and stop.
+FORCED_ADD = forced_call("add", '{"a": 3, "b": 4}')
+ANSWER = {"structured_outputs": {"regex": "7"}}
+
+
+def assert_exact(t: dict[str, Any], agent: str) -> None:
+    assert t["route"] == "chat" and t["status"] == "ok" and t["agent_name"] == agent
+    assert t["prompt_token_ids"] and t["completion_token_ids"]
+    assert len(t["logprobs"]) == len(t["completion_token_ids"])
+
+
+def test_langchain_chat_mode(real_proxy: RunningProxy, vllm_url: str) -> None:
+    model = ChatOpenAI(
+        base_url=real_proxy.v1,
+        api_key="x",  # type: ignore[arg-type]
+        model="policy",
+        max_tokens=8,  # type: ignore[call-arg]
+        temperature=0,
+        default_headers={"X-Episode-Id": "x6", "X-Agent-Name": "lc"},
+        use_responses_api=False,
+    )
+    message = model.invoke("What is 3 + 4?")
+    [t] = recorded(real_proxy, "x6")
+    assert_exact(t, "lc")
+    assert t["text"] == message.text
+    # Greedy, so vLLM asked directly samples the same tokens the proxy recorded.
+    body = {"model": "demo", "messages": t["messages"], "max_tokens": 8, "temperature": 0}
+    direct = httpx.post(f"{vllm_url}/v1/chat/completions", json=body, timeout=120).json()
+    assert direct["choices"][0]["message"]["content"] == message.text
+
+
+@tool
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def test_langgraph_react_agent_with_a_tool(real_proxy: RunningProxy) -> None:
+    """LangGraph's prebuilt ReAct agent: the model calls `add`, the graph runs it and sends the
+    result back, the model answers. A dynamic model (a LangGraph feature) picks the regex per
+    turn, since the random model does neither by itself."""
+
+    def model(state: dict[str, Any], runtime: Any) -> Any:
+        answered = any(m.type == "tool" for m in state["messages"])
+        chat = ChatOpenAI(
+            base_url=real_proxy.v1,
+            api_key="x",  # type: ignore[arg-type]
+            model="policy",
+            max_tokens=40,  # type: ignore[call-arg]
+            default_headers={"X-Episode-Id": "x7", "X-Agent-Name": "react"},
+            extra_body=ANSWER if answered else FORCED_ADD,
+        )
+        return chat.bind_tools([add])
+
+    graph = create_react_agent(model, [add])
+    state = graph.invoke({"messages": [("user", "What is 3 + 4?")]})
+    [result] = [m for m in state["messages"] if m.type == "tool"]
+    assert result.content == "7" and state["messages"][-1].content == "7"
+
+    first, second = recorded(real_proxy, "x7", 2)
+    for t in (first, second):
+        assert_exact(t, "react")
+    [call] = first["tool_calls"]
+    assert call["id"] == result.tool_call_id and first["finish_reason"] == "tool_calls"
+    assert json.loads(call["function"]["arguments"]) == {"a": 3, "b": 4}
+    assert second["messages"][-1]["role"] == "tool" and second["text"] == "7"
+
+
+# The response names the model that served it ("demo" or "policy-vN"), as OpenAI's names a dated
+# snapshot; AutoGen warns when that differs from what it asked for.
+@pytest.mark.filterwarnings("ignore:Resolved model mismatch")
+async def test_autogen_assistant_agent_with_a_tool(real_proxy: RunningProxy) -> None:
+    async def add_numbers(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    client = OpenAIChatCompletionClient(
+        model="policy",
+        base_url=real_proxy.v1,
+        api_key="x",
+        max_tokens=40,
+        extra_body=forced_call("add_numbers", '{"a": 3, "b": 4}'),
+        model_info={
+            "vision": False,
+            "function_calling": True,
+            "json_output": False,
+            "family": "unknown",
+            "structured_output": False,
+        },
+        default_headers={"X-Episode-Id": "x8", "X-Agent-Name": "assistant"},
+    )
+    agent = AssistantAgent("assistant", model_client=client, tools=[add_numbers])
+    try:
+        result = await agent.run(task="What is 3 + 4?")
+    finally:
+        await client.close()
+    assert result.messages[-1].to_text() == "7"
+
+    [t] = recorded(real_proxy, "x8")
+    assert_exact(t, "assistant")
+    [call] = t["tool_calls"]
+    assert call["function"]["name"] == "add_numbers"
+    assert json.loads(call["function"]["arguments"]) == {"a": 3, "b": 4}
