@@ -1,9 +1,11 @@
 """The fake vLLM's `POST /v1/responses` (see bench/fake_vllm.py): vLLM 0.32's Responses API as
 captured in tests/data/vllm_wire/responses_*, with the same deterministic completions as chat.
 
-Like the vLLM it imitates, it keeps no responses (`store` off): `previous_response_id` gets 404
-and `background` a 400. A tool call comes back under the same rule as chat: `tool_choice` names a
-function or is "required", or the input says "call a tool" and does not end with a tool's result.
+Like the vLLM it imitates, it keeps no responses unless `store_responses` is on (vLLM's
+`VLLM_ENABLE_RESPONSES_API_STORE=1`): an unknown `previous_response_id` gets 404 and `background` a
+400. A stored response is only remembered by id (what routing needs), not replayed into the prompt.
+A tool call comes back under the same rule as chat: `tool_choice` names a function or is
+"required", or the input says "call a tool" and does not end with a tool's result.
 """
 
 import asyncio
@@ -48,7 +50,7 @@ def as_chat(body: Json) -> Json:
     return {"tools": tools, "tool_choice": choice, "messages": messages}
 
 
-def validate(body: Json, served: list[str]) -> web.Response | None:
+def validate(body: Json, served: list[str], stored: set[str]) -> web.Response | None:
     items = body.get("input")
     if not isinstance(items, str | list):
         errors = [
@@ -64,7 +66,7 @@ def validate(body: Json, served: list[str]) -> web.Response | None:
         return fv.error(404, msg, "NotFoundError", "model")
     if body.get("background"):
         return fv.error(400, BACKGROUND, "invalid_request_error", "background")
-    if (previous := body.get("previous_response_id")) is not None:
+    if (previous := body.get("previous_response_id")) is not None and previous not in stored:
         msg = f"Response with id '{previous}' not found."
         return fv.error(404, msg, "invalid_request_error", "response_id")
     return None
@@ -157,7 +159,7 @@ def with_detail(body: Json) -> Json:
 
 
 async def responses(state: fv.FakeState, body: Json, request: web.Request) -> Any:
-    if (invalid := validate(body, fv.served_names(state))) is not None:
+    if (invalid := validate(body, fv.served_names(state), state.stored)) is not None:
         return invalid
     if state.always_detail:
         body = with_detail(body)
@@ -172,6 +174,8 @@ async def responses(state: fv.FakeState, body: Json, request: web.Request) -> An
         t.logprob for t in choice.tokens
     ]
     response_id, created = f"resp_{fv.new_id('x')[2:]}", int(time.time())
+    if state.store_responses and body.get("store", True) is not False:
+        state.stored.add(response_id)
     item_id = ("fc_" if choice.tool_call else "msg_") + fv.new_id("x")[2:]
     output = output_items(choice, item_id, wants_logprobs(body))
     ids: Any = {"prompt_ids": prompt_ids, "response_id": response_id, "created": created}

@@ -249,6 +249,8 @@ class FakeState:
     # What /v1/responses sampled (prompt + completion ids -> completion logprobs), so that
     # `prompt_logprobs` scores those tokens as sampled, as a real model does (proxy/scoring.py).
     sampled: dict[tuple[int, ...], list[float]] = field(default_factory=dict)
+    store_responses: bool = False  # vLLM's VLLM_ENABLE_RESPONSES_API_STORE: ids it answered
+    stored: set[str] = field(default_factory=set)
 
     def fail_next(self, n: int = 1, status: int = 500, body: Json | None = None) -> None:
         """Answer the next n requests (of any kind) with this status and error body."""

@@ -91,8 +91,12 @@ def start_vllm(
     max_lora_rank: int = 8,
     max_loras: int = 2,
     max_model_len: int = 512,
+    store_responses: bool = False,
 ) -> subprocess.Popen[bytes]:
-    """Start the server in its own process group, stdout and stderr into `log_path`."""
+    """Start the server in its own process group, stdout and stderr into `log_path`.
+
+    `store_responses`: vLLM keeps every Responses API answer in memory (and never frees it), so
+    that `previous_response_id` works; off, as in vLLM, for anything long-running."""
     cmd = vllm_command(
         model_dir,
         port=port,
@@ -105,7 +109,11 @@ def start_vllm(
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         return subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env=vllm_env(), start_new_session=True
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**vllm_env(), "VLLM_ENABLE_RESPONSES_API_STORE": str(int(store_responses))},
+            start_new_session=True,
         )
 
 

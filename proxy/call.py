@@ -35,6 +35,7 @@ class Call:
     recorded: bool = False
     replica: Replica | None = None  # holds an outstanding slot there while set
     served_by: str | None = None  # the base URL of the replica that answered
+    response_id: str | None = None  # the Responses API's id of what it answered
     scrub: bool = False  # the request holds a U+0000: make the records storable
 
     @property

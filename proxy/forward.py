@@ -111,6 +111,8 @@ class Forwarder:
             self._free(call)
         call.upstream_s = time.perf_counter() - sent
         if response.status != 200:
+            if call.route is wire.RESPONSES:
+                payload = responses.unknown_previous(call.body, response.status, payload) or payload
             self._submit(call, [failure(call, response.status, payload)])
             return Response(
                 payload,
@@ -120,6 +122,8 @@ class Forwarder:
             )
         data = orjson.loads(payload)
         collected = _collect(call.route, data)
+        if call.route is wire.RESPONSES:
+            call.response_id = data.get("id")
         if not (call.wants_logprobs and call.wants_token_ids):
             _strip(call, data)
             payload = orjson.dumps(data)
@@ -135,7 +139,9 @@ class Forwarder:
         """
         episode = None if call.tags.generated else call.tags.episode_id
         tried: tuple[Replica, ...] = ()
-        while (replica := self._upstream.pick(episode, exclude=tried)) is not None:
+        previous = call.body.get("previous_response_id")
+        previous = previous if isinstance(previous, str) else None
+        while replica := self._upstream.pick(episode, tried, previous_response=previous):
             if tried:
                 metrics.upstream_retries.inc()
             tried += (replica,)
@@ -193,6 +199,7 @@ class Forwarder:
                     ended = responses.read_event(chunk, collected.setdefault(0, wire.Choice()))
                     if ended is not None:
                         status = ended
+                        call.response_id = (chunk.get("response") or {}).get("id")
                         if ended == "failed":
                             error = responses.error_of(chunk)
                 elif "error" in chunk:
@@ -254,6 +261,9 @@ class Forwarder:
                         metrics.tool_call_errors.labels(error["kind"]).inc()
                     # (a schema holding a U+0000 may be quoted in a detail)
                     r.tool_errors = wire.pg_safe(errors) if call.scrub else errors
+        stored = call.body.get("store") is not False and records[0].status == "ok"
+        if call.response_id and call.served_by and stored:
+            self._upstream.remember(call.response_id, call.served_by)
         if call.route is wire.RESPONSES and call.served_by and needs_scoring(records[0]):
             self._scorer.submit(call.served_by, records[0])  # it hands the record on
         else:

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import orjson
+
 from proxy.errors import ApiError
 from proxy.wire import Choice
 
@@ -168,3 +170,32 @@ def error_of(event: dict[str, Any]) -> dict[str, Any]:
     if event.get("type") == "error":
         return {"error": {k: event.get(k) for k in ("message", "type", "code", "param")}}
     return {"error": (event.get("response") or {}).get("error")}
+
+
+def unknown_previous(body: dict[str, Any], status: int, payload: bytes) -> bytes | None:
+    """vLLM's 404 for a `previous_response_id` it does not keep, as an error that says why."""
+    previous = body.get("previous_response_id")
+    if status != 404 or not isinstance(previous, str):
+        return None
+    try:
+        error = orjson.loads(payload).get("error") or {}
+    except (orjson.JSONDecodeError, AttributeError):
+        return None
+    if error.get("param") != "response_id":
+        return None
+    message = (
+        f"previous_response_id {previous!r} is not known to vLLM. vLLM keeps responses only "
+        "when started with VLLM_ENABLE_RESPONSES_API_STORE=1, in the memory of the replica "
+        "that answered (lost when it restarts), and not those sent with `store: false`. "
+        "Send the conversation so far as `input` instead."
+    )
+    return orjson.dumps(
+        {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": "previous_response_id",
+                "code": "response_not_found",
+            }
+        }
+    )

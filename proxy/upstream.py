@@ -7,7 +7,10 @@ the rare ones (models, adapters, probes) through core's `VLLMAdmin` (`Upstream.v
 prompt hits that replica's prefix cache) unless that replica already carries more than
 `LOAD_FACTOR` times the average load, in which case the next replica in the episode's order takes
 it ("consistent hashing with bounded loads"); calls without an episode of their own go to the
-replica with the fewest outstanding requests. A replica that fails to answer is ejected and
+replica with the fewest outstanding requests. A Responses call chained by `previous_response_id`
+goes to the replica that answered its predecessor, whatever the load: vLLM keeps responses in
+that replica's memory only (`homes`, the last `RESPONSE_HOMES` ids; a proxy restart forgets them,
+and the chained call then gets vLLM's 404). A replica that fails to answer is ejected and
 `proxy/replicas.py` probes it until it answers again, with the current adapter loaded.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+from collections import OrderedDict
 from dataclasses import dataclass
 
 from core.vllm import MODELS_TIMEOUT_S, VLLMAdmin
@@ -24,6 +28,7 @@ from proxy import http1, metrics
 log = logging.getLogger(__name__)
 
 LOAD_FACTOR = 1.25  # an episode's replica may carry up to 1.25x the average before it spills
+RESPONSE_HOMES = 100_000  # response ids remembered with their replica (~15 MB)
 
 
 @dataclass(eq=False)
@@ -51,6 +56,7 @@ class Upstream:
         # No connection limit: vLLM, not the proxy, decides how many requests it batches.
         self._pools = {r.base_url: http1.Pool(r.base_url, headers) for r in self.replicas}
         self.vllm = VLLMAdmin(api_key=api_key)  # models, adapters, probes
+        self._homes: OrderedDict[str, Replica] = OrderedDict()  # response id -> its replica
 
     async def close(self) -> None:
         for pool in self._pools.values():
@@ -62,13 +68,22 @@ class Upstream:
 
     # --- choosing a replica -----------------------------------------------------------------
 
-    def pick(self, episode_id: str | None, exclude: tuple[Replica, ...] = ()) -> Replica | None:
+    def pick(
+        self,
+        episode_id: str | None,
+        exclude: tuple[Replica, ...] = (),
+        *,
+        previous_response: str | None = None,
+    ) -> Replica | None:
         """The replica for the next call of this episode (None: every replica was excluded).
 
         The caller owns the returned replica's `outstanding` slot and must `release()` it.
         """
         candidates = [r for r in self.replicas if r.in_rotation and r not in exclude]
-        if not candidates:
+        home = self._homes.get(previous_response) if previous_response else None
+        if home is not None and home in candidates:
+            candidates = [home]
+        elif not candidates:
             # All out of rotation: try one anyway (it may be back) rather than fail untried.
             rest = [r for r in self.replicas if r not in exclude]
             if not rest:
@@ -100,6 +115,13 @@ class Upstream:
 
     def release(self, replica: Replica) -> None:
         replica.outstanding -= 1
+
+    def remember(self, response_id: str, base_url: str) -> None:
+        """This replica answered (and stored) this response: chained calls go there."""
+        if len(self.replicas) > 1:
+            self._homes[response_id] = self.replica(base_url)
+            if len(self._homes) > RESPONSE_HOMES:
+                self._homes.popitem(last=False)
 
     # --- replica health ---------------------------------------------------------------------
 

