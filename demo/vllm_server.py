@@ -37,6 +37,7 @@ def vllm_command(
     max_loras: int = 2,
     max_model_len: int = 512,
     host: str = "127.0.0.1",
+    log_requests: bool = False,
 ) -> list[str]:
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server",
@@ -61,6 +62,8 @@ def vllm_command(
     # second after every message, and on two shared cores one spinner fewer cut the learning
     # loop's wall time by about a third (bench/learning_curve.md).
     cmd += ["--distributed-executor-backend", "uni"]
+    if log_requests:  # a line per request, and "Aborted request(s) <id>" when one is cancelled
+        cmd += ["--enable-log-requests", "--max-log-len", "0"]
     if enable_lora:
         cmd += ["--enable-lora", "--max-lora-rank", str(max_lora_rank)]
         cmd += ["--max-loras", str(max_loras)]
@@ -92,6 +95,7 @@ def start_vllm(
     max_loras: int = 2,
     max_model_len: int = 512,
     store_responses: bool = False,
+    log_requests: bool = False,
 ) -> subprocess.Popen[bytes]:
     """Start the server in its own process group, stdout and stderr into `log_path`.
 
@@ -105,6 +109,7 @@ def start_vllm(
         max_lora_rank=max_lora_rank,
         max_loras=max_loras,
         max_model_len=max_model_len,
+        log_requests=log_requests,
     )
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:

