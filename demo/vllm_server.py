@@ -70,8 +70,11 @@ def vllm_command(
     return cmd
 
 
-def vllm_env() -> dict[str, str]:
+def vllm_env(*, store_responses: bool = False, log_requests: bool = False) -> dict[str, str]:
     env = dict(os.environ)
+    env["VLLM_ENABLE_RESPONSES_API_STORE"] = str(int(store_responses))
+    if log_requests:  # importing TRL sets VLLM_LOGGING_LEVEL=ERROR in the launching process
+        env["VLLM_LOGGING_LEVEL"] = "INFO"
     env.update(
         VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",  # enables /v1/load_lora_adapter
         VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),  # GiB
@@ -117,7 +120,7 @@ def start_vllm(
             cmd,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env={**vllm_env(), "VLLM_ENABLE_RESPONSES_API_STORE": str(int(store_responses))},
+            env=vllm_env(store_responses=store_responses, log_requests=log_requests),
             start_new_session=True,
         )
 
