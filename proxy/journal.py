@@ -4,11 +4,17 @@ Append-only JSON-lines segments (one `TransitionRecord` a line), fsync'd before 
 on. A segment is deleted only
 after its rows are committed in Postgres, and replays are idempotent (rows carry their ids), so a
 crash at any point repeats rows at worst and never loses one. Rows that Postgres refuses as data
-(not as an outage) go to `rejected/` with the error beside them, for a person to look at.
+(not as an outage) go to `rejected/` with the error beside them, for a person to look at. A
+segment holding a line that does not parse (a damaged disk, a hand-edited file) is copied whole
+to `quarantine/` and rewritten with its good lines, which replay as usual.
+
+Every method may raise `OSError` (disk full, read-only, I/O error): the recorder decides what
+then happens to the records.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from pathlib import Path
@@ -16,6 +22,9 @@ from pathlib import Path
 import orjson
 
 from core.record import TransitionRecord
+from proxy import metrics
+
+log = logging.getLogger(__name__)
 
 
 class Journal:
@@ -23,6 +32,7 @@ class Journal:
         self.directory = directory
         self.rejected_dir = directory / "rejected"
         self.rejected_dir.mkdir(parents=True, exist_ok=True)
+        self.quarantine_dir = directory / "quarantine"
         self._seq = 0
         self.pending = sum(_count_lines(p) for p in self.segments())
 
@@ -36,10 +46,40 @@ class Journal:
         self.pending += len(records)
 
     def read(self, segment: Path) -> list[TransitionRecord]:
-        return [
-            TransitionRecord.from_json(orjson.loads(line))
-            for line in segment.read_bytes().splitlines()
-        ]
+        """The segment's records; one with lines that do not parse is quarantined first."""
+        data = segment.read_bytes()
+        lines = data.splitlines()
+        good: list[TransitionRecord] = []
+        for line in lines:
+            try:
+                good.append(TransitionRecord.from_json(orjson.loads(line)))
+            except (orjson.JSONDecodeError, TypeError, AttributeError):  # not a record's line
+                continue
+        if bad := len(lines) - len(good):
+            self._quarantine(segment, data, good, bad)
+        return good
+
+    def _quarantine(
+        self, segment: Path, data: bytes, good: list[TransitionRecord], bad: int
+    ) -> None:
+        """Keep the whole segment aside, then leave only its good lines to be replayed (a crash in
+        between repeats both steps: the copy is overwritten, the rows are idempotent)."""
+        self.quarantine_dir.mkdir(exist_ok=True)
+        _write_durably(self.quarantine_dir / segment.name, data)
+        if good:
+            _write_durably(segment, b"".join(orjson.dumps(r) + b"\n" for r in good))
+        else:
+            segment.unlink()
+        self.pending = max(0, self.pending - bad)
+        metrics.journal_quarantined.inc(bad)
+        log.error(
+            "journal segment %s: %d line(s) unreadable, copied to %s; replaying its %d good ones",
+            segment.name, bad, self.quarantine_dir, len(good),
+        )  # fmt: skip
+
+    def quarantined(self) -> int:
+        """Segments kept aside for a person to look at."""
+        return len(list(self.quarantine_dir.glob("*.jsonl"))) if self.quarantine_dir.exists() else 0
 
     def remove(self, segment: Path, count: int) -> None:
         segment.unlink()

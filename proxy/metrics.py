@@ -36,6 +36,16 @@ writer_queue_depth = Gauge(
 journal_pending = Gauge(
     "flywheel_journal_pending", "Transitions in the disk journal not yet replayed into Postgres."
 )
+journal_quarantined = Counter(
+    "flywheel_journal_quarantined_lines_total",
+    "Journal lines that did not parse (their segment is kept in the journal's quarantine/).",
+)
+journal_errors = Counter(
+    "flywheel_journal_errors_total",
+    "Journal operations that failed (disk full, read-only, I/O error); records stay in memory.",
+    ["operation"],
+)
+journal_ok = Gauge("flywheel_journal_ok", "0 while the last journal operation failed.")
 database_up = Gauge("flywheel_database_up", "1 when the last database write succeeded.")
 rewards_ingested = Counter(
     "flywheel_rewards_ingested_total", "Rewards accepted.", ["kind", "outcome"]

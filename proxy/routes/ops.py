@@ -1,5 +1,5 @@
 """What operators and clients ask of the proxy itself: GET /v1/models (vLLM's models plus the
-policy alias), GET /healthz and GET /metrics (Prometheus)."""
+policy alias), GET /healthz (readiness), GET /livez (liveness) and GET /metrics (Prometheus)."""
 
 from __future__ import annotations
 
@@ -41,10 +41,16 @@ async def models(services: ServicesDep) -> Response:
 @router.get("/healthz")
 async def healthz(services: ServicesDep) -> Response:
     recorder, alias = services.recorder, services.alias
+    journal_error = recorder.journal_error
+    # Failing (503, out of traffic): Postgres and the journal both fail, records wait in memory.
+    # Degraded: the journal fails, Postgres takes everything; an outage now would fill memory.
+    status = "failing" if recorder.at_risk else "degraded" if journal_error else "ok"
     health = {
-        "status": "ok",
+        "status": status,
         "database": "up" if recorder.database_up else "unreachable (journaling)",
+        "journal": f"failing ({journal_error})" if journal_error else "ok",
         "journal_pending": recorder.journal.pending,
+        "journal_quarantined": recorder.journal.quarantined(),
         "writer_queue": recorder.queue_depth,
         "policy_version": alias.current[0] if alias.current else 0,
         "replicas": {
@@ -52,7 +58,15 @@ async def healthz(services: ServicesDep) -> Response:
             for r in services.upstream.replicas
         },
     }
-    return Response(orjson.dumps(health), media_type="application/json")
+    code = 503 if status == "failing" else 200
+    return Response(orjson.dumps(health), status_code=code, media_type="application/json")
+
+
+@router.get("/livez")
+async def livez() -> Response:
+    """The process answers: Kubernetes' liveness probe. Not /healthz, whose 503 (the journal
+    failing) must take the pod out of traffic, not restart it and lose what waits in memory."""
+    return Response(b'{"status":"alive"}', media_type="application/json")
 
 
 @router.get("/metrics")

@@ -1,0 +1,210 @@
+"""The journal failing, and a damaged journal: nothing acknowledged is dropped, the writer lives on,
+/healthz says so, and the proxy starts on a journal with a corrupt line (issue 13, items 1-2).
+
+The OS failure itself is injected (an `OSError(ENOSPC)` from `Journal.append`, as a full disk
+raises it); everything around it is real: Postgres (or a closed port where it is down), the
+recorder's tasks, the files, the running proxy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+from prometheus_client import REGISTRY
+from sqlalchemy import text
+
+from bench.fake_vllm import FakeVLLM
+from bench.recording_rate import episode_records
+from core import database
+from core.record import TransitionRecord
+from demo.vllm_server import free_port
+from proxy.journal import Journal
+from proxy.recorder import Recorder
+from tests.conftest import RunningProxy, start_pg, stop_pg
+
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def records(n: int, seed: int = 1) -> list[TransitionRecord]:
+    return episode_records(random.Random(seed), turns=n)
+
+
+def disk_full(*_: Any) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def metric(name: str, **labels: str) -> float:
+    return REGISTRY.get_sample_value(name, labels) or 0.0
+
+
+async def settle(condition: Any, timeout: float = 10) -> None:
+    async with asyncio.timeout(timeout):
+        while not condition():
+            await asyncio.sleep(0.02)
+
+
+async def test_journal_and_postgres_both_failing_keep_records_in_memory_until_one_works(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    down = f"postgresql+psycopg://x@127.0.0.1:{free_port()}/x"  # nothing listens there
+    engine, sessionmaker = database.create_async_sessions(down)
+    journal = Journal(tmp_path)
+    recorder = Recorder(
+        sessionmaker, journal, batch_size=4, queue_max=1000, retry_s=0.2, gamma=None
+    )
+    monkeypatch.setattr(journal, "append", disk_full)
+    errors_before = metric("flywheel_journal_errors_total", operation="append")
+    recorder.start()
+    batch = records(10)
+    recorder.submit(batch)
+    await settle(lambda: recorder.journal_error is not None)
+    await asyncio.sleep(0.5)  # a few retries of both
+    assert recorder._task is not None and not recorder._task.done()  # the writer lives
+    assert recorder.queue_depth == len(batch)  # all of them, in memory
+    assert "append: " in (error := recorder.journal_error or "") and "No space left" in error
+    assert metric("flywheel_journal_errors_total", operation="append") > errors_before
+    assert metric("flywheel_journal_ok") == 0
+
+    monkeypatch.undo()  # the disk has room again: they reach the journal, Postgres still down
+    await settle(lambda: journal.pending == len(batch))
+    assert recorder.queue_depth == 0 and recorder.journal_error is None
+    await recorder.stop(timeout=2)
+    await engine.dispose()
+    kept = [r.id for s in journal.segments() for r in journal.read(s)]
+    assert sorted(kept) == sorted(r.id for r in batch)
+
+
+async def test_a_failed_spill_keeps_the_queue_and_the_request_is_not_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    down = f"postgresql+psycopg://x@127.0.0.1:{free_port()}/x"
+    engine, sessionmaker = database.create_async_sessions(down)
+    journal = Journal(tmp_path)
+    recorder = Recorder(sessionmaker, journal, batch_size=4, queue_max=3, retry_s=5, gamma=None)
+    monkeypatch.setattr(journal, "append", disk_full)
+    batch = records(6)
+    for r in batch:  # over queue_max: submit spills, the spill fails; nothing raises
+        recorder.submit([r])
+    assert recorder.queue_depth == len(batch)
+    assert recorder.journal_error is not None
+
+    # Stopping with nowhere to put them: stop() does not raise; it says they are lost.
+    await recorder.stop(timeout=1)
+    monkeypatch.undo()
+    await engine.dispose()
+
+
+async def test_stop_saves_what_is_left_to_the_journal_when_postgres_is_down(
+    tmp_path: Path,
+) -> None:
+    down = f"postgresql+psycopg://x@127.0.0.1:{free_port()}/x"
+    engine, sessionmaker = database.create_async_sessions(down)
+    journal = Journal(tmp_path)
+    recorder = Recorder(sessionmaker, journal, batch_size=4, queue_max=1000, retry_s=5, gamma=None)
+    recorder.start()
+    batch = records(9)
+    recorder.submit(batch)
+    await recorder.stop(timeout=3)
+    await engine.dispose()
+    assert journal.pending == len(batch) and recorder.queue_depth == 0
+
+
+def corrupt_segment(directory: Path, good: list[TransitionRecord]) -> Path:
+    """A segment with a damaged line between good ones (written as a flaky disk would leave it)."""
+    lines = [orjson.dumps(r) for r in good]
+    lines.insert(1, b'{"id": "5f1c", "episode_id": \x00\xff garbage')
+    lines.insert(2, b"[1, 2, 3]")
+    path = directory / "segment-00000000000000000001-1-000001.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+async def test_a_corrupt_journal_line_is_quarantined_and_the_rest_replayed(
+    database_url: str, tmp_path: Path
+) -> None:
+    good = records(3, seed=7)
+    segment = corrupt_segment(tmp_path, good)
+    original = segment.read_bytes()
+    before = metric("flywheel_journal_quarantined_lines_total")
+    engine, sessionmaker = database.create_async_sessions(database_url)
+    journal = Journal(tmp_path)
+    recorder = Recorder(
+        sessionmaker, journal, batch_size=4, queue_max=1000, retry_s=0.1, gamma=None
+    )
+    assert journal.pending == len(good)  # the two bad lines no longer count
+    assert (tmp_path / "quarantine" / segment.name).read_bytes() == original
+    assert journal.quarantined() == 1
+    assert metric("flywheel_journal_quarantined_lines_total") == before + 2
+    recorder.start()
+    await settle(lambda: journal.pending == 0)
+    await recorder.stop()
+    async with sessionmaker() as session:
+        ids = (await session.execute(text("SELECT id::text FROM transition"))).scalars()
+        stored = set(ids)
+    await engine.dispose()
+    assert stored == {r.id for r in good}
+    assert not segment.exists()  # replayed and removed; the copy stays in quarantine/
+
+
+def chat(proxy: RunningProxy, episode: str) -> list[str]:
+    body = {**CHAT, "n": 3}  # three records: over a writer_queue_max of 1, they spill at once
+    r = proxy.client(**{"X-Episode-Id": episode}).post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text  # vLLM answered; however the journal fares
+    return r.headers["x-transition-id"].split(",")
+
+
+def test_the_proxy_starts_on_a_corrupt_journal_and_health_shows_a_failing_journal(
+    make_proxy: Any, fake_vllm: FakeVLLM, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    journal_dir = tmp_path / "home" / "journal"
+    journal_dir.mkdir(parents=True)
+    old = records(2, seed=9)
+    corrupt_segment(journal_dir, old)
+    proxy: RunningProxy = make_proxy(writer_queue_max=1, journal_retry_s=0.2)
+    health = httpx.get(proxy.url + "/healthz")
+    assert health.status_code == 200 and health.json()["journal_quarantined"] == 1
+
+    journal = proxy.services.recorder.journal
+    monkeypatch.setattr(journal, "append", disk_full)
+    served = chat(proxy, "full")  # the spill fails: the writer takes them to Postgres instead
+    health = httpx.get(proxy.url + "/healthz")
+    assert health.status_code == 200 and health.json()["status"] == "degraded"
+    assert "No space left" in health.json()["journal"]
+
+    monkeypatch.undo()
+    time.sleep(0.3)  # a failed spill is retried after journal_retry_s, not on every call
+    served += chat(proxy, "room")  # this spill works: the journal is fine again
+    assert httpx.get(proxy.url + "/healthz").json()["status"] == "ok"
+    rows = proxy.wait_rows("SELECT id::text FROM transition", len(served) + len(old))
+    assert sorted(i for (i,) in rows) == sorted(served + [r.id for r in old])
+
+
+@pytest.mark.slow
+def test_postgres_down_and_journal_failing_is_a_503_and_loses_nothing(
+    own_postgres: Any, make_proxy: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, pgdata = own_postgres
+    proxy: RunningProxy = make_proxy(database_url=url, journal_retry_s=0.2)
+    journal = proxy.services.recorder.journal
+    monkeypatch.setattr(journal, "append", disk_full)
+    stop_pg(pgdata)
+    served = chat(proxy, "nowhere")
+    deadline = time.monotonic() + 10
+    while (health := httpx.get(proxy.url + "/healthz")).status_code != 503:
+        assert time.monotonic() < deadline, health.text
+        time.sleep(0.1)
+    assert health.json()["status"] == "failing" and health.json()["writer_queue"] == 3
+    assert httpx.get(proxy.url + "/livez").status_code == 200  # drain it, do not restart it
+
+    start_pg(pgdata)  # Postgres back, the disk still full: the records go straight there
+    rows = proxy.wait_rows("SELECT id::text FROM transition", 3, timeout=30)
+    assert sorted(i for (i,) in rows) == sorted(served)
+    assert httpx.get(proxy.url + "/healthz").json()["status"] == "degraded"
