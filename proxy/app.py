@@ -29,7 +29,15 @@ def create_app(settings: ProxySettings) -> Edge:
             app.state.services = services
             yield
 
-    app = FastAPI(title="Flywheel proxy", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # With keys on, the schema is not served to whoever asks (`app.openapi()` still builds it).
+    openapi_url = None if settings.api_keys else "/openapi.json"
+    app = FastAPI(
+        title="Flywheel proxy",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=openapi_url,
+    )
     _add_error_handlers(app)
     for module in (rewards, episodes, admin, ops):
         app.include_router(module.router)

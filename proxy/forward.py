@@ -239,8 +239,9 @@ class Forwarder:
         call.upstream_s = time.perf_counter() - sent
         timeout = isinstance(e, TimeoutError)
         status = 504 if timeout else 502
-        message = f"upstream vLLM {'timed out' if timeout else 'unreachable'}: {e!r}"
-        self._submit(call, [failure(call, status, orjson.dumps({"error": {"message": message}}))])
+        message = f"upstream vLLM {'timed out' if timeout else 'unreachable'}"
+        detail = {"error": {"message": f"{message}: {e!r}"}}  # recorded; the client gets no URL
+        self._submit(call, [failure(call, status, orjson.dumps(detail))])
         return error_response(
             status,
             message,

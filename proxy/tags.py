@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 import uuid
 from dataclasses import dataclass
-from urllib.parse import unquote
 
 from proxy.config import TAG_PATTERN
 from proxy.errors import ApiError
@@ -48,7 +47,7 @@ def split_path(path: str) -> tuple[dict[str, str], str] | None:
             )
         if name in tags:
             raise ApiError(400, f"tag {key!r} appears twice in the path", code="bad_tag")
-        tags[name] = unquote(value)
+        tags[name] = value  # the server decoded the path once already; never twice
     return tags, "/v1/" + tail
 
 
@@ -67,7 +66,7 @@ def resolve(path_tags: dict[str, str], headers: dict[str, str]) -> Tags:
         value = from_header if from_header is not None else from_path
         if value is None:
             continue
-        if not _VALID.match(value):
+        if not _VALID.fullmatch(value):  # `$` alone would let a trailing newline through
             raise ApiError(
                 400,
                 f"invalid {name} {value[:80]!r}: 1-200 characters of letters, digits and ._:@+=-, "

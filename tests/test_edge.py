@@ -104,12 +104,53 @@ def test_bad_tag_values_are_refused(proxy: RunningProxy, headers: dict[str, str]
     assert stored(proxy) == 0
 
 
+@pytest.mark.parametrize(
+    "prefix",
+    [
+        "/episode/e%0A",  # a trailing newline: `$` let it through, the response header refused it
+        "/episode/e%250A",  # decoded twice it was a newline too
+        "/task/t%2Fx",  # a slash inside a value
+        "/agent/a%20b",
+    ],
+)
+def test_path_tags_are_decoded_once_and_matched_whole(proxy: RunningProxy, prefix: str) -> None:
+    r = proxy.client().post(f"{prefix}/v1/chat/completions", json=CHAT)
+    error = assert_openai_error(r, 404 if "%2F" in prefix else 400)  # a slash splits the pairs
+    assert "%2F" in prefix or error["code"] == "bad_tag"
+    bad = proxy.client().post("/v1/rewards", json={"episode_id": "e\n", "reward": 1.0})
+    assert_openai_error(bad, 400)
+    assert stored(proxy) == 0
+    ok = proxy.client().post("/episode/e%2B1/v1/chat/completions", json=CHAT)  # "e+1"
+    assert ok.status_code == 200 and ok.headers["x-episode-id"] == "e+1"
+
+
+def test_nothing_about_vllm_s_disk_or_address_reaches_clients(
+    make_proxy: Any, fake_vllm: FakeVLLM
+) -> None:
+    fake_vllm.loras["policy-v1"] = "/var/lib/flywheel/adapters/policy-v1"
+    proxy = make_proxy()
+    models = proxy.client().get("/v1/models").json()["data"]
+    assert {m["id"]: m["root"] for m in models} == {
+        "demo": "demo",
+        "policy-v1": "policy-v1",
+        "policy": None,
+    }
+    assert proxy.client().get("/openapi.json").status_code == 200  # no keys: a local proxy
+    dead = make_proxy(upstream=["http://127.0.0.1:9"], base_model="demo")
+    r = dead.client().post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 502 and "127.0.0.1:9" not in r.text
+    [(error,)] = dead.wait_rows("SELECT error::text FROM transition", 1)
+    assert "127.0.0.1:9" in error  # the operator still sees where, in the record
+    assert "127.0.0.1:9" not in dead.client().get("/v1/models").text
+
+
 def test_api_keys_guard_v1_and_never_reach_vllm(make_proxy: Any, fake_vllm: FakeVLLM) -> None:
     proxy = make_proxy(api_keys="k1,k2", upstream_api_key="vllm-secret")
     assert_openai_error(proxy.client().post("/v1/chat/completions", json=CHAT), 401)
     bad = proxy.client(Authorization="Bearer nope").post("/v1/rewards", json={})
     assert assert_openai_error(bad, 401)["code"] == "invalid_api_key"
     assert proxy.client().get("/healthz").status_code == 200  # not under /v1
+    assert proxy.client().get("/openapi.json").status_code == 404  # the schema is not public
     ok = proxy.client(Authorization="Bearer k2").post("/v1/chat/completions", json=CHAT)
     assert ok.status_code == 200
     assert fake_vllm.requests[-1]["headers"]["Authorization"] == "Bearer vllm-secret"

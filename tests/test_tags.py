@@ -39,3 +39,15 @@ def test_bad_values_are_refused_and_missing_episode_is_generated() -> None:
         resolve({}, {"x-agent-name": "x" * 201})
     tags = resolve({}, {"x-task-id": "t1"})
     assert tags.episode_id.startswith("ep-") and tags.task_id == "t1"
+
+
+def test_values_match_whole_and_the_path_is_not_decoded_again() -> None:
+    for bad in ("e\n", "e\r\n", "\ne"):
+        with pytest.raises(ApiError):
+            resolve({}, {"x-episode-id": bad})
+    # The server hands over the path decoded once; a "%" left in it stays (and is refused).
+    tags, rest = split_path("/episode/e%0A/v1/x") or ({}, "")
+    assert tags == {"episode_id": "e%0A"} and rest == "/v1/x"
+    with pytest.raises(ApiError):
+        resolve(tags, {})
+

@@ -3,6 +3,8 @@ policy alias), GET /healthz (readiness), GET /livez (liveness) and GET /metrics 
 
 from __future__ import annotations
 
+import logging
+
 import orjson
 from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -12,6 +14,7 @@ from core.vllm import VLLMError
 from proxy.errors import ApiError
 from proxy.services import ServicesDep
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 
 
@@ -20,10 +23,15 @@ async def models(services: ServicesDep) -> Response:
     try:
         status, payload = await services.upstream.models()
     except VLLMError as e:
-        raise ApiError(502, f"vLLM unreachable: {e}", type="upstream_error") from e
+        log.warning("GET /v1/models: %s", e)  # the URL stays in the log, not in the answer
+        raise ApiError(502, "vLLM unreachable", type="upstream_error") from e
     if status != 200:
         return Response(payload, status_code=status, media_type="application/json")
     data = orjson.loads(payload)
+    for model in data.get("data", []):
+        root = model.get("root")
+        if isinstance(root, str) and root.startswith("/"):  # a directory on vLLM's disk
+            model["root"] = model.get("id")
     created = max((m.get("created", 0) for m in data.get("data", [])), default=0)
     data.setdefault("data", []).append(
         {
