@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from bench.fake_vllm import FakeVLLM
@@ -186,6 +187,28 @@ def test_old_versions_are_retired_marked_then_unloaded_then_deleted(
     assert dirs == ["policy-v3"] and set(fake_vllm.loras) == {"policy-v3"}
     with sessions() as session:
         assert [a.version for a in policy.versions(session=session) if not a.retired_at] == [3]
+
+
+def test_retiring_never_deletes_a_directory_outside_the_adapters_dir(
+    proxy: RunningProxy, make_trainer: Any, sessions: Sessions, tmp_path: Path
+) -> None:
+    """Issue 13, item 8: the path to delete comes from the database; it is checked first."""
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "keep").write_text("x")
+    trainer = make_trainer(retain_versions=1)
+    play(proxy, agent="a")
+    assert trainer.step()
+    outside = trainer.settings.adapters_dir / ".." / "precious"  # resolves outside
+    with sessions.begin() as session:
+        session.execute(
+            text("UPDATE adapter_version SET path = :p WHERE version = 1"), {"p": str(outside)}
+        )
+    play(proxy, agent="b")
+    assert trainer.step()
+    with sessions() as session:
+        assert [a.retired_at is not None for a in policy.versions(session=session)] == [True, False]
+    assert (precious / "keep").exists()
 
 
 def test_a_killed_trainers_claim_is_taken_over_after_its_lease(

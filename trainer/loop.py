@@ -209,9 +209,13 @@ class Trainer:
         with self.sessions.begin() as session:
             policy.mark_retired(session=session, keep=self.settings.retain_versions)
             retired = [a for a in policy.versions(session=session) if a.retired_at is not None]
+        root = self.settings.adapters_dir.resolve()
         for a in retired:
             if not Path(a.path).exists():
                 continue  # done already
+            if not Path(a.path).resolve().is_relative_to(root):  # a row edited by hand, or worse
+                log.error("not deleting %s (%s): it is outside %s", a.name, a.path, root)
+                continue
             try:
                 self.vllm.unload_everywhere(a.name)
             except VLLMError as e:
