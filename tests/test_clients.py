@@ -314,19 +314,23 @@ async def test_openai_agents_runner_with_a_tool(proxy: RunningProxy, fake_vllm: 
 # --- AutoGen ---------------------------------------------------------------------------------
 
 
+# What AutoGen must be told of a model it does not know (vLLM's served names).
+AUTOGEN_MODEL_INFO: Any = {
+    "vision": False,
+    "function_calling": True,
+    "json_output": False,
+    "family": "unknown",
+    "structured_output": False,
+}
+
+
 async def test_autogen_openai_chat_completion_client(proxy: RunningProxy) -> None:
     client = OpenAIChatCompletionClient(
         model="demo",
         base_url=proxy.v1,
         api_key="x",
         max_tokens=7,
-        model_info={
-            "vision": False,
-            "function_calling": True,
-            "json_output": False,
-            "family": "unknown",
-            "structured_output": False,
-        },
+        model_info=AUTOGEN_MODEL_INFO,
         default_headers=tag_headers("autogen", agent="assistant"),
     )
     try:

@@ -21,6 +21,7 @@ from langgraph.prebuilt import create_react_agent
 from openai import AsyncOpenAI, OpenAI
 
 from tests.conftest import RunningProxy
+from tests.test_clients import AUTOGEN_MODEL_INFO
 from tests.test_responses import CALCULATOR, RAW
 
 pytestmark = pytest.mark.e2e
@@ -266,13 +267,7 @@ async def test_autogen_assistant_agent_with_a_tool(real_proxy: RunningProxy) -> 
         api_key="x",
         max_tokens=MAX_CALL_TOKENS,
         extra_body=forced_call("add_numbers", '{"a": 3, "b": 4}'),
-        model_info={
-            "vision": False,
-            "function_calling": True,
-            "json_output": False,
-            "family": "unknown",
-            "structured_output": False,
-        },
+        model_info=AUTOGEN_MODEL_INFO,
         default_headers={"X-Episode-Id": "x8", "X-Agent-Name": "assistant"},
     )
     agent = AssistantAgent("assistant", model_client=client, tools=[add_numbers])

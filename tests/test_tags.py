@@ -50,4 +50,3 @@ def test_values_match_whole_and_the_path_is_not_decoded_again() -> None:
     assert tags == {"episode_id": "e%0A"} and rest == "/v1/x"
     with pytest.raises(ApiError):
         resolve(tags, {})
-
