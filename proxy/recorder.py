@@ -194,13 +194,16 @@ class Recorder:
         if batch:
             self._inflight[index] = batch
             if self.journal.pending and "append" not in self._journal_errors:
-                self._journal(batch)  # keep going behind the journal until it is replayed
+                kept = self._journal(batch)  # keep going behind the journal until it is replayed
             else:
-                await self._write(batch)
-            del self._inflight[index]
+                kept = await self._write(batch)
+            del self._inflight[index]  # written, journaled, or back in the queue
+            if not kept:
+                await asyncio.sleep(self._retry_s)  # neither works: try Postgres again then
         return self._stopping and not self._queue
 
-    async def _write(self, batch: list[TransitionRecord]) -> None:
+    async def _write(self, batch: list[TransitionRecord]) -> bool:
+        """Into Postgres, else the journal; False: neither, the batch is back in the queue."""
         try:
             await self._insert(batch)
         except OUTAGE_ERRORS as e:
@@ -208,15 +211,14 @@ class Recorder:
             self._next_replay = time.monotonic() + self._retry_s
             self._database_ok = False
             metrics.database_up.set(0)
-            if not self._journal(batch):
-                await asyncio.sleep(self._retry_s)  # neither works: try Postgres again then
-            return
+            return self._journal(batch)
         except Exception:
             await self._isolate(batch)
-            return
+            return True
         self._mark_stored(batch)
         self._database_ok = True
         metrics.database_up.set(1)
+        return True
 
     async def _insert(self, records: list[TransitionRecord]) -> None:
         try:

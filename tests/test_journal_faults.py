@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import random
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +26,7 @@ from sqlalchemy import text
 from bench.fake_vllm import FakeVLLM
 from bench.recording_rate import episode_records
 from core import database
+from core.database import AsyncSessions
 from core.record import TransitionRecord
 from demo.vllm_server import free_port
 from proxy.journal import Journal
@@ -45,6 +48,16 @@ def metric(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
 
 
+@pytest.fixture
+async def postgres_down() -> AsyncIterator[AsyncSessions]:
+    """Sessions on a port nothing listens on: every write is an outage."""
+    engine, sessionmaker = database.create_async_sessions(
+        f"postgresql+psycopg://x@127.0.0.1:{free_port()}/x"
+    )
+    yield sessionmaker
+    await engine.dispose()
+
+
 async def settle(condition: Any, timeout: float = 10) -> None:
     async with asyncio.timeout(timeout):
         while not condition():
@@ -52,13 +65,11 @@ async def settle(condition: Any, timeout: float = 10) -> None:
 
 
 async def test_journal_and_postgres_both_failing_keep_records_in_memory_until_one_works(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    postgres_down: AsyncSessions, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    down = f"postgresql+psycopg://x@127.0.0.1:{free_port()}/x"  # nothing listens there
-    engine, sessionmaker = database.create_async_sessions(down)
     journal = Journal(tmp_path)
     recorder = Recorder(
-        sessionmaker, journal, batch_size=4, queue_max=1000, retry_s=0.2, gamma=None
+        postgres_down, journal, batch_size=4, queue_max=1000, retry_s=0.2, gamma=None
     )
     monkeypatch.setattr(journal, "append", disk_full)
     errors_before = metric("flywheel_journal_errors_total", operation="append")
@@ -77,43 +88,41 @@ async def test_journal_and_postgres_both_failing_keep_records_in_memory_until_on
     await settle(lambda: journal.pending == len(batch))
     assert recorder.queue_depth == 0 and recorder.journal_error is None
     await recorder.stop(timeout=2)
-    await engine.dispose()
     kept = [r.id for s in journal.segments() for r in journal.read(s)]
     assert sorted(kept) == sorted(r.id for r in batch)
 
 
 async def test_a_failed_spill_keeps_the_queue_and_the_request_is_not_failed(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    postgres_down: AsyncSessions,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
-    down = f"postgresql+psycopg://x@127.0.0.1:{free_port()}/x"
-    engine, sessionmaker = database.create_async_sessions(down)
     journal = Journal(tmp_path)
-    recorder = Recorder(sessionmaker, journal, batch_size=4, queue_max=3, retry_s=5, gamma=None)
+    recorder = Recorder(postgres_down, journal, batch_size=4, queue_max=3, retry_s=5, gamma=None)
     monkeypatch.setattr(journal, "append", disk_full)
+    recorder.start()
     batch = records(6)
     for r in batch:  # over queue_max: submit spills, the spill fails; nothing raises
         recorder.submit([r])
-    assert recorder.queue_depth == len(batch)
+    assert recorder.queue_depth == len(batch)  # (the writer has not run yet: no await)
     assert recorder.journal_error is not None
 
     # Stopping with nowhere to put them: stop() does not raise; it says they are lost.
-    await recorder.stop(timeout=1)
-    monkeypatch.undo()
-    await engine.dispose()
+    with caplog.at_level(logging.CRITICAL, logger="proxy.recorder"):
+        await recorder.stop(timeout=1)
+    assert "6 recorded transitions could be written neither" in caplog.text
 
 
 async def test_stop_saves_what_is_left_to_the_journal_when_postgres_is_down(
-    tmp_path: Path,
+    postgres_down: AsyncSessions, tmp_path: Path
 ) -> None:
-    down = f"postgresql+psycopg://x@127.0.0.1:{free_port()}/x"
-    engine, sessionmaker = database.create_async_sessions(down)
     journal = Journal(tmp_path)
-    recorder = Recorder(sessionmaker, journal, batch_size=4, queue_max=1000, retry_s=5, gamma=None)
+    recorder = Recorder(postgres_down, journal, batch_size=4, queue_max=1000, retry_s=5, gamma=None)
     recorder.start()
     batch = records(9)
     recorder.submit(batch)
     await recorder.stop(timeout=3)
-    await engine.dispose()
     assert journal.pending == len(batch) and recorder.queue_depth == 0
 
 
