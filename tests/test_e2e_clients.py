@@ -42,11 +42,6 @@ FORCED_CALL = forced_call("calculator", '{"expression": "3 + 4"}')
 MAX_CALL_TOKENS = 160
 
 
-@pytest.fixture
-def real_proxy(make_proxy: Any, vllm_url: str) -> RunningProxy:
-    return make_proxy(upstream=[vllm_url])  # type: ignore[no-any-return]
-
-
 def recorded(proxy: RunningProxy, episode: str, expected: int = 1) -> list[dict[str, Any]]:
     proxy.wait_rows("SELECT 1 FROM transition WHERE episode_id = %s", expected, episode)
     r = httpx.get(f"{proxy.v1}/episodes/{episode}", params={"tokens": "true"})

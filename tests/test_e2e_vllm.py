@@ -20,11 +20,6 @@ pytestmark = pytest.mark.e2e
 MESSAGES = [{"role": "user", "content": "What is 3 + 4?"}]
 
 
-@pytest.fixture
-def real_proxy(make_proxy: Any, vllm_url: str) -> RunningProxy:
-    return make_proxy(upstream=[vllm_url])  # type: ignore[no-any-return]
-
-
 def recorded(proxy: RunningProxy, episode: str) -> list[dict[str, Any]]:
     proxy.wait_rows("SELECT 1 FROM transition WHERE episode_id = %s", 1, episode)
     r = httpx.get(f"{proxy.v1}/episodes/{episode}", params={"tokens": "true"})
