@@ -29,6 +29,7 @@ from sqlalchemy import (
     Sequence,
     SmallInteger,
     Text,
+    UniqueConstraint,
     Uuid,
     func,
 )
@@ -121,6 +122,8 @@ class Transition(Base):
     claim_expires_at: Mapped[datetime | None]
     # Why the trainer set a transition aside without training on it (missing ids, stale, ...).
     skip_reason: Mapped[str | None] = mapped_column(Text)
+    # Claims that did not end in training; at the trainer's limit the row is set aside.
+    train_attempts: Mapped[int] = mapped_column(SmallInteger, server_default=sql("0"))
 
     __table_args__ = (
         Index("ix_transition_episode_id", "episode_id", "requested_at"),
@@ -148,8 +151,11 @@ class Reward(Base):
     # Who gave it: NULL (the application, unsaid), "air" (the proxy's own, proxy/air.py), or
     # what the client posted (e.g. "tool" for a tool run it saw fail).
     source: Mapped[str | None] = mapped_column(Text)
-    idempotency_key: Mapped[str | None] = mapped_column(Text, unique=True)
+    # Unique per episode: a retry with the same key is answered "duplicate", stored once.
+    idempotency_key: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+
+    __table_args__ = (UniqueConstraint("episode_id", "idempotency_key"),)
 
 
 class AdapterVersion(Base):

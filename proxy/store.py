@@ -107,7 +107,7 @@ async def add_air_rewards(
             "INSERT INTO reward (episode_id, transition_id, value, source, idempotency_key) "
             "SELECT e, t, :value, 'air', 'air:' || t "
             "FROM unnest(CAST(:episodes AS text[]), CAST(:transitions AS uuid[])) AS u(e, t) "
-            "ON CONFLICT (idempotency_key) DO NOTHING"
+            "ON CONFLICT (episode_id, idempotency_key) DO NOTHING"
         ),
         {
             "value": value,
@@ -121,10 +121,17 @@ async def add_air_rewards(
 
 
 async def credit_episodes(
-    episode_ids: list[str], *, session: AsyncSession, gamma: float | None
+    episode_ids: list[str], *, session: AsyncSession, gamma: float | None, strict: bool = False
 ) -> int:
     """(Re)compute the return of every untrained transition of these episodes that have a final
-    reward. Returns how many transitions were credited."""
+    reward. Returns how many transitions were credited.
+
+    strict (a posted reward): refuse with RewardConflict, changing nothing, if the return of a
+    trained transition would change. The rows are locked first, so a trainer's `finish` either
+    committed before (and this sees them trained) or waits for this commit. A claimed, untrained
+    transition's return may change either way: `finish` checks the returns it trained on are
+    still the stored ones, and otherwise gives the batch back to be trained with the new ones.
+    """
     if not episode_ids:
         return 0
     step_reward = (
@@ -132,7 +139,7 @@ async def credit_episodes(
         .where(Reward.transition_id == Transition.id)
         .scalar_subquery()
     )
-    result = await session.execute(
+    query = (
         select(
             Transition.episode_id,
             Transition.id,
@@ -140,6 +147,8 @@ async def credit_episodes(
             Transition.requested_at,
             step_reward,
             Episode.final_reward,
+            Transition.return_,
+            Transition.trained_at,
         )
         .join(Episode, Episode.id == Transition.episode_id)
         .where(
@@ -147,12 +156,22 @@ async def credit_episodes(
             Episode.final_reward.is_not(None),
         )
     )
+    if strict:
+        query = query.with_for_update(of=Transition)
     by_episode: dict[str, tuple[float, list[Step]]] = {}
-    for episode_id, tid, rid, at, r_step, final in result:
+    trained: dict[uuid.UUID, float | None] = {}  # their returns, which may no longer change
+    for episode_id, tid, rid, at, r_step, final, ret, trained_at in await session.execute(query):
         by_episode.setdefault(episode_id, (final, []))[1].append(Step(tid, rid, at, r_step))
+        if trained_at is not None:
+            trained[tid] = ret
     returns: dict[uuid.UUID, float] = {}
     for final, steps in by_episode.values():
         returns.update(assign_returns(steps, final, gamma))
+    if strict and any(returns.get(tid) != ret for tid, ret in trained.items()):
+        raise RewardConflict(
+            f"{len(trained)} transition(s) of episode(s) {', '.join(sorted(by_episode))} were "
+            "already trained on with their returns; a reward that changes them is refused"
+        )
     if not returns:
         return 0
     await session.execute(
@@ -181,6 +200,10 @@ class AmbiguousToolCall(Exception):
     """A tool call id that several transitions of one episode share (n > 1 with fixed ids)."""
 
 
+class KeyReused(Exception):
+    """An idempotency key already stored for this episode with another value or transition."""
+
+
 async def add_reward(
     *,
     session: AsyncSession,
@@ -191,55 +214,58 @@ async def add_reward(
     gamma: float | None,
     source: str | None = None,
 ) -> tuple[bool, int]:
-    """Record one reward and re-credit its episode. Returns (duplicate, transitions credited)."""
+    """Record one reward and re-credit its episode. Returns (duplicate, transitions credited).
+
+    An idempotency key is unique per episode: its repeat (same value and transition) is a
+    duplicate; the same key with another value or transition is KeyReused. Posts for one episode
+    are serialised by the episode row lock, and the unique constraint backs it up.
+    """
     await lock_episodes({episode_id: None}, session=session)
     if idempotency_key is not None:
-        seen = await session.scalar(
-            select(Reward.id).where(Reward.idempotency_key == idempotency_key)
-        )
+        seen = (
+            await session.execute(
+                select(Reward.value, Reward.transition_id).where(
+                    Reward.episode_id == episode_id, Reward.idempotency_key == idempotency_key
+                )
+            )
+        ).first()
         if seen is not None:
+            if (seen.value, seen.transition_id) != (value, transition_id):
+                raise KeyReused(
+                    f"idempotency_key {idempotency_key!r} was used in episode {episode_id!r} "
+                    f"for reward {seen.value} on "
+                    f"{seen.transition_id or 'the episode'}; use a new key for a new reward"
+                )
             return True, 0
 
-    trained = select(Transition.id).where(
-        Transition.episode_id == episode_id, Transition.trained_at.is_not(None)
-    )
     if transition_id is None:
-        previous = await session.scalar(
-            select(Episode.final_reward).where(Episode.id == episode_id)
-        )
-        if previous is not None and previous != value and await session.scalar(trained.limit(1)):
-            raise RewardConflict(
-                f"episode {episode_id!r} was already trained on with final reward {previous}; "
-                "its final reward can no longer change"
-            )
         await session.execute(
             update(Episode)
             .where(Episode.id == episode_id)
             .values(final_reward=value, final_reward_at=func.now())
         )
     else:
-        row = (
-            await session.execute(
-                select(Transition.episode_id, Transition.trained_at).where(
-                    Transition.id == transition_id
-                )
-            )
-        ).first()
-        if row is None or row.episode_id != episode_id:
+        owner = await session.scalar(
+            select(Transition.episode_id).where(Transition.id == transition_id)
+        )
+        if owner != episode_id:
             raise UnknownTransition(f"no transition {transition_id} in episode {episode_id!r}")
-        if row.trained_at is not None:
-            raise RewardConflict(f"transition {transition_id} was already trained on")
 
-    await session.execute(
-        insert(Reward).values(
+    inserted = await session.scalar(
+        insert(Reward)
+        .values(
             episode_id=episode_id,
             transition_id=transition_id,
             value=value,
             source=source,
             idempotency_key=idempotency_key,
         )
+        .on_conflict_do_nothing(index_elements=["episode_id", "idempotency_key"])
+        .returning(Reward.id)
     )
-    return False, await credit_episodes([episode_id], session=session, gamma=gamma)
+    if inserted is None:  # only if the episode lock were bypassed; the key is stored
+        return True, 0
+    return False, await credit_episodes([episode_id], session=session, gamma=gamma, strict=True)
 
 
 async def transition_of_tool_call(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any
 
 import pytest
@@ -69,10 +70,49 @@ def test_the_same_idempotency_key_changes_nothing(proxy: RunningProxy) -> None:
     [tid] = call(proxy, "idem")
     body = {"episode_id": "idem", "reward": 1.0, "idempotency_key": "k1"}
     assert post(proxy, body).json()["status"] == "accepted"
-    again = post(proxy, {**body, "reward": 0.0})
+    again = post(proxy, body)
     assert again.status_code == 200 and again.json()["status"] == "duplicate"
+    # The key with another value is a mistake in the client, not a retry: said, not dropped.
+    reused = post(proxy, {**body, "reward": 0.0})
+    assert reused.status_code == 409, reused.text
+    assert reused.json()["error"]["code"] == "idempotency_key_reused"
+    assert reused.json()["error"]["param"] == "idempotency_key"
     assert returns(proxy, "idem") == {tid: 1.0}
     assert proxy.query("SELECT count(*) FROM reward")[0][0] == 1
+
+
+def test_an_idempotency_key_is_unique_per_episode_not_global(proxy: RunningProxy) -> None:
+    """Issue 13, item 11: one key in two episodes is two rewards (the second was dropped)."""
+    [first], [second] = call(proxy, "key-a"), call(proxy, "key-b")
+    for episode in ("key-a", "key-b"):
+        r = post(proxy, {"episode_id": episode, "reward": 1.0, "idempotency_key": "attempt-1"})
+        assert r.json()["status"] == "accepted", r.text
+    assert returns(proxy, "key-a") == {first: 1.0} and returns(proxy, "key-b") == {second: 1.0}
+    both = [
+        {"episode_id": e, "reward": 0.5, "idempotency_key": "attempt-2"} for e in ("key-a", "key-b")
+    ]
+    assert [x["status"] for x in post(proxy, both).json()["data"]] == ["accepted", "accepted"]
+
+
+def test_concurrent_posts_with_one_key_store_it_once_without_a_5xx(proxy: RunningProxy) -> None:
+    """Issue 13, item 11: the race of two posts with one key was an IntegrityError (500)."""
+    episodes = ["race-a", "race-b"]
+    for e in episodes:
+        call(proxy, e)
+    bodies = [
+        {"episode_id": e, "reward": 1.0, "idempotency_key": "same"}
+        for e in episodes
+        for _ in range(6)
+    ]
+    with concurrent.futures.ThreadPoolExecutor(len(bodies)) as pool:
+        answers = list(pool.map(lambda b: post(proxy, b), bodies))
+    assert {r.status_code for r in answers} == {200}, [r.text for r in answers]
+    statuses = sorted(r.json()["status"] for r in answers)
+    assert statuses == ["accepted"] * 2 + ["duplicate"] * 10
+    assert proxy.query(
+        "SELECT episode_id, count(*) FROM reward WHERE idempotency_key = 'same' GROUP BY 1 "
+        "ORDER BY 1"
+    ) == [("race-a", 1), ("race-b", 1)]
 
 
 def test_a_new_final_reward_replaces_the_old_until_trained(proxy: RunningProxy) -> None:
@@ -88,6 +128,25 @@ def test_a_new_final_reward_replaces_the_old_until_trained(proxy: RunningProxy) 
     assert returns(proxy, "replace") == {tid: 0.0}
     # Posting the same value again is harmless.
     assert post(proxy, {"episode_id": "replace", "reward": 0.0}).status_code == 200
+    # So is a step reward that changes no trained return; one that does is refused.
+    step = {"episode_id": "replace", "transition_id": tid}
+    assert post(proxy, {**step, "reward": 0.0}).status_code == 200
+    refused = post(proxy, {**step, "reward": 0.5})
+    assert refused.status_code == 409 and refused.json()["error"]["code"] == "already_trained"
+    assert returns(proxy, "replace") == {tid: 0.0}
+
+
+def test_a_step_reward_may_not_change_an_earlier_trained_return(make_proxy: Any) -> None:
+    """Discounted credit: a later step's reward flows back into earlier returns. If an earlier
+    transition was trained, its return may no longer change (it was silently left stale)."""
+    proxy = make_proxy(credit_gamma=0.5)
+    first, second = call(proxy, "flow")[0], call(proxy, "flow")[0]
+    post(proxy, {"episode_id": "flow", "reward": 1.0})
+    proxy.query("UPDATE transition SET trained_at = now() WHERE id = %s RETURNING id", first)
+    r = post(proxy, {"episode_id": "flow", "transition_id": second, "reward": 1.0})
+    assert r.status_code == 409 and r.json()["error"]["code"] == "already_trained", r.text
+    assert returns(proxy, "flow") == {first: 0.5, second: 1.0}
+    assert proxy.query("SELECT count(*) FROM reward WHERE transition_id IS NOT NULL") == [(0,)]
 
 
 def test_a_list_is_all_or_nothing(proxy: RunningProxy) -> None:

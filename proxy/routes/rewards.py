@@ -88,6 +88,10 @@ async def store_rewards(body: Any, services: Services) -> dict[str, Any]:
                     raise ApiError(409, str(e), param=param, code="ambiguous_tool_call") from e
                 except store.RewardConflict as e:
                     raise ApiError(409, str(e), code="already_trained") from e
+                except store.KeyReused as e:
+                    raise ApiError(
+                        409, str(e), param="idempotency_key", code="idempotency_key_reused"
+                    ) from e
                 results.append(
                     {
                         "object": "reward",
@@ -136,9 +140,11 @@ def parse_rewards(body: Any) -> list[RewardIn]:
                 param=param or None,
                 code="invalid_reward",
             ) from e
-    keys = [r.idempotency_key for r in items if r.idempotency_key]
+    keys = [(r.episode_id, r.idempotency_key) for r in items if r.idempotency_key]
     if len(keys) != len(set(keys)):
         raise ApiError(
-            400, "the same idempotency_key appears twice in one post", param="idempotency_key"
+            400,
+            "the same idempotency_key appears twice for one episode in one post",
+            param="idempotency_key",
         )
     return items

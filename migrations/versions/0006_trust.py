@@ -1,0 +1,37 @@
+"""Trust: training attempts per transition; idempotency keys per episode.
+
+- `transition.train_attempts` counts the claims that did not end in training; at the trainer's
+  `--max-train-attempts` the transition is set aside (skip_reason `train_failed`) so that one bad
+  batch cannot stall training. NOT NULL DEFAULT 0 is metadata-only in Postgres >= 11: no rewrite.
+- A reward's idempotency key is unique per episode, not globally: the same key in another
+  episode is another reward (it was silently dropped as a duplicate).
+
+Revision ID: 0006
+Revises: 0005
+Create Date: 2026-11-23
+"""
+
+from __future__ import annotations
+
+import sqlalchemy as sa
+from alembic import op
+
+revision = "0006"
+down_revision = "0005"
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    op.add_column(
+        "transition",
+        sa.Column("train_attempts", sa.SmallInteger(), server_default=sa.text("0"), nullable=False),
+    )
+    op.drop_constraint("uq_reward_idempotency_key", "reward", type_="unique")
+    op.create_unique_constraint("uq_reward_episode_id", "reward", ["episode_id", "idempotency_key"])
+
+
+def downgrade() -> None:
+    op.drop_constraint("uq_reward_episode_id", "reward", type_="unique")
+    op.create_unique_constraint("uq_reward_idempotency_key", "reward", ["idempotency_key"])
+    op.drop_column("transition", "train_attempts")
