@@ -239,6 +239,7 @@ class FakeState:
     token_delay_s: float = 0.0
     check_lora_paths: bool = True  # vLLM answers 404 when the adapter directory is missing
     max_lora_rank: int = 8  # vLLM's --max-lora-rank: larger adapters are refused with a 400
+    load_delay_s: float = 0.0  # before each adapter load answers (a big adapter, a slow disk)
     loras: dict[str, str] = field(default_factory=dict)
     requests: list[Json] = field(default_factory=list)
     failures: list[tuple[int, Json]] = field(default_factory=list)
@@ -390,6 +391,9 @@ async def models(state: FakeState, _body: Json, _request: web.Request) -> web.Re
 
 async def load_lora(state: FakeState, body: Json, _: web.Request) -> web.Response:
     name, path = body.get("lora_name", ""), body.get("lora_path", "")
+    started = time.monotonic()
+    while time.monotonic() - started < state.load_delay_s:  # setting it to 0 ends the wait
+        await asyncio.sleep(0.05)
     if name in state.loras:
         msg = f"The lora adapter '{name}' has already been loaded. If you want to load the "
         msg += "adapter in place, set 'load_inplace' to True."

@@ -85,6 +85,7 @@ def publish_versions(
             with sessions.begin() as session:
                 policy.publish(
                     session=session,
+                    parent=version - 1 if version > 1 else None,
                     version=version,
                     name=name,
                     path=str(path),

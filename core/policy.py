@@ -61,6 +61,21 @@ class RetiredVersion(Exception):
         super().__init__(f"{name} was retired at {retired_at:%Y-%m-%d %H:%M:%S}")
 
 
+class PolicyMoved(Exception):
+    """Another version became current since the step began (a rollback, or another trainer's
+    publish): publishing would fork the lineage. `current` is the version now (None: base)."""
+
+    def __init__(self, parent: int | None, current: int | None) -> None:
+        super().__init__(
+            f"the policy moved from {_label(parent)} to {_label(current)} during the step"
+        )
+        self.current = current
+
+
+def _label(version: int | None) -> str:
+    return "the base model" if version is None else f"v{version}"
+
+
 class NoReplica(VLLMError):
     """No vLLM replica could be reached: nothing was loaded, the alias did not move."""
 
@@ -115,6 +130,7 @@ def _lock(session: Session) -> None:
 def publish(
     *,
     session: Session,
+    parent: int | None,
     version: int,
     name: str,
     path: str,
@@ -122,8 +138,17 @@ def publish(
     stats: dict[str, Any],
     trained_transitions: int,
 ) -> None:
-    """Record a new version as the current one; every proxy's alias follows when this commits."""
+    """Record a new version as the current one; every proxy's alias follows when this commits.
+
+    Compare-and-set: `parent` (the version the new one was trained from; None: the base model)
+    must still be current, else PolicyMoved and nothing is written. Without it a rollback would
+    not stick (the next step publishes a descendant of the version rolled back from) and two
+    trainers would publish two alternating, diverging policies.
+    """
     _lock(session)
+    now = session.scalar(select(AdapterVersion.version).where(AdapterVersion.is_current))
+    if now != parent:
+        raise PolicyMoved(parent, now)
     session.execute(
         update(AdapterVersion).where(AdapterVersion.is_current).values(is_current=False)
     )

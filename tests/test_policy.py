@@ -26,8 +26,10 @@ def sessions(database_url: str) -> Iterator[Sessions]:
 
 def publish(sessions: Sessions, version: int, path: str = "/adapters/x") -> None:
     with sessions.begin() as session:
+        parent = policy.current(session=session)
         policy.publish(
             session=session,
+            parent=parent.version if parent else None,
             version=version,
             name=f"policy-v{version}",
             path=path,

@@ -18,6 +18,8 @@ from typing import Any
 
 import httpx
 import pytest
+import torch
+from safetensors.torch import load_file
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
@@ -224,6 +226,7 @@ def test_a_killed_trainers_claim_is_taken_over_after_its_lease(
             limit=256,
             min_episodes=4,
             min_groups=1,
+            max_attempts=3,
         )
     assert len(claimed) == 8
     survivor = make_trainer(lease_s=60)
@@ -234,9 +237,10 @@ def test_a_killed_trainers_claim_is_taken_over_after_its_lease(
         store.finish(
             session=session,
             trainer_id="dead",
-            trained=[c.id for c in claimed],
+            trained={c.id: c.ret for c in claimed},
             skipped={},
             version=99,
+            parent=1,
             name="policy-v99",
             path="/nowhere",
             base_model="demo",
@@ -272,6 +276,9 @@ def test_two_trainers_at_once_never_train_the_same_transition(
         adapters = policy.versions(session=session)
     assert sorted(a.trained_transitions for a in adapters) == [8, 8, 8]
     assert len({a.name for a in adapters}) == 3
+    # One lineage: each version was trained from the one before it (none from a sibling).
+    parents = [a.stats["parent"] for a in adapters if a.stats]
+    assert parents == [None] + [a.version for a in adapters[:-1]], parents
 
 
 def test_vllm_restart_gets_the_current_adapter_back(
@@ -355,14 +362,18 @@ def test_data_from_another_base_model_is_set_aside_not_fatal(
     ) == [("token_out_of_vocab", 1)]
 
 
-def test_concurrent_publishes_are_serialised(sessions: Sessions) -> None:
+def test_concurrent_publishes_are_serialised_and_only_one_child_wins(sessions: Sessions) -> None:
+    """Two trainers that started from one version: the second publish waits for the first, then
+    is told the policy moved (it used to win too, forking the lineage)."""
+
     def publish(session: Session, version: int) -> None:
         store.finish(
             session=session,
             trainer_id=f"t{version}",
-            trained=[],
+            trained={},
             skipped={},
             version=version,
+            parent=None,
             name=f"policy-v{version}",
             path="/a",
             base_model="demo",
@@ -389,5 +400,177 @@ def test_concurrent_publishes_are_serialised(sessions: Sessions) -> None:
     first.commit()
     first.close()
     thread.join(10)
-    assert outcome == {"ok": True}
-    assert current(sessions).name == "policy-v102"  # type: ignore[union-attr]
+    assert isinstance(outcome.get("error"), policy.PolicyMoved), outcome
+    assert outcome["error"].current == 101  # type: ignore[attr-defined]
+    assert current(sessions).name == "policy-v101"  # type: ignore[union-attr]
+
+
+# --- issue 13, items 5-7: rollbacks stick, bad batches, rewards mid-step, SIGTERM ---------------
+
+
+def lora_weights(adapter_dir: str) -> dict[str, torch.Tensor]:
+    return load_file(Path(adapter_dir) / "adapter_model.safetensors")
+
+
+def engine_lora(trainer: Trainer) -> dict[str, torch.Tensor]:
+    """The engine's LoRA weights under their saved names (PEFT drops the adapter name)."""
+    return {
+        n.replace(".default", ""): p.detach().clone()
+        for n, p in trainer.engine.model.named_parameters()
+        if "lora_" in n
+    }
+
+
+def test_a_rollback_sticks_the_next_step_trains_from_the_version_rolled_back_to(
+    proxy: RunningProxy, make_trainer: Any, sessions: Sessions, monkeypatch: Any
+) -> None:
+    trainer = make_trainer()
+    for agent in ("a", "b"):
+        play(proxy, agent=agent)
+        assert trainer.step()
+    with sessions.begin() as session:  # what POST /admin/adapters/1/activate commits
+        policy.make_current(1, session=session)
+        v1 = policy.get(1, session=session)
+    assert v1 is not None
+    seen: dict[str, dict[str, torch.Tensor]] = {}
+    real_step = trainer.engine.step
+
+    def step(samples: Any) -> Any:
+        seen["start"] = engine_lora(trainer)
+        return real_step(samples)
+
+    monkeypatch.setattr(trainer.engine, "step", step)
+    play(proxy, agent="c")
+    assert trainer.step()
+    adapter = current(sessions)
+    assert adapter is not None and adapter.version == 3
+    assert adapter.stats and adapter.stats["parent"] == 1  # it descends from v1, not v2
+    saved = lora_weights(v1.path)
+    assert saved.keys() == seen["start"].keys()
+    for name, weight in saved.items():
+        assert torch.equal(weight, seen["start"][name]), name
+
+
+def test_a_rollback_during_a_step_makes_the_trainer_train_its_batch_again_from_there(
+    proxy: RunningProxy, fake_vllm: FakeVLLM, make_trainer: Any, sessions: Sessions,
+    monkeypatch: Any,
+) -> None:  # fmt: skip
+    trainer = make_trainer()
+    play(proxy, agent="a")
+    assert trainer.step()  # v1
+    play(proxy, agent="b")
+    real_step, calls = trainer.engine.step, []
+
+    def step(samples: Any) -> Any:
+        calls.append(len(samples))
+        if len(calls) == 1:  # an operator rolls back to the base model meanwhile
+            with sessions.begin() as session:
+                policy.make_current(None, session=session)
+        return real_step(samples)
+
+    monkeypatch.setattr(trainer.engine, "step", step)
+    assert trainer.step()
+    assert calls == [8, 8]  # trained twice: the first result was a child of v1
+    adapter = current(sessions)
+    assert adapter is not None and adapter.version == 3 and adapter.stats
+    assert adapter.stats["parent"] is None
+    assert "policy-v2" not in fake_vllm.loras  # the discarded child is unloaded and deleted
+    assert not (trainer.settings.adapters_dir / "policy-v2").exists()
+    assert proxy.query(
+        "SELECT trained_version, count(*) FROM transition WHERE agent_name = 'b' GROUP BY 1"
+    ) == [(3, 8)]
+
+
+def test_a_batch_that_breaks_the_step_is_given_back_then_set_aside(
+    proxy: RunningProxy, make_trainer: Any, monkeypatch: Any
+) -> None:
+    play(proxy, agent="bad")
+    trainer = make_trainer(max_train_attempts=2)
+
+    def broken(samples: Any) -> Any:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(trainer.engine, "step", broken)
+    for attempt in (1, 2):
+        assert not trainer.step()  # no exception escapes: the trainer lives on
+        assert proxy.query(
+            "SELECT count(*), max(train_attempts) FROM transition "
+            "WHERE claimed_by IS NULL AND skip_reason IS NULL"
+        ) == [(8, attempt)]
+    monkeypatch.undo()
+    play(proxy, agent="good")
+    assert trainer.step()  # the bad batch is set aside, the next one trains
+    rows = proxy.query(
+        "SELECT agent_name, skip_reason, trained_version FROM transition "
+        "GROUP BY 1, 2, 3 ORDER BY 1"
+    )
+    assert rows == [("bad", "train_failed", None), ("good", None, 1)]
+
+
+def test_a_reward_that_moves_a_claimed_return_makes_the_trainer_train_it_again(
+    proxy: RunningProxy, make_trainer: Any, monkeypatch: Any
+) -> None:
+    """Issue 13, item 6: the trainer trained on the old return and marked it trained."""
+    play(proxy)
+    trainer = make_trainer()
+    real_step = trainer.engine.step
+
+    def step(samples: Any) -> Any:
+        if not hasattr(step, "done"):  # the application corrects a reward mid-step
+            step.done = True  # type: ignore[attr-defined]
+            with proxy.client() as c:
+                r = c.post("/v1/rewards", json={"episode_id": "a-t0-e0", "reward": 0.75})
+            assert r.status_code == 200, r.text
+        return real_step(samples)
+
+    monkeypatch.setattr(trainer.engine, "step", step)
+    assert not trainer.step()  # lost: a return moved under it
+    assert proxy.query("SELECT count(*) FROM transition WHERE claimed_by IS NOT NULL") == [(0,)]
+    assert trainer.step()
+    assert proxy.query(
+        "SELECT trained_version, \"return\" FROM transition WHERE episode_id = 'a-t0-e0'"
+    ) == [(2, 0.75)]
+
+
+def test_sigterm_gives_the_claims_back_at_once(
+    proxy: RunningProxy, fake_vllm: FakeVLLM, tmp_path: Path
+) -> None:
+    """Issue 13, item 7: a restarted trainer left its batch locked for the whole lease."""
+    play(proxy)
+    fake_vllm.load_delay_s = 60  # the step is published slowly: SIGTERM lands mid-publish
+    process = subprocess.Popen(
+        [
+            sys.executable, "-m", "flywheel", "trainer",
+            "--model", str(build_demo_model(TEST_HOME / "models" / "demo")),
+            "--vllm", fake_vllm.url,
+            "--adapters-dir", str(tmp_path / "adapters"),
+        ],
+        env={
+            **os.environ,
+            "FLYWHEEL_DATABASE_URL": proxy.database_url,
+            "FLYWHEEL_HOME": str(tmp_path),
+            "FLYWHEEL_METRICS_PORT": "0",
+            "FLYWHEEL_MIN_EPISODES": "4",
+            "FLYWHEEL_POLL_S": "0.2",
+        },
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while not list((tmp_path / "adapters").glob("policy-v*")):  # trained, now loading
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+        assert proxy.query("SELECT count(*) FROM transition WHERE claimed_by IS NOT NULL") == [(8,)]
+        process.terminate()
+        output = process.communicate(timeout=30)[0]
+    finally:
+        process.kill()
+        fake_vllm.load_delay_s = 0  # ends the fake's wait for the killed trainer's load
+    assert process.returncode == 0, output
+    assert "gave back 8 claimed transitions" in output, output
+    assert proxy.query(
+        "SELECT count(*), max(train_attempts) FROM transition "
+        "WHERE claimed_by IS NULL AND trained_at IS NULL"
+    ) == [(8, 0)]

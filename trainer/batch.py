@@ -36,7 +36,7 @@ class ModelLimits:
 @dataclass
 class Batch:
     samples: list[Sample] = field(default_factory=list)
-    trained_ids: list[str] = field(default_factory=list)
+    trained: dict[str, float] = field(default_factory=dict)  # transition id -> its return
     skipped: dict[str, str] = field(default_factory=dict)  # transition id -> reason
 
     @property
@@ -102,5 +102,5 @@ def build_batch(
                     c.prompt_token_ids, c.completion_token_ids, c.logprobs, advantages[c.id], c.ret
                 )
             )
-            batch.trained_ids.append(c.id)
+            batch.trained[c.id] = c.ret
     return batch

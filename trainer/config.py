@@ -60,6 +60,12 @@ class TrainerSettings(DatabaseSettings):
         600, gt=0, description="A claim not finished by then can be taken by another trainer."
     )
     poll_s: float = Field(1.0, gt=0, description="How often to look for enough new data.")
+    max_train_attempts: int = Field(
+        3,
+        ge=1,
+        description="A transition claimed this often without being trained (its batch failed "
+        "the step, or kept being lost) is set aside as `train_failed`.",
+    )
 
     # --- how to train (TRL's GRPO loss, PEFT LoRA) -------------------------------------------
     lora_rank: int = Field(8, description="LoRA rank (vLLM needs --max-lora-rank >= this).")

@@ -13,6 +13,7 @@ The model, adapter, optimizer and TRL trainer object live as long as the Engine 
 from __future__ import annotations
 
 import copy
+import json
 import random
 import time
 import warnings
@@ -22,7 +23,8 @@ from typing import Any, cast
 
 import torch
 from datasets import Dataset
-from peft import LoraConfig, PeftModel
+from peft import LoraConfig, PeftModel, set_peft_model_state_dict
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 with warnings.catch_warnings():
@@ -199,6 +201,36 @@ class Engine:
                 if name in weights:
                     p.copy_(weights[name])
         self.trainer.optimizer.load_state_dict(optimizer_state)
+
+    def load_adapter(self, adapter_dir: Path | None) -> None:
+        """Take over a published version's weights and optimizer state (None: the base model,
+        i.e. every LoRA B zero, fresh optimizer state). Raises if the adapter does not fit this
+        engine's LoRA configuration (another rank or targets); the caller builds a new Engine."""
+        model = self.trainer.model
+        with torch.no_grad():
+            if adapter_dir is None:
+                for name, p in model.named_parameters():
+                    if "lora_B" in name:
+                        p.zero_()
+            else:
+                theirs = json.loads((adapter_dir / "adapter_config.json").read_text())
+                ours = model.peft_config["default"]
+                if (theirs["r"], theirs["lora_alpha"], set(theirs["target_modules"])) != (
+                    ours.r,
+                    ours.lora_alpha,
+                    set(ours.target_modules),
+                ):
+                    raise ValueError(f"{adapter_dir} has another LoRA configuration")
+                state = load_file(adapter_dir / "adapter_model.safetensors")
+                result: Any = set_peft_model_state_dict(model, state)
+                if result.unexpected_keys:
+                    raise ValueError(f"{adapter_dir} has weights this engine lacks")
+        optimizer = self.trainer.optimizer
+        saved = adapter_dir / "optimizer.pt" if adapter_dir is not None else None
+        if saved is not None and saved.exists():
+            optimizer.load_state_dict(torch.load(saved, weights_only=True))
+        else:
+            optimizer.state.clear()
 
     def save_adapter(self, out_dir: Path) -> None:
         """adapter_config.json + adapter_model.safetensors (vLLM loads these); optimizer beside."""

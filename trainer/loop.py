@@ -7,13 +7,20 @@ with LoRA (TRL's loss) -> save `DIR/policy-vN` atomically -> load it into every 
 name -> in one transaction make N current and mark the batch trained -> retire old versions.
 A crash anywhere leaves no half-written adapter served and no transition trained twice: claims
 expire, partial directories are swept, and versions not recorded in Postgres are unloaded.
+
+The publish is a compare-and-set on the version the step started from: after a rollback (or
+another trainer's publish) the trainer takes over the new current version's weights and trains
+its batch again from there. A step that raises gives its batch back (a batch that keeps failing
+is set aside after --max-train-attempts); SIGTERM gives back every claim before exiting.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -31,6 +38,16 @@ from trainer.vllm import Replicas
 
 log = logging.getLogger("flywheel.trainer")
 
+MOVED_RETRIES = 3  # times a batch is trained again from a version that became current meanwhile
+
+
+class Stopping(BaseException):
+    """SIGTERM: leave the step where it is (nothing half-published survives a crash either)."""
+
+
+def _stop(signum: int, _frame: object) -> None:
+    raise Stopping(signal.Signals(signum).name)
+
 
 def run(settings: TrainerSettings) -> None:
     url = database.resolve_url(settings.database_url, settings.home)
@@ -40,11 +57,14 @@ def run(settings: TrainerSettings) -> None:
         settings.vllm,
         settings.vllm_api_key.get_secret_value() if settings.vllm_api_key else None,
     )
+    signal.signal(signal.SIGTERM, _stop)  # kubectl delete, docker stop: claims go back at once
     try:
         trainer = Trainer(settings, sessions, vllm)
         if settings.metrics_port:  # opened once the engine is built: it doubles as readiness
             start_http_server(settings.metrics_port)
         trainer.run()
+    except (Stopping, KeyboardInterrupt):
+        log.info("stopped")
     finally:
         vllm.close()
         db.dispose()
@@ -61,6 +81,9 @@ class Trainer:
         resume = Path(current.path) if current and Path(current.path).exists() else None
         log.info("starting from %s", current.name if current else "the base model")
         self.engine = Engine(settings, resume_from=resume)
+        # The version the engine's weights descend from: a publish succeeds only while it is
+        # current (compare-and-set), so a rollback sticks and two trainers never fork the policy.
+        self.parent = current.version if current else None
         self.baseline = (
             RunningBaseline(settings.baseline_momentum)
             if settings.ungrouped == "baseline"
@@ -70,11 +93,15 @@ class Trainer:
         self._next_reconcile = 0.0
 
     def run(self) -> None:
-        while self.settings.max_steps is None or self.steps < self.settings.max_steps:
-            if time.monotonic() >= self._next_reconcile:
-                self.reconcile()
-            if not self.step():
-                time.sleep(self.settings.poll_s)
+        """Steps until max_steps, or until SIGTERM/SIGINT (Stopping): then the claims go back."""
+        try:
+            while self.settings.max_steps is None or self.steps < self.settings.max_steps:
+                if time.monotonic() >= self._next_reconcile:
+                    self.reconcile()
+                if not self.step():
+                    time.sleep(self.settings.poll_s)
+        finally:
+            self.release_claims()
 
     # --- one step ---------------------------------------------------------------------------
 
@@ -91,34 +118,80 @@ class Trainer:
                 limit=s.max_batch_transitions,
                 min_episodes=s.min_episodes,
                 min_groups=s.min_groups,
+                max_attempts=s.max_train_attempts,
             )
             metrics.queue.set(store.queue_depth(session=session, agents=s.agents))
         if not claimed:
             return False
-        current_version = current.version if current else 0
-        batch = build_batch(
-            claimed,
-            s,
-            current_version=current_version,
-            baseline=self.baseline,
-            limits=self.engine.limits,
-        )
-        for reason, count in batch.skip_counts.items():
-            metrics.skipped.labels(reason).inc(count)
-        sampled = [c.policy_version for c in claimed if c.policy_version is not None]
-        if sampled:
-            metrics.staleness.set(current_version - sum(sampled) / len(sampled))
-        if not batch.samples:
-            with self.sessions.begin() as session:
-                store.set_aside(batch.skipped, session=session, trainer_id=s.trainer_id)
-            return False
+        version = current.version if current else None
+        for _ in range(1 + MOVED_RETRIES):
+            self._follow(version)
+            try:
+                published = self._train(claimed)
+            except policy.PolicyMoved as moved:
+                log.warning("%s: training the batch again from there", moved)
+                metrics.step_failures.labels("policy_moved").inc()
+                version = moved.current
+                continue
+            if published:
+                self.steps += 1
+            return published
+        self._give_back([c.id for c in claimed], reason="policy_moved")
+        return False
 
+    def _train(self, claimed: list[store.Claimed]) -> bool:
+        """One update on the claimed rows from the engine's current weights, then publish."""
+        s = self.settings
+        ids = [c.id for c in claimed]
         before = self.engine.snapshot()
-        stats = self.engine.step(batch.samples)
-        published = self._publish(batch, stats, before)
-        if published:
-            self.steps += 1
-        return published
+        try:
+            batch = build_batch(
+                claimed,
+                s,
+                current_version=self.parent or 0,
+                baseline=self.baseline,
+                limits=self.engine.limits,
+            )
+            for reason, count in batch.skip_counts.items():
+                metrics.skipped.labels(reason).inc(count)
+            sampled = [c.policy_version for c in claimed if c.policy_version is not None]
+            if sampled:
+                metrics.staleness.set((self.parent or 0) - sum(sampled) / len(sampled))
+            if not batch.samples:
+                with self.sessions.begin() as session:
+                    store.set_aside(batch.skipped, session=session, trainer_id=s.trainer_id)
+                return False
+            stats = self.engine.step(batch.samples)
+        except Exception:  # a bad batch must not stop training: it has max_train_attempts
+            log.exception("the step failed on a batch of %d transitions; giving it back", len(ids))
+            self.engine.restore(before)
+            self._give_back(ids, reason="error")
+            return False
+        return self._publish(batch, stats, before)
+
+    def _follow(self, version: int | None) -> None:
+        """Make the engine start from `version` (None: the base model) if it is not there: after
+        a rollback, or another trainer's publish. Its weights and saved optimizer state."""
+        if version == self.parent:
+            return
+        path = None
+        if version is not None:
+            with self.sessions.begin() as session:
+                adapter = policy.get(version, session=session)
+            path = Path(adapter.path) if adapter else None
+            if path is None or not path.exists():
+                log.error("v%d is current but %s is not here: from the base model", version, path)
+                path = None
+        label = f"v{version}" if version is not None else "the base model"
+        log.warning("the policy is %s now: the trainer takes over its weights", label)
+        try:
+            self.engine.load_adapter(path)
+        except (ValueError, RuntimeError) as e:
+            log.warning("%s; building a new engine from it", e)
+            del self.engine
+            gc.collect()
+            self.engine = Engine(self.settings, resume_from=path)
+        self.parent = version
 
     def _publish(self, batch: Batch, stats: StepStats, before: Snapshot) -> bool:
         s = self.settings
@@ -144,23 +217,29 @@ class Trainer:
                 store.finish(
                     session=session,
                     trainer_id=s.trainer_id,
-                    trained=batch.trained_ids,
+                    trained=batch.trained,
                     skipped=batch.skipped,
                     version=version,
+                    parent=self.parent,
                     name=name,
                     path=str(final),
                     base_model=str(s.model),
-                    stats=_stats_json(batch, stats, swap_s),
+                    stats=_stats_json(batch, stats, swap_s, self.parent),
                 )
-        except store.LostClaim as e:
+        except (store.LostClaim, policy.PolicyMoved) as e:
             log.warning("discarding %s: %s", name, e)
             try:
                 self.vllm.unload_everywhere(name)
             except VLLMError as unload_error:  # reconcile unloads it once it is an orphan
                 log.warning("could not unload %s yet: %s", name, unload_error)
+            if isinstance(e, policy.PolicyMoved):  # the batch stays ours, to train again
+                self.engine.restore(before)
+                shutil.rmtree(final, ignore_errors=True)
+                raise
             self._abandon(batch, final, before, reason="lost_claim")
             return False
 
+        self.parent = version
         self._report(version, batch, stats, swap_s)
         self._retire_old_versions()
         return True
@@ -168,14 +247,21 @@ class Trainer:
     def _abandon(self, batch: Batch, adapter_dir: Path, before: Snapshot, *, reason: str) -> None:
         """Undo the step: weights back, batch back to the queue, adapter directory gone."""
         self.engine.restore(before)
-        with self.sessions.begin() as session:
-            store.release(
-                batch.trained_ids + list(batch.skipped),
-                session=session,
-                trainer_id=self.settings.trainer_id,
-            )
+        self._give_back(list(batch.trained) + list(batch.skipped), reason=reason)
         shutil.rmtree(adapter_dir, ignore_errors=True)
+
+    def _give_back(self, ids: list[str], *, reason: str) -> None:
+        with self.sessions.begin() as session:
+            store.release(ids, session=session, trainer_id=self.settings.trainer_id)
         metrics.step_failures.labels(reason).inc()
+
+    def release_claims(self) -> None:
+        """At shutdown: whatever we still hold goes back to the queue at once, not after the
+        lease (and it does not count as an attempt)."""
+        with self.sessions.begin() as session:
+            n = store.release_all(session=session, trainer_id=self.settings.trainer_id)
+        if n:
+            log.info("gave back %d claimed transitions", n)
 
     # --- keeping vLLM and the disk in step with Postgres -------------------------------------
 
@@ -227,7 +313,7 @@ class Trainer:
 
     def _report(self, version: int, batch: Batch, stats: StepStats, swap_s: float) -> None:
         metrics.steps.inc()
-        metrics.trained.inc(len(batch.trained_ids))
+        metrics.trained.inc(len(batch.trained))
         metrics.reward_mean.set(batch.reward_mean)
         metrics.loss.set(stats.loss)
         metrics.clip_fraction.set(stats.clip_fraction)
@@ -262,8 +348,11 @@ def _is_orphan(settings: TrainerSettings, name: str) -> bool:
     return age > settings.lease_s
 
 
-def _stats_json(batch: Batch, stats: StepStats, swap_s: float) -> dict[str, object]:
+def _stats_json(
+    batch: Batch, stats: StepStats, swap_s: float, parent: int | None
+) -> dict[str, object]:
     return {
+        "parent": parent,  # the version it was trained from (None: the base model)
         "samples": len(batch.samples),
         "reward_mean": batch.reward_mean,
         "loss": stats.loss,

@@ -3,7 +3,10 @@
 
 Claims are leases: `claimed_by` + `claim_expires_at`, taken with FOR UPDATE SKIP LOCKED, so two
 trainers never take the same rows and a crashed trainer's rows come back when its lease runs out.
-A batch becomes `trained_at` in the same transaction that records the adapter version trained on it.
+A batch becomes `trained_at` in the same transaction that records the adapter version trained on it,
+and only if every return it trained on is still the stored one (a reward may have moved it).
+Every claim counts an attempt; a row claimed `max_attempts` times without being trained (its batch
+crashed the step, or kept losing) is set aside as `train_failed` instead of stalling the queue.
 """
 
 from __future__ import annotations
@@ -33,12 +36,13 @@ class Claimed:
 
 
 class LostClaim(Exception):
-    """Our lease ran out and another trainer took (some of) the batch: discard this step."""
+    """Our lease ran out and another trainer took (some of) the batch, or a reward changed a
+    return we trained on: discard this step."""
 
 
 _CANDIDATES = """
 SELECT id::text, episode_id, task_id, agent_name, policy_version, "return",
-       prompt_token_ids, completion_token_ids, logprobs, params
+       prompt_token_ids, completion_token_ids, logprobs, params, train_attempts
 FROM transition
 WHERE status = 'ok' AND credited_at IS NOT NULL AND trained_at IS NULL AND skip_reason IS NULL
   AND (claim_expires_at IS NULL OR claim_expires_at < now())
@@ -58,12 +62,18 @@ def claim(
     limit: int,
     min_episodes: int,
     min_groups: int,
+    max_attempts: int,
 ) -> list[Claimed]:
     """Claim the oldest credited, untrained transitions if they make a big enough batch.
 
-    Too few: nothing is written (the row locks go with the transaction).
+    Too few: nothing is claimed (the row locks go with the transaction); rows that have used up
+    their attempts are set aside all the same.
     """
     rows = session.execute(text(_CANDIDATES), {"agents": agents or None, "limit": limit}).all()
+    failed = [r[0] for r in rows if r[10] >= max_attempts]
+    if failed:
+        set_aside(dict.fromkeys(failed, "train_failed"), session=session, trainer_id=None)
+        rows = [r for r in rows if r[10] < max_attempts]
     claimed = [
         Claimed(
             r[0],
@@ -88,7 +98,7 @@ def claim(
         return []
     session.execute(
         text(
-            "UPDATE transition SET claimed_by = :me, "
+            "UPDATE transition SET claimed_by = :me, train_attempts = train_attempts + 1, "
             "claim_expires_at = now() + make_interval(secs => :lease) "
             "WHERE id = ANY(CAST(:ids AS uuid[]))"
         ),
@@ -101,28 +111,41 @@ def finish(
     *,
     session: Session,
     trainer_id: str,
-    trained: list[str],
+    trained: dict[str, float],
     skipped: dict[str, str],
     version: int,
+    parent: int | None,
     name: str,
     path: str,
     base_model: str,
     stats: dict[str, Any],
 ) -> None:
-    """Make `version` current and mark its batch trained (and the set-aside rows skipped)."""
+    """Make `version` current and mark its batch trained (and the set-aside rows skipped).
+
+    `trained` maps each row to the return it was trained on: a row claimed by someone else now,
+    or whose return a reward has changed since, is LostClaim. `parent` is the version the step
+    started from: if another is current now, policy.PolicyMoved (see `policy.publish`).
+    """
     done = session.execute(
         text(
-            "UPDATE transition SET trained_at = now(), trained_version = :v, claimed_by = NULL, "
-            "claim_expires_at = NULL WHERE id = ANY(CAST(:ids AS uuid[])) AND claimed_by = :me "
-            "AND trained_at IS NULL RETURNING id"
+            "UPDATE transition AS t SET trained_at = now(), trained_version = :v, "
+            "claimed_by = NULL, claim_expires_at = NULL "
+            "FROM unnest(CAST(:ids AS uuid[]), CAST(:rets AS float8[])) AS u(id, ret) "
+            "WHERE t.id = u.id AND t.claimed_by = :me AND t.trained_at IS NULL "
+            'AND t."return" = u.ret '
+            "RETURNING t.id"
         ),
-        {"ids": trained, "me": trainer_id, "v": version},
+        {"ids": list(trained), "rets": list(trained.values()), "me": trainer_id, "v": version},
     ).all()
     if len(done) != len(trained):
-        raise LostClaim(f"{len(trained) - len(done)} of {len(trained)} rows were taken over")
+        raise LostClaim(
+            f"{len(trained) - len(done)} of {len(trained)} rows were taken over or had their "
+            "return changed by a reward"
+        )
     set_aside(skipped, session=session, trainer_id=trainer_id)
     policy.publish(
         session=session,
+        parent=parent,
         version=version,
         name=name,
         path=path,
@@ -132,13 +155,15 @@ def finish(
     )
 
 
-def set_aside(skipped: dict[str, str], *, session: Session, trainer_id: str) -> None:
-    """Record why these claimed rows will never be trained; they leave the queue."""
+def set_aside(skipped: dict[str, str], *, session: Session, trainer_id: str | None) -> None:
+    """Record why these rows (claimed by us; unclaimed with None) will never be trained; they
+    leave the queue."""
     for reason in sorted(set(skipped.values())):
         session.execute(
             text(
                 "UPDATE transition SET skip_reason = :reason, claimed_by = NULL, "
-                "claim_expires_at = NULL WHERE id = ANY(CAST(:ids AS uuid[])) AND claimed_by = :me"
+                "claim_expires_at = NULL WHERE id = ANY(CAST(:ids AS uuid[])) "
+                "AND claimed_by IS NOT DISTINCT FROM :me"
             ),
             {
                 "reason": reason,
@@ -156,6 +181,20 @@ def release(ids: list[str], *, session: Session, trainer_id: str) -> None:
             "WHERE id = ANY(CAST(:ids AS uuid[])) AND claimed_by = :me"
         ),
         {"ids": ids, "me": trainer_id},
+    )
+
+
+def release_all(*, session: Session, trainer_id: str) -> int:
+    """Give back everything we hold, at shutdown; that claim does not count as an attempt."""
+    return len(
+        session.execute(
+            text(
+                "UPDATE transition SET claimed_by = NULL, claim_expires_at = NULL, "
+                "train_attempts = greatest(train_attempts - 1, 0) "
+                "WHERE claimed_by = :me AND trained_at IS NULL RETURNING id"
+            ),
+            {"me": trainer_id},
+        ).all()
     )
 
 
