@@ -49,7 +49,8 @@ async def copy_insert(
             await cursor.execute("RELEASE SAVEPOINT copy_insert")
             return
         await cursor.execute(
-            f"CREATE TEMP TABLE IF NOT EXISTS {table}_in (LIKE {table}) ON COMMIT DELETE ROWS"
+            f"CREATE TEMP TABLE IF NOT EXISTS {table}_in (LIKE {table} INCLUDING DEFAULTS) "
+            "ON COMMIT DELETE ROWS"
         )
         await _copy(cursor, f"{table}_in", names, types, rows)
         await cursor.execute(

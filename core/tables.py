@@ -154,8 +154,21 @@ class Reward(Base):
     # Unique per episode: a retry with the same key is answered "duplicate", stored once.
     idempotency_key: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    # A step reward whose transition is not stored yet (another replica's writer has it): set
+    # until the writer stores that transition and moves it to `transition_id`.
+    pending_transition_id: Mapped[uuid.UUID | None] = mapped_column(Uuid)
+    pending_tool_call_id: Mapped[str | None] = mapped_column(Text)
 
-    __table_args__ = (UniqueConstraint("episode_id", "idempotency_key"),)
+    __table_args__ = (
+        UniqueConstraint("episode_id", "idempotency_key"),
+        Index(
+            "ix_reward_pending",
+            "episode_id",
+            postgresql_where=sql(
+                "pending_transition_id IS NOT NULL OR pending_tool_call_id IS NOT NULL"
+            ),
+        ),
+    )
 
 
 class AdapterVersion(Base):

@@ -92,6 +92,7 @@ async def insert_transitions(
     await copy_insert(session, "transition", TRANSITION_COLUMNS, rows)
     if air_penalty is not None:
         await add_air_rewards([r for r in records if r.tool_errors], -air_penalty, session=session)
+    await attach_pending_rewards(records, session=session)
     await credit_episodes(sorted(episodes), session=session, gamma=gamma)
     return list(messages)
 
@@ -209,47 +210,55 @@ async def add_reward(
     session: AsyncSession,
     episode_id: str,
     value: float,
-    transition_id: uuid.UUID | None,
+    transition_id: uuid.UUID | None = None,
+    tool_call_id: str | None = None,
     idempotency_key: str | None,
     gamma: float | None,
     source: str | None = None,
-) -> tuple[bool, int]:
-    """Record one reward and re-credit its episode. Returns (duplicate, transitions credited).
+) -> tuple[str, uuid.UUID | None, int]:
+    """Record one reward and re-credit its episode.
 
-    An idempotency key is unique per episode: its repeat (same value and transition) is a
-    duplicate; the same key with another value or transition is KeyReused. Posts for one episode
-    are serialised by the episode row lock, and the unique constraint backs it up.
+    Returns (status, the transition it went to, transitions credited); status is "accepted",
+    "duplicate" (its idempotency key was seen: unique per episode, so it must be the same
+    reward, else KeyReused) or "pending": a step reward for a transition (or tool call) not
+    stored yet, kept until the writer stores it (`attach_pending_rewards`), like a final reward
+    for an episode not seen yet. Posts for one episode are serialised by the episode row lock.
     """
     await lock_episodes({episode_id: None}, session=session)
     if idempotency_key is not None:
-        seen = (
-            await session.execute(
-                select(Reward.value, Reward.transition_id).where(
-                    Reward.episode_id == episode_id, Reward.idempotency_key == idempotency_key
-                )
+        seen = await session.scalar(
+            select(Reward).where(
+                Reward.episode_id == episode_id, Reward.idempotency_key == idempotency_key
             )
-        ).first()
+        )
         if seen is not None:
-            if (seen.value, seen.transition_id) != (value, transition_id):
+            if seen.value != value:
                 raise KeyReused(
                     f"idempotency_key {idempotency_key!r} was used in episode {episode_id!r} "
-                    f"for reward {seen.value} on "
-                    f"{seen.transition_id or 'the episode'}; use a new key for a new reward"
+                    f"for another reward ({seen.value}); use a new key for a new reward"
                 )
-            return True, 0
+            return "duplicate", seen.transition_id, 0
 
-    if transition_id is None:
+    pending: dict[str, Any] = {}
+    if tool_call_id is not None:
+        try:
+            transition_id = await transition_of_tool_call(episode_id, tool_call_id, session=session)
+        except UnknownTransition:
+            pending = {"pending_tool_call_id": tool_call_id}
+    elif transition_id is not None:
+        owner = await session.scalar(
+            select(Transition.episode_id).where(Transition.id == transition_id)
+        )
+        if owner is None:
+            pending, transition_id = {"pending_transition_id": transition_id}, None
+        elif owner != episode_id:
+            raise UnknownTransition(f"no transition {transition_id} in episode {episode_id!r}")
+    else:
         await session.execute(
             update(Episode)
             .where(Episode.id == episode_id)
             .values(final_reward=value, final_reward_at=func.now())
         )
-    else:
-        owner = await session.scalar(
-            select(Transition.episode_id).where(Transition.id == transition_id)
-        )
-        if owner != episode_id:
-            raise UnknownTransition(f"no transition {transition_id} in episode {episode_id!r}")
 
     inserted = await session.scalar(
         insert(Reward)
@@ -259,13 +268,41 @@ async def add_reward(
             value=value,
             source=source,
             idempotency_key=idempotency_key,
+            **pending,
         )
         .on_conflict_do_nothing(index_elements=["episode_id", "idempotency_key"])
         .returning(Reward.id)
     )
     if inserted is None:  # only if the episode lock were bypassed; the key is stored
-        return True, 0
-    return False, await credit_episodes([episode_id], session=session, gamma=gamma, strict=True)
+        return "duplicate", transition_id, 0
+    if pending:
+        return "pending", None, 0
+    credited = await credit_episodes([episode_id], session=session, gamma=gamma, strict=True)
+    return "accepted", transition_id, credited
+
+
+async def attach_pending_rewards(records: list[TransitionRecord], *, session: AsyncSession) -> None:
+    """Step rewards that arrived before these transitions were stored now name them (by id, or
+    by a tool call they made). Runs after the episode rows are locked: a reward transaction that
+    saw no transition either committed its pending row before, or sees the transitions after."""
+    calls = [(r.episode_id, str(c["id"]), r.id) for r in records for c in r.tool_calls or ()
+             if isinstance(c, dict) and c.get("id")]  # fmt: skip
+    await session.execute(
+        text(
+            "UPDATE reward AS r SET transition_id = u.t, pending_transition_id = NULL, "
+            "pending_tool_call_id = NULL "
+            "FROM unnest(CAST(:episodes AS text[]), CAST(:calls AS text[]), CAST(:ids AS uuid[])) "
+            "AS u(e, call, t) "
+            "WHERE (r.pending_transition_id IS NOT NULL OR r.pending_tool_call_id IS NOT NULL) "
+            "AND r.episode_id = u.e "
+            "AND (r.pending_transition_id = u.t OR r.pending_tool_call_id = u.call)"
+        ),
+        {
+            "episodes": [r.episode_id for r in records] + [e for e, _, _ in calls],
+            "calls": [None] * len(records) + [c for _, c, _ in calls],
+            "ids": [r.id for r in records] + [t for _, _, t in calls],
+        },
+    )
 
 
 async def transition_of_tool_call(

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+from core import database
+from demo.vllm_server import free_port
 from tests.conftest import RunningProxy
+from tests.test_air import ASK
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -151,15 +157,12 @@ def test_a_step_reward_may_not_change_an_earlier_trained_return(make_proxy: Any)
 
 def test_a_list_is_all_or_nothing(proxy: RunningProxy) -> None:
     call(proxy, "atomic")
+    [elsewhere] = call(proxy, "another-episode")
     r = post(
         proxy,
         [
             {"episode_id": "atomic", "reward": 1.0},
-            {
-                "episode_id": "atomic",
-                "transition_id": "00000000-0000-4000-8000-000000000000",
-                "reward": 1.0,
-            },
+            {"episode_id": "atomic", "transition_id": elsewhere, "reward": 1.0},
         ],
     )
     assert r.status_code == 404
@@ -209,3 +212,55 @@ def test_malformed_reward_bodies(proxy: RunningProxy, raw: bytes) -> None:
     )
     assert r.status_code == 400, r.text
     assert set(r.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_step_reward_reaching_another_replica_first_is_kept_until_its_transition_is_stored(
+    make_proxy: Any, tmp_path: Path
+) -> None:
+    """Issue 13, item 13: replica B answered 404 for a transition replica A had recorded but not
+    stored yet (A's writer was journaling through a Postgres blip of its own)."""
+    a, b = make_proxy(home=tmp_path / "a", journal_retry_s=0.2), make_proxy(home=tmp_path / "b")
+    recorder = a.services.recorder
+    reachable = recorder._sessionmaker
+    dead_engine, dead = database.create_async_sessions(
+        f"postgresql://nobody@127.0.0.1:{free_port()}/none"
+    )
+    recorder._sessionmaker = dead
+    try:
+        with a.client(**{"X-Episode-Id": "cross", "X-Task-Id": "t"}) as c:
+            first = c.post("/v1/chat/completions", json=CHAT)
+            second = c.post("/v1/chat/completions", json=ASK)
+        assert first.status_code == second.status_code == 200
+        tid = first.headers["x-transition-id"]
+        [call_id] = [t["id"] for t in second.json()["choices"][0]["message"]["tool_calls"]]
+        deadline = time.monotonic() + 10
+        while not recorder.journal.pending:  # A's writer failed over to its journal
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        answers = [
+            post(b, {"episode_id": "cross", "transition_id": tid, "reward": 0.5}),
+            post(b, {"episode_id": "cross", "tool_call_id": call_id, "reward": -1.0}),
+            post(b, {"episode_id": "cross", "reward": 1.0}),
+        ]
+        assert [r.status_code for r in answers] == [200] * 3, [r.text for r in answers]
+        assert [r.json()["status"] for r in answers] == ["pending", "pending", "accepted"]
+        assert proxy_rewards(b, "cross") == [
+            ({"transition_id": tid}, None),
+            ({"tool_call_id": call_id}, None),
+            (None, None),
+        ]
+    finally:
+        recorder._sessionmaker = reachable
+    # A's writer replays its journal: the rewards join their transitions and count.
+    b.wait_rows(
+        "SELECT 1 FROM transition WHERE episode_id = 'cross' AND credited_at IS NOT NULL", 2
+    )
+    tool_tid = second.headers["x-transition-id"]
+    assert returns(b, "cross") == {tid: 1.5, tool_tid: 0.0}
+    assert proxy_rewards(b, "cross") == [(None, tid), (None, tool_tid), (None, None)]
+    asyncio.run(dead_engine.dispose())
+
+
+def proxy_rewards(proxy: RunningProxy, episode: str) -> list[tuple[Any, Any]]:
+    rewards = proxy.client().get(f"/v1/episodes/{episode}").json()["rewards"]
+    return [(r["pending"], r["transition_id"]) for r in rewards]

@@ -5,6 +5,9 @@
   batch cannot stall training. NOT NULL DEFAULT 0 is metadata-only in Postgres >= 11: no rewrite.
 - A reward's idempotency key is unique per episode, not globally: the same key in another
   episode is another reward (it was silently dropped as a duplicate).
+- A step reward whose transition is not stored yet (recorded by another proxy replica, still in
+  its writer queue) is kept pending (`pending_transition_id` / `pending_tool_call_id`) and
+  joined to its transition when that is written, as final rewards for unknown episodes are.
 
 Revision ID: 0006
 Revises: 0005
@@ -21,11 +24,21 @@ down_revision = "0005"
 branch_labels = None
 depends_on = None
 
+PENDING = "pending_transition_id IS NOT NULL OR pending_tool_call_id IS NOT NULL"
+
 
 def upgrade() -> None:
     op.add_column(
         "transition",
         sa.Column("train_attempts", sa.SmallInteger(), server_default=sa.text("0"), nullable=False),
+    )
+    op.add_column("reward", sa.Column("pending_transition_id", sa.Uuid(), nullable=True))
+    op.add_column("reward", sa.Column("pending_tool_call_id", sa.Text(), nullable=True))
+    op.create_index(
+        "ix_reward_pending",
+        "reward",
+        ["episode_id"],
+        postgresql_where=sa.text(PENDING),
     )
     op.drop_constraint("uq_reward_idempotency_key", "reward", type_="unique")
     op.create_unique_constraint("uq_reward_episode_id", "reward", ["episode_id", "idempotency_key"])
@@ -34,4 +47,7 @@ def upgrade() -> None:
 def downgrade() -> None:
     op.drop_constraint("uq_reward_episode_id", "reward", type_="unique")
     op.create_unique_constraint("uq_reward_idempotency_key", "reward", ["idempotency_key"])
+    op.drop_index("ix_reward_pending", table_name="reward")
+    op.drop_column("reward", "pending_tool_call_id")
+    op.drop_column("reward", "pending_transition_id")
     op.drop_column("transition", "train_attempts")

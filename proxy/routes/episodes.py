@@ -82,6 +82,14 @@ def _reward(r: Reward) -> dict[str, Any]:
     return {
         "id": r.id,
         "transition_id": str(r.transition_id) if r.transition_id else None,
+        # Not joined to its step yet: that transition (or tool call) is not stored yet.
+        "pending": (
+            {"transition_id": str(r.pending_transition_id)}
+            if r.pending_transition_id
+            else {"tool_call_id": r.pending_tool_call_id}
+            if r.pending_tool_call_id
+            else None
+        ),
         "reward": r.value,
         "source": r.source,
         "idempotency_key": r.idempotency_key,

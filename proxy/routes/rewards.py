@@ -5,7 +5,9 @@ call the transition made (`tool_call_id`: what a framework that ran the tool kno
 says who gave it ("tool" for a failed tool run, say; "air" is the proxy's own, proxy/air.py).
 
 A reward for an episode whose transitions are still in this process's writer queue waits for them
-(`Recorder.wait_stored`), so a reward posted after its completion's response always joins it.
+(`Recorder.wait_stored`), so a reward posted after its completion's response always joins it. A
+step reward whose transition another replica recorded and has not stored yet is kept "pending"
+and joins its transition when that replica's writer stores it (`store.attach_pending_rewards`).
 """
 
 from __future__ import annotations
@@ -68,16 +70,12 @@ async def store_rewards(body: Any, services: Services) -> dict[str, Any]:
             for r in items:
                 param = "tool_call_id" if r.tool_call_id is not None else "transition_id"
                 try:
-                    transition_id = r.transition_id
-                    if r.tool_call_id is not None:
-                        transition_id = await store.transition_of_tool_call(
-                            r.episode_id, r.tool_call_id, session=session
-                        )
-                    duplicate, credited = await store.add_reward(
+                    status, transition_id, credited = await store.add_reward(
                         session=session,
                         episode_id=r.episode_id,
                         value=r.reward,
-                        transition_id=transition_id,
+                        transition_id=r.transition_id,
+                        tool_call_id=r.tool_call_id,
                         idempotency_key=r.idempotency_key,
                         gamma=services.settings.credit_gamma,
                         source=r.source,
@@ -99,7 +97,7 @@ async def store_rewards(body: Any, services: Services) -> dict[str, Any]:
                         "transition_id": str(transition_id) if transition_id else None,
                         "reward": r.reward,
                         "source": r.source,
-                        "status": "duplicate" if duplicate else "accepted",
+                        "status": status,
                         "credited_transitions": credited,
                     }
                 )
@@ -111,10 +109,9 @@ async def store_rewards(body: Any, services: Services) -> dict[str, Any]:
             type="service_unavailable",
             code="database_unavailable",
         ) from e
-    for result in results:
-        metrics.rewards_ingested.labels(
-            "final" if result["transition_id"] is None else "step", result["status"]
-        ).inc()
+    for r, result in zip(items, results, strict=True):
+        step = r.transition_id is not None or r.tool_call_id is not None
+        metrics.rewards_ingested.labels("step" if step else "final", result["status"]).inc()
     if isinstance(body, dict):
         return results[0]
     return {"object": "list", "data": results}
