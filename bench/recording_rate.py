@@ -127,7 +127,7 @@ async def measure(url: str, records: list[TransitionRecord], batch_size: int) ->
             sessions,
             Journal(Path(journal_dir)),
             batch_size=batch_size,
-            queue_max=10 * len(records),
+            queue_max_bytes=2**40,
             retry_s=1.0,
             gamma=None,
         )

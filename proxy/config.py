@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import ByteSize, Field, SecretStr, field_validator
 from pydantic_settings import NoDecode
 
 from core.settings import DatabaseSettings, split_commas, vllm_base_urls
@@ -73,8 +73,23 @@ class ProxySettings(DatabaseSettings):
     journal_retry_s: float = Field(
         1.0, gt=0, description="While Postgres is unreachable, how often a journal replay is tried."
     )
-    writer_queue_max: int = Field(
-        200_000, ge=1, description="Transitions held in memory before they spill to the journal."
+    writer_queue_max_bytes: ByteSize = Field(
+        ByteSize(256 * 2**20),
+        ge=1,
+        description="Memory the writer's queue may hold (e.g. 256MiB) before it spills to the "
+        "journal: a slow database must not get the proxy OOM-killed with its queue.",
+    )
+    shutdown_drain_s: float = Field(
+        20.0,
+        gt=0,
+        description="On SIGTERM, how long calls in flight may take to finish (uvicorn's graceful "
+        "shutdown) before they are cut.",
+    )
+    shutdown_flush_s: float = Field(
+        10.0,
+        gt=0,
+        description="Then how long the writer may take to get its queue into Postgres before the "
+        "rest goes to the journal. The pod's termination grace must exceed drain + flush.",
     )
     replica_probe_s: float = Field(
         2.0,

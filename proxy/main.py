@@ -12,9 +12,6 @@ import uvicorn
 from proxy.app import create_app
 from proxy.config import ProxySettings
 
-GRACEFUL_SHUTDOWN_S = 30  # in-flight calls finish; then the recorder flushes (Recorder.stop)
-
-
 def run(settings: ProxySettings) -> None:
     app = create_app(settings)
     # Per-call garbage is short-lived; the ~10^5 objects of the imported libraries are not. Keep
@@ -31,6 +28,7 @@ def run(settings: ProxySettings) -> None:
         log_level=settings.log_level.lower(),
         access_log=False,  # requests are counted in /metrics; an access log costs per request
         proxy_headers=False,  # nothing reads the client's address; one ASGI layer less per call
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
+        # In-flight calls finish (up to drain), then the writer flushes (up to flush).
+        timeout_graceful_shutdown=int(settings.shutdown_drain_s),
         timeout_keep_alive=settings.keep_alive_s,
     )

@@ -33,6 +33,11 @@ transitions_rejected = Counter(
 writer_queue_depth = Gauge(
     "flywheel_writer_queue_depth", "Transitions waiting in memory for the background writer."
 )
+writer_queue_bytes = Gauge(
+    "flywheel_writer_queue_bytes",
+    "About how much memory the writer's queue holds; past FLYWHEEL_WRITER_QUEUE_MAX_BYTES it "
+    "spills to the journal.",
+)
 journal_pending = Gauge(
     "flywheel_journal_pending", "Transitions in the disk journal not yet replayed into Postgres."
 )

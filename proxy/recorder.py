@@ -55,7 +55,7 @@ class Recorder:
         journal: Journal,
         *,
         batch_size: int,
-        queue_max: int,
+        queue_max_bytes: int,
         retry_s: float,
         gamma: float | None,
         air_penalty: float | None = None,
@@ -63,11 +63,11 @@ class Recorder:
         self._sessionmaker = sessionmaker
         self.journal = journal
         self._batch_size = batch_size
-        self._queue_max = queue_max
+        self._queue_max_bytes = queue_max_bytes
         self._retry_s = retry_s
         self._gamma = gamma
         self._air_penalty = air_penalty
-        self._queue: deque[TransitionRecord] = deque()
+        self._queue = RecordQueue()
         self._inflight: dict[int, list[TransitionRecord]] = {}  # writer -> its batch
         self._replaying = False
         self._unstored: dict[str, set[str]] = {}  # episode id -> transition ids not in Postgres
@@ -111,11 +111,12 @@ class Recorder:
     def submit(self, records: list[TransitionRecord]) -> None:
         self._track(records)
         self._queue.extend(records)
-        if len(self._queue) > self._queue_max and time.monotonic() >= self._journal_retry_at:
-            spill = list(self._queue)
-            self._queue.clear()
-            self._journal(spill)  # on failure they are back in the queue
-        metrics.writer_queue_depth.set(len(self._queue))
+        if (
+            self._queue.nbytes > self._queue_max_bytes
+            and time.monotonic() >= self._journal_retry_at
+        ):  # Postgres is slow (or down): to disk before the memory runs out
+            self._journal(self._queue.take_all())  # on failure they are back in the queue
+        self._queue.report()
         self._wake.set()
 
     async def wait_stored(
@@ -152,9 +153,9 @@ class Recorder:
                 await self._task
         except Exception:  # the writer should not die; if it did, still save what is left
             log.exception("the writer failed; saving what is left to the journal")
-        leftover = [r for batch in self._inflight.values() for r in batch] + list(self._queue)
+        leftover = [r for batch in self._inflight.values() for r in batch]
+        leftover += self._queue.take_all()
         self._inflight.clear()
-        self._queue.clear()
         if leftover and not self._journal(leftover):
             log.critical(
                 "%d recorded transitions could be written neither to Postgres nor to the journal "
@@ -175,7 +176,7 @@ class Recorder:
                     return
             except Exception:  # a bug: the batch goes back, the writer lives on
                 log.exception("writer %d failed; its batch goes back to the queue", index)
-                self._queue.extendleft(reversed(self._inflight.pop(index, [])))
+                self._queue.put_back(self._inflight.pop(index, []))
                 await asyncio.sleep(self._retry_s)
 
     async def _writer_step(self, index: int) -> bool:
@@ -187,8 +188,8 @@ class Recorder:
             self._wake.clear()
         if self.journal.pending and time.monotonic() >= self._next_replay:
             await self._replay()
-        batch = [self._queue.popleft() for _ in range(min(self._batch_size, len(self._queue)))]
-        metrics.writer_queue_depth.set(len(self._queue))
+        batch = self._queue.take(self._batch_size)
+        self._queue.report()
         if self._queue:
             self._wake.set()  # more than one batch waiting: wake the other writer too
         if batch:
@@ -298,8 +299,8 @@ class Recorder:
             metrics.transitions_journaled.inc(len(records))
             metrics.journal_pending.set(self.journal.pending)
             return True
-        self._queue.extendleft(reversed(records))
-        metrics.writer_queue_depth.set(len(self._queue))
+        self._queue.put_back(records)
+        self._queue.report()
         self._journal_retry_at = time.monotonic() + self._retry_s
         return False
 
@@ -337,3 +338,47 @@ class Recorder:
                     del self._unstored[r.episode_id]
         self._stored.set()
         self._stored = asyncio.Event()
+
+
+class RecordQueue:
+    """The writer's FIFO queue and about how much memory its records hold (`nbytes`): the
+    bound that matters is memory, and one record is 1 KB or 1 MB depending on its prompt."""
+
+    def __init__(self) -> None:
+        self._items: deque[TransitionRecord] = deque()
+        self.nbytes = 0
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def extend(self, records: list[TransitionRecord]) -> None:
+        self._items.extend(records)
+        self.nbytes += sum(map(record_bytes, records))
+
+    def put_back(self, records: list[TransitionRecord]) -> None:
+        """At the front, in their order: they were taken first."""
+        self._items.extendleft(reversed(records))
+        self.nbytes += sum(map(record_bytes, records))
+
+    def take(self, n: int) -> list[TransitionRecord]:
+        items = self._items
+        batch = [items.popleft() for _ in range(min(n, len(items)))]
+        self.nbytes = self.nbytes - sum(map(record_bytes, batch)) if items else 0
+        return batch
+
+    def take_all(self) -> list[TransitionRecord]:
+        return self.take(len(self._items))
+
+    def report(self) -> None:
+        metrics.writer_queue_depth.set(len(self._items))
+        metrics.writer_queue_bytes.set(self.nbytes)
+
+
+def record_bytes(r: TransitionRecord) -> int:
+    """About what a record holds in memory as Python objects (measured with tracemalloc: ~36 B
+    per int in an id list, ~32 B per float, plus the prompt's text at ~4 characters a token).
+    The n choices of one call share their prompt; counting it n times errs on the safe side."""
+    prompt = len(r.prompt_token_ids) if r.prompt_token_ids else (r.prompt_tokens or 0)
+    completion = len(r.completion_token_ids) if r.completion_token_ids else 0
+    return 1024 + 41 * prompt + 70 * completion + len(r.text or "")
+

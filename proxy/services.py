@@ -52,7 +52,7 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
         sessionmaker,
         Journal(settings.journal_dir),
         batch_size=settings.writer_batch_size,
-        queue_max=settings.writer_queue_max,
+        queue_max_bytes=settings.writer_queue_max_bytes,
         retry_s=settings.journal_retry_s,
         gamma=settings.credit_gamma,
         air_penalty=settings.air_penalty,
@@ -80,7 +80,7 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
         await keeper.stop()
         await scorer.stop()  # hands its last records to the writer
         await alias.stop()
-        await recorder.stop()
+        await recorder.stop(settings.shutdown_flush_s)
         await upstream.close()
         await engine.dispose()
 

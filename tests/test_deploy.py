@@ -422,7 +422,13 @@ def test_overlay_lists_every_vllm_replica_once(overlay: Path) -> None:
     assert urls == [f"http://vllm-{i}.{service}:8000" for i in range(vllm["spec"]["replicas"])]
     assert docs["Service", service]["spec"]["clusterIP"] == "None"  # stable per-pod names
 
-    proxy = docs["Deployment", "proxy"]["spec"]["template"]["spec"]["containers"][0]
+    proxy_spec = docs["Deployment", "proxy"]["spec"]["template"]["spec"]
+    proxy = proxy_spec["containers"][0]
+    # Issue 13, item 3: SIGKILL came before uvicorn's 30 s drain plus the writer's 30 s flush.
+    assert (
+        proxy_spec["terminationGracePeriodSeconds"]
+        >= shutdown_s(env_of(proxy), config["data"]) + 10
+    )
     trainer_spec = docs["Deployment", "trainer"]["spec"]
     trainer = trainer_spec["template"]["spec"]["containers"][0]
     assert env_of(proxy)["FLYWHEEL_UPSTREAM"] == env_of(trainer)["FLYWHEEL_VLLM"] == "$(VLLM_URLS)"
@@ -461,6 +467,25 @@ def test_overlay_lists_every_vllm_replica_once(overlay: Path) -> None:
     assert docs["Job", "migrate"]["spec"]["template"]["spec"]["containers"][0]["args"] == [
         "migrate"
     ]
+
+
+def shutdown_s(*envs: dict[str, Any]) -> float:
+    """The proxy's drain + flush on SIGTERM, as these env vars (or its defaults) set them."""
+    total = 0.0
+    for name in ("shutdown_drain_s", "shutdown_flush_s"):
+        values = [e.get(f"FLYWHEEL_{name.upper()}") for e in envs]
+        given = [v for v in values if isinstance(v, str) and v]
+        total += float(given[0]) if given else ProxySettings.model_fields[name].default
+    return total
+
+
+def test_compose_gives_the_proxy_time_to_drain_and_flush(compose: Any) -> None:
+    proxy = compose["services"]["proxy"]
+    grace = proxy.get("stop_grace_period", "10s")
+    seconds = sum(
+        int(n) * {"h": 3600, "m": 60, "s": 1}[u] for n, u in re.findall(r"(\d+)([hms])", grace)
+    )
+    assert seconds >= shutdown_s(proxy["environment"]) + 10, grace
 
 
 def test_replicas_overlay_uses_an_external_postgres() -> None:

@@ -13,6 +13,7 @@ import errno
 import logging
 import random
 import time
+import tracemalloc
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +31,7 @@ from core.database import AsyncSessions
 from core.record import TransitionRecord
 from demo.vllm_server import free_port
 from proxy.journal import Journal
-from proxy.recorder import Recorder
+from proxy.recorder import Recorder, record_bytes
 from tests.conftest import RunningProxy, start_pg, stop_pg
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -69,7 +70,7 @@ async def test_journal_and_postgres_both_failing_keep_records_in_memory_until_on
 ) -> None:
     journal = Journal(tmp_path)
     recorder = Recorder(
-        postgres_down, journal, batch_size=4, queue_max=1000, retry_s=0.2, gamma=None
+        postgres_down, journal, batch_size=4, queue_max_bytes=2**30, retry_s=0.2, gamma=None
     )
     monkeypatch.setattr(journal, "append", disk_full)
     errors_before = metric("flywheel_journal_errors_total", operation="append")
@@ -99,7 +100,9 @@ async def test_a_failed_spill_keeps_the_queue_and_the_request_is_not_failed(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     journal = Journal(tmp_path)
-    recorder = Recorder(postgres_down, journal, batch_size=4, queue_max=3, retry_s=5, gamma=None)
+    recorder = Recorder(
+        postgres_down, journal, batch_size=4, queue_max_bytes=1, retry_s=5, gamma=None
+    )
     monkeypatch.setattr(journal, "append", disk_full)
     recorder.start()
     batch = records(6)
@@ -118,7 +121,9 @@ async def test_stop_saves_what_is_left_to_the_journal_when_postgres_is_down(
     postgres_down: AsyncSessions, tmp_path: Path
 ) -> None:
     journal = Journal(tmp_path)
-    recorder = Recorder(postgres_down, journal, batch_size=4, queue_max=1000, retry_s=5, gamma=None)
+    recorder = Recorder(
+        postgres_down, journal, batch_size=4, queue_max_bytes=2**30, retry_s=5, gamma=None
+    )
     recorder.start()
     batch = records(9)
     recorder.submit(batch)
@@ -146,7 +151,7 @@ async def test_a_corrupt_journal_line_is_quarantined_and_the_rest_replayed(
     engine, sessionmaker = database.create_async_sessions(database_url)
     journal = Journal(tmp_path)
     recorder = Recorder(
-        sessionmaker, journal, batch_size=4, queue_max=1000, retry_s=0.1, gamma=None
+        sessionmaker, journal, batch_size=4, queue_max_bytes=2**30, retry_s=0.1, gamma=None
     )
     assert journal.pending == len(good)  # the two bad lines no longer count
     assert (tmp_path / "quarantine" / segment.name).read_bytes() == original
@@ -164,7 +169,7 @@ async def test_a_corrupt_journal_line_is_quarantined_and_the_rest_replayed(
 
 
 def chat(proxy: RunningProxy, episode: str) -> list[str]:
-    body = {**CHAT, "n": 3}  # three records: over a writer_queue_max of 1, they spill at once
+    body = {**CHAT, "n": 3}  # three records: over a writer_queue_max_bytes of 1, they spill at once
     r = proxy.client(**{"X-Episode-Id": episode}).post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text  # vLLM answered; however the journal fares
     return r.headers["x-transition-id"].split(",")
@@ -177,7 +182,7 @@ def test_the_proxy_starts_on_a_corrupt_journal_and_health_shows_a_failing_journa
     journal_dir.mkdir(parents=True)
     old = records(2, seed=9)
     corrupt_segment(journal_dir, old)
-    proxy: RunningProxy = make_proxy(writer_queue_max=1, journal_retry_s=0.2)
+    proxy: RunningProxy = make_proxy(writer_queue_max_bytes=1, journal_retry_s=0.2)
     health = httpx.get(proxy.url + "/healthz")
     assert health.status_code == 200 and health.json()["journal_quarantined"] == 1
 
@@ -217,3 +222,45 @@ def test_postgres_down_and_journal_failing_is_a_503_and_loses_nothing(
     rows = proxy.wait_rows("SELECT id::text FROM transition", 3, timeout=30)
     assert sorted(i for (i,) in rows) == sorted(served)
     assert httpx.get(proxy.url + "/healthz").json()["status"] == "degraded"
+
+
+async def test_the_queue_is_bounded_in_bytes_so_long_prompts_spill_to_the_journal(
+    postgres_down: AsyncSessions, tmp_path: Path
+) -> None:
+    """Issue 13, item 3: 200k transitions of a few thousand prompt tokens each were gigabytes
+    held in memory before anything spilled; the bound is now what they weigh."""
+    journal = Journal(tmp_path)
+    recorder = Recorder(
+        postgres_down, journal, batch_size=4, queue_max_bytes=2**20, retry_s=5, gamma=None
+    )
+    small = records(20)
+    for r in small:
+        r.prompt_token_ids = [7] * 50
+    recorder.submit(small)  # ~20 x 3 KB: stays in memory
+    assert recorder.queue_depth == 20 and journal.pending == 0
+    long = records(1, seed=2)
+    long[0].prompt_token_ids = list(range(30_000))  # ~1.2 MB as Python ints
+    recorder.submit(long)
+    assert recorder.queue_depth == 0 and journal.pending == 21  # all spilled, in order
+    assert metric("flywheel_writer_queue_bytes") == 0
+    assert [r.id for s in journal.segments() for r in journal.read(s)] == [
+        r.id for r in small + long
+    ]
+
+
+def test_record_bytes_follows_what_records_hold_in_memory() -> None:
+    """The estimate against tracemalloc, for short and long prompts (within a factor of 1.5)."""
+    for prompt_tokens in (10, 4000):
+        rng = random.Random(prompt_tokens)
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        made = records(20, seed=prompt_tokens)
+        for r in made:
+            r.prompt_token_ids = [rng.randrange(1000, 150_000) for _ in range(prompt_tokens)]
+            r.messages = orjson.loads(orjson.dumps(
+                [{"role": "user", "content": "x" * (4 * prompt_tokens)}]
+            ))  # fmt: skip
+        held = (tracemalloc.get_traced_memory()[0] - before) / len(made)
+        tracemalloc.stop()
+        estimate = sum(map(record_bytes, made)) / len(made)
+        assert held / 1.5 < estimate < held * 1.5, (prompt_tokens, held, estimate)

@@ -132,7 +132,12 @@ async def test_interleaved_episodes_through_two_writers_lose_nothing(
     records = [r for turn in zip(*episodes, strict=True) for r in turn]
     engine, sessionmaker = database.create_async_sessions(database_url)
     recorder = Recorder(
-        sessionmaker, Journal(tmp_path), batch_size=3, queue_max=1000, retry_s=1.0, gamma=None
+        sessionmaker,
+        Journal(tmp_path),
+        batch_size=3,
+        queue_max_bytes=2**30,
+        retry_s=1.0,
+        gamma=None,
     )
     recorder.start()
     for i in range(0, len(records), 4):
