@@ -198,3 +198,17 @@ class AdapterVersion(Base):
             postgresql_where=sql("is_current"),
         ),
     )
+
+
+class ApiKey(Base):
+    """A tenant's API key, as its SHA-256 hash (core/tenants.py); revoked keys stay, marked."""
+
+    __tablename__ = "api_key"
+
+    id: Mapped[str] = mapped_column(Text, primary_key=True)  # the `fw_<id>_...` part
+    tenant: Mapped[str] = mapped_column(Text)
+    scopes: Mapped[list[str]] = mapped_column(ARRAY(Text))
+    key_hash: Mapped[bytes] = mapped_column(LargeBinary)
+    name: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    revoked_at: Mapped[datetime | None]

@@ -4,6 +4,8 @@
     flywheel trainer --model DIR --vllm URL [--vllm URL ...] --adapters-dir DIR
     flywheel adapters list
     flywheel adapters activate N --vllm URL [--vllm URL ...]   # rollback; N=0: the base model
+    flywheel keys create --tenant T [--scopes infer,reward,read] [--name N]   # prints the key once
+    flywheel keys list | flywheel keys revoke ID
     flywheel migrate [--database-url URL]
     flywheel up [--port P] [--task calc|calc-tools]   # the whole local loop, embedded defaults
     flywheel demo-model DIR             # generate the tiny demo model
@@ -24,7 +26,7 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
-from core import database, policy
+from core import database, policy, tenants
 from core.settings import DatabaseSettings, vllm_base_urls
 from core.vllm import VLLMAdmin, VLLMError
 from proxy.config import ProxySettings
@@ -54,6 +56,14 @@ def main(argv: list[str] | None = None) -> None:
     adapters.add_argument("version", nargs="?", type=int, help="with activate: the version")
     adapters.add_argument("--vllm", action="append", help="vLLM base URL(s) to load it into")
     adapters.add_argument("--database-url")
+
+    keys = commands.add_parser("keys", help="create, list or revoke tenants' API keys")
+    keys.add_argument("action", choices=["create", "list", "revoke"])
+    keys.add_argument("id", nargs="?", help="with revoke: the key's id (from `keys list`)")
+    keys.add_argument("--tenant", help="with create: whose key (its episodes are its own)")
+    keys.add_argument("--scopes", default="infer,reward,read", help="with create: comma-separated")
+    keys.add_argument("--name", help="with create: a note (who or what uses it)")
+    keys.add_argument("--database-url")
 
     migrate = commands.add_parser("migrate", help="apply the database migrations and exit")
     migrate.add_argument("--database-url")
@@ -90,6 +100,14 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "adapters":
         _adapters(args, _settings(DatabaseSettings, given))
         return
+    if args.command == "keys":
+        _keys(args, _settings(DatabaseSettings, given))
+        return
+    if args.command == "migrate":  # needs the database only (no proxy settings to check)
+        db = _settings(DatabaseSettings, given)
+        database.migrate(database.resolve_url(db.database_url, db.home))
+        print("database is at the newest migration")
+        return
     settings = _settings(ProxySettings, given)
     _configure_logging(settings.log_level)
     if args.command == "proxy":
@@ -98,9 +116,6 @@ def main(argv: list[str] | None = None) -> None:
         from proxy.main import run as run_proxy
 
         run_proxy(settings)
-    elif args.command == "migrate":
-        database.migrate(database.resolve_url(settings.database_url, settings.home))
-        print("database is at the newest migration")
     elif args.command == "up":
         from demo.stack import run_local_stack
 
@@ -111,6 +126,40 @@ def main(argv: list[str] | None = None) -> None:
             vllm_port=args.vllm_port,
             task=args.task,
         )
+
+
+def _keys(args: argparse.Namespace, settings: DatabaseSettings) -> None:
+    url = database.resolve_url(settings.database_url, settings.home)
+    database.migrate(url)
+    engine, sessions = database.create_sessions(url)
+    try:
+        with sessions.begin() as session:
+            if args.action == "create":
+                if not args.tenant:
+                    sys.exit("flywheel keys create --tenant T [--scopes infer,reward,read]")
+                scopes = [s.strip() for s in args.scopes.split(",") if s.strip()]
+                kid, key = tenants.create_key(
+                    session=session, tenant=args.tenant, scopes=scopes, name=args.name
+                )
+                print(key)  # stdout: the key alone, for scripts; it is not stored anywhere
+                print(f"key {kid} for tenant {args.tenant} ({', '.join(sorted(scopes))}): "
+                      "shown once; proxies accept it within FLYWHEEL_KEYS_REFRESH_S",
+                      file=sys.stderr)  # fmt: skip
+            elif args.action == "revoke":
+                if not args.id:
+                    sys.exit("flywheel keys revoke ID")
+                if not tenants.revoke_key(args.id, session=session):
+                    sys.exit(f"flywheel keys: no active key {args.id!r}")
+                print(f"revoked {args.id}: refused within FLYWHEEL_KEYS_REFRESH_S")
+            else:
+                for k in tenants.keys(session=session):
+                    state = f"revoked {k.revoked_at:%Y-%m-%d %H:%M}" if k.revoked_at else "active"
+                    print(f"{k.id}  {k.tenant:<16} {','.join(k.scopes):<18} "
+                          f"{k.created_at:%Y-%m-%d %H:%M}  {state}  {k.name or ''}")  # fmt: skip
+    except tenants.BadKeyRequest as e:
+        sys.exit(f"flywheel keys: {e}")
+    finally:
+        engine.dispose()
 
 
 def _adapters(args: argparse.Namespace, settings: DatabaseSettings) -> None:

@@ -30,7 +30,7 @@ def create_app(settings: ProxySettings) -> Edge:
             yield
 
     # With keys on, the schema is not served to whoever asks (`app.openapi()` still builds it).
-    openapi_url = None if settings.api_keys else "/openapi.json"
+    openapi_url = None if settings.auth_on else "/openapi.json"
     app = FastAPI(
         title="Flywheel proxy",
         lifespan=lifespan,

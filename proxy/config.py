@@ -7,14 +7,16 @@ Lists (`upstream`, `api_keys`) are comma-separated in the environment. Where the
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
-from pydantic import ByteSize, Field, SecretStr, field_validator
+from pydantic import ByteSize, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from core.settings import DatabaseSettings, split_commas, vllm_base_urls
 
+# No `/`: a tenant's ids are stored as `<tenant>/<id>` (core/tenants.py), so no tag names another's.
 TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,199}$"
 
 
@@ -27,7 +29,21 @@ class ProxySettings(DatabaseSettings):
     port: int = Field(8000, ge=1, le=65535, description="Port the proxy listens on.")
     api_keys: Annotated[list[SecretStr], NoDecode] = Field(
         default_factory=list,
-        description="If set, every /v1/* call needs `Authorization: Bearer <one of these>`.",
+        description="Keys of the default tenant (every scope). Set, or auth=keys: every /v1/* "
+        "call needs `Authorization: Bearer <key>`.",
+    )
+    auth: Literal["off", "keys"] = Field(
+        "off",
+        description="keys: every /v1/* call needs a key, from api_keys or from `flywheel keys "
+        "create` (per tenant, scoped, stored hashed). Set api_keys implies keys.",
+    )
+    keys_refresh_s: float = Field(
+        2.0, gt=0, description="How often the keys table is re-read (a revoked key stops then)."
+    )
+    dangerously_serve_without_keys: bool = Field(
+        False,
+        description="Listen on a non-loopback address with auth off: anyone who can reach the "
+        "port reads every transcript and posts rewards. Refused unless this is set.",
     )
     upstream_api_key: SecretStr | None = Field(None, description="Bearer key sent to vLLM.")
     admin_key: SecretStr | None = Field(
@@ -79,6 +95,18 @@ class ProxySettings(DatabaseSettings):
         description="Memory the writer's queue may hold (e.g. 256MiB) before it spills to the "
         "journal: a slow database must not get the proxy OOM-killed with its queue.",
     )
+    durable: bool = Field(
+        False,
+        description="Release a successful answer only once its transitions are committed or "
+        "fsync'd to the journal, so not even kill -9 loses an answered call (costs latency: "
+        "docs/benchmarks.md, durable mode).",
+    )
+    durable_wait_s: float = Field(
+        30.0,
+        gt=0,
+        description="Durable mode: release the answer anyway after this long (Postgres and the "
+        "journal both failing), counted in flywheel_durable_timeouts_total.",
+    )
     shutdown_drain_s: float = Field(
         20.0,
         gt=0,
@@ -110,5 +138,33 @@ class ProxySettings(DatabaseSettings):
         return vllm_base_urls(urls, "upstream")
 
     @property
+    def auth_on(self) -> bool:
+        return self.auth == "keys" or bool(self.api_keys)
+
+    @model_validator(mode="after")
+    def _refuse_an_open_network_proxy(self) -> ProxySettings:
+        if (
+            not self.auth_on
+            and not _loopback(self.host)
+            and not self.dangerously_serve_without_keys
+        ):
+            raise ValueError(
+                f"refusing to listen on {self.host} without API keys: anyone who can reach it "
+                "would read every transcript and post rewards. Set FLYWHEEL_API_KEYS (or "
+                "FLYWHEEL_AUTH=keys and `flywheel keys create`), listen on 127.0.0.1, or set "
+                "FLYWHEEL_DANGEROUSLY_SERVE_WITHOUT_KEYS=true if a network policy guards it."
+            )
+        return self
+
+    @property
     def journal_dir(self) -> Path:
         return self.home / "journal"
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False

@@ -1,7 +1,9 @@
 """The first thing every request meets: the outermost ASGI app, in front of FastAPI.
 
 - path-form tags: `/episode/e1/task/t1/v1/...` is routed as `/v1/...` with the tags kept aside;
-- auth: with FLYWHEEL_API_KEYS set, `/v1/*` needs `Authorization: Bearer <key>` (never logged);
+- auth: with keys on (FLYWHEEL_API_KEYS or FLYWHEEL_AUTH=keys), `/v1/*` needs
+  `Authorization: Bearer <key>` (never logged) with the route's scope; the caller's Principal
+  (its tenant: proxy/auth.py, core/tenants.py) goes into the scope as `flywheel.principal`;
 - the fast lane: the completion routes (`wire.ROUTES`, every agent call) go straight to
   `routes.completions.complete`, not through FastAPI's middleware stack, router and exception
   handlers (about 5% of the proxy's busy samples at 64 clients, by py-spy); their errors get the
@@ -21,6 +23,7 @@ from starlette.routing import Match
 from starlette.types import Message, Receive, Scope, Send
 
 from proxy import metrics, wire
+from proxy.auth import require
 from proxy.config import ProxySettings
 from proxy.errors import ApiError, error_response, unexpected_error
 from proxy.routes.completions import complete
@@ -33,7 +36,7 @@ _COMPLETIONS = {route.path: route for route in wire.ROUTES}
 class Edge:
     def __init__(self, app: FastAPI, settings: ProxySettings) -> None:
         self.app = app
-        self._keys = [k.get_secret_value().encode() for k in settings.api_keys]
+        self._auth_on = settings.auth_on
         self._admin_key = (
             settings.admin_key.get_secret_value().encode() if settings.admin_key else None
         )
@@ -95,8 +98,11 @@ class Edge:
             tags, path = split
             scope = dict(scope, path=path, raw_path=path.encode())
             scope["flywheel.path_tags"] = tags
-        if self._keys and scope["path"].startswith("/v1/"):
-            _authorize(scope, self._keys, "FLYWHEEL_API_KEYS")
+        if self._auth_on and scope["path"].startswith("/v1/"):
+            header = dict(scope["headers"]).get(b"authorization", b"")
+            principal = services_of(self.app).keys.authenticate(header)
+            require(principal, scope["path"])
+            scope["flywheel.principal"] = principal
         if scope["path"].startswith("/admin/"):
             if self._admin_key is None:
                 raise ApiError(

@@ -12,6 +12,7 @@ import uvicorn
 from proxy.app import create_app
 from proxy.config import ProxySettings
 
+
 def run(settings: ProxySettings) -> None:
     app = create_app(settings)
     # Per-call garbage is short-lived; the ~10^5 objects of the imported libraries are not. Keep

@@ -22,6 +22,7 @@ from core import database
 from core.database import AsyncSessions
 from proxy.air import ToolCheck
 from proxy.alias import PolicyAlias
+from proxy.auth import KeyRing
 from proxy.config import ProxySettings
 from proxy.forward import Forwarder
 from proxy.journal import Journal
@@ -39,6 +40,7 @@ class Services:
     upstream: Upstream
     alias: PolicyAlias
     forwarder: Forwarder
+    keys: KeyRing
 
 
 @asynccontextmanager
@@ -58,6 +60,13 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
         air_penalty=settings.air_penalty,
     )
     recorder.start()
+    keys = KeyRing(
+        [k.get_secret_value() for k in settings.api_keys],
+        sessionmaker,
+        refresh_s=settings.keys_refresh_s,
+    )
+    if settings.auth_on:
+        await keys.start()
     alias = PolicyAlias(
         settings.policy_alias,
         sessionmaker,
@@ -74,9 +83,14 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
     try:
         yield Services(
             settings, sessionmaker, recorder, upstream, alias,
-            Forwarder(upstream, alias, recorder, scorer, check),
+            Forwarder(
+                upstream, alias, recorder, scorer, check,
+                settings.durable_wait_s if settings.durable else None,
+            ),
+            keys,
         )  # fmt: skip
     finally:
+        await keys.stop()
         await keeper.stop()
         await scorer.stop()  # hands its last records to the writer
         await alias.stop()

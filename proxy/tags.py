@@ -11,6 +11,7 @@ import re
 import uuid
 from dataclasses import dataclass
 
+from core.tenants import DEFAULT, Principal
 from proxy.config import TAG_PATTERN
 from proxy.errors import ApiError
 
@@ -21,10 +22,11 @@ HEADERS = {"episode_id": "x-episode-id", "task_id": "x-task-id", "agent_name": "
 
 @dataclass(frozen=True)
 class Tags:
-    episode_id: str
-    task_id: str | None = None
+    episode_id: str  # as stored: `<tenant>/<id>` for a tenant's key (core/tenants.py)
+    task_id: str | None = None  # likewise
     agent_name: str | None = None
     generated: bool = False  # no episode id was given: this call is an episode of its own
+    public_episode_id: str = ""  # as the client named it (X-Episode-Id in the answer)
 
 
 def split_path(path: str) -> tuple[dict[str, str], str] | None:
@@ -51,7 +53,9 @@ def split_path(path: str) -> tuple[dict[str, str], str] | None:
     return tags, "/v1/" + tail
 
 
-def resolve(path_tags: dict[str, str], headers: dict[str, str]) -> Tags:
+def resolve(
+    path_tags: dict[str, str], headers: dict[str, str], principal: Principal = DEFAULT
+) -> Tags:
     values: dict[str, str] = {}
     for name, header in HEADERS.items():
         from_header = headers.get(header)
@@ -78,9 +82,11 @@ def resolve(path_tags: dict[str, str], headers: dict[str, str]) -> Tags:
     generated = "episode_id" not in values
     if generated:
         values["episode_id"] = f"ep-{uuid.uuid4().hex}"
+    task_id = values.get("task_id")
     return Tags(
-        episode_id=values["episode_id"],
-        task_id=values.get("task_id"),
+        episode_id=principal.own(values["episode_id"]),
+        task_id=principal.own(task_id) if task_id is not None else None,
         agent_name=values.get("agent_name"),
         generated=generated,
+        public_episode_id=values["episode_id"],
     )

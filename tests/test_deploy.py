@@ -40,7 +40,7 @@ BIN = Path(sys.executable).parent  # the venv's console scripts (flywheel, hadol
 COMPOSE = ROOT / "docker-compose.yml"
 OVERLAYS = sorted(p.parent for p in (ROOT / "deploy" / "overlays").glob("*/kustomization.yaml"))
 DASHBOARD = ROOT / "deploy" / "monitoring" / "grafana" / "dashboards" / "flywheel.json"
-REQUIRED_COMPOSE_VARS = ("POSTGRES_PASSWORD", "MODEL_DIR")
+REQUIRED_COMPOSE_VARS = ("POSTGRES_PASSWORD", "MODEL_DIR", "FLYWHEEL_API_KEYS")
 
 
 def tool(name: str) -> str:
@@ -166,6 +166,9 @@ def test_every_setting_is_a_knob_in_env_example_and_reaches_its_service(compose:
             var = f"FLYWHEEL_{field.upper()}"
             if field in ("home", "host", "port"):
                 continue  # set by the image (Dockerfile ENV)
+            if field == "dangerously_serve_without_keys":
+                assert var not in environment  # compose requires keys: no way to turn that off
+                continue
             assert var in environment, f"{var} is not passed to {service} in docker-compose.yml"
             if environment[var] is None:  # passed through from .env when set there
                 assert re.search(rf"^#? ?{var}=", example, re.M), f"{var} not in .env.example"
@@ -291,6 +294,12 @@ def test_proxy_image_command_serves_healthz(
         FLYWHEEL_HOME=str(tmp_path),
     )
     assert env["FLYWHEEL_HOST"] == "0.0.0.0" and env["FLYWHEEL_REQUIRE_DATABASE_URL"] == "true"
+    # Issue 13, item 9: on 0.0.0.0 without keys anyone could read every transcript: refused.
+    refused = subprocess.run(
+        image_command("Dockerfile.proxy"), env=env, capture_output=True, text=True, timeout=60
+    )
+    assert refused.returncode != 0 and "without API keys" in refused.stderr, refused.stderr
+    env["FLYWHEEL_API_KEYS"] = "sk-test"
     log = tmp_path / "proxy.log"
     with open(log, "wb") as out:
         process = subprocess.Popen(
@@ -299,6 +308,7 @@ def test_proxy_image_command_serves_healthz(
     try:
         wait_http(f"http://127.0.0.1:{port}/healthz", process, timeout=60, log_path=log)
         assert httpx.get(f"http://127.0.0.1:{port}/healthz").json()["database"] == "up"
+        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401
         # The image's HEALTHCHECK, run as Docker would run it (same python, same env).
         healthcheck = dockerfile("Dockerfile.proxy")["healthcheck"]
         assert healthcheck[0] == "python"
@@ -444,6 +454,12 @@ def test_overlay_lists_every_vllm_replica_once(overlay: Path) -> None:
             "flywheel-database"
         )
     assert config["data"]["FLYWHEEL_REQUIRE_DATABASE_URL"] == "true"
+    # Keys required (issue 13, item 9): the default tenant's from a Secret, tenants' from the table.
+    assert config["data"]["FLYWHEEL_AUTH"] == "keys"
+    assert env_of(proxy)["FLYWHEEL_API_KEYS"]["secretKeyRef"] == {
+        "name": "flywheel-api-keys",
+        "key": "keys",
+    }
 
     # The adapters volume: ReadWriteMany, mounted at the trainer's FLYWHEEL_ADAPTERS_DIR by both.
     adapters_dir = config["data"]["FLYWHEEL_ADAPTERS_DIR"]

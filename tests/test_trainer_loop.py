@@ -24,7 +24,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from bench.fake_vllm import FakeVLLM
-from core import database, policy
+from core import database, policy, tenants
 from core.database import Sessions
 from demo.tiny_model import build_demo_model
 from demo.vllm_server import free_port
@@ -37,9 +37,15 @@ from trainer.vllm import Replicas
 pytestmark = pytest.mark.slow
 
 
-def play(proxy: RunningProxy, tasks: int = 2, episodes_per_task: int = 4, agent: str = "a") -> None:
+def play(
+    proxy: RunningProxy,
+    tasks: int = 2,
+    episodes_per_task: int = 4,
+    agent: str = "a",
+    key: str | None = None,
+) -> None:
     """Episodes through the proxy, half of each task's episodes rewarded."""
-    with proxy.client() as c:
+    with proxy.client(**({"Authorization": f"Bearer {key}"} if key else {})) as c:
         for t in range(tasks):
             for e in range(episodes_per_task):
                 episode = f"{agent}-t{t}-e{e}"
@@ -139,6 +145,29 @@ def test_selective_optimisation_trains_only_the_chosen_agents(
     assert rows == [("planner", 0, 8), ("solver", 8, 8)]
 
 
+def test_the_trainer_can_be_restricted_to_tenants(
+    make_proxy: Any, make_trainer: Any, sessions: Sessions
+) -> None:
+    proxy = make_proxy(auth="keys", keys_refresh_s=0.1)
+    keys = {}
+    with sessions.begin() as session:
+        for tenant in ("acme", "globex"):
+            keys[tenant] = tenants.create_key(
+                session=session, tenant=tenant, scopes=["infer", "reward"]
+            )[1]
+    time.sleep(0.3)
+    for key in keys.values():
+        play(proxy, key=key)
+    trainer = make_trainer(tenants="globex")
+    assert trainer.step()
+    assert not trainer.step()  # acme's traffic is not this trainer's
+    rows = proxy.query(
+        "SELECT split_part(episode_id, '/', 1), count(trained_at) FROM transition "
+        "GROUP BY 1 ORDER BY 1"
+    )
+    assert rows == [("acme", 0), ("globex", 8)]
+
+
 def test_a_rejected_adapter_leaves_the_alias_where_it_was(
     proxy: RunningProxy, fake_vllm: FakeVLLM, make_trainer: Any, sessions: Sessions
 ) -> None:
@@ -223,6 +252,7 @@ def test_a_killed_trainers_claim_is_taken_over_after_its_lease(
             trainer_id="dead",
             lease_s=1.0,
             agents=[],
+            tenants=[],
             limit=256,
             min_episodes=4,
             min_groups=1,

@@ -45,6 +45,11 @@ class TrainerSettings(DatabaseSettings):
         default_factory=list,
         description="Selective optimisation: train only these agent names (empty: all agents).",
     )
+    tenants: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Train only on these tenants' traffic (`default`: FLYWHEEL_API_KEYS and "
+        "unauthenticated calls; empty: every tenant).",
+    )
     ungrouped: Literal["baseline", "drop"] = Field(
         "baseline",
         description="Transitions whose task has one episode: advantage against a running "
@@ -94,7 +99,7 @@ class TrainerSettings(DatabaseSettings):
     metrics_port: int = Field(9400, ge=0, le=65535, description="Prometheus port (0: off).")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many steps (demos).")
 
-    _split = field_validator("vllm", "agents", mode="before")(split_commas)
+    _split = field_validator("vllm", "agents", "tenants", mode="before")(split_commas)
 
     @field_validator("vllm")
     @classmethod

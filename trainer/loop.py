@@ -115,12 +115,15 @@ class Trainer:
                 trainer_id=s.trainer_id,
                 lease_s=s.lease_s,
                 agents=s.agents,
+                tenants=s.tenants,
                 limit=s.max_batch_transitions,
                 min_episodes=s.min_episodes,
                 min_groups=s.min_groups,
                 max_attempts=s.max_train_attempts,
             )
-            metrics.queue.set(store.queue_depth(session=session, agents=s.agents))
+            metrics.queue.set(
+                store.queue_depth(session=session, agents=s.agents, tenants=s.tenants)
+            )
         if not claimed:
             return False
         version = current.version if current else None

@@ -40,6 +40,11 @@ class LostClaim(Exception):
     return we trained on: discard this step."""
 
 
+# A transition's tenant, from its episode id (core/tenants.py): `<tenant>/<id>`, else "default".
+TENANT = (
+    "(CASE WHEN strpos(episode_id, '/') > 0 THEN split_part(episode_id, '/', 1) ELSE 'default' END)"
+)
+
 _CANDIDATES = """
 SELECT id::text, episode_id, task_id, agent_name, policy_version, "return",
        prompt_token_ids, completion_token_ids, logprobs, params, train_attempts
@@ -47,6 +52,7 @@ FROM transition
 WHERE status = 'ok' AND credited_at IS NOT NULL AND trained_at IS NULL AND skip_reason IS NULL
   AND (claim_expires_at IS NULL OR claim_expires_at < now())
   AND (CAST(:agents AS text[]) IS NULL OR agent_name = ANY(CAST(:agents AS text[])))
+  AND (CAST(:tenants AS text[]) IS NULL OR {TENANT} = ANY(CAST(:tenants AS text[])))
 ORDER BY credited_at
 LIMIT :limit
 FOR UPDATE SKIP LOCKED
@@ -59,6 +65,7 @@ def claim(
     trainer_id: str,
     lease_s: float,
     agents: list[str],
+    tenants: list[str],
     limit: int,
     min_episodes: int,
     min_groups: int,
@@ -69,7 +76,10 @@ def claim(
     Too few: nothing is claimed (the row locks go with the transaction); rows that have used up
     their attempts are set aside all the same.
     """
-    rows = session.execute(text(_CANDIDATES), {"agents": agents or None, "limit": limit}).all()
+    rows = session.execute(
+        text(_CANDIDATES.format(TENANT=TENANT)),
+        {"agents": agents or None, "tenants": tenants or None, "limit": limit},
+    ).all()
     failed = [r[0] for r in rows if r[10] >= max_attempts]
     if failed:
         set_aside(dict.fromkeys(failed, "train_failed"), session=session, trainer_id=None)
@@ -198,15 +208,16 @@ def release_all(*, session: Session, trainer_id: str) -> int:
     )
 
 
-def queue_depth(*, session: Session, agents: list[str]) -> int:
+def queue_depth(*, session: Session, agents: list[str], tenants: list[str]) -> int:
     """Credited, untrained, trainable transitions waiting (claimed or not)."""
     return int(
         session.execute(
             text(
                 "SELECT count(*) FROM transition WHERE status = 'ok' AND credited_at IS NOT NULL "
                 "AND trained_at IS NULL AND skip_reason IS NULL AND (CAST(:agents AS text[]) IS "
-                "NULL OR agent_name = ANY(CAST(:agents AS text[])))"
+                "NULL OR agent_name = ANY(CAST(:agents AS text[]))) AND (CAST(:tenants AS text[]) "
+                f"IS NULL OR {TENANT} = ANY(CAST(:tenants AS text[])))"
             ),
-            {"agents": agents or None},
+            {"agents": agents or None, "tenants": tenants or None},
         ).scalar_one()
     )

@@ -10,6 +10,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope
 
 from proxy import wire
+from proxy.auth import principal_of
 from proxy.errors import ApiError
 from proxy.routes.body import read_json
 from proxy.services import Services
@@ -23,5 +24,9 @@ async def complete(
     body, nul = await read_json(request, services.settings.max_body_bytes)
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
-    tags = resolve(scope.get("flywheel.path_tags", {}), request.headers)  # type: ignore[arg-type]
+    tags = resolve(
+        scope.get("flywheel.path_tags", {}),
+        request.headers,  # type: ignore[arg-type]
+        principal_of(scope),
+    )
     return await services.forwarder.handle(route, body, tags, scrub=nul)

@@ -3,15 +3,17 @@ once credited; token ids and logprobs on request) and its rewards, as JSON."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import orjson
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from core.codecs import unpack
 from core.tables import Reward, Transition
 from proxy import store
+from proxy.auth import principal_of
 from proxy.errors import ApiError
 from proxy.recorder import OUTAGE_ERRORS, STORED_WAIT_S
 from proxy.services import ServicesDep
@@ -20,36 +22,43 @@ router = APIRouter()
 
 
 @router.get("/v1/episodes/{episode_id}")
-async def get_episode(episode_id: str, services: ServicesDep, tokens: bool = False) -> Response:
+async def get_episode(
+    episode_id: str, request: Request, services: ServicesDep, tokens: bool = False
+) -> Response:
+    principal = principal_of(request.scope)  # another tenant's episode is not found
+    stored_id = principal.own(episode_id)
     # This process's own unwritten transitions of the episode first: a read after a call sees it.
-    await services.recorder.wait_stored(episode_id, timeout=STORED_WAIT_S)
+    await services.recorder.wait_stored(stored_id, timeout=STORED_WAIT_S)
     try:
         async with services.sessionmaker() as session:
-            rows = await store.get_episode(episode_id, session=session)
+            rows = await store.get_episode(stored_id, session=session)
     except OUTAGE_ERRORS as e:
         raise ApiError(503, "database unavailable", type="service_unavailable") from e
     if rows is None:
         raise ApiError(
             404, f"no episode {episode_id!r}", param="episode_id", code="episode_not_found"
         )
+    public = principal.public
     episode = {
-        "id": rows.episode.id,
+        "id": public(rows.episode.id),
         "object": "episode",
-        "task_id": rows.episode.task_id,
+        "task_id": public(rows.episode.task_id) if rows.episode.task_id else None,
         "final_reward": rows.episode.final_reward,
         "created_at": rows.episode.created_at.isoformat(),
-        "transitions": [_transition(t, rows.messages, tokens) for t in rows.transitions],
+        "transitions": [_transition(t, rows.messages, tokens, public) for t in rows.transitions],
         "rewards": [_reward(r) for r in rows.rewards],
     }
     return Response(orjson.dumps(episode), media_type="application/json")
 
 
-def _transition(t: Transition, bodies: dict[bytes, Any], tokens: bool) -> dict[str, Any]:
+def _transition(
+    t: Transition, bodies: dict[bytes, Any], tokens: bool, public: Callable[[str], str]
+) -> dict[str, Any]:
     out: dict[str, Any] = {
         "id": str(t.id),
         "request_id": str(t.request_id),
         "choice_index": t.choice_index,
-        "task_id": t.task_id,
+        "task_id": public(t.task_id) if t.task_id else None,
         "agent_name": t.agent_name,
         "requested_at": t.requested_at.isoformat(),
         "route": t.route,

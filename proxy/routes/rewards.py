@@ -19,7 +19,9 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from starlette.responses import Response
 
+from core.tenants import DEFAULT, Principal
 from proxy import metrics, store, wire
+from proxy.auth import principal_of
 from proxy.errors import ApiError
 from proxy.recorder import OUTAGE_ERRORS, STORED_WAIT_S
 from proxy.routes.body import read_json
@@ -29,15 +31,43 @@ from proxy.services import Services, ServicesDep
 router = APIRouter()
 
 
-@router.post("/v1/rewards")
+# The body is read by hand (read_json: size limit, U+0000, clear errors); this documents it.
+_BODY = {
+    "required": True,
+    "content": {
+        "application/json": {
+            "schema": {
+                "oneOf": [
+                    RewardIn.model_json_schema(),
+                    {
+                        "type": "array",
+                        "items": RewardIn.model_json_schema(),
+                        "minItems": 1,
+                        "maxItems": MAX_REWARDS_PER_POST,
+                    },
+                ]
+            }
+        }
+    },
+}
+
+
+@router.post("/v1/rewards", openapi_extra={"requestBody": _BODY})
 async def post_rewards(request: Request, services: ServicesDep) -> Response:
     body, nul = await read_json(request, services.settings.max_body_bytes)
-    out = await store_rewards(wire.pg_safe(body) if nul else body, services)
+    principal = principal_of(request.scope)
+    out = await store_rewards(wire.pg_safe(body) if nul else body, services, principal)
     return Response(orjson.dumps(out), media_type="application/json")
 
 
-async def store_rewards(body: Any, services: Services) -> dict[str, Any]:
-    items = parse_rewards(body)
+async def store_rewards(
+    body: Any, services: Services, principal: Principal = DEFAULT
+) -> dict[str, Any]:
+    """Store every reward of the body or none; episode ids are the caller's (its tenant's)."""
+    items = [
+        r.model_copy(update={"episode_id": principal.own(r.episode_id)})
+        for r in parse_rewards(body)
+    ]
     recorder = services.recorder
     if not recorder.database_up:
         # The writer is journaling: Postgres was unreachable moments ago. Say so at once rather
@@ -93,7 +123,7 @@ async def store_rewards(body: Any, services: Services) -> dict[str, Any]:
                 results.append(
                     {
                         "object": "reward",
-                        "episode_id": r.episode_id,
+                        "episode_id": principal.public(r.episode_id),
                         "transition_id": str(transition_id) if transition_id else None,
                         "reward": r.reward,
                         "source": r.source,
