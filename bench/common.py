@@ -306,11 +306,19 @@ def start_fake(
     return _start("fake_vllm", argv, "/health", _env())
 
 
-def start_flywheel(upstream: str, database_url: str) -> Server:
+def start_flywheel(
+    upstream: str,
+    database_url: str,
+    *,
+    home: Path | None = None,
+    settings: dict[str, str] | None = None,
+) -> Server:
+    """`flywheel proxy`; `settings` are FLYWHEEL_* variables (e.g. FLYWHEEL_DURABLE="true")."""
     env = _env(
         FLYWHEEL_DATABASE_URL=database_url,
-        FLYWHEEL_HOME=tempfile.mkdtemp(prefix="flywheel-bench-"),
+        FLYWHEEL_HOME=str(home or tempfile.mkdtemp(prefix="flywheel-bench-")),
         FLYWHEEL_LOG_LEVEL="warning",
+        **(settings or {}),
     )
     argv = [sys.executable, "-m", "flywheel", "proxy", "--upstream", upstream]
     return _start("flywheel_proxy", argv, "/healthz", env)
@@ -492,18 +500,23 @@ def summarise_profile(raw: Path) -> Profile:
 
 
 def append_report(path: Path, title: str, module: str, args: Any, lines: Sequence[str]) -> None:
-    """Append a dated section to a report: the exact command, the run's settings, then `lines`.
+    """Append a dated section to a load benchmark's report: the exact command, the run's
+    settings (`args.latency_s`, `seconds`, `rounds`, an optional `note`), then `lines`."""
+    settings = (
+        f"{os.cpu_count()} cores; fake vLLM latency {args.latency_s * 1e3:g} ms, up to 16 tokens;"
+        f" {args.seconds:g} s per target per round, {args.rounds} rounds interleaved."
+        + (f" {args.note}" if args.note else "")
+        + "\n"
+    )
+    append_section(path, title, module, [settings, *lines])
 
-    `args` are a load benchmark's: `latency_s`, `seconds`, `rounds` and an optional `note`.
-    """
+
+def append_section(path: Path, title: str, module: str, lines: Sequence[str]) -> None:
+    """Append a dated section to a report: the exact command, then `lines`."""
     command = f"PYTHONPATH=. .venv/bin/python -m {module} " + shlex.join(sys.argv[1:])
     section = [
         f"\n## {time.strftime('%Y-%m-%d %H:%M')}\n",
         f"`{command.strip()}`\n",
-        f"{os.cpu_count()} cores; fake vLLM latency {args.latency_s * 1e3:g} ms, up to 16 tokens;"
-        f" {args.seconds:g} s per target per round, {args.rounds} rounds interleaved."
-        + (f" {args.note}" if args.note else "")
-        + "\n",
         *lines,
         "",
     ]

@@ -66,7 +66,12 @@ def validate(body: Json, served: list[str], stored: set[str]) -> web.Response | 
         return fv.error(404, msg, "NotFoundError", "model")
     if body.get("background"):
         return fv.error(400, BACKGROUND, "invalid_request_error", "background")
-    if (previous := body.get("previous_response_id")) is not None and previous not in stored:
+    previous = body.get("previous_response_id")
+    if previous is not None and not isinstance(previous, str):  # vLLM's pydantic validation
+        msg = "1 validation error:\n  {'type': 'string_type', 'loc': 'body.previous_response_id', "
+        msg += "'msg': 'Input should be a valid string'}"
+        return fv.error(400, msg, "Bad Request", "body.previous_response_id")
+    if previous is not None and previous not in stored:
         msg = f"Response with id '{previous}' not found."
         return fv.error(404, msg, "invalid_request_error", "response_id")
     return None

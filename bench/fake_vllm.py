@@ -574,6 +574,8 @@ async def completions(state: FakeState, body: Json, request: web.Request) -> Any
     if (invalid := validate(body, "completions", served_names(state))) is not None:
         return invalid
     prompts = completion_prompts(body["prompt"])
+    if not prompts or not all(prompts):
+        return error(400, "The decoder prompt cannot be empty", "BadRequestError")
     if (longest := max(map(len, prompts))) > MAX_MODEL_LEN:
         msg = f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, your "
         msg += f"prompt contains at least {longest} input tokens, which exceeds this limit even "

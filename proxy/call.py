@@ -7,6 +7,7 @@ turn a finished call into `TransitionRecord`s for the background writer.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ class Call:
     started: float = field(default_factory=time.perf_counter)
     upstream_s: float = 0.0
     recorded: bool = False
+    watched: list[asyncio.Future[None]] = field(default_factory=list)  # durable mode
     replica: Replica | None = None  # holds an outstanding slot there while set
     served_by: str | None = None  # the base URL of the replica that answered
     response_id: str | None = None  # the Responses API's id of what it answered
@@ -54,7 +56,7 @@ class Call:
     def headers(self) -> dict[str, str]:
         version = "none" if self.policy_version is None else str(self.policy_version)
         return {
-            "X-Episode-Id": self.tags.episode_id,
+            "X-Episode-Id": self.tags.public_episode_id or self.tags.episode_id,
             "X-Transition-Id": ",".join(self.transition_ids),
             "X-Policy-Version": version,
         }
@@ -83,18 +85,21 @@ def transitions(
 
 def failure(
     call: Call, http_status: int, payload: bytes, partial: dict[int, wire.Choice] | None = None
-) -> TransitionRecord:
-    """The one record of a failed call: vLLM's error body (or ours), and any text streamed
-    before it failed."""
+) -> list[TransitionRecord]:
+    """The records of a failed call, one per choice (the client was given every id in
+    X-Transition-Id): vLLM's error body (or ours), and any text each streamed before it failed."""
     try:
         error = orjson.loads(payload)
     except orjson.JSONDecodeError:
         error = {"raw": payload[:10_000].decode(errors="replace")}
-    record = _record(call, 0, call.transition_ids[0], "failed", http_status)
-    record.error = error if isinstance(error, dict) else {"raw": error}
-    if partial:
-        record.text = "".join(partial.get(0, wire.Choice()).text)
-    return record
+    records = []
+    for index, transition_id in enumerate(call.transition_ids):
+        record = _record(call, index, transition_id, "failed", http_status)
+        record.error = error if isinstance(error, dict) else {"raw": error}
+        if partial:
+            record.text = "".join(partial.get(index, wire.Choice()).text)
+        records.append(record)
+    return records
 
 
 def _record(

@@ -6,10 +6,16 @@ chat and completions; `enable_response_messages` and output logprobs on the Resp
 responses.py). On the way back those are removed again where the client did not ask for them, so
 the client sees what vLLM would have sent it. Each choice becomes one transition, handed to the
 background writer (never awaited here), or first to the scorer when vLLM left its logprobs out.
+
+Durable mode (FLYWHEEL_DURABLE): a successful answer is released only once its transitions are
+committed or fsync'd to the journal: a non-streaming body after that, a stream's terminal event
+(`[DONE]`, or the Responses API's `response.completed`) held until then. After `durable_wait_s`
+(both Postgres and the journal failing) it is released all the same, and counted.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
@@ -51,12 +57,14 @@ class Forwarder:
         recorder: Recorder,
         scorer: Scorer,
         tool_check: ToolCheck | None = None,
+        durable_wait_s: float | None = None,
     ) -> None:
         self._upstream = upstream
         self._alias = alias
         self._recorder = recorder
         self._scorer = scorer
         self._tool_check = tool_check  # AIR (proxy/air.py); None: off
+        self._durable_wait_s = durable_wait_s  # None: durable mode off
 
     async def handle(
         self, route: wire.Route, body: dict[str, Any], tags: Tags, *, scrub: bool = False
@@ -113,7 +121,7 @@ class Forwarder:
         if response.status != 200:
             if call.route is wire.RESPONSES:
                 payload = responses.unknown_previous(call.body, response.status, payload) or payload
-            self._submit(call, [failure(call, response.status, payload)])
+            self._submit(call, failure(call, response.status, payload))
             return Response(
                 payload,
                 status_code=response.status,
@@ -128,6 +136,7 @@ class Forwarder:
             _strip(call, data)
             payload = orjson.dumps(data)
         self._submit(call, transitions(call, collected, "ok"))
+        await self._safe(call)
         return Response(payload, media_type="application/json", headers=call.headers())
 
     async def _send(self, call: Call, body: bytes, *, read: bool) -> UpstreamResponse:
@@ -188,11 +197,15 @@ class Forwarder:
         collected: dict[int, wire.Choice] = {}
         status, error = "aborted", None
         detailed = call.wants_logprobs and call.wants_token_ids
+        held = b""  # durable mode: the terminal event, sent once the transitions are safe
         try:
             async for name, data_bytes in sse_events(response):
                 if data_bytes == b"[DONE]":  # chat and completions
                     status = "ok" if error is None else "failed"
-                    yield b"data: [DONE]\n\n"
+                    if self._durable_wait_s is None:
+                        yield b"data: [DONE]\n\n"
+                    else:
+                        held = b"data: [DONE]\n\n"
                     continue
                 chunk = orjson.loads(data_bytes)
                 if call.route is wire.RESPONSES:
@@ -210,6 +223,9 @@ class Forwarder:
                     _strip(call, chunk)
                     data_bytes = orjson.dumps(chunk)
                 head = b"event: " + name + b"\ndata: " if name else b"data: "
+                if self._durable_wait_s is not None and status == "ok" and not held:
+                    held = head + data_bytes + b"\n\n"  # the Responses API's response.completed
+                    continue
                 yield head + data_bytes + b"\n\n"
         except UPSTREAM_ERRORS as e:
             status, error = "failed", {"error": {"message": f"upstream stream broke: {e}"}}
@@ -223,9 +239,12 @@ class Forwarder:
                 response.close()
             call.upstream_s = time.perf_counter() - sent
             if error is not None:
-                self._submit(call, [failure(call, 200, orjson.dumps(error), partial=collected)])
+                self._submit(call, failure(call, 200, orjson.dumps(error), partial=collected))
             else:
                 self._submit(call, transitions(call, collected, status))
+        if held:
+            await self._safe(call)
+            yield held
 
     def _end_stream(self, call: Call, response: UpstreamResponse) -> None:
         self._free(call)
@@ -241,7 +260,7 @@ class Forwarder:
         status = 504 if timeout else 502
         message = f"upstream vLLM {'timed out' if timeout else 'unreachable'}"
         detail = {"error": {"message": f"{message}: {e!r}"}}  # recorded; the client gets no URL
-        self._submit(call, [failure(call, status, orjson.dumps(detail))])
+        self._submit(call, failure(call, status, orjson.dumps(detail)))
         return error_response(
             status,
             message,
@@ -250,8 +269,20 @@ class Forwarder:
             headers=call.headers(),
         )
 
+    async def _safe(self, call: Call) -> None:
+        """Durable mode: wait until the call's transitions are committed or journaled."""
+        if not call.watched:
+            return
+        _, waiting = await asyncio.wait(call.watched, timeout=self._durable_wait_s)
+        if waiting:
+            log.warning("released a response before its transitions were safe (%d waiting): "
+                        "Postgres and the journal both fail", len(waiting))  # fmt: skip
+            metrics.durable_timeouts.inc()
+
     def _submit(self, call: Call, records: list[TransitionRecord]) -> None:
         call.recorded = True
+        if self._durable_wait_s is not None and records[0].status == "ok":
+            call.watched = self._recorder.watch([r.id for r in records])
         if call.scrub or any(wire.has_nul(r) for r in records):
             records = [wire.pg_safe_record(r) for r in records]
         if self._tool_check is not None and "tools" in call.body:

@@ -33,6 +33,10 @@ transitions_rejected = Counter(
 writer_queue_depth = Gauge(
     "flywheel_writer_queue_depth", "Transitions waiting in memory for the background writer."
 )
+durable_timeouts = Counter(
+    "flywheel_durable_timeouts_total",
+    "Durable mode: responses released before their transitions were committed or journaled.",
+)
 writer_queue_bytes = Gauge(
     "flywheel_writer_queue_bytes",
     "About how much memory the writer's queue holds; past FLYWHEEL_WRITER_QUEUE_MAX_BYTES it "

@@ -71,6 +71,7 @@ class Recorder:
         self._inflight: dict[int, list[TransitionRecord]] = {}  # writer -> its batch
         self._replaying = False
         self._unstored: dict[str, set[str]] = {}  # episode id -> transition ids not in Postgres
+        self._watched: dict[str, asyncio.Future[None]] = {}  # durable mode: id -> "it is safe"
         self._stored_messages: set[bytes] = set()  # digests known committed (STORED_MESSAGES_MAX)
         self._wake = asyncio.Event()
         self._stored = asyncio.Event()  # set and replaced after every write: "look again"
@@ -107,6 +108,14 @@ class Recorder:
         """Records on their way here (being scored, proxy/scoring.py): rewards and episode reads
         wait for them as for records already queued."""
         self._track(records)
+
+    def watch(self, transition_ids: list[str]) -> list[asyncio.Future[None]]:
+        """Durable mode: futures done once each transition is committed or journaled (fsync'd).
+        Call it before the records are submitted (a spill may settle them at once)."""
+        loop = asyncio.get_running_loop()
+        futures = [loop.create_future() for _ in transition_ids]
+        self._watched.update(zip(transition_ids, futures, strict=True))
+        return futures
 
     def submit(self, records: list[TransitionRecord]) -> None:
         self._track(records)
@@ -298,6 +307,7 @@ class Recorder:
             self.journal.append(records)
             metrics.transitions_journaled.inc(len(records))
             metrics.journal_pending.set(self.journal.pending)
+            self._settle(records)
             return True
         self._queue.put_back(records)
         self._queue.report()
@@ -329,7 +339,15 @@ class Recorder:
         for r in records:
             self._unstored.setdefault(r.episode_id, set()).add(r.id)
 
+    def _settle(self, records: list[TransitionRecord]) -> None:
+        if self._watched:
+            for r in records:
+                future = self._watched.pop(r.id, None)
+                if future is not None and not future.done():
+                    future.set_result(None)
+
     def _mark_stored(self, records: list[TransitionRecord]) -> None:
+        self._settle(records)
         for r in records:
             pending = self._unstored.get(r.episode_id)
             if pending is not None:
@@ -381,4 +399,3 @@ def record_bytes(r: TransitionRecord) -> int:
     prompt = len(r.prompt_token_ids) if r.prompt_token_ids else (r.prompt_tokens or 0)
     completion = len(r.completion_token_ids) if r.completion_token_ids else 0
     return 1024 + 41 * prompt + 70 * completion + len(r.text or "")
-

@@ -264,3 +264,64 @@ def test_record_bytes_follows_what_records_hold_in_memory() -> None:
         tracemalloc.stop()
         estimate = sum(map(record_bytes, made)) / len(made)
         assert held / 1.5 < estimate < held * 1.5, (prompt_tokens, held, estimate)
+
+
+# --- durable mode (issue 13, item 4) ---------------------------------------------------------
+
+
+def slow_writes(proxy: RunningProxy, monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Every write to Postgres takes `seconds` longer: the window a kill -9 would lose."""
+    recorder = proxy.services.recorder
+    insert = recorder._insert
+
+    async def slow(records: list[TransitionRecord]) -> None:
+        await asyncio.sleep(seconds)
+        await insert(records)
+
+    monkeypatch.setattr(recorder, "_insert", slow)
+
+
+def stored(proxy: RunningProxy, transition_id: str) -> bool:
+    return bool(proxy.query("SELECT 1 FROM transition WHERE id = %s", transition_id))
+
+
+@pytest.mark.parametrize("durable", [False, True])
+def test_durable_mode_answers_only_once_the_transition_is_safe(
+    make_proxy: Any, monkeypatch: pytest.MonkeyPatch, durable: bool
+) -> None:
+    proxy: RunningProxy = make_proxy(durable=durable)
+    slow_writes(proxy, monkeypatch, 0.5)
+    with proxy.client(**{"X-Episode-Id": f"durable-{durable}"}) as c:
+        r = c.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200
+        assert stored(proxy, r.headers["x-transition-id"]) is durable  # default: not yet
+        # A stream: its [DONE] comes once the transition is stored.
+        with c.stream("POST", "/v1/chat/completions", json={**CHAT, "stream": True}) as s:
+            lines = [line for line in s.iter_lines() if line]
+            assert lines[-1] == "data: [DONE]"
+            assert stored(proxy, s.headers["x-transition-id"]) is durable
+        # The Responses API: its response.completed event is the one held.
+        with c.stream("POST", "/v1/responses", json={"model": "demo", "input": "hi",
+                                                     "stream": True}) as s:  # fmt: skip
+            events = [line for line in s.iter_lines() if line.startswith("event: ")]
+            assert events[-1] == "event: response.completed"
+            assert stored(proxy, s.headers["x-transition-id"]) is durable
+
+
+def test_durable_mode_counts_journaled_as_safe_and_times_out_when_neither_works(
+    make_proxy: Any, monkeypatch: pytest.MonkeyPatch, postgres_down: AsyncSessions
+) -> None:
+    proxy: RunningProxy = make_proxy(durable=True, durable_wait_s=1.0, journal_retry_s=0.2)
+    recorder = proxy.services.recorder
+    monkeypatch.setattr(recorder, "_sessionmaker", postgres_down)
+    with proxy.client(**{"X-Episode-Id": "durable-journal"}) as c:
+        r = c.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200
+        journaled = [x.id for s in recorder.journal.segments() for x in recorder.journal.read(s)]
+        assert r.headers["x-transition-id"] in journaled  # on disk before the answer
+        before = metric("flywheel_durable_timeouts_total")
+        monkeypatch.setattr(recorder.journal, "append", disk_full)
+        started = time.monotonic()
+        r = c.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200 and time.monotonic() - started >= 1.0  # waited, then served
+        assert metric("flywheel_durable_timeouts_total") == before + 1

@@ -131,6 +131,22 @@ def test_upstream_errors_pass_through_unchanged_and_are_recorded_failed(
     assert row[1] == "failed"
 
 
+def test_a_failed_call_of_n_choices_stores_every_id_it_answered_with(
+    proxy: RunningProxy, fake_vllm: FakeVLLM
+) -> None:
+    """Found by bench/fuzz.py: the answer named n transition ids, one was stored."""
+    fake_vllm.fail_next(1, status=500, body={"error": {"message": "engine died"}})
+    with proxy.client(**{"X-Episode-Id": "n-failed"}) as c:
+        r = c.post("/v1/chat/completions", json={**CHAT, "n": 3})
+    assert r.status_code == 500
+    ids = r.headers["x-transition-id"].split(",")
+    rows = proxy.wait_rows(
+        "SELECT id::text, status, choice_index FROM transition WHERE episode_id = 'n-failed' "
+        "ORDER BY choice_index", 3
+    )  # fmt: skip
+    assert rows == [(i, "failed", n) for n, i in enumerate(ids)]
+
+
 def test_client_disconnect_mid_stream_aborts_upstream_and_records_aborted(
     proxy: RunningProxy, fake_vllm: FakeVLLM
 ) -> None:
