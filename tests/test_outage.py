@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import RunningProxy, start_pg, stop_pg
+from tests.conftest import RunningProxy
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 
@@ -24,7 +24,7 @@ def health(proxy: RunningProxy) -> dict[str, Any]:
 
 @pytest.mark.slow
 def test_postgres_stopped_under_traffic_loses_nothing(own_postgres: Any, make_proxy: Any) -> None:
-    url, pgdata = own_postgres
+    url = own_postgres.url
     proxy = make_proxy(database_url=url, journal_retry_s=0.2)
     served: list[str] = []
     failures: list[str] = []
@@ -43,7 +43,7 @@ def test_postgres_stopped_under_traffic_loses_nothing(own_postgres: Any, make_pr
     for t in threads:
         t.start()
     time.sleep(1.0)
-    stop_pg(pgdata)  # mid-traffic
+    own_postgres.stop()  # mid-traffic
     time.sleep(1.5)
     assert health(proxy)["database"] != "up"
     assert health(proxy)["journal_pending"] > 0
@@ -58,7 +58,7 @@ def test_postgres_stopped_under_traffic_loses_nothing(own_postgres: Any, make_pr
     proxy.stop()
     journal = proxy.settings.journal_dir
     assert list(journal.glob("segment-*.jsonl"))
-    start_pg(pgdata)
+    own_postgres.start()
     # ...and the next proxy on the same home replays it.
     second = make_proxy(database_url=url, home=proxy.settings.home, journal_retry_s=0.2)
     with second.client(**{"X-Episode-Id": "outage"}) as c:

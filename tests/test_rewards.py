@@ -264,3 +264,25 @@ def test_a_step_reward_reaching_another_replica_first_is_kept_until_its_transiti
 def proxy_rewards(proxy: RunningProxy, episode: str) -> list[tuple[Any, Any]]:
     rewards = proxy.client().get(f"/v1/episodes/{episode}").json()["rewards"]
     return [(r["pending"], r["transition_id"]) for r in rewards]
+
+
+def test_the_largest_post_is_stored_whole(proxy: RunningProxy) -> None:
+    """10,000 rewards in one post (the limit) took minutes, one reward's statements at a time;
+    now a few statements for all (bench/chaos.py reward-burst has the figure)."""
+    [tid] = call(proxy, "burst-known")
+    body = [
+        {"episode_id": f"burst-{i}", "reward": 0.5, "idempotency_key": "k"} for i in range(9_998)
+    ]
+    body += [
+        {"episode_id": "burst-known", "reward": 1.0},
+        {"episode_id": "burst-known", "transition_id": tid, "reward": 0.25},
+    ]
+    r = proxy.client().post("/v1/rewards", json=body)
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    assert len(data) == 10_000 and {d["status"] for d in data} == {"accepted"}
+    assert data[-1]["credited_transitions"] == 1 and returns(proxy, "burst-known") == {tid: 1.25}
+    assert proxy.query("SELECT count(*) FROM reward") == [(10_000,)]
+    again = proxy.client().post("/v1/rewards", json=body[:9_998])
+    assert {d["status"] for d in again.json()["data"]} == {"duplicate"}
+    assert proxy.query("SELECT count(*) FROM reward") == [(10_000,)]

@@ -79,8 +79,10 @@ async def store_rewards(
             type="service_unavailable",
             code="database_unavailable",
         )
-    for episode_id in {r.episode_id for r in items}:
-        mine = [r for r in items if r.episode_id == episode_id]
+    by_episode: dict[str, list[RewardIn]] = {}
+    for r in items:
+        by_episode.setdefault(r.episode_id, []).append(r)
+    for episode_id, mine in by_episode.items():
         step_ids = [str(r.transition_id) for r in mine if r.transition_id is not None]
         # A tool call id may be any of the episode's transitions: wait for all of them.
         by_call = any(r.tool_call_id is not None for r in mine)
@@ -94,43 +96,29 @@ async def store_rewards(
                 type="service_unavailable",
                 code="not_stored_yet",
             )
-    results = []
+    new = [
+        store.NewReward(r.episode_id, r.reward, r.transition_id, r.tool_call_id,
+                        r.idempotency_key, r.source)
+        for r in items
+    ]  # fmt: skip
     try:
         async with services.sessionmaker.begin() as session:
-            for r in items:
-                param = "tool_call_id" if r.tool_call_id is not None else "transition_id"
-                try:
-                    status, transition_id, credited = await store.add_reward(
-                        session=session,
-                        episode_id=r.episode_id,
-                        value=r.reward,
-                        transition_id=r.transition_id,
-                        tool_call_id=r.tool_call_id,
-                        idempotency_key=r.idempotency_key,
-                        gamma=services.settings.credit_gamma,
-                        source=r.source,
-                    )
-                except store.UnknownTransition as e:
-                    raise ApiError(404, str(e), param=param, code="transition_not_found") from e
-                except store.AmbiguousToolCall as e:
-                    raise ApiError(409, str(e), param=param, code="ambiguous_tool_call") from e
-                except store.RewardConflict as e:
-                    raise ApiError(409, str(e), code="already_trained") from e
-                except store.KeyReused as e:
-                    raise ApiError(
-                        409, str(e), param="idempotency_key", code="idempotency_key_reused"
-                    ) from e
-                results.append(
-                    {
-                        "object": "reward",
-                        "episode_id": principal.public(r.episode_id),
-                        "transition_id": str(transition_id) if transition_id else None,
-                        "reward": r.reward,
-                        "source": r.source,
-                        "status": status,
-                        "credited_transitions": credited,
-                    }
+            try:
+                saved = await store.add_rewards(
+                    new, session=session, gamma=services.settings.credit_gamma
                 )
+            except store.UnknownTransition as e:
+                raise ApiError(
+                    404, str(e), param="transition_id", code="transition_not_found"
+                ) from e
+            except store.AmbiguousToolCall as e:
+                raise ApiError(409, str(e), param="tool_call_id", code="ambiguous_tool_call") from e
+            except store.RewardConflict as e:
+                raise ApiError(409, str(e), code="already_trained") from e
+            except store.KeyReused as e:
+                raise ApiError(
+                    409, str(e), param="idempotency_key", code="idempotency_key_reused"
+                ) from e
     except OUTAGE_ERRORS as e:
         raise ApiError(
             503,
@@ -139,9 +127,21 @@ async def store_rewards(
             type="service_unavailable",
             code="database_unavailable",
         ) from e
-    for r, result in zip(items, results, strict=True):
+    results = [
+        {
+            "object": "reward",
+            "episode_id": principal.public(r.episode_id),
+            "transition_id": str(s.transition_id) if s.transition_id else None,
+            "reward": r.reward,
+            "source": r.source,
+            "status": s.status,
+            "credited_transitions": s.credited,
+        }
+        for r, s in zip(items, saved, strict=True)
+    ]
+    for r, s in zip(items, saved, strict=True):
         step = r.transition_id is not None or r.tool_call_id is not None
-        metrics.rewards_ingested.labels("step" if step else "final", result["status"]).inc()
+        metrics.rewards_ingested.labels("step" if step else "final", s.status).inc()
     if isinstance(body, dict):
         return results[0]
     return {"object": "list", "data": results}

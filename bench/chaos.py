@@ -1,0 +1,370 @@
+"""The chaos suite: faults under steady traffic; what the clients were told against what Postgres
+holds afterwards.
+
+    PYTHONPATH=. .venv/bin/python -m bench.chaos [--faults pg-stop,pg-kill,...] [--outage-s 60]
+        [--clients 8] [--note "..."]
+
+The stack: an embedded Postgres of its own (bench/pg.py, to stop and kill), two fake vLLM
+replicas (bench/fake_vllm.py, 5 ms) and one `flywheel proxy`, each a process. The traffic: N
+clients, each playing episodes of two chat calls (the second streamed) and then posting the
+episode's final reward with an idempotency key, retrying a 503 or a refused connection for up to
+10 s as a client should. An answer with X-Transition-Id acknowledges those transitions; a 200 to
+the reward acknowledges it. After each fault is healed (and a restarted proxy has replayed its
+journal), every acknowledged transition and reward is looked for in Postgres.
+
+Faults (`--faults`, all by default):
+  pg-stop        Postgres stopped for --outage-s, then started
+  pg-kill        Postgres kill -9 (crash recovery at restart) for --outage-s / 4
+  journal-full   the journal on a 256 KiB tmpfs, Postgres stopped for --outage-s / 4
+  journal-ro     the journal's filesystem remounted read-only, Postgres stopped likewise
+  proxy-term     the proxy SIGTERMed (graceful) and started again
+  proxy-kill     the proxy kill -9ed and started again (default mode)
+  proxy-kill-durable   the same with FLYWHEEL_DURABLE=true
+  vllm-kill      one vLLM replica kill -9ed for --outage-s / 4, then started again
+  reward-burst   10,000 rewards in one post while the traffic runs
+The journal faults need root (a tmpfs mount) and are skipped without it.
+
+Prints the table and appends it to bench/chaos.md; docs/reliability.md explains it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import httpx
+import orjson
+import psycopg
+
+from bench import common
+from bench.pg import OwnPostgres
+from demo.vllm_server import free_port
+
+RESULTS = Path(__file__).with_suffix(".md")
+PROMPT = [{"role": "user", "content": "What is 3 + 4?"}]
+JSON = {"Content-Type": "application/json"}
+RETRY_S = 10.0  # how long a client keeps retrying a reward the proxy answered 503
+BURST = 10_000
+FAULTS = (
+    "pg-stop", "pg-kill", "journal-full", "journal-ro", "proxy-term", "proxy-kill",
+    "proxy-kill-durable", "vllm-kill", "reward-burst",
+)  # fmt: skip
+NEEDS_ROOT = ("journal-full", "journal-ro")
+
+
+# --- the stack ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Stack:
+    pg: OwnPostgres
+    fakes: list[common.Server]
+    home: Path
+    settings: dict[str, str]
+    port: int = field(default_factory=free_port)
+    proxy: common.Server | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start_proxy(self) -> None:
+        self.proxy = common.start_flywheel(
+            [f.url for f in self.fakes],
+            self.pg.url,
+            home=self.home,
+            settings=self.settings,
+            port=self.port,
+        )
+
+    def restart_fake(self, index: int) -> None:
+        port = int(self.fakes[index].url.rsplit(":", 1)[1])
+        self.fakes[index] = common.start_fake(0.005, always_detail=False, port=port)
+
+    def close(self) -> None:
+        if self.proxy is not None:
+            self.proxy.stop()
+        for fake in self.fakes:
+            fake.stop()
+
+
+@contextmanager
+def stack(work: Path, *, durable: bool = False, journal_tmpfs: bool = False) -> Iterator[Stack]:
+    home = Path(tempfile.mkdtemp(prefix="flywheel-chaos-", dir=work))
+    journal = home / "journal"
+    journal.mkdir()
+    if journal_tmpfs:
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(journal)],
+                       check=True)  # fmt: skip
+    pg = OwnPostgres(work)
+    fakes = [common.start_fake(0.005, always_detail=False) for _ in range(2)]
+    settings = {"FLYWHEEL_JOURNAL_RETRY_S": "0.5", "FLYWHEEL_REPLICA_PROBE_S": "0.5"}
+    if durable:
+        settings["FLYWHEEL_DURABLE"] = "true"
+    s = Stack(pg, fakes, home, settings)
+    try:
+        s.start_proxy()
+        yield s
+    finally:
+        s.close()
+        pg.close()
+        if journal_tmpfs:
+            subprocess.run(["umount", "-l", str(journal)], check=False)
+        shutil.rmtree(home, ignore_errors=True)
+
+
+# --- the traffic -------------------------------------------------------------------------------
+
+
+@dataclass
+class Traffic:
+    """N clients in a background thread until stop(); what they were told."""
+
+    url: str
+    clients: int
+    transitions: set[str] = field(default_factory=set)  # acknowledged
+    rewards: set[str] = field(default_factory=set)  # episode ids whose reward was acknowledged
+    errors: Counter[str] = field(default_factory=Counter)  # what the clients were told instead
+    calls: int = 0
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> Traffic:
+        self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+
+    async def _run(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=30)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            await asyncio.gather(*(self._client(session, n) for n in range(self.clients)))
+
+    async def _client(self, session: aiohttp.ClientSession, n: int) -> None:
+        tag = uuid.uuid4().hex[:6]
+        i = 0
+        while not self._stop.is_set():
+            episode = f"chaos-{tag}-{n}-{i}"
+            i += 1
+            for stream in (False, True):
+                await self._call(session, episode, stream)
+            await self._reward(session, episode)
+
+    async def _call(self, session: aiohttp.ClientSession, episode: str, stream: bool) -> None:
+        body = common.chat_body(PROMPT, stream=stream, max_tokens=8)
+        headers = {**JSON, "X-Episode-Id": episode}
+        self.calls += 1
+        try:
+            async with session.post(
+                f"{self.url}/v1/chat/completions", data=body, headers=headers
+            ) as r:
+                data = await r.read()
+                complete = not stream or data.rstrip().endswith(b"data: [DONE]")
+                if r.status == 200 and complete:
+                    self.transitions.update(r.headers["X-Transition-Id"].split(","))
+                else:
+                    self.errors[f"call {r.status}{'' if complete else ' (cut)'}"] += 1
+        except (aiohttp.ClientError, TimeoutError) as e:
+            self.errors[f"call {type(e).__name__}"] += 1
+            await asyncio.sleep(0.2)
+
+    async def _reward(self, session: aiohttp.ClientSession, episode: str) -> None:
+        body = orjson.dumps({"episode_id": episode, "reward": 1.0, "idempotency_key": "final"})
+        deadline = time.monotonic() + RETRY_S
+        told = ""
+        while time.monotonic() < deadline:  # (the episode's reward is posted, even at stop)
+            try:
+                async with session.post(self.url + "/v1/rewards", data=body, headers=JSON) as r:
+                    await r.read()
+                    if r.status == 200:
+                        self.rewards.add(episode)
+                        return
+                    told = f"reward {r.status}"
+                    if r.status != 503:
+                        break
+            except (aiohttp.ClientError, TimeoutError) as e:
+                told = f"reward {type(e).__name__}"
+            await asyncio.sleep(0.5)
+        self.errors[told] += 1
+
+
+# --- counting ----------------------------------------------------------------------------------
+
+
+@dataclass
+class Outcome:
+    fault: str
+    seconds: float
+    transitions: int
+    transitions_lost: int
+    rewards: int
+    rewards_lost: int
+    errors: Counter[str]
+    note: str = ""
+
+    def row(self) -> str:
+        told = ", ".join(f"{k}: {v}" for k, v in sorted(self.errors.items())) or "none"
+        return (
+            f"| {self.fault} | {self.seconds:.0f} | {self.transitions} "
+            f"| {self.transitions - self.transitions_lost} | {self.transitions_lost} "
+            f"| {self.rewards} | {self.rewards - self.rewards_lost} | {self.rewards_lost} "
+            f"| {told} | {self.note} |"
+        )
+
+
+STORED_TRANSITIONS = "SELECT id::text FROM transition WHERE id = ANY(%s::uuid[])"
+STORED_REWARDS = (
+    "SELECT episode_id FROM reward WHERE episode_id = ANY(%s) "
+    "AND idempotency_key IN ('final', 'burst')"
+)
+
+
+def lost(
+    db: str, traffic: Traffic, extra_rewards: set[str], timeout: float = 120
+) -> tuple[int, int]:
+    """Acknowledged transitions and rewards not in Postgres, once it has had `timeout` to
+    catch up (journal replays included)."""
+    rewards = traffic.rewards | extra_rewards
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with psycopg.connect(db, connect_timeout=5) as conn:
+                ids = list(traffic.transitions)
+                have_t = {r[0] for r in conn.execute(STORED_TRANSITIONS, (ids,)).fetchall()}
+                have_r = {r[0] for r in conn.execute(STORED_REWARDS, (list(rewards),)).fetchall()}
+        except psycopg.OperationalError:
+            have_t, have_r = set(), set()
+        missing = (len(traffic.transitions - have_t), len(rewards - have_r))
+        if missing == (0, 0) or time.monotonic() > deadline:
+            return missing
+        time.sleep(0.5)
+
+
+# --- the faults ----------------------------------------------------------------------------------
+
+
+def run_fault(fault: str, args: argparse.Namespace, work: Path) -> Outcome:
+    durable = fault == "proxy-kill-durable"
+    tmpfs = fault in NEEDS_ROOT
+    with stack(work, durable=durable, journal_tmpfs=tmpfs) as s:
+        traffic = Traffic(s.url, args.clients).start()
+        time.sleep(args.warm_s)
+        started = time.monotonic()
+        extra: set[str] = set()
+        note = inject(fault, s, args.outage_s, extra)
+        time.sleep(args.warm_s)  # traffic on the healed stack
+        traffic.stop()
+        seconds = time.monotonic() - started
+        t_lost, r_lost = lost(s.pg.url, traffic, extra)
+        return Outcome(fault, seconds, len(traffic.transitions), t_lost,
+                       len(traffic.rewards | extra), r_lost, traffic.errors, note)  # fmt: skip
+
+
+def inject(fault: str, s: Stack, outage_s: float, extra_rewards: set[str]) -> str:
+    """Do the fault and heal it; returns a note for the table."""
+    assert s.proxy is not None
+    short = max(1.0, outage_s / 4)
+    if fault == "pg-stop":
+        s.pg.stop()
+        time.sleep(outage_s)
+        s.pg.start()
+    elif fault == "pg-kill":
+        s.pg.kill()
+        time.sleep(short)
+        s.pg.start()
+    elif fault in NEEDS_ROOT:
+        if fault == "journal-ro":
+            subprocess.run(["mount", "-o", "remount,ro", str(s.home / "journal")], check=True)
+        s.pg.stop()
+        time.sleep(short)
+        s.pg.start()
+        if fault == "journal-ro":
+            subprocess.run(["mount", "-o", "remount,rw", str(s.home / "journal")], check=True)
+    elif fault in ("proxy-term", "proxy-kill", "proxy-kill-durable"):
+        sig = signal.SIGTERM if fault == "proxy-term" else signal.SIGKILL
+        s.proxy.process.send_signal(sig)
+        s.proxy.process.wait(timeout=90)
+        time.sleep(1.0)
+        s.start_proxy()  # the same FLYWHEEL_HOME: it replays what its predecessor journaled
+    elif fault == "vllm-kill":
+        s.fakes[0].process.send_signal(signal.SIGKILL)
+        s.fakes[0].process.wait()
+        time.sleep(short)
+        s.restart_fake(0)
+    elif fault == "reward-burst":
+        episodes = [f"burst-{uuid.uuid4().hex[:8]}-{i}" for i in range(BURST)]
+        body = [{"episode_id": e, "reward": 0.5, "idempotency_key": "burst"} for e in episodes]
+        started = time.monotonic()
+        r = httpx.post(s.url + "/v1/rewards", content=orjson.dumps(body), headers=JSON,
+                       timeout=300)  # fmt: skip
+        took = time.monotonic() - started
+        if r.status_code == 200:
+            extra_rewards.update(episodes)
+        return f"{BURST} rewards in one post: {r.status_code} in {took:.1f} s"
+    else:
+        raise ValueError(f"unknown fault {fault!r}")
+    return ""
+
+
+# --- the report --------------------------------------------------------------------------------
+
+
+HEADER = [
+    "| fault | s | transitions acknowledged | stored | lost | rewards acknowledged | stored "
+    "| lost | what clients were told instead | note |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---|---|",
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--faults", default=",".join(FAULTS),
+                        type=lambda s: [f for f in s.split(",") if f])  # fmt: skip
+    parser.add_argument("--outage-s", type=float, default=60.0)
+    parser.add_argument("--warm-s", type=float, default=3.0)
+    parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--note")
+    parser.add_argument("--results", type=Path, default=RESULTS)
+    args = parser.parse_args()
+    work = common.WORK / "chaos"
+    work.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for fault in args.faults:
+        if fault in NEEDS_ROOT and os.geteuid() != 0:
+            rows.append(f"| {fault} | - | skipped: needs root for a tmpfs mount |||||||")
+            continue
+        outcome = run_fault(fault, args, work)
+        rows.append(outcome.row())
+        print(rows[-1], flush=True)
+    lines = [
+        f"{args.clients} clients; Postgres outage {args.outage_s:g} s (pg-stop), "
+        f"{max(1.0, args.outage_s / 4):g} s (the others); {args.warm_s:g} s of traffic before "
+        "and after each fault." + (f" {args.note}" if args.note else ""),
+        "",
+        *HEADER,
+        *rows,
+    ]
+    print("\n".join(lines))
+    common.append_section(args.results, "Chaos suite", "bench.chaos", lines)
+
+
+if __name__ == "__main__":
+    main()
