@@ -15,7 +15,7 @@ journal), every acknowledged transition and reward is looked for in Postgres.
 Faults (`--faults`, all by default):
   pg-stop        Postgres stopped for --outage-s, then started
   pg-kill        Postgres kill -9 (crash recovery at restart) for --outage-s / 4
-  journal-full   the journal on a 256 KiB tmpfs, Postgres stopped for --outage-s / 4
+  journal-full   the journal on a 64 KiB tmpfs, Postgres stopped for --outage-s / 4
   journal-ro     the journal's filesystem remounted read-only, Postgres stopped likewise
   proxy-term     the proxy SIGTERMed (graceful) and started again
   proxy-kill     the proxy kill -9ed and started again (default mode)
@@ -108,7 +108,7 @@ def stack(work: Path, *, durable: bool = False, journal_tmpfs: bool = False) -> 
     journal = home / "journal"
     journal.mkdir()
     if journal_tmpfs:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(journal)],
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(journal)],
                        check=True)  # fmt: skip
     pg = OwnPostgres(work)
     fakes = [common.start_fake(0.005, always_detail=False) for _ in range(2)]
@@ -136,6 +136,7 @@ class Traffic:
 
     url: str
     clients: int
+    pause_s: float = 0.0  # between a client's episodes (a steady rate for the soak)
     transitions: set[str] = field(default_factory=set)  # acknowledged
     rewards: set[str] = field(default_factory=set)  # episode ids whose reward was acknowledged
     errors: Counter[str] = field(default_factory=Counter)  # what the clients were told instead
@@ -161,12 +162,18 @@ class Traffic:
     async def _client(self, session: aiohttp.ClientSession, n: int) -> None:
         tag = uuid.uuid4().hex[:6]
         i = 0
+        rewards: set[asyncio.Task[None]] = set()  # retried alongside the next episodes' calls
         while not self._stop.is_set():
             episode = f"chaos-{tag}-{n}-{i}"
             i += 1
             for stream in (False, True):
                 await self._call(session, episode, stream)
-            await self._reward(session, episode)
+            task = asyncio.create_task(self._reward(session, episode))
+            rewards.add(task)
+            task.add_done_callback(rewards.discard)
+            if self.pause_s:
+                await asyncio.sleep(self.pause_s)
+        await asyncio.gather(*rewards)
 
     async def _call(self, session: aiohttp.ClientSession, episode: str, stream: bool) -> None:
         body = common.chat_body(PROMPT, stream=stream, max_tokens=8)
@@ -295,9 +302,11 @@ def inject(fault: str, s: Stack, outage_s: float, extra_rewards: set[str]) -> st
             subprocess.run(["mount", "-o", "remount,ro", str(s.home / "journal")], check=True)
         s.pg.stop()
         time.sleep(short)
+        failed = journal_errors(s.url)  # evidence that the journal did fail meanwhile
         s.pg.start()
         if fault == "journal-ro":
             subprocess.run(["mount", "-o", "remount,rw", str(s.home / "journal")], check=True)
+        return f"journal writes failed {failed:.0f} times; those records waited in memory"
     elif fault in ("proxy-term", "proxy-kill", "proxy-kill-durable"):
         sig = signal.SIGTERM if fault == "proxy-term" else signal.SIGKILL
         s.proxy.process.send_signal(sig)
@@ -322,6 +331,15 @@ def inject(fault: str, s: Stack, outage_s: float, extra_rewards: set[str]) -> st
     else:
         raise ValueError(f"unknown fault {fault!r}")
     return ""
+
+
+def journal_errors(url: str) -> float:
+    metrics = httpx.get(url + "/metrics", timeout=10).text
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("flywheel_journal_errors_total{")
+    )
 
 
 # --- the report --------------------------------------------------------------------------------

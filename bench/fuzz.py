@@ -260,6 +260,7 @@ def main() -> None:
     print("\n".join(lines))
     header = f"{args.examples} examples per OpenAPI operation and mode, {args.examples * 4} on "
     header += "the completion routes; fake vLLM (1 ms), real Postgres."
+    header += f" {args.note}" if args.note else ""
     common.append_section(args.results, "Fuzzing every route", "bench.fuzz", [header, "", *lines])
 
 

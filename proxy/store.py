@@ -13,6 +13,7 @@ from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
+from psycopg.types.json import Jsonb
 from sqlalchemy import ARRAY, Text, Uuid, any_, bindparam, func, select, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -79,7 +80,8 @@ async def insert_transitions(
             for body in prompt:
                 digest = message_digest(body)
                 if digest not in stored_messages:
-                    messages[digest] = body
+                    # JSON null (a client sent `null` for a message) is a value, not SQL NULL.
+                    messages[digest] = Jsonb(None) if body is None else body
                 digests.append(digest)
             packed = packed_by_prompt[id(prompt)] = pack_digests(digests)
         prompt_ids = r.prompt_token_ids

@@ -213,6 +213,14 @@ def real_proxy(make_proxy: Any, vllm_url: str) -> RunningProxy:
 
 
 @pytest.fixture
+def sessions(database_url: str) -> Iterator[database.Sessions]:
+    """Sync sessions on the test's database (the trainer's and the CLI's kind)."""
+    engine, sessions = database.create_sessions(database_url)
+    yield sessions
+    engine.dispose()
+
+
+@pytest.fixture
 def own_postgres() -> Iterator[OwnPostgres]:
     """An embedded PostgreSQL for this test alone, to stop, kill and start again."""
     server = OwnPostgres(TEST_HOME)

@@ -172,3 +172,14 @@ def test_durable_smoke(postgres_url: str, tmp_path: Path) -> None:
     kills = {r[0]: [int(c) for c in r[1:]] for r in _table(report, ("default", "durable"))}
     assert kills["default"][1] > 0 and kills["durable"][1] > 0  # answers were acknowledged
     assert kills["durable"][2:] == [0, 0]  # durable: not one acknowledged transition lost
+
+
+def test_soak_smoke(tmp_path: Path) -> None:
+    report = tmp_path / "soak.md"
+    run = _bench(
+        "bench.soak", "--minutes", "0.1", "--sample-s", "2", "--clients", "2",
+        "--results", str(report),
+    )  # fmt: skip
+    samples = [r for r in _table(report, tuple(str(s) for s in range(1, 100))) if len(r) == 6]
+    assert len(samples) >= 2 and all(_number(r[1]) > 0 and int(r[2]) > 0 for r in samples)
+    assert "missing from Postgres: 0 and 0" in run.stdout

@@ -5,23 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import psycopg
 import pytest
 
 from bench.fake_vllm import FakeVLLM
-from core import database, policy
+from core import policy
 from core.database import Sessions
 from core.vllm import AdapterRejected, VLLMAdmin
-
-
-@pytest.fixture
-def sessions(database_url: str) -> Iterator[Sessions]:
-    engine, sessions = database.create_sessions(database_url)
-    yield sessions
-    engine.dispose()
 
 
 def publish(sessions: Sessions, version: int, path: str = "/adapters/x") -> None:

@@ -249,3 +249,14 @@ def test_random_uuids_are_version_4_and_distinct() -> None:
     parsed = [uuid.UUID(i) for i in ids]
     assert [str(u) for u in parsed] == ids and len(set(ids)) == 500
     assert {(u.version, u.variant) for u in parsed} == {(4, uuid.RFC_4122)}
+
+
+def test_a_null_message_is_recorded_not_rejected(proxy: RunningProxy) -> None:
+    """Found by bench/fuzz.py: `null` among the messages (vLLM refuses the call) made the
+    message row SQL NULL, Postgres refused it, and the failed transition went to rejected/."""
+    with proxy.client(**{"X-Episode-Id": "null-message"}) as c:
+        r = c.post("/v1/chat/completions", json={**CHAT, "messages": [None]})
+    assert r.status_code == 400 and r.headers["x-transition-id"]
+    assert proxy.wait_rows("SELECT status FROM transition", 1) == [("failed",)]
+    [t] = proxy.client().get("/v1/episodes/null-message").json()["transitions"]
+    assert t["messages"] == [None]

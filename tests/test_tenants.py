@@ -7,13 +7,12 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
 from pydantic import ValidationError
 
-from core import database, tenants
+from core import tenants
 from core.database import Sessions
 from proxy.config import ProxySettings
 from tests.conftest import RunningProxy
@@ -42,13 +41,6 @@ def test_loopback_needs_no_keys(host: str) -> None:
 
 
 # --- item 10: tenants ----------------------------------------------------------------------------
-
-
-@pytest.fixture
-def sessions(database_url: str) -> Iterator[Sessions]:
-    engine, sessions = database.create_sessions(database_url)
-    yield sessions
-    engine.dispose()
 
 
 def new_key(sessions: Sessions, tenant: str, scopes: str = "infer,reward,read") -> str:

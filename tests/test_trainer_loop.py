@@ -24,7 +24,7 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from bench.fake_vllm import FakeVLLM
-from core import database, policy, tenants
+from core import policy, tenants
 from core.database import Sessions
 from demo.tiny_model import build_demo_model
 from demo.vllm_server import free_port
@@ -60,13 +60,6 @@ def play(
                 )
                 assert r.status_code == 200
                 c.post("/v1/rewards", json={"episode_id": episode, "reward": float(e % 2)})
-
-
-@pytest.fixture
-def sessions(proxy: RunningProxy) -> Iterator[Sessions]:
-    engine, sessions = database.create_sessions(proxy.database_url)
-    yield sessions
-    engine.dispose()
 
 
 @pytest.fixture
@@ -324,37 +317,37 @@ def test_vllm_restart_gets_the_current_adapter_back(
     assert "policy-v1" in {m["id"] for m in models}
 
 
-def test_flywheel_trainer_process_prints_progress_and_serves_metrics(
-    proxy: RunningProxy, fake_vllm: FakeVLLM, tmp_path: Path
-) -> None:
-    port = free_port()
-    process = subprocess.Popen(
+def trainer_process(
+    proxy: RunningProxy, fake: FakeVLLM, tmp_path: Path, *args: str, metrics_port: int = 0
+) -> subprocess.Popen[str]:
+    """`flywheel trainer` on the proxy's database and the fake vLLM, its output piped."""
+    return subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "flywheel",
-            "trainer",
-            "--model",
-            str(build_demo_model(TEST_HOME / "models" / "demo")),
-            "--vllm",
-            fake_vllm.url,
-            "--adapters-dir",
-            str(tmp_path / "adapters"),
-            "--max-steps",
-            "1",
+            sys.executable, "-m", "flywheel", "trainer",
+            "--model", str(build_demo_model(TEST_HOME / "models" / "demo")),
+            "--vllm", fake.url,
+            "--adapters-dir", str(tmp_path / "adapters"),
+            *args,
         ],
         env={
             **os.environ,
             "FLYWHEEL_DATABASE_URL": proxy.database_url,
             "FLYWHEEL_HOME": str(tmp_path),
-            "FLYWHEEL_METRICS_PORT": str(port),
+            "FLYWHEEL_METRICS_PORT": str(metrics_port),
             "FLYWHEEL_MIN_EPISODES": "4",
             "FLYWHEEL_POLL_S": "0.2",
         },
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-    )
+    )  # fmt: skip
+
+
+def test_flywheel_trainer_process_prints_progress_and_serves_metrics(
+    proxy: RunningProxy, fake_vllm: FakeVLLM, tmp_path: Path
+) -> None:
+    port = free_port()
+    process = trainer_process(proxy, fake_vllm, tmp_path, "--max-steps", "1", metrics_port=port)
     try:
         # The metrics port opens once the engine is built; with no data yet, the trainer waits.
         scraped = ""
@@ -568,25 +561,7 @@ def test_sigterm_gives_the_claims_back_at_once(
     """Issue 13, item 7: a restarted trainer left its batch locked for the whole lease."""
     play(proxy)
     fake_vllm.load_delay_s = 60  # the step is published slowly: SIGTERM lands mid-publish
-    process = subprocess.Popen(
-        [
-            sys.executable, "-m", "flywheel", "trainer",
-            "--model", str(build_demo_model(TEST_HOME / "models" / "demo")),
-            "--vllm", fake_vllm.url,
-            "--adapters-dir", str(tmp_path / "adapters"),
-        ],
-        env={
-            **os.environ,
-            "FLYWHEEL_DATABASE_URL": proxy.database_url,
-            "FLYWHEEL_HOME": str(tmp_path),
-            "FLYWHEEL_METRICS_PORT": "0",
-            "FLYWHEEL_MIN_EPISODES": "4",
-            "FLYWHEEL_POLL_S": "0.2",
-        },
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )  # fmt: skip
+    process = trainer_process(proxy, fake_vllm, tmp_path)
     try:
         deadline = time.monotonic() + 120
         while not list((tmp_path / "adapters").glob("policy-v*")):  # trained, now loading

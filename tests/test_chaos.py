@@ -1,0 +1,41 @@
+"""A short run of the chaos suite (bench/chaos.py; the full run and its table are in
+docs/reliability.md): under traffic, nothing the clients were told was stored is missing."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+FAULTS = ("pg-kill", "journal-full", "proxy-kill-durable", "reward-burst")
+
+
+def test_faults_under_traffic_lose_nothing_acknowledged(tmp_path: Path) -> None:
+    report = tmp_path / "chaos.md"
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.chaos", "--faults", ",".join(FAULTS), "--outage-s", "4",
+         "--warm-s", "1", "--clients", "4", "--results", str(report)],
+        capture_output=True, text=True, timeout=900,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = {
+        cells[0]: cells
+        for line in report.read_text().splitlines()
+        if line.startswith("| ") and (cells := [c.strip() for c in line.split("|")[1:-1]])
+        and cells[0] in FAULTS
+    }  # fmt: skip
+    assert set(rows) == set(FAULTS)
+    for fault, cells in rows.items():
+        if cells[1] == "-":  # the journal faults need root (a tmpfs mount)
+            assert fault == "journal-full" and "needs root" in cells[2]
+            continue
+        acknowledged, stored, lost = (int(c) for c in cells[2:5])
+        rewards, rewards_stored, rewards_lost = (int(c) for c in cells[5:8])
+        assert acknowledged > 0 and rewards > 0, cells
+        assert (lost, rewards_lost) == (0, 0), cells
+        assert (stored, rewards_stored) == (acknowledged, rewards), cells
+    assert "10000 rewards in one post: 200" in rows["reward-burst"][9]
