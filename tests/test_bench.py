@@ -161,17 +161,25 @@ def test_tool_learning_report_and_plot(tmp_path: Path) -> None:
 def test_durable_smoke(postgres_url: str, tmp_path: Path) -> None:
     report = tmp_path / "durable.md"
     _bench(
-        "bench.durable", "--concurrency", "2", "--seconds", "0.3", "--rounds", "1",
-        "--kills", "1", "--database-url", postgres_url, "--results", str(report),
-    )  # fmt: skip
+        "bench.durable",
+        "--concurrency",
+        "2",
+        "--seconds",
+        "0.3",
+        "--rounds",
+        "1",
+        "--kills",
+        "0",
+        "--database-url",
+        postgres_url,
+        "--results",
+        str(report),
+    )  # fmt: skip  (kill -9 in durable mode: tests/test_chaos.py)
     cost = _table(report, ("2",))
     assert [(r[1], r[2]) for r in cost] == [
         ("no", "default"), ("no", "durable"), ("yes", "default"), ("yes", "durable")
     ]  # fmt: skip
     assert all(r[6] == "0" and _number(r[5]) > 0 for r in cost), cost
-    kills = {r[0]: [int(c) for c in r[1:]] for r in _table(report, ("default", "durable"))}
-    assert kills["default"][1] > 0 and kills["durable"][1] > 0  # answers were acknowledged
-    assert kills["durable"][2:] == [0, 0]  # durable: not one acknowledged transition lost
 
 
 def test_soak_smoke(tmp_path: Path) -> None:

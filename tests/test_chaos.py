@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-FAULTS = ("pg-kill", "journal-full", "proxy-kill-durable", "reward-burst")
+FAULTS = ("pg-kill", "journal-full", "proxy-kill-durable")  # (the 10k burst: test_rewards.py)
 
 
 def test_faults_under_traffic_lose_nothing_acknowledged(tmp_path: Path) -> None:
@@ -38,4 +38,3 @@ def test_faults_under_traffic_lose_nothing_acknowledged(tmp_path: Path) -> None:
         assert acknowledged > 0 and rewards > 0, cells
         assert (lost, rewards_lost) == (0, 0), cells
         assert (stored, rewards_stored) == (acknowledged, rewards), cells
-    assert "10000 rewards in one post: 200" in rows["reward-burst"][9]
