@@ -530,6 +530,27 @@ def test_a_batch_that_breaks_the_step_is_given_back_then_set_aside(
     assert rows == [("bad", "train_failed", None), ("good", None, 1)]
 
 
+def test_a_batch_whose_trainers_kept_crashing_is_set_aside(
+    proxy: RunningProxy, make_trainer: Any
+) -> None:
+    """A trainer that dies mid-step leaves its claim to expire, still naming it: rows at their
+    last attempt were skipped over but never set aside (only unclaimed ones were), so they stayed
+    at the head of the queue for good."""
+    play(proxy, agent="bad")
+    proxy.query(
+        "UPDATE transition SET claimed_by = 'crashed', train_attempts = 3, "
+        "claim_expires_at = now() - interval '1 second' RETURNING id"
+    )
+    play(proxy, agent="good")
+    trainer = make_trainer()  # max_train_attempts: 3
+    assert trainer.step()
+    rows = proxy.query(
+        "SELECT agent_name, skip_reason, claimed_by, trained_version FROM transition "
+        "GROUP BY 1, 2, 3, 4 ORDER BY 1"
+    )
+    assert rows == [("bad", "train_failed", None, None), ("good", None, None, 1)]
+
+
 def test_a_reward_that_moves_a_claimed_return_makes_the_trainer_train_it_again(
     proxy: RunningProxy, make_trainer: Any, monkeypatch: Any
 ) -> None:

@@ -81,8 +81,14 @@ def claim(
         {"agents": agents or None, "tenants": tenants or None, "limit": limit},
     ).all()
     failed = [r[0] for r in rows if r[10] >= max_attempts]
-    if failed:
-        set_aside(dict.fromkeys(failed, "train_failed"), session=session, trainer_id=None)
+    if failed:  # locked by this transaction; any claim on them has expired (a crashed trainer's)
+        session.execute(
+            text(
+                "UPDATE transition SET skip_reason = 'train_failed', claimed_by = NULL, "
+                "claim_expires_at = NULL WHERE id = ANY(CAST(:ids AS uuid[]))"
+            ),
+            {"ids": failed},
+        )
         rows = [r for r in rows if r[10] < max_attempts]
     claimed = [
         Claimed(
@@ -165,15 +171,13 @@ def finish(
     )
 
 
-def set_aside(skipped: dict[str, str], *, session: Session, trainer_id: str | None) -> None:
-    """Record why these rows (claimed by us; unclaimed with None) will never be trained; they
-    leave the queue."""
+def set_aside(skipped: dict[str, str], *, session: Session, trainer_id: str) -> None:
+    """Record why these claimed rows will never be trained; they leave the queue."""
     for reason in sorted(set(skipped.values())):
         session.execute(
             text(
                 "UPDATE transition SET skip_reason = :reason, claimed_by = NULL, "
-                "claim_expires_at = NULL WHERE id = ANY(CAST(:ids AS uuid[])) "
-                "AND claimed_by IS NOT DISTINCT FROM :me"
+                "claim_expires_at = NULL WHERE id = ANY(CAST(:ids AS uuid[])) AND claimed_by = :me"
             ),
             {
                 "reason": reason,
