@@ -52,6 +52,11 @@ class Principal:
 
 DEFAULT = Principal(None, frozenset(SCOPES))  # no auth, or a key from FLYWHEEL_API_KEYS
 
+# The tenant of a stored row, in SQL (`Principal.own` in reverse): "default" for the default one.
+TENANT_OF_EPISODE = (
+    "(CASE WHEN strpos(episode_id, '/') > 0 THEN split_part(episode_id, '/', 1) ELSE 'default' END)"
+)
+
 
 @dataclass(frozen=True)
 class KeyRow:
@@ -72,11 +77,6 @@ def key_id(key: str) -> str | None:
     """The id part of a well-formed key (None for anything else)."""
     match = _KEY.fullmatch(key)
     return match.group(1) if match else None
-
-
-def tenant_of(stored_id: str) -> str | None:
-    tenant, sep, _ = stored_id.partition("/")
-    return tenant if sep else None
 
 
 # --- SQL (sync sessions: the CLI; the proxy runs `active_keys` with run_sync) ------------------

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from core import policy
 from core.codecs import unpack
+from core.tenants import TENANT_OF_EPISODE
 
 
 @dataclass(frozen=True)
@@ -40,19 +41,18 @@ class LostClaim(Exception):
     return we trained on: discard this step."""
 
 
-# A transition's tenant, from its episode id (core/tenants.py): `<tenant>/<id>`, else "default".
-TENANT = (
-    "(CASE WHEN strpos(episode_id, '/') > 0 THEN split_part(episode_id, '/', 1) ELSE 'default' END)"
-)
+# Credited, untrained, trainable, and of the agents and tenants this trainer trains (if limited).
+_QUEUED = f"""
+status = 'ok' AND credited_at IS NOT NULL AND trained_at IS NULL AND skip_reason IS NULL
+  AND (CAST(:agents AS text[]) IS NULL OR agent_name = ANY(CAST(:agents AS text[])))
+  AND (CAST(:tenants AS text[]) IS NULL OR {TENANT_OF_EPISODE} = ANY(CAST(:tenants AS text[])))
+"""
 
-_CANDIDATES = """
+_CANDIDATES = f"""
 SELECT id::text, episode_id, task_id, agent_name, policy_version, "return",
        prompt_token_ids, completion_token_ids, logprobs, params, train_attempts
 FROM transition
-WHERE status = 'ok' AND credited_at IS NOT NULL AND trained_at IS NULL AND skip_reason IS NULL
-  AND (claim_expires_at IS NULL OR claim_expires_at < now())
-  AND (CAST(:agents AS text[]) IS NULL OR agent_name = ANY(CAST(:agents AS text[])))
-  AND (CAST(:tenants AS text[]) IS NULL OR {TENANT} = ANY(CAST(:tenants AS text[])))
+WHERE {_QUEUED} AND (claim_expires_at IS NULL OR claim_expires_at < now())
 ORDER BY credited_at
 LIMIT :limit
 FOR UPDATE SKIP LOCKED
@@ -77,7 +77,7 @@ def claim(
     their attempts are set aside all the same.
     """
     rows = session.execute(
-        text(_CANDIDATES.format(TENANT=TENANT)),
+        text(_CANDIDATES),
         {"agents": agents or None, "tenants": tenants or None, "limit": limit},
     ).all()
     failed = [r[0] for r in rows if r[10] >= max_attempts]
@@ -216,12 +216,7 @@ def queue_depth(*, session: Session, agents: list[str], tenants: list[str]) -> i
     """Credited, untrained, trainable transitions waiting (claimed or not)."""
     return int(
         session.execute(
-            text(
-                "SELECT count(*) FROM transition WHERE status = 'ok' AND credited_at IS NOT NULL "
-                "AND trained_at IS NULL AND skip_reason IS NULL AND (CAST(:agents AS text[]) IS "
-                "NULL OR agent_name = ANY(CAST(:agents AS text[]))) AND (CAST(:tenants AS text[]) "
-                f"IS NULL OR {TENANT} = ANY(CAST(:tenants AS text[])))"
-            ),
+            text(f"SELECT count(*) FROM transition WHERE {_QUEUED}"),
             {"agents": agents or None, "tenants": tenants or None},
         ).scalar_one()
     )
