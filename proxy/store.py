@@ -23,6 +23,7 @@ from core.pgcopy import copy_insert
 from core.record import TRANSITION_COLUMNS, TransitionRecord, copy_row
 from core.tables import Episode, Message, Reward, Transition
 from proxy.credit import Step, assign_returns
+from proxy.schemas import RewardIn
 
 # --- recording (the background writer) -------------------------------------------------------
 
@@ -206,19 +207,7 @@ class AmbiguousToolCall(Exception):
 
 
 class KeyReused(Exception):
-    """An idempotency key already stored for this episode with another value or transition."""
-
-
-@dataclass(frozen=True)
-class NewReward:
-    """One posted reward: final (no transition_id, no tool_call_id) or for one step."""
-
-    episode_id: str
-    value: float
-    transition_id: uuid.UUID | None = None
-    tool_call_id: str | None = None
-    idempotency_key: str | None = None
-    source: str | None = None
+    """An idempotency key already stored for this episode with another value."""
 
 
 @dataclass(frozen=True)
@@ -229,7 +218,7 @@ class Stored:
 
 
 async def add_rewards(
-    rewards: list[NewReward], *, session: AsyncSession, gamma: float | None
+    rewards: list[RewardIn], *, session: AsyncSession, gamma: float | None
 ) -> list[Stored]:
     """Record rewards and re-credit their episodes, in a few statements however many there are
     (a post may hold 10,000). All or nothing: raises UnknownTransition, AmbiguousToolCall,
@@ -250,14 +239,14 @@ async def add_rewards(
     for r in rewards:
         if r.idempotency_key is not None and (r.episode_id, r.idempotency_key) in seen:
             value = seen[r.episode_id, r.idempotency_key]
-            if value != r.value:
+            if value != r.reward:
                 raise KeyReused(
                     f"idempotency_key {r.idempotency_key!r} was used in episode "
                     f"{r.episode_id!r} for another reward ({value}); use a new key for a new reward"
                 )
             out.append(("duplicate", None))
             continue
-        row: dict[str, Any] = {"episode_id": r.episode_id, "value": r.value, "source": r.source,
+        row: dict[str, Any] = {"episode_id": r.episode_id, "value": r.reward, "source": r.source,
                "idempotency_key": r.idempotency_key, "transition_id": None,
                "pending_transition_id": None, "pending_tool_call_id": None}  # fmt: skip
         status, target = "accepted", r.transition_id
@@ -275,7 +264,7 @@ async def add_rewards(
             elif owner != r.episode_id:
                 raise UnknownTransition(f"no transition {target} in episode {r.episode_id!r}")
         else:
-            finals[r.episode_id] = r.value  # the last of several for one episode wins
+            finals[r.episode_id] = r.reward  # the last of several for one episode wins
         row["transition_id"] = target if status == "accepted" else None
         rows.append(row)
         out.append((status, row["transition_id"]))
@@ -304,7 +293,7 @@ async def add_rewards(
 
 
 async def _stored_keys(
-    rewards: list[NewReward], *, session: AsyncSession
+    rewards: list[RewardIn], *, session: AsyncSession
 ) -> dict[tuple[str, str], float]:
     """(episode, idempotency key) -> value of those already stored."""
     keyed = [(r.episode_id, r.idempotency_key) for r in rewards if r.idempotency_key]

@@ -64,10 +64,9 @@ async def store_rewards(
     body: Any, services: Services, principal: Principal = DEFAULT
 ) -> dict[str, Any]:
     """Store every reward of the body or none; episode ids are the caller's (its tenant's)."""
-    items = [
-        r.model_copy(update={"episode_id": principal.own(r.episode_id)})
-        for r in parse_rewards(body)
-    ]
+    items = parse_rewards(body)
+    if principal.tenant is not None:  # the tenant's own episodes (core/tenants.py)
+        items = [r.model_copy(update={"episode_id": principal.own(r.episode_id)}) for r in items]
     recorder = services.recorder
     if not recorder.database_up:
         # The writer is journaling: Postgres was unreachable moments ago. Say so at once rather
@@ -96,16 +95,11 @@ async def store_rewards(
                 type="service_unavailable",
                 code="not_stored_yet",
             )
-    new = [
-        store.NewReward(r.episode_id, r.reward, r.transition_id, r.tool_call_id,
-                        r.idempotency_key, r.source)
-        for r in items
-    ]  # fmt: skip
     try:
         async with services.sessionmaker.begin() as session:
             try:
                 saved = await store.add_rewards(
-                    new, session=session, gamma=services.settings.credit_gamma
+                    items, session=session, gamma=services.settings.credit_gamma
                 )
             except store.UnknownTransition as e:
                 raise ApiError(
