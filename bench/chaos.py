@@ -22,7 +22,13 @@ Faults (`--faults`, all by default):
   proxy-kill-durable   the same with FLYWHEEL_DURABLE=true
   vllm-kill      one vLLM replica kill -9ed for --outage-s / 4, then started again
   reward-burst   10,000 rewards in one post while the traffic runs
-The journal faults need root (a tmpfs mount) and are skipped without it.
+  trainer-kill-step     a `flywheel trainer` training on the traffic kill -9ed while it holds
+                        a claimed batch, and started again
+  trainer-kill-publish  the same while it publishes (its adapter written and loading into
+                        vLLM, not yet recorded: the fakes take 2 s per load here)
+The journal faults need root (a tmpfs mount) and are skipped without it. For the trainer faults
+the note says what became of the killed trainer's claims and its half-published adapter, and
+whether the versions still form one chain; anything wrong there starts with "FAILED".
 
 Prints the table and appends it to bench/chaos.md; docs/reliability.md explains it.
 """
@@ -31,16 +37,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +60,7 @@ import psycopg
 
 from bench import common
 from bench.pg import OwnPostgres
+from demo.tiny_model import build_demo_model
 from demo.vllm_server import free_port
 
 RESULTS = Path(__file__).with_suffix(".md")
@@ -61,9 +70,21 @@ RETRY_S = 10.0  # how long a client keeps retrying a reward the proxy answered 5
 BURST = 10_000
 FAULTS = (
     "pg-stop", "pg-kill", "journal-full", "journal-ro", "proxy-term", "proxy-kill",
-    "proxy-kill-durable", "vllm-kill", "reward-burst",
+    "proxy-kill-durable", "vllm-kill", "reward-burst", "trainer-kill-step",
+    "trainer-kill-publish",
 )  # fmt: skip
 NEEDS_ROOT = ("journal-full", "journal-ro")
+TRAINER_FAULTS = ("trainer-kill-step", "trainer-kill-publish")
+TRAINER_SETTINGS = {  # small steps, a short lease and frequent reconciles: the fault's effects
+    "FLYWHEEL_LEASE_S": "10",  # show within the run
+    "FLYWHEEL_RECONCILE_S": "2",
+    "FLYWHEEL_POLL_S": "0.2",
+    "FLYWHEEL_MIN_EPISODES": "8",
+    "FLYWHEEL_MAX_BATCH_TRANSITIONS": "64",
+    "FLYWHEEL_LOG_LEVEL": "info",
+    "OMP_NUM_THREADS": "1",
+}
+LOAD_DELAY_S = 2.0  # the fakes' adapter loads, in the trainer runs (a window to kill in)
 
 
 # --- the stack ---------------------------------------------------------------------------------
@@ -77,6 +98,7 @@ class Stack:
     settings: dict[str, str]
     port: int = field(default_factory=free_port)
     proxy: common.Server | None = None
+    trainer: common.Server | None = None
 
     @property
     def url(self) -> str:
@@ -91,11 +113,25 @@ class Stack:
             port=self.port,
         )
 
+    def start_trainer(self) -> None:
+        model = build_demo_model(common.WORK / "models" / "demo")
+        self.trainer = common.start_trainer(
+            model, [f.url for f in self.fakes], self.pg.url, home=self.home,
+            settings=TRAINER_SETTINGS, log_name="chaos_trainer",
+        )  # fmt: skip
+
+    @property
+    def trainer_id(self) -> str:
+        assert self.trainer is not None
+        return f"{socket.gethostname()}-{self.trainer.process.pid}"  # (its default id)
+
     def restart_fake(self, index: int) -> None:
         port = int(self.fakes[index].url.rsplit(":", 1)[1])
         self.fakes[index] = common.start_fake(0.005, always_detail=False, port=port)
 
     def close(self) -> None:
+        if self.trainer is not None:
+            self.trainer.stop()
         if self.proxy is not None:
             self.proxy.stop()
         for fake in self.fakes:
@@ -103,7 +139,9 @@ class Stack:
 
 
 @contextmanager
-def stack(work: Path, *, durable: bool = False, journal_tmpfs: bool = False) -> Iterator[Stack]:
+def stack(
+    work: Path, *, durable: bool = False, journal_tmpfs: bool = False, trainer: bool = False
+) -> Iterator[Stack]:
     home = Path(tempfile.mkdtemp(prefix="flywheel-chaos-", dir=work))
     journal = home / "journal"
     journal.mkdir()
@@ -111,13 +149,16 @@ def stack(work: Path, *, durable: bool = False, journal_tmpfs: bool = False) -> 
         subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(journal)],
                        check=True)  # fmt: skip
     pg = OwnPostgres(work)
-    fakes = [common.start_fake(0.005, always_detail=False) for _ in range(2)]
+    delay = LOAD_DELAY_S if trainer else 0.0
+    fakes = [common.start_fake(0.005, always_detail=False, load_delay_s=delay) for _ in range(2)]
     settings = {"FLYWHEEL_JOURNAL_RETRY_S": "0.5", "FLYWHEEL_REPLICA_PROBE_S": "0.5"}
     if durable:
         settings["FLYWHEEL_DURABLE"] = "true"
     s = Stack(pg, fakes, home, settings)
     try:
         s.start_proxy()
+        if trainer:
+            s.start_trainer()
         yield s
     finally:
         s.close()
@@ -167,17 +208,20 @@ class Traffic:
             episode = f"chaos-{tag}-{n}-{i}"
             i += 1
             for stream in (False, True):
-                await self._call(session, episode, stream)
-            task = asyncio.create_task(self._reward(session, episode))
+                await self._call(session, episode, stream, task=f"chaos-{i % 8}")
+            # (half rewarded 1, half 0: GRPO groups with something to learn, for the trainer)
+            task = asyncio.create_task(self._reward(session, episode, float(i % 2)))
             rewards.add(task)
             task.add_done_callback(rewards.discard)
             if self.pause_s:
                 await asyncio.sleep(self.pause_s)
         await asyncio.gather(*rewards)
 
-    async def _call(self, session: aiohttp.ClientSession, episode: str, stream: bool) -> None:
-        body = common.chat_body(PROMPT, stream=stream, max_tokens=8)
-        headers = {**JSON, "X-Episode-Id": episode}
+    async def _call(
+        self, session: aiohttp.ClientSession, episode: str, stream: bool, task: str
+    ) -> None:
+        body = common.chat_body(PROMPT, stream=stream, max_tokens=8, model="policy")
+        headers = {**JSON, "X-Episode-Id": episode, "X-Task-Id": task}
         self.calls += 1
         try:
             async with session.post(
@@ -193,8 +237,8 @@ class Traffic:
             self.errors[f"call {type(e).__name__}"] += 1
             await asyncio.sleep(0.2)
 
-    async def _reward(self, session: aiohttp.ClientSession, episode: str) -> None:
-        body = orjson.dumps({"episode_id": episode, "reward": 1.0, "idempotency_key": "final"})
+    async def _reward(self, session: aiohttp.ClientSession, episode: str, reward: float) -> None:
+        body = orjson.dumps({"episode_id": episode, "reward": reward, "idempotency_key": "final"})
         deadline = time.monotonic() + RETRY_S
         told = ""
         while time.monotonic() < deadline:  # (the episode's reward is posted, even at stop)
@@ -271,7 +315,7 @@ def lost(
 def run_fault(fault: str, args: argparse.Namespace, work: Path) -> Outcome:
     durable = fault == "proxy-kill-durable"
     tmpfs = fault in NEEDS_ROOT
-    with stack(work, durable=durable, journal_tmpfs=tmpfs) as s:
+    with stack(work, durable=durable, journal_tmpfs=tmpfs, trainer=fault in TRAINER_FAULTS) as s:
         traffic = Traffic(s.url, args.clients).start()
         time.sleep(args.warm_s)
         started = time.monotonic()
@@ -328,9 +372,103 @@ def inject(fault: str, s: Stack, outage_s: float, extra_rewards: set[str]) -> st
         if r.status_code == 200:
             extra_rewards.update(episodes)
         return f"{BURST} rewards in one post: {r.status_code} in {took:.1f} s"
+    elif fault in TRAINER_FAULTS:
+        return kill_trainer(s, mid_publish=fault == "trainer-kill-publish")
     else:
         raise ValueError(f"unknown fault {fault!r}")
     return ""
+
+
+# --- the trainer faults ------------------------------------------------------------------------
+
+
+def kill_trainer(s: Stack, *, mid_publish: bool) -> str:
+    """kill -9 the trainer mid-step or mid-publish, start another; then check what the killed
+    one left: its claims taken over after the lease, its unrecorded adapter unloaded and deleted
+    once orphaned, every trained row in a recorded version, the versions one chain."""
+    assert s.trainer is not None
+    adapters = s.home / "adapters"
+    with psycopg.connect(s.pg.url, autocommit=True) as db:
+        wait_for(lambda: recorded(db), 300, "the trainer's first version")  # steady state
+        dead = s.trainer_id
+
+        def held() -> int:
+            return int(db.execute(HELD, (dead,)).fetchone()[0])  # type: ignore[index]
+
+        def unrecorded() -> set[str]:
+            on_disk = {p.name for p in adapters.glob("policy-v*")}
+            return on_disk - set(recorded(db))
+
+        if mid_publish:  # written, loading into vLLM, not yet recorded
+            wait_for(lambda: held() > 0 and unrecorded(), 300, "a publish")
+        else:  # claimed, not yet written
+            wait_for(lambda: held() > 0 and not unrecorded(), 300, "a step")
+        half_published = unrecorded()
+        claims = held()
+        s.trainer.process.send_signal(signal.SIGKILL)
+        s.trainer.process.wait()
+        killed = time.monotonic()
+        last = max(recorded(db).values())
+        s.start_trainer()
+        ready = time.monotonic() - killed
+        lease = float(TRAINER_SETTINGS["FLYWHEEL_LEASE_S"])
+        timeout = lease + 240
+        wait_for(lambda: held() == 0, timeout, "the killed trainer's claims to be taken over")
+        taken_over = time.monotonic() - killed
+        wait_for(lambda: max(recorded(db).values()) > last, timeout, "a version after the kill")
+        problems = []
+        if half_published:  # orphaned after a lease: unloaded from every vLLM, deleted
+
+            def gone() -> bool:
+                return not (half_published & (loaded(s) | unrecorded()))
+
+            if not wait_for(gone, timeout, "", fail=False):
+                problems.append(f"{sorted(half_published)} still loaded or on disk")
+        stray = db.execute(TRAINED_OUTSIDE_A_VERSION).fetchone()[0]  # type: ignore[index]
+        if stray:
+            problems.append(f"{stray} rows trained into no recorded version")
+        chain = db.execute(LINEAGE).fetchall()
+        broken = [v for (before, _), (v, parent) in itertools.pairwise(chain) if parent != before]
+        if broken or (chain and chain[0][1] is not None):
+            problems.append(f"versions {broken} do not descend from the one before")
+    what = "publish of " + ", ".join(sorted(half_published)) if mid_publish else "step"
+    note = (
+        f"killed mid-{what} holding {claims} claims; its successor (up after {ready:.0f} s) "
+        f"took them over {taken_over:.0f} s after the kill (lease {lease:g} s); "
+        f"v1..v{chain[-1][0]} one chain"
+        + ("; the half-published adapter unloaded and deleted" if half_published else "")
+    )
+    return "; ".join(["FAILED: " + ", ".join(problems), note] if problems else [note])
+
+
+HELD = "SELECT count(*) FROM transition WHERE claimed_by = %s AND trained_at IS NULL"
+TRAINED_OUTSIDE_A_VERSION = (
+    "SELECT count(*) FROM transition t WHERE trained_version IS NOT NULL AND NOT EXISTS "
+    "(SELECT 1 FROM adapter_version a WHERE a.version = t.trained_version)"
+)
+LINEAGE = "SELECT version, (stats->>'parent')::int FROM adapter_version ORDER BY version"
+
+
+def recorded(db: psycopg.Connection[tuple[object, ...]]) -> dict[str, int]:
+    return {str(n): int(v) for n, v in db.execute("SELECT name, version FROM adapter_version")}  # type: ignore[call-overload]
+
+
+def loaded(s: Stack) -> set[str]:
+    names: set[str] = set()
+    for fake in s.fakes:
+        names |= {m["id"] for m in httpx.get(fake.url + "/v1/models", timeout=10).json()["data"]}
+    return names
+
+
+def wait_for(ready: Callable[[], object], timeout: float, what: str, *, fail: bool = True) -> bool:
+    deadline = time.monotonic() + timeout
+    while not ready():
+        if time.monotonic() > deadline:
+            if fail:
+                raise TimeoutError(f"no {what} in {timeout:.0f} s")
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def journal_errors(url: str) -> float:

@@ -161,9 +161,11 @@ def load(
     return uvloop.run(coroutine)
 
 
-def chat_body(messages: list[dict[str, str]], *, stream: bool, max_tokens: int = 16) -> bytes:
+def chat_body(
+    messages: list[dict[str, str]], *, stream: bool, max_tokens: int = 16, model: str = MODEL
+) -> bytes:
     return orjson.dumps(
-        {"model": MODEL, "messages": messages, "max_tokens": max_tokens, "stream": stream}
+        {"model": model, "messages": messages, "max_tokens": max_tokens, "stream": stream}
     )
 
 
@@ -300,13 +302,14 @@ def start_fake(
     token_delay_s: float = 0.0,
     *,
     always_detail: bool = True,
+    load_delay_s: float = 0.0,
     port: int | None = None,
 ) -> Server:
     """The fake vLLM. `always_detail`: every answer carries token ids and logprobs (the issue's
     "fixed-size completions with token ids/logprobs"), so a direct call costs the fake what a
     proxied one does and the comparison isolates the proxy; False: only when asked, as vLLM."""
     argv = [sys.executable, "-m", "bench.fake_vllm", "--latency-s", str(latency_s)]
-    argv += ["--token-delay-s", str(token_delay_s)]
+    argv += ["--token-delay-s", str(token_delay_s), "--load-delay-s", str(load_delay_s)]
     if always_detail:
         argv.append("--always-detail")
     return _start("fake_vllm", argv, "/health", _env(), port)
@@ -331,6 +334,40 @@ def start_flywheel(
     for url in [upstream] if isinstance(upstream, str) else upstream:  # several: replicas
         argv += ["--upstream", url]
     return _start("flywheel_proxy", argv, "/healthz", env, port)
+
+
+def start_trainer(
+    model: Path,
+    upstream: Sequence[str],
+    database_url: str,
+    *,
+    home: Path,
+    settings: dict[str, str] | None = None,
+    log_name: str = "flywheel_trainer",
+) -> Server:
+    """`flywheel trainer`, ready once its metrics port answers (it opens after the engine is
+    built); `settings` are FLYWHEEL_* variables. Its `url` is the metrics endpoint's base."""
+    port = free_port()
+    env = _env(
+        FLYWHEEL_DATABASE_URL=database_url,
+        FLYWHEEL_HOME=str(home),
+        FLYWHEEL_METRICS_PORT=str(port),
+        **(settings or {}),
+    )
+    argv = [sys.executable, "-m", "flywheel", "trainer", "--model", str(model)]
+    argv += ["--adapters-dir", str(home / "adapters")]
+    for url in upstream:
+        argv += ["--vllm", url]
+    log_path = _log(log_name)
+    with log_path.open("ab") as log:
+        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
+    server = Server(log_name, process, f"http://127.0.0.1:{port}", log_path)
+    try:
+        wait_http(server.url + "/metrics", process, timeout=START_TIMEOUT_S, log_path=log_path)
+    except BaseException:
+        server.stop()
+        raise
+    return server
 
 
 def litellm_venv(venv: Path = LITELLM_VENV) -> Path:

@@ -654,6 +654,7 @@ if __name__ == "__main__":
     parser.add_argument("--model", default="demo")
     parser.add_argument("--latency-s", type=float, default=0.0)
     parser.add_argument("--token-delay-s", type=float, default=0.0)
+    parser.add_argument("--load-delay-s", type=float, default=0.0, help="before a load answers")
     parser.add_argument("--log", help="append each request's path and model to this file")
     parser.add_argument(
         "--always-detail",
@@ -665,6 +666,7 @@ if __name__ == "__main__":
         args.model,
         latency_s=args.latency_s,
         token_delay_s=args.token_delay_s,
+        load_delay_s=args.load_delay_s,
         log_path=args.log,
         always_detail=args.always_detail,
     )

@@ -11,7 +11,8 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-FAULTS = ("pg-kill", "journal-full", "proxy-kill-durable")  # (the 10k burst: test_rewards.py)
+# (the 10k burst: test_rewards.py; the trainer killed mid-step: test_trainer_loop.py)
+FAULTS = ("pg-kill", "journal-full", "proxy-kill-durable", "trainer-kill-publish")
 
 
 def test_faults_under_traffic_lose_nothing_acknowledged(tmp_path: Path) -> None:
@@ -38,3 +39,7 @@ def test_faults_under_traffic_lose_nothing_acknowledged(tmp_path: Path) -> None:
         assert acknowledged > 0 and rewards > 0, cells
         assert (lost, rewards_lost) == (0, 0), cells
         assert (stored, rewards_stored) == (acknowledged, rewards), cells
+    # The killed trainer's claims were taken over, its half-published adapter cleared away, and
+    # the versions still form one chain.
+    note = rows["trainer-kill-publish"][9]
+    assert not note.startswith("FAILED") and "half-published adapter unloaded" in note, note

@@ -5,9 +5,11 @@ Transitions come in through the real proxy (the fake's token ids fit the demo mo
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -600,3 +602,24 @@ def test_sigterm_gives_the_claims_back_at_once(
         "SELECT count(*), max(train_attempts) FROM transition "
         "WHERE claimed_by IS NULL AND trained_at IS NULL"
     ) == [(8, 0)]
+
+
+def test_sigterm_mid_vllm_call_leaves_no_task_to_run_later(fake_vllm: FakeVLLM) -> None:
+    """A SIGTERM during a load left load_everywhere pending in the trainer's private loop; it
+    ran on at the next use of that loop (closing it) and failed there, unretrieved."""
+    fake_vllm.load_delay_s = 60
+    replicas = Replicas([fake_vllm.url], None)
+
+    def stop(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt  # what the trainer's SIGTERM handler does (with Stopping)
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, 0.3)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            replicas.load_everywhere("policy-v1", "/nowhere")
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+        fake_vllm.load_delay_s = 0
+    assert asyncio.all_tasks(replicas._loop) == set()
+    replicas.close()

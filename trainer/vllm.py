@@ -9,6 +9,7 @@ thread, so this does not meddle with anyone else's.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
@@ -25,7 +26,14 @@ class Replicas:
         self._vllm = VLLMAdmin(api_key=api_key)
 
     def _run(self, coroutine: Coroutine[Any, Any, T]) -> T:
-        return self._loop.run_until_complete(coroutine)
+        task = self._loop.create_task(coroutine)
+        try:
+            return self._loop.run_until_complete(task)
+        except BaseException:  # SIGTERM's Stopping mid-call: no orphan task left to run later
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                self._loop.run_until_complete(task)
+            raise
 
     def close(self) -> None:
         self._run(self._vllm.close())
