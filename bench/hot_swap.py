@@ -85,9 +85,9 @@ def publish_versions(
             with sessions.begin() as session:
                 policy.publish(
                     session=session,
+                    lineage="policy",
                     parent=version - 1 if version > 1 else None,
                     version=version,
-                    name=name,
                     path=str(path),
                     base_model="demo",
                     stats={},

@@ -1,5 +1,10 @@
 """The policy's adapter versions, from publish to retirement: one lifecycle for every process.
 
+A *lineage* is one line of versions with its own current version: `policy` by default, or one per
+agent role (`writer`, `rewriter`: proxy/config.py's `adapter_per_agent` says which agent's calls
+each serves; a trainer trains one, trainer/config.py's `lineage`). Version numbers come from one
+sequence for all lineages, so `N` names one adapter everywhere (`<lineage>-vN`).
+
     publish  (trainer)  save policy-vN/ -> load_everywhere -> one transaction: the batch trained,
                         N inserted and made current, NOTIFY
     activate (rollback) load_everywhere -> make_current; POST /admin/adapters/N/activate on the
@@ -19,6 +24,7 @@ async sessions with `core.database.run_sync`.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -33,13 +39,31 @@ from core.tables import AdapterVersion
 from core.vllm import Unreachable, VLLMAdmin, VLLMError
 
 BASE_VERSION = 0  # the policy before any training: the base model itself
+DEFAULT_LINEAGE = "policy"
+# Lineage names appear in adapter names, directories, model names and metric labels.
+LINEAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
 PUBLISH_LOCK = 7239012  # transaction-level advisory lock of everyone who moves `is_current`
 POLICY_CHANNEL = "flywheel_policy"  # NOTIFY'd (delivered on commit) when `is_current` moves
+
+
+def check_lineage(name: str) -> str:
+    """A valid lineage name, or ValueError saying what one is."""
+    if not LINEAGE_NAME.fullmatch(name):
+        raise ValueError(
+            f"{name!r} is not a lineage name: 1-63 letters, digits, '_', '.' or '-', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+def adapter_name(lineage: str, version: int) -> str:
+    return f"{lineage}-v{version}"
 
 
 @dataclass(frozen=True)
 class Adapter:
     version: int
+    lineage: str
     name: str
     path: str
     base_model: str
@@ -65,9 +89,9 @@ class PolicyMoved(Exception):
     """Another version became current since the step began (a rollback, or another trainer's
     publish): publishing would fork the lineage. `current` is the version now (None: base)."""
 
-    def __init__(self, parent: int | None, current: int | None) -> None:
+    def __init__(self, parent: int | None, current: int | None, lineage: str) -> None:
         super().__init__(
-            f"the policy moved from {_label(parent)} to {_label(current)} during the step"
+            f"lineage {lineage} moved from {_label(parent)} to {_label(current)} during the step"
         )
         self.current = current
 
@@ -86,6 +110,7 @@ class NoReplica(VLLMError):
 def _adapter(row: AdapterVersion) -> Adapter:
     return Adapter(
         row.version,
+        row.lineage,
         row.name,
         row.path,
         row.base_model,
@@ -97,9 +122,17 @@ def _adapter(row: AdapterVersion) -> Adapter:
     )
 
 
-def current(*, session: Session) -> Adapter | None:
-    row = session.scalar(select(AdapterVersion).where(AdapterVersion.is_current))
+def current(*, session: Session, lineage: str = DEFAULT_LINEAGE) -> Adapter | None:
+    row = session.scalar(
+        select(AdapterVersion).where(AdapterVersion.is_current, AdapterVersion.lineage == lineage)
+    )
     return _adapter(row) if row else None
+
+
+def currents(*, session: Session) -> dict[str, Adapter]:
+    """Every lineage's current version (a lineage on its base model has none)."""
+    rows = session.scalars(select(AdapterVersion).where(AdapterVersion.is_current))
+    return {row.lineage: _adapter(row) for row in rows}
 
 
 def get(version: int, *, session: Session) -> Adapter | None:
@@ -112,9 +145,12 @@ def named(name: str, *, session: Session) -> Adapter | None:
     return _adapter(row) if row else None
 
 
-def versions(*, session: Session) -> list[Adapter]:
-    rows = session.scalars(select(AdapterVersion).order_by(AdapterVersion.version))
-    return [_adapter(row) for row in rows]
+def versions(*, session: Session, lineage: str | None = None) -> list[Adapter]:
+    """Oldest first; of one lineage, or of all (None)."""
+    query = select(AdapterVersion).order_by(AdapterVersion.version)
+    if lineage is not None:
+        query = query.where(AdapterVersion.lineage == lineage)
+    return [_adapter(row) for row in session.scalars(query)]
 
 
 def next_version(*, session: Session) -> int:
@@ -130,32 +166,33 @@ def _lock(session: Session) -> None:
 def publish(
     *,
     session: Session,
+    lineage: str,
     parent: int | None,
     version: int,
-    name: str,
     path: str,
     base_model: str,
     stats: dict[str, Any],
     trained_transitions: int,
 ) -> None:
-    """Record a new version as the current one; every proxy's alias follows when this commits.
+    """Record a new version as its lineage's current one (named `<lineage>-v<version>`); every
+    proxy's alias follows when this commits.
 
     Compare-and-set: `parent` (the version the new one was trained from; None: the base model)
-    must still be current, else PolicyMoved and nothing is written. Without it a rollback would
-    not stick (the next step publishes a descendant of the version rolled back from) and two
-    trainers would publish two alternating, diverging policies.
+    must still be the lineage's current one, else PolicyMoved and nothing is written. Without it
+    a rollback would not stick (the next step publishes a descendant of the version rolled back
+    from) and two trainers would publish two alternating, diverging policies.
     """
     _lock(session)
-    now = session.scalar(select(AdapterVersion.version).where(AdapterVersion.is_current))
+    mine = (AdapterVersion.is_current, AdapterVersion.lineage == lineage)
+    now = session.scalar(select(AdapterVersion.version).where(*mine))
     if now != parent:
-        raise PolicyMoved(parent, now)
-    session.execute(
-        update(AdapterVersion).where(AdapterVersion.is_current).values(is_current=False)
-    )
+        raise PolicyMoved(parent, now, lineage)
+    session.execute(update(AdapterVersion).where(*mine).values(is_current=False))
     session.execute(
         insert(AdapterVersion).values(
             version=version,
-            name=name,
+            lineage=lineage,
+            name=adapter_name(lineage, version),
             path=path,
             base_model=base_model,
             is_current=True,
@@ -166,8 +203,9 @@ def publish(
     session.execute(text(f"NOTIFY {POLICY_CHANNEL}"))
 
 
-def make_current(version: int | None, *, session: Session) -> None:
-    """Point the alias at an existing version, or at the base model (None)."""
+def make_current(version: int | None, *, session: Session, lineage: str = DEFAULT_LINEAGE) -> None:
+    """Make an existing version its lineage's current one, or put `lineage` back on the base
+    model (None). The other lineages do not move."""
     _lock(session)
     if version is not None:
         row = session.get(AdapterVersion, version)
@@ -175,8 +213,11 @@ def make_current(version: int | None, *, session: Session) -> None:
             raise UnknownVersion(f"no adapter version {version}")
         if row.retired_at is not None:
             raise RetiredVersion(row.name, row.retired_at)
+        lineage = row.lineage
     session.execute(
-        update(AdapterVersion).where(AdapterVersion.is_current).values(is_current=False)
+        update(AdapterVersion)
+        .where(AdapterVersion.is_current, AdapterVersion.lineage == lineage)
+        .values(is_current=False)
     )
     if version is not None:
         session.execute(
@@ -185,13 +226,20 @@ def make_current(version: int | None, *, session: Session) -> None:
     session.execute(text(f"NOTIFY {POLICY_CHANNEL}"))
 
 
-def mark_retired(*, session: Session, keep: int) -> None:
-    """Retire every version but the newest `keep` and the current one (they stay loadable)."""
+def mark_retired(*, session: Session, lineage: str, keep: int) -> None:
+    """Retire every version of `lineage` but its newest `keep` and its current one (they stay
+    loadable). The other lineages are not touched."""
     _lock(session)
-    newest = select(AdapterVersion.version).order_by(AdapterVersion.version.desc()).limit(keep)
+    newest = (
+        select(AdapterVersion.version)
+        .where(AdapterVersion.lineage == lineage)
+        .order_by(AdapterVersion.version.desc())
+        .limit(keep)
+    )
     session.execute(
         update(AdapterVersion)
         .where(
+            AdapterVersion.lineage == lineage,
             AdapterVersion.retired_at.is_(None),
             AdapterVersion.is_current.is_(False),
             AdapterVersion.version.not_in(newest.scalar_subquery()),
@@ -262,14 +310,20 @@ async def unload_everywhere(vllm: VLLMAdmin, urls: Sequence[str], name: str) -> 
 
 
 async def activate(
-    version: int, *, sessions: AsyncSessions, vllm: VLLMAdmin, urls: Sequence[str]
+    version: int,
+    *,
+    sessions: AsyncSessions,
+    vllm: VLLMAdmin,
+    urls: Sequence[str],
+    lineage: str = DEFAULT_LINEAGE,
 ) -> tuple[Adapter | None, Rollout | None]:
-    """Roll back (or forward) to `version` (0: the base model): load it everywhere, then move
-    the alias. Raises UnknownVersion, RetiredVersion, AdapterRejected or NoReplica, and then the
-    alias has not moved. The database is not held while vLLM loads."""
+    """Roll back (or forward) to `version`, in its own lineage (0: `lineage` back on the base
+    model): load it everywhere, then move that lineage's alias. Raises UnknownVersion,
+    RetiredVersion, AdapterRejected or NoReplica, and then the alias has not moved. The database
+    is not held while vLLM loads."""
     if version == BASE_VERSION:
         async with sessions.begin() as session:
-            await run_sync(session, make_current, version=None)
+            await run_sync(session, make_current, version=None, lineage=lineage)
         return None, None
     async with sessions() as session:
         adapter = await run_sync(session, get, version=version)

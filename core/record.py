@@ -55,6 +55,7 @@ class TransitionRecord:
     model_requested: str | None = _column("text", default=None)
     model_used: str | None = _column("text", default=None)
     policy_version: int | None = _column("int4", default=None)  # None: not the policy
+    lineage: str | None = _column("text", default=None)  # whose policy served it (core/policy.py)
     # The prompt's messages (chat), [{"prompt": ...}] (completions) or instructions and input items
     # (responses), stored once each by digest.
     messages: list[Any] = _column("bytea[]", column="message_digests")

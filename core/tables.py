@@ -99,6 +99,8 @@ class Transition(Base):
     model_requested: Mapped[str | None] = mapped_column(Text)
     model_used: Mapped[str | None] = mapped_column(Text)
     policy_version: Mapped[int | None] = mapped_column(Integer)
+    # The lineage whose policy served it (core/policy.py); NULL: not the policy.
+    lineage: Mapped[str | None] = mapped_column(Text)
     message_digests: Mapped[list[bytes]] = mapped_column(ARRAY(LargeBinary))
     params: Mapped[dict[str, Any]]  # the request minus messages/prompt
     prompt_token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
@@ -177,9 +179,12 @@ class AdapterVersion(Base):
 
     __tablename__ = "adapter_version"
 
-    # Numbers come from a sequence, so two trainers can never publish the same name.
+    # Numbers come from one sequence for every lineage, so a number names one adapter anywhere
+    # (a pin, X-Policy-Version, a transition's policy_version) and no two trainers share one.
     version: Mapped[int] = mapped_column(Integer, Sequence("adapter_version_seq"), primary_key=True)
-    name: Mapped[str] = mapped_column(Text, unique=True)
+    # e.g. "policy" (the default), "writer": each lineage has its own current version.
+    lineage: Mapped[str] = mapped_column(Text, server_default=sql("'policy'"))
+    name: Mapped[str] = mapped_column(Text, unique=True)  # "<lineage>-v<version>"
     path: Mapped[str] = mapped_column(Text)
     base_model: Mapped[str] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
@@ -191,9 +196,9 @@ class AdapterVersion(Base):
     retired_at: Mapped[datetime | None]
 
     __table_args__ = (
-        Index(
+        Index(  # one current version per lineage
             "uq_adapter_version_current",
-            "is_current",
+            "lineage",
             unique=True,
             postgresql_where=sql("is_current"),
         ),

@@ -2,8 +2,9 @@
 
     flywheel proxy --upstream http://127.0.0.1:8001 [--host H] [--port P]
     flywheel trainer --model DIR --vllm URL [--vllm URL ...] --adapters-dir DIR
-    flywheel adapters list
-    flywheel adapters activate N --vllm URL [--vllm URL ...]   # rollback; N=0: the base model
+    flywheel adapters list [--lineage L]
+    flywheel adapters activate N --vllm URL [--vllm URL ...]   # rollback, in N's own lineage
+    flywheel adapters activate 0 --lineage L --vllm URL         # lineage L back on the base model
     flywheel keys create --tenant T [--scopes infer,reward,read] [--name N]   # prints the key once
     flywheel keys list | flywheel keys revoke ID
     flywheel migrate [--database-url URL]
@@ -50,11 +51,15 @@ def main(argv: list[str] | None = None) -> None:
     trainer.add_argument("--adapters-dir", help="where adapters are written; vLLM reads them")
     trainer.add_argument("--database-url")
     trainer.add_argument("--max-steps", type=int)
+    trainer.add_argument("--lineage", help="the adapter lineage it trains (default: policy)")
 
     adapters = commands.add_parser("adapters", help="list adapter versions, or switch the alias")
     adapters.add_argument("action", choices=["list", "activate"])
     adapters.add_argument("version", nargs="?", type=int, help="with activate: the version")
     adapters.add_argument("--vllm", action="append", help="vLLM base URL(s) to load it into")
+    adapters.add_argument(
+        "--lineage", help="list: only this lineage; activate 0: the lineage put back on the base"
+    )
     adapters.add_argument("--database-url")
 
     keys = commands.add_parser("keys", help="create, list or revoke tenants' API keys")
@@ -167,21 +172,28 @@ def _adapters(args: argparse.Namespace, settings: DatabaseSettings) -> None:
     if args.action == "list":
         engine, sessions = database.create_sessions(url)
         with sessions() as session:
-            adapters = policy.versions(session=session)
+            adapters = policy.versions(session=session, lineage=args.lineage)
         engine.dispose()
+        by_lineage: dict[str, list[policy.Adapter]] = {}
         for a in adapters:
-            mark = "*" if a.is_current else " "
-            reward = (a.stats or {}).get("reward_mean", float("nan"))
-            state = f"retired {a.retired_at:%Y-%m-%d %H:%M}" if a.retired_at else a.path
-            print(
-                f"{mark} v{a.version:<5} {a.name:<16} {a.created_at:%Y-%m-%d %H:%M:%S} "
-                f"trained={a.trained_transitions:<6} reward={reward:.3f} {state}"
-            )
+            by_lineage.setdefault(a.lineage, []).append(a)
+        for lineage, versions in sorted(by_lineage.items()):
+            current = next((a.name for a in versions if a.is_current), "the base model")
+            print(f"lineage {lineage}: {len(versions)} versions, serving {current}")
+            for a in versions:
+                mark = "*" if a.is_current else " "
+                reward = (a.stats or {}).get("reward_mean", float("nan"))
+                state = f"retired {a.retired_at:%Y-%m-%d %H:%M}" if a.retired_at else a.path
+                print(
+                    f"  {mark} v{a.version:<5} {a.name:<16} {a.created_at:%Y-%m-%d %H:%M:%S} "
+                    f"trained={a.trained_transitions:<6} reward={reward:.3f} {state}"
+                )
         return
     if args.version is None or not args.vllm:
         sys.exit("flywheel adapters activate N --vllm URL [--vllm URL ...]")
     try:
         urls = vllm_base_urls(args.vllm, "--vllm")
+        lineage = policy.check_lineage(args.lineage or policy.DEFAULT_LINEAGE)
     except ValueError as e:
         sys.exit(f"flywheel adapters: {e}")
 
@@ -190,7 +202,7 @@ def _adapters(args: argparse.Namespace, settings: DatabaseSettings) -> None:
         vllm = VLLMAdmin(api_key=None)
         try:
             adapter, rollout = await policy.activate(
-                args.version, sessions=sessions, vllm=vllm, urls=urls
+                args.version, sessions=sessions, vllm=vllm, urls=urls, lineage=lineage
             )
         finally:
             await vllm.close()
@@ -203,7 +215,10 @@ def _adapters(args: argparse.Namespace, settings: DatabaseSettings) -> None:
         adapter = asyncio.run(activate())
     except (policy.UnknownVersion, policy.RetiredVersion, VLLMError) as e:
         sys.exit(f"flywheel adapters: {e}")
-    print(f"the alias now serves {adapter.name if adapter else 'the base model'}")
+    if adapter is None:
+        print(f"lineage {lineage} now serves the base model")
+    else:
+        print(f"lineage {adapter.lineage} now serves {adapter.name}")
 
 
 def _configure_logging(level: str) -> None:

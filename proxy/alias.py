@@ -1,4 +1,9 @@
-"""The policy alias: `policy` -> the current adapter (or the base model), `policy@N` -> version N.
+"""The policy alias: `policy` -> the current adapter of the calling agent's lineage (or the base
+model), `policy@N` -> version N.
+
+Each lineage has its own current version (core/policy.py). Agents named in `adapter_per_agent`
+are served by their lineage; every other call (no agent tag, or another agent) by the default
+lineage `policy` — with per-agent lineages and no trainer on `policy`, that is the base model.
 
 Whoever moves the current version (the trainer's publish, a rollback) NOTIFYs `flywheel_policy` in
 the same transaction; a listening connection re-reads the version the moment that commits, so the
@@ -10,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 import orjson
 import psycopg
@@ -24,6 +30,13 @@ from proxy.upstream import Replica, Upstream
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Resolved:
+    model: str  # what vLLM is asked for
+    version: int | None  # the policy version serving it (0: the base model); None: not a policy
+    lineage: str | None  # the lineage that version belongs to (for a trainer to claim)
+
+
 class PolicyAlias:
     def __init__(
         self,
@@ -33,15 +46,18 @@ class PolicyAlias:
         *,
         base_model: str | None,
         refresh_s: float,
+        lineages: dict[str, str] | None = None,
         listen_url: str | None = None,
     ) -> None:
         self.alias = alias
+        self._lineage_of_agent = lineages or {}
         self._sessionmaker = sessionmaker
         self._upstream = upstream
         self.base_model = base_model
         self._refresh_s = refresh_s
-        self.current: tuple[int, str] | None = None
-        self._names: dict[int, str] = {}  # version -> adapter name; versions never change name
+        self.current: dict[str, tuple[int, str]] = {}  # lineage -> its current (version, name)
+        # Versions never change name or lineage: version -> (name, lineage), and name -> version.
+        self._names: dict[int, tuple[str, str]] = {}
         self._versions: dict[str, int] = {}
         self._listen_url = listen_url
         self._tasks: list[asyncio.Task[None]] = []
@@ -60,16 +76,18 @@ class PolicyAlias:
     async def refresh(self) -> None:
         try:
             async with self._sessionmaker() as session:
-                adapter = await run_sync(session, policy.current)
-        except Exception as e:  # Postgres down: keep serving the version we know
+                adapters = await run_sync(session, policy.currents)
+        except Exception as e:  # Postgres down: keep serving the versions we know
             log.debug("alias refresh failed: %s", e)
             return
-        current = (adapter.version, adapter.name) if adapter else None
-        if current != self.current:
-            log.info("policy alias now -> %s", current[1] if current else "base model")
-            self.current = current
-        if current:
-            self._remember(*current)
+        current = {lineage: (a.version, a.name) for lineage, a in adapters.items()}
+        for lineage in sorted(current.keys() | self.current.keys()):
+            if current.get(lineage) != self.current.get(lineage):
+                now = current.get(lineage)
+                log.info("lineage %s now -> %s", lineage, now[1] if now else "base model")
+        self.current = current
+        for lineage, (version, name) in current.items():
+            self._remember(version, name, lineage)
 
     async def _poll(self) -> None:
         while True:
@@ -91,23 +109,31 @@ class PolicyAlias:
                 log.debug("policy listener down (the poll covers it): %s", e)
             await asyncio.sleep(self._refresh_s)
 
-    def _remember(self, version: int, name: str) -> None:
-        self._names[version] = name
+    def _remember(self, version: int, name: str, lineage: str) -> None:
+        self._names[version] = (name, lineage)
         self._versions[name] = version
 
-    async def resolve(self, model: str) -> tuple[str, int | None]:
-        """The model to send upstream, and the policy version it serves (None: not a policy)."""
+    def lineage_of(self, agent: str | None) -> str:
+        return self._lineage_of_agent.get(agent or "", policy.DEFAULT_LINEAGE)
+
+    async def resolve(self, model: str, agent: str | None = None) -> Resolved:
+        """What to send upstream for `model` called by `agent`, and which policy serves it."""
+        lineage = self.lineage_of(agent)
         if model == self.alias:
-            if self.current:
-                return self.current[1], self.current[0]
-            return await self._base(), BASE_VERSION
+            if lineage in self.current:
+                version, name = self.current[lineage]
+                return Resolved(name, version, lineage)
+            return Resolved(await self._base(), BASE_VERSION, lineage)
         if model.startswith(self.alias + "@"):
-            return await self._pinned(model), int(model.partition("@")[2])
-        if model in self._versions:
-            return model, self._versions[model]
+            name, pinned_lineage = await self._pinned(model)
+            version = int(model.partition("@")[2])
+            return Resolved(name, version, lineage if version == BASE_VERSION else pinned_lineage)
+        if model in self._versions:  # an adapter by its own name
+            version = self._versions[model]
+            return Resolved(model, version, self._names[version][1])
         if model == self.base_model:
-            return model, BASE_VERSION
-        return model, None
+            return Resolved(model, BASE_VERSION, lineage)
+        return Resolved(model, None, None)
 
     async def restore(self, replica: Replica, name: str) -> bool:
         """vLLM answered 404 for an adapter we serve: it restarted. Load it again (once)."""
@@ -128,7 +154,8 @@ class PolicyAlias:
         log.warning("reloaded %s into %s (vLLM had lost it)", name, replica.base_url)
         return True
 
-    async def _pinned(self, model: str) -> str:
+    async def _pinned(self, model: str) -> tuple[str, str]:
+        """`policy@N`: the adapter's name and lineage (the base model's name for N = 0)."""
         suffix = model.partition("@")[2]
         if not suffix.isdigit():
             raise ApiError(
@@ -139,7 +166,7 @@ class PolicyAlias:
             )
         version = int(suffix)
         if version == BASE_VERSION:
-            return await self._base()
+            return await self._base(), policy.DEFAULT_LINEAGE
         if version not in self._names:
             async with self._sessionmaker() as session:
                 adapter = await run_sync(session, policy.get, version=version)
@@ -151,7 +178,7 @@ class PolicyAlias:
                     param="model",
                     code="model_not_found",
                 )
-            self._remember(version, adapter.name)
+            self._remember(version, adapter.name, adapter.lineage)
         return self._names[version]
 
     async def _base(self) -> str:

@@ -28,6 +28,7 @@ class Call:
     body: dict[str, Any]
     model_used: str
     policy_version: int | None
+    lineage: str | None  # the lineage whose policy serves it (None: not the policy)
     transition_ids: list[str]
     request_id: str
     requested_at: float = field(default_factory=time.time)
@@ -58,7 +59,8 @@ class Call:
         return {
             "X-Episode-Id": self.tags.public_episode_id or self.tags.episode_id,
             "X-Transition-Id": ",".join(self.transition_ids),
-            "X-Policy-Version": version,
+            "X-Policy-Version": version,  # 0: the base model
+            "X-Policy-Lineage": self.lineage or "none",
         }
 
 
@@ -132,6 +134,7 @@ def _record(
         model_requested=body.get("model"),
         model_used=call.model_used,
         policy_version=call.policy_version,
+        lineage=call.lineage,
         messages=prompt_messages,
         params={k: v for k, v in body.items() if k not in unrecorded},
         latency_ms=call.upstream_s * 1000.0,

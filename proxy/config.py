@@ -8,12 +8,14 @@ Lists (`upstream`, `api_keys`) are comma-separated in the environment. Where the
 from __future__ import annotations
 
 import ipaddress
+import re
 from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import ByteSize, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
+from core import policy
 from core.settings import DatabaseSettings, split_commas, vllm_base_urls
 
 # No `/`: a tenant's ids are stored as `<tenant>/<id>` (core/tenants.py), so no tag names another's.
@@ -50,6 +52,13 @@ class ProxySettings(DatabaseSettings):
         None, description="Bearer key for /admin/* (adapter rollback); unset: admin is off."
     )
     policy_alias: str = Field("policy", description="Model name that follows the trained adapter.")
+    adapter_per_agent: Annotated[dict[str, str], NoDecode] = Field(
+        default_factory=dict,
+        description="Agents (X-Agent-Name) whose `policy` calls are served by an adapter lineage "
+        "of their own, each trained by its own trainer (FLYWHEEL_LINEAGE): `writer,rewriter` "
+        "(a lineage per agent, named after it) or `sql=writer+rewriter` (one lineage for a "
+        "group). Other agents get the default lineage `policy`.",
+    )
     base_model: str | None = Field(
         None,
         description="Model the alias serves before any adapter exists (default: vLLM's first).",
@@ -131,6 +140,31 @@ class ProxySettings(DatabaseSettings):
     )
 
     _split = field_validator("upstream", "api_keys", mode="before")(split_commas)
+
+    @field_validator("adapter_per_agent", mode="before")
+    @classmethod
+    def _parse_lineages(cls, value: object) -> object:
+        """`writer,rewriter` or `sql=writer+rewriter,judge` -> {agent: lineage}."""
+        if not isinstance(value, str):
+            return value
+        lineages: dict[str, str] = {}
+        for entry in filter(None, (part.strip() for part in value.split(","))):
+            lineage, _, agents = entry.partition("=")
+            for agent in (agents or lineage).split("+"):
+                agent = agent.strip()
+                if agent in lineages:
+                    raise ValueError(f"agent {agent!r} is given two lineages")
+                lineages[agent] = lineage.strip()
+        return lineages
+
+    @field_validator("adapter_per_agent")
+    @classmethod
+    def _check_lineages(cls, lineages: dict[str, str]) -> dict[str, str]:
+        for agent, lineage in lineages.items():
+            if not re.fullmatch(TAG_PATTERN, agent):
+                raise ValueError(f"{agent!r} is not an agent name (X-Agent-Name)")
+            policy.check_lineage(lineage)
+        return lineages
 
     @field_validator("upstream")
     @classmethod

@@ -82,19 +82,20 @@ class Forwarder:
         else:
             choices = _choices(route, body)
 
-        model_used, version = await self._alias.resolve(model)
+        resolved = await self._alias.resolve(model, tags.agent_name)
         *transition_ids, request_id = random_uuids(choices + 1)
         call = Call(
             route=route,
             tags=tags,
             body=body,
-            model_used=model_used,
-            policy_version=version,
+            model_used=resolved.model,
+            policy_version=resolved.version,
+            lineage=resolved.lineage,
             transition_ids=transition_ids,
             request_id=request_id,
             scrub=scrub,
         )
-        upstream_body = _upstream_body(call, model_used)
+        upstream_body = _upstream_body(call, resolved.model)
 
         sent = time.perf_counter()
         try:

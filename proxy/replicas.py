@@ -2,8 +2,9 @@
 
 Every `replica_probe_s` each replica is asked for its models. One that does not answer leaves the
 rotation (calls that fail to reach it do the same at once, in forward.py). One that answers gets
-the current adapter loaded if it lacks it (a restarted or newly added vLLM has none) and only then
-joins, or stays in, the rotation: policy traffic never reaches a replica without the policy.
+every lineage's current adapter loaded if it lacks it (a restarted or newly added vLLM has none)
+and only then joins, or stays in, the rotation: policy traffic never reaches a replica without
+the policy.
 """
 
 from __future__ import annotations
@@ -49,8 +50,8 @@ class ReplicaKeeper:
         except VLLMError as e:
             self._upstream.failed(replica, repr(e))
             return
-        policy = self._alias.current[1] if self._alias.current else None
-        if policy and policy not in loaded and not await self._alias.restore(replica, policy):
-            self._upstream.failed(replica, f"could not load the current adapter {policy}")
-            return
+        for _, name in self._alias.current.values():  # every lineage's current adapter
+            if name not in loaded and not await self._alias.restore(replica, name):
+                self._upstream.failed(replica, f"could not load the current adapter {name}")
+                return
         self._upstream.restored(replica)

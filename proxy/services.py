@@ -73,6 +73,7 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
         upstream,
         base_model=settings.base_model,
         refresh_s=settings.alias_refresh_s,
+        lineages=settings.adapter_per_agent,
         listen_url=database.libpq_url(url),
     )
     await alias.start()

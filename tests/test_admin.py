@@ -115,6 +115,7 @@ def test_flywheel_adapters_cli(database_url: str, fake_vllm: FakeVLLM, tmp_path:
     assert "policy-v1" in fake_vllm.loras
     listed = subprocess.run([*cli, "list"], env=env, capture_output=True, text=True, timeout=60)
     assert listed.returncode == 0 and "* v1" in listed.stdout
+    assert "lineage policy: 1 versions, serving policy-v1" in listed.stdout, listed.stdout
     missing = subprocess.run(
         [*cli, "activate", "7", "--vllm", fake_vllm.url],
         env=env,

@@ -50,3 +50,41 @@ def test_partial_index_conditions_match(database_url: str) -> None:
                 for clause in str(where).split(" AND "):
                     column = clause.split()[0]
                     assert column in defs[index.name].split("WHERE", 1)[1], (index.name, clause)
+
+
+def test_0007_puts_existing_adapters_and_the_trainer_queue_in_their_lineage(
+    database_url: str,
+) -> None:
+    """The versions of before lineages are `policy`'s; so are the rows a trainer may still claim
+    (else no trainer would ever train them)."""
+    config = Config()
+    config.set_main_option("script_location", str(Path(migrations.__file__).parent))
+    config.attributes["url"] = sqlalchemy_url(database_url)
+    command.downgrade(config, "0006")
+    engine = create_engine(sqlalchemy_url(database_url))
+    row = (
+        "INSERT INTO transition (id, episode_id, request_id, choice_index, requested_at, route, "
+        "status, http_status, policy_version, message_digests, params, latency_ms, trained_at) "
+        "VALUES (gen_random_uuid(), 'm7', gen_random_uuid(), 0, now(), 'chat', 'ok', 200, {}, "
+        "'{{}}', '{{}}', 1, {})"
+    )
+    with engine.begin() as conn:
+        conn.exec_driver_sql(
+            "INSERT INTO adapter_version (version, name, path, base_model, is_current) "
+            "VALUES (1, 'policy-v1', '/a', 'demo', false), (2, 'policy-v2', '/a', 'demo', true)"
+        )
+        conn.exec_driver_sql("INSERT INTO episode (id) VALUES ('m7')")
+        conn.exec_driver_sql(row.format(2, "NULL"))  # waiting for the trainer
+        conn.exec_driver_sql(row.format(1, "now()"))  # trained: history, left as it is
+        conn.exec_driver_sql(row.format("NULL", "NULL"))  # not the policy
+    migrate(database_url)
+    with engine.begin() as conn:
+        adapters = conn.exec_driver_sql(
+            "SELECT name, lineage, is_current FROM adapter_version ORDER BY 1"
+        ).all()
+        lineages = conn.exec_driver_sql(
+            "SELECT policy_version, lineage FROM transition ORDER BY policy_version NULLS LAST"
+        ).all()
+    engine.dispose()
+    assert adapters == [("policy-v1", "policy", False), ("policy-v2", "policy", True)]
+    assert lineages == [(1, None), (2, "policy"), (None, None)]

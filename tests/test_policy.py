@@ -16,14 +16,16 @@ from core.database import Sessions
 from core.vllm import AdapterRejected, VLLMAdmin
 
 
-def publish(sessions: Sessions, version: int, path: str = "/adapters/x") -> None:
+def publish(
+    sessions: Sessions, version: int, path: str = "/adapters/x", lineage: str = "policy"
+) -> None:
     with sessions.begin() as session:
-        parent = policy.current(session=session)
+        parent = policy.current(session=session, lineage=lineage)
         policy.publish(
             session=session,
+            lineage=lineage,
             parent=parent.version if parent else None,
             version=version,
-            name=f"policy-v{version}",
             path=path,
             base_model="demo",
             stats={"loss": float("nan")},  # a diverged step still publishes (NaN -> null)
@@ -31,9 +33,9 @@ def publish(sessions: Sessions, version: int, path: str = "/adapters/x") -> None
         )
 
 
-def current(sessions: Sessions) -> int | None:
+def current(sessions: Sessions, lineage: str = "policy") -> int | None:
     with sessions() as session:
-        adapter = policy.current(session=session)
+        adapter = policy.current(session=session, lineage=lineage)
     return adapter.version if adapter else None
 
 
@@ -58,7 +60,7 @@ def test_retiring_keeps_the_newest_and_the_current_one(sessions: Sessions) -> No
         publish(sessions, version)
     with sessions.begin() as session:
         policy.make_current(2, session=session)  # a rollback to an old version
-        policy.mark_retired(session=session, keep=2)
+        policy.mark_retired(session=session, lineage="policy", keep=2)
     with sessions() as session:
         retired = {a.version for a in policy.versions(session=session) if a.retired_at}
     assert retired == {1, 3}  # 4 and 5 are the newest two, 2 is current
@@ -81,7 +83,7 @@ def test_a_rollback_racing_a_retirement_never_points_at_a_retired_version(
         publish(sessions, version)
     retiring = sessions()
     retiring.begin()
-    policy.mark_retired(session=retiring, keep=1)  # retires v1 and v2, holds the lock
+    policy.mark_retired(session=retiring, lineage="policy", keep=1)  # v1, v2; holds the lock
     outcome: dict[str, object] = {}
 
     def roll_back() -> None:
@@ -100,6 +102,43 @@ def test_a_rollback_racing_a_retirement_never_points_at_a_retired_version(
     thread.join(10)
     assert "policy-v1 was retired" in str(outcome.get("refused"))
     assert current(sessions) == 3
+
+
+def test_each_lineage_has_its_own_current_version_rollback_and_retirement(
+    sessions: Sessions,
+) -> None:
+    """Issue 12: lineages share the version numbers (one sequence) and nothing else."""
+    publish(sessions, 1, lineage="writer")
+    publish(sessions, 2, lineage="rewriter")
+    publish(sessions, 3, lineage="writer")
+    publish(sessions, 4, lineage="writer")
+    assert (current(sessions, "writer"), current(sessions, "rewriter")) == (4, 2)
+    assert current(sessions) is None  # the default lineage was never trained: the base model
+    with sessions() as session:
+        assert {k: a.name for k, a in policy.currents(session=session).items()} == {
+            "writer": "writer-v4",
+            "rewriter": "rewriter-v2",
+        }
+        assert [a.version for a in policy.versions(session=session, lineage="writer")] == [1, 3, 4]
+    # A compare-and-set on the writer's lineage ignores the rewriter's publishes, and the reverse.
+    with sessions.begin() as session, pytest.raises(policy.PolicyMoved, match="writer moved"):
+        policy.publish(session=session, lineage="writer", parent=3, version=5, path="/x",
+                       base_model="demo", stats={}, trained_transitions=1)  # fmt: skip
+    with sessions.begin() as session:
+        policy.make_current(1, session=session)  # the writer rolls back; the rewriter stays
+        policy.make_current(None, session=session, lineage="rewriter")  # the base model
+        policy.mark_retired(session=session, lineage="writer", keep=1)
+    assert (current(sessions, "writer"), current(sessions, "rewriter")) == (1, None)
+    with sessions() as session:
+        retired = {a.name for a in policy.versions(session=session) if a.retired_at}
+    assert retired == {"writer-v3"}  # v4 is the writer's newest, v1 its current; v2 not its own
+
+
+def test_lineage_names_are_checked() -> None:
+    assert policy.check_lineage("writer_2.a-b") == "writer_2.a-b"
+    for bad in ("", "-x", "a/b", "a@1", "a b", "x" * 64):
+        with pytest.raises(ValueError, match="not a lineage name"):
+            policy.check_lineage(bad)
 
 
 def test_load_everywhere_undoes_only_its_own_loads(tmp_path: Path) -> None:

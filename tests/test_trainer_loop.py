@@ -140,6 +140,39 @@ def test_selective_optimisation_trains_only_the_chosen_agents(
     assert rows == [("planner", 0, 8), ("solver", 8, 8)]
 
 
+def test_a_trainer_per_lineage_trains_and_publishes_only_its_own(
+    make_proxy: Any, fake_vllm: FakeVLLM, make_trainer: Any, sessions: Sessions
+) -> None:
+    """Issue 12: the writer and the rewriter each get an adapter of their own; the checker (no
+    lineage of its own, and no trainer on the default one) stays on the base model."""
+    lineages = make_proxy(adapter_per_agent="writer,rewriter")
+    for agent in ("writer", "rewriter", "checker"):
+        play(lineages, agent=agent)
+    writer = make_trainer(lineage="writer", trainer_id="t-writer")
+    rewriter = make_trainer(lineage="rewriter", trainer_id="t-rewriter", lease_s=0.5)
+    assert writer.step() and rewriter.step()
+    assert not writer.step() and not rewriter.step()  # each has trained all of its own
+    with sessions.begin() as session:
+        adapters = {a.name: a for a in policy.versions(session=session)}
+        assert {k: a.name for k, a in policy.currents(session=session).items()} == {
+            "writer": "writer-v1",
+            "rewriter": "rewriter-v2",
+        }
+    assert set(adapters) == {"writer-v1", "rewriter-v2"} and set(fake_vllm.loras) == set(adapters)
+    assert adapters["rewriter-v2"].stats["parent"] is None  # type: ignore[index]
+    rows = lineages.query(
+        "SELECT agent_name, lineage, trained_version, count(*) FROM transition "
+        "GROUP BY 1, 2, 3 ORDER BY 1"
+    )
+    assert rows == [("checker", "policy", None, 8), ("rewriter", "rewriter", 2, 8),
+                    ("writer", "writer", 1, 8)]  # fmt: skip
+    # Its own only: the rewriter's reconcile (once anything unrecorded of its own would be an
+    # orphan, past its short lease) leaves the writer's adapter loaded and on disk.
+    time.sleep(0.6)
+    rewriter.reconcile()
+    assert "writer-v1" in fake_vllm.loras and Path(adapters["writer-v1"].path).exists()
+
+
 def test_the_trainer_can_be_restricted_to_tenants(
     make_proxy: Any, make_trainer: Any, sessions: Sessions
 ) -> None:
@@ -246,6 +279,7 @@ def test_a_killed_trainers_claim_is_taken_over_after_its_lease(
             session=session,
             trainer_id="dead",
             lease_s=1.0,
+            lineage="policy",
             agents=[],
             tenants=[],
             limit=256,
@@ -264,9 +298,9 @@ def test_a_killed_trainers_claim_is_taken_over_after_its_lease(
             trainer_id="dead",
             trained={c.id: c.ret for c in claimed},
             skipped={},
+            lineage="policy",
             version=99,
             parent=1,
-            name="policy-v99",
             path="/nowhere",
             base_model="demo",
             stats={},
@@ -397,9 +431,9 @@ def test_concurrent_publishes_are_serialised_and_only_one_child_wins(sessions: S
             trainer_id=f"t{version}",
             trained={},
             skipped={},
+            lineage="policy",
             version=version,
             parent=None,
-            name=f"policy-v{version}",
             path="/a",
             base_model="demo",
             stats={},

@@ -6,7 +6,9 @@ Token ids are the ones vLLM sampled, as recorded: never re-tokenised. Torch-free
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import Counter
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from trainer.advantages import RunningBaseline, Scored, group_advantages
@@ -48,8 +50,16 @@ class Batch:
         return sum(s.reward for s in self.samples) / len(self.samples)
 
 
+def staleness_in(lineage_versions: Sequence[int], current: int) -> Callable[[int], int]:
+    """How many of the lineage's versions (ascending) were published after the one a transition
+    was sampled from, up to `current` (0: the base model). Version numbers are shared by every
+    lineage, so their difference would count the other lineages' publishes too."""
+    upto = bisect_right(lineage_versions, current)
+    return lambda sampled: max(0, upto - bisect_right(lineage_versions, sampled))
+
+
 def skip_reason(
-    c: Claimed, settings: TrainerSettings, current_version: int, limits: ModelLimits
+    c: Claimed, settings: TrainerSettings, staleness: Callable[[int], int], limits: ModelLimits
 ) -> str | None:
     if not c.prompt_token_ids or not c.completion_token_ids:
         return "missing_token_ids"
@@ -62,7 +72,7 @@ def skip_reason(
         return "too_long"
     if c.policy_version is None:
         return "not_the_policy"  # served by a model that is not ours to train
-    if current_version - c.policy_version > settings.max_staleness:
+    if staleness(c.policy_version) > settings.max_staleness:
         return "stale"
     # The behaviour logprobs are of the distribution vLLM sampled; TRL recomputes them at one
     # temperature and without top-p/top-k, so other sampling settings would bias the IS ratio.
@@ -78,14 +88,14 @@ def build_batch(
     claimed: list[Claimed],
     settings: TrainerSettings,
     *,
-    current_version: int,
+    staleness: Callable[[int], int],
     baseline: RunningBaseline | None,
     limits: ModelLimits,
 ) -> Batch:
     batch = Batch()
     usable = []
     for c in claimed:
-        reason = skip_reason(c, settings, current_version, limits)
+        reason = skip_reason(c, settings, staleness, limits)
         if reason is None:
             usable.append(c)
         else:

@@ -13,6 +13,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
+from core import policy
 from core.settings import DatabaseSettings, split_commas, vllm_base_urls
 
 # vLLM accepts only these LoRA ranks (--max-lora-rank must be one of them, and >= ours).
@@ -29,7 +30,11 @@ class TrainerSettings(DatabaseSettings):
     adapters_dir: Path = Field(
         ..., description="Where adapters are written (`policy-vN/`); vLLM must read the same path."
     )
-    adapter_prefix: str = Field("policy", description="Adapters are named `<prefix>-vN`.")
+    lineage: str = Field(
+        "policy",
+        description="The adapter lineage it trains (named `<lineage>-vN`): the transitions the "
+        "proxy served from it (its FLYWHEEL_ADAPTER_PER_AGENT). One trainer per lineage.",
+    )
     trainer_id: str = Field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
         description="Who holds a claim (shown in the transition table).",
@@ -100,6 +105,8 @@ class TrainerSettings(DatabaseSettings):
     max_steps: int | None = Field(None, ge=1, description="Stop after this many steps (demos).")
 
     _split = field_validator("vllm", "agents", "tenants", mode="before")(split_commas)
+
+    _lineage = field_validator("lineage")(policy.check_lineage)
 
     @field_validator("vllm")
     @classmethod

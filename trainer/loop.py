@@ -2,9 +2,11 @@
 
     flywheel trainer --model BASE_MODEL_DIR --vllm URL [--vllm URL ...] --adapters-dir DIR
 
-Each step: claim a batch (lease) -> build samples from the recorded token ids -> one GRPO update
-with LoRA (TRL's loss) -> save `DIR/policy-vN` atomically -> load it into every vLLM under the new
-name -> in one transaction make N current and mark the batch trained -> retire old versions.
+A trainer trains one lineage (`--lineage`, default `policy`): the transitions the proxy served
+from it. Each step: claim a batch (lease) -> build samples from the recorded token ids -> one GRPO
+update with LoRA (TRL's loss) -> save `DIR/<lineage>-vN` atomically -> load it into every vLLM
+under the new name -> in one transaction make N the lineage's current version and mark the batch
+trained -> retire the lineage's old versions. Other lineages are other trainers' business.
 A crash anywhere leaves no half-written adapter served and no transition trained twice: claims
 expire, partial directories are swept, and versions not recorded in Postgres are unloaded.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import re
 import shutil
 import signal
 import time
@@ -31,7 +34,7 @@ from core.database import Sessions
 from core.vllm import VLLMError
 from trainer import metrics, store
 from trainer.advantages import RunningBaseline
-from trainer.batch import Batch, build_batch
+from trainer.batch import Batch, build_batch, staleness_in
 from trainer.config import TrainerSettings
 from trainer.engine import Engine, Snapshot, StepStats
 from trainer.vllm import Replicas
@@ -76,10 +79,18 @@ class Trainer:
         settings.adapters_dir.mkdir(parents=True, exist_ok=True)
         for partial in settings.adapters_dir.glob(".*.tmp"):  # a save cut short by a crash
             shutil.rmtree(partial, ignore_errors=True)
+        self.lineage = settings.lineage
+        self.metrics = metrics.LineageMetrics(self.lineage)
+        # This lineage's adapters, and nothing else (a lineage name may prefix another's).
+        self._mine = re.compile(re.escape(self.lineage) + r"-v\d+")
         with sessions.begin() as session:
-            current = policy.current(session=session)
+            current = policy.current(session=session, lineage=self.lineage)
         resume = Path(current.path) if current and Path(current.path).exists() else None
-        log.info("starting from %s", current.name if current else "the base model")
+        log.info(
+            "lineage %s: starting from %s",
+            self.lineage,
+            current.name if current else "the base model",
+        )
         self.engine = Engine(settings, resume_from=resume)
         # The version the engine's weights descend from: a publish succeeds only while it is
         # current (compare-and-set), so a rollback sticks and two trainers never fork the policy.
@@ -109,11 +120,12 @@ class Trainer:
         """Train and publish one batch if there is one. True when a new version was published."""
         s = self.settings
         with self.sessions.begin() as session:
-            current = policy.current(session=session)
+            current = policy.current(session=session, lineage=self.lineage)
             claimed = store.claim(
                 session=session,
                 trainer_id=s.trainer_id,
                 lease_s=s.lease_s,
+                lineage=self.lineage,
                 agents=s.agents,
                 tenants=s.tenants,
                 limit=s.max_batch_transitions,
@@ -121,8 +133,10 @@ class Trainer:
                 min_groups=s.min_groups,
                 max_attempts=s.max_train_attempts,
             )
-            metrics.queue.set(
-                store.queue_depth(session=session, agents=s.agents, tenants=s.tenants)
+            self.metrics.queue.set(
+                store.queue_depth(
+                    session=session, lineage=self.lineage, agents=s.agents, tenants=s.tenants
+                )
             )
         if not claimed:
             return False
@@ -133,7 +147,7 @@ class Trainer:
                 published = self._train(claimed)
             except policy.PolicyMoved as moved:
                 log.warning("%s: training the batch again from there", moved)
-                metrics.step_failures.labels("policy_moved").inc()
+                self.metrics.step_failure("policy_moved")
                 version = moved.current
                 continue
             if published:
@@ -148,18 +162,19 @@ class Trainer:
         ids = [c.id for c in claimed]
         before = self.engine.snapshot()
         try:
+            with self.sessions.begin() as session:
+                lineage = [
+                    a.version for a in policy.versions(session=session, lineage=self.lineage)
+                ]
+            staleness = staleness_in(lineage, self.parent or policy.BASE_VERSION)
             batch = build_batch(
-                claimed,
-                s,
-                current_version=self.parent or 0,
-                baseline=self.baseline,
-                limits=self.engine.limits,
+                claimed, s, staleness=staleness, baseline=self.baseline, limits=self.engine.limits
             )
             for reason, count in batch.skip_counts.items():
-                metrics.skipped.labels(reason).inc(count)
-            sampled = [c.policy_version for c in claimed if c.policy_version is not None]
+                self.metrics.skipped(reason, count)
+            sampled = [staleness(c.policy_version) for c in claimed if c.policy_version is not None]
             if sampled:
-                metrics.staleness.set((self.parent or 0) - sum(sampled) / len(sampled))
+                self.metrics.staleness.set(sum(sampled) / len(sampled))
             if not batch.samples:
                 with self.sessions.begin() as session:
                     store.set_aside(batch.skipped, session=session, trainer_id=s.trainer_id)
@@ -200,7 +215,7 @@ class Trainer:
         s = self.settings
         with self.sessions.begin() as session:
             version = policy.next_version(session=session)
-        name = f"{s.adapter_prefix}-v{version}"
+        name = policy.adapter_name(self.lineage, version)
         final = (s.adapters_dir / name).resolve()
         partial = s.adapters_dir / f".{name}.tmp"
         self.engine.save_adapter(partial)
@@ -222,9 +237,9 @@ class Trainer:
                     trainer_id=s.trainer_id,
                     trained=batch.trained,
                     skipped=batch.skipped,
+                    lineage=self.lineage,
                     version=version,
                     parent=self.parent,
-                    name=name,
                     path=str(final),
                     base_model=str(s.model),
                     stats=_stats_json(batch, stats, swap_s, self.parent),
@@ -256,7 +271,7 @@ class Trainer:
     def _give_back(self, ids: list[str], *, reason: str) -> None:
         with self.sessions.begin() as session:
             store.release(ids, session=session, trainer_id=self.settings.trainer_id)
-        metrics.step_failures.labels(reason).inc()
+        self.metrics.step_failure(reason)
 
     def release_claims(self) -> None:
         """At shutdown: whatever we still hold goes back to the queue at once, not after the
@@ -269,11 +284,12 @@ class Trainer:
     # --- keeping vLLM and the disk in step with Postgres -------------------------------------
 
     def reconcile(self) -> None:
-        """Every vLLM has the retained versions (the current one first); nothing unrecorded."""
+        """Every vLLM has the lineage's retained versions (the current one first); nothing
+        unrecorded of the lineage is loaded or on disk."""
         s = self.settings
         self._next_reconcile = time.monotonic() + s.reconcile_s
         with self.sessions.begin() as session:
-            adapters = policy.versions(session=session)
+            adapters = policy.versions(session=session, lineage=self.lineage)
         retained = [a for a in adapters if a.retired_at is None]
         recorded = {a.name for a in adapters}
         for url in self.vllm.urls:
@@ -284,20 +300,30 @@ class Trainer:
                         log.info("loading %s into %s (it was missing)", a.name, url)
                         self.vllm.load(url, a.name, a.path)
                 for name in loaded - recorded:
-                    if name.startswith(f"{s.adapter_prefix}-v") and _is_orphan(s, name):
+                    if self._mine.fullmatch(name) and _is_orphan(s, name):
                         self.vllm.unload(url, name)
             except VLLMError as e:
                 log.warning("could not reconcile %s: %s", url, e)
-        for path in s.adapters_dir.glob(f"{s.adapter_prefix}-v*"):
-            if path.name not in recorded and _is_orphan(s, path.name):
+        for path in s.adapters_dir.glob(f"{self.lineage}-v*"):
+            if (
+                self._mine.fullmatch(path.name)
+                and path.name not in recorded
+                and _is_orphan(s, path.name)
+            ):
                 shutil.rmtree(path, ignore_errors=True)
 
     def _retire_old_versions(self) -> None:
         """Retire all but the newest `retain_versions` and the current one: marked first (so no
         rollback can pick them any more), then unloaded everywhere, then deleted."""
         with self.sessions.begin() as session:
-            policy.mark_retired(session=session, keep=self.settings.retain_versions)
-            retired = [a for a in policy.versions(session=session) if a.retired_at is not None]
+            policy.mark_retired(
+                session=session, lineage=self.lineage, keep=self.settings.retain_versions
+            )
+            retired = [
+                a
+                for a in policy.versions(session=session, lineage=self.lineage)
+                if a.retired_at is not None
+            ]
         root = self.settings.adapters_dir.resolve()
         for a in retired:
             if not Path(a.path).exists():
@@ -315,20 +341,22 @@ class Trainer:
             shutil.rmtree(a.path, ignore_errors=True)  # only once no vLLM can read it
 
     def _report(self, version: int, batch: Batch, stats: StepStats, swap_s: float) -> None:
-        metrics.steps.inc()
-        metrics.trained.inc(len(batch.trained))
-        metrics.reward_mean.set(batch.reward_mean)
-        metrics.loss.set(stats.loss)
-        metrics.clip_fraction.set(stats.clip_fraction)
+        m = self.metrics
+        m.steps.inc()
+        m.trained.inc(len(batch.trained))
+        m.reward_mean.set(batch.reward_mean)
+        m.loss.set(stats.loss)
+        m.clip_fraction.set(stats.clip_fraction)
         for stat in ("mean", "min", "max"):
-            metrics.is_ratio.labels(stat).set(getattr(stats, f"is_ratio_{stat}"))
-        metrics.current_version.set(version)
-        metrics.step_seconds.observe(stats.seconds)
-        metrics.swap_seconds.observe(swap_s)
+            m.is_ratio(stat, getattr(stats, f"is_ratio_{stat}"))
+        m.current_version.set(version)
+        m.step_seconds.observe(stats.seconds)
+        m.swap_seconds.observe(swap_s)
         skipped = ", ".join(f"{k} {v}" for k, v in sorted(batch.skip_counts.items())) or "none"
         log.info(
-            "step %d -> v%d | %d samples, reward %.3f | loss %.4f clip %.3f | IS %.3f [%.2f, %.2f]"
-            " | train %.2fs swap %.0fms | skipped: %s",
+            "%s step %d -> v%d | %d samples, reward %.3f | loss %.4f clip %.3f"
+            " | IS %.3f [%.2f, %.2f] | train %.2fs swap %.0fms | skipped: %s",
+            self.lineage,
             self.steps + 1,
             version,
             len(batch.samples),

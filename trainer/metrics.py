@@ -1,33 +1,78 @@
-"""Prometheus metrics of the trainer (served on `metrics_port`)."""
+"""Prometheus metrics of the trainer (served on `metrics_port`), each labelled with the lineage
+it trains, so several trainers (one per lineage) chart side by side."""
 
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-steps = Counter("flywheel_trainer_steps_total", "Training steps published as a new version.")
-step_failures = Counter(
-    "flywheel_trainer_step_failures_total", "Steps that did not publish.", ["reason"]
+_STEPS = Counter("flywheel_trainer_steps_total", "Training steps published.", ["lineage"])
+_STEP_FAILURES = Counter(
+    "flywheel_trainer_step_failures_total", "Steps that did not publish.", ["lineage", "reason"]
 )
-trained = Counter("flywheel_trainer_transitions_trained_total", "Transitions trained on.")
-skipped = Counter(
-    "flywheel_trainer_transitions_skipped_total", "Transitions set aside.", ["reason"]
+_TRAINED = Counter(
+    "flywheel_trainer_transitions_trained_total", "Transitions trained on.", ["lineage"]
 )
-reward_mean = Gauge("flywheel_trainer_batch_reward_mean", "Mean return of the last batch.")
-loss = Gauge("flywheel_trainer_loss", "Loss of the last step.")
-clip_fraction = Gauge("flywheel_trainer_clip_fraction", "PPO clip fraction of the last step.")
-is_ratio = Gauge(
-    "flywheel_trainer_is_ratio", "Importance-sampling ratio of the last step.", ["stat"]
+_SKIPPED = Counter(
+    "flywheel_trainer_transitions_skipped_total", "Transitions set aside.", ["lineage", "reason"]
 )
-staleness = Gauge(
-    "flywheel_trainer_staleness_versions", "Mean versions between sampling and training."
+_REWARD_MEAN = Gauge(
+    "flywheel_trainer_batch_reward_mean", "Mean return of the last batch.", ["lineage"]
 )
-queue = Gauge("flywheel_trainer_queue_transitions", "Credited, untrained transitions waiting.")
-current_version = Gauge("flywheel_trainer_current_version", "The version the alias serves.")
-step_seconds = Histogram(
-    "flywheel_trainer_step_seconds", "Time to train one batch.", buckets=(0.1, 0.5, 1, 5, 30, 120)
+_LOSS = Gauge("flywheel_trainer_loss", "Loss of the last step.", ["lineage"])
+_CLIP_FRACTION = Gauge(
+    "flywheel_trainer_clip_fraction", "PPO clip fraction of the last step.", ["lineage"]
 )
-swap_seconds = Histogram(
+_IS_RATIO = Gauge(
+    "flywheel_trainer_is_ratio",
+    "Importance-sampling ratio of the last step.",
+    ["lineage", "stat"],
+)
+_STALENESS = Gauge(
+    "flywheel_trainer_staleness_versions",
+    "Mean versions of the lineage published between sampling and training.",
+    ["lineage"],
+)
+_QUEUE = Gauge(
+    "flywheel_trainer_queue_transitions", "Credited, untrained transitions waiting.", ["lineage"]
+)
+_CURRENT_VERSION = Gauge(
+    "flywheel_trainer_current_version", "The version the lineage's alias serves.", ["lineage"]
+)
+_STEP_SECONDS = Histogram(
+    "flywheel_trainer_step_seconds",
+    "Time to train one batch.",
+    ["lineage"],
+    buckets=(0.1, 0.5, 1, 5, 30, 120),
+)
+_SWAP_SECONDS = Histogram(
     "flywheel_trainer_swap_seconds",
     "Time to load a new adapter into every vLLM.",
+    ["lineage"],
     buckets=(0.01, 0.05, 0.1, 0.5, 1, 5),
 )
+
+
+class LineageMetrics:
+    """The series of one lineage."""
+
+    def __init__(self, lineage: str) -> None:
+        self.lineage = lineage
+        self.steps = _STEPS.labels(lineage)
+        self.trained = _TRAINED.labels(lineage)
+        self.reward_mean = _REWARD_MEAN.labels(lineage)
+        self.loss = _LOSS.labels(lineage)
+        self.clip_fraction = _CLIP_FRACTION.labels(lineage)
+        self.staleness = _STALENESS.labels(lineage)
+        self.queue = _QUEUE.labels(lineage)
+        self.current_version = _CURRENT_VERSION.labels(lineage)
+        self.step_seconds = _STEP_SECONDS.labels(lineage)
+        self.swap_seconds = _SWAP_SECONDS.labels(lineage)
+
+    def step_failure(self, reason: str) -> None:
+        _STEP_FAILURES.labels(self.lineage, reason).inc()
+
+    def skipped(self, reason: str, count: int) -> None:
+        _SKIPPED.labels(self.lineage, reason).inc(count)
+
+    def is_ratio(self, stat: str, value: float) -> None:
+        _IS_RATIO.labels(self.lineage, stat).set(value)

@@ -41,9 +41,11 @@ class LostClaim(Exception):
     return we trained on: discard this step."""
 
 
-# Credited, untrained, trainable, and of the agents and tenants this trainer trains (if limited).
+# Credited, untrained, trainable, served by this trainer's lineage, and of the agents and tenants
+# it trains (if limited).
 _QUEUED = f"""
 status = 'ok' AND credited_at IS NOT NULL AND trained_at IS NULL AND skip_reason IS NULL
+  AND lineage = :lineage
   AND (CAST(:agents AS text[]) IS NULL OR agent_name = ANY(CAST(:agents AS text[])))
   AND (CAST(:tenants AS text[]) IS NULL OR {TENANT_OF_EPISODE} = ANY(CAST(:tenants AS text[])))
 """
@@ -64,6 +66,7 @@ def claim(
     session: Session,
     trainer_id: str,
     lease_s: float,
+    lineage: str,
     agents: list[str],
     tenants: list[str],
     limit: int,
@@ -78,7 +81,7 @@ def claim(
     """
     rows = session.execute(
         text(_CANDIDATES),
-        {"agents": agents or None, "tenants": tenants or None, "limit": limit},
+        {"lineage": lineage, "agents": agents or None, "tenants": tenants or None, "limit": limit},
     ).all()
     failed = [r[0] for r in rows if r[10] >= max_attempts]
     if failed:  # locked by this transaction; any claim on them has expired (a crashed trainer's)
@@ -129,9 +132,9 @@ def finish(
     trainer_id: str,
     trained: dict[str, float],
     skipped: dict[str, str],
+    lineage: str,
     version: int,
     parent: int | None,
-    name: str,
     path: str,
     base_model: str,
     stats: dict[str, Any],
@@ -161,9 +164,9 @@ def finish(
     set_aside(skipped, session=session, trainer_id=trainer_id)
     policy.publish(
         session=session,
+        lineage=lineage,
         parent=parent,
         version=version,
-        name=name,
         path=path,
         base_model=base_model,
         stats=stats,
@@ -212,11 +215,11 @@ def release_all(*, session: Session, trainer_id: str) -> int:
     )
 
 
-def queue_depth(*, session: Session, agents: list[str], tenants: list[str]) -> int:
+def queue_depth(*, session: Session, lineage: str, agents: list[str], tenants: list[str]) -> int:
     """Credited, untrained, trainable transitions waiting (claimed or not)."""
     return int(
         session.execute(
             text(f"SELECT count(*) FROM transition WHERE {_QUEUED}"),
-            {"agents": agents or None, "tenants": tenants or None},
+            {"lineage": lineage, "agents": agents or None, "tenants": tenants or None},
         ).scalar_one()
     )

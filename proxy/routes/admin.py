@@ -1,7 +1,9 @@
 """The admin routes (Authorization: Bearer FLYWHEEL_ADMIN_KEY, checked by the edge):
 
-    GET  /admin/adapters                  every adapter version, the current one flagged
-    POST /admin/adapters/{N}/activate     roll back (or forward) to version N; 0 = the base model
+    GET  /admin/adapters[?lineage=L]      every version (of one lineage), current ones flagged
+    POST /admin/adapters/{N}/activate     roll back (or forward) to version N in its own lineage;
+                                          N = 0 with ?lineage=L (default `policy`): L back on
+                                          the base model. The other lineages do not move.
 
 Activation is `core.policy.activate`, the same lifecycle the trainer's publish and
 `flywheel adapters activate` use: load N into every vLLM replica, then move the alias. A replica
@@ -27,22 +29,29 @@ router = APIRouter()
 
 
 @router.get("/admin/adapters")
-async def list_adapters(services: ServicesDep) -> Response:
+async def list_adapters(services: ServicesDep, lineage: str | None = None) -> Response:
     async with services.sessionmaker() as session:
-        adapters = await run_sync(session, policy.versions)
+        adapters = await run_sync(session, policy.versions, lineage=lineage)
     body = {"object": "list", "data": [adapter_json(a) for a in adapters]}
     return Response(orjson.dumps(body), media_type="application/json")
 
 
 @router.post("/admin/adapters/{version}/activate")
-async def activate(version: int, services: ServicesDep) -> Response:
+async def activate(
+    version: int, services: ServicesDep, lineage: str = policy.DEFAULT_LINEAGE
+) -> Response:
     upstream = services.upstream
+    try:
+        policy.check_lineage(lineage)
+    except ValueError as e:
+        raise ApiError(400, str(e), param="lineage") from e
     try:
         adapter, rollout = await policy.activate(
             version,
             sessions=services.sessionmaker,
             vllm=upstream.vllm,
             urls=[r.base_url for r in upstream.replicas],
+            lineage=lineage,
         )
     except policy.UnknownVersion as e:
         raise ApiError(404, str(e), code="adapter_not_found") from e
@@ -61,7 +70,12 @@ async def activate(version: int, services: ServicesDep) -> Response:
         upstream.failed(upstream.replica(url), "unreachable while activating an adapter")
     await services.alias.refresh()  # this proxy follows at once (the others on the NOTIFY)
     if adapter is None:
-        body: dict[str, Any] = {"version": policy.BASE_VERSION, "name": None, "is_current": True}
+        body: dict[str, Any] = {
+            "version": policy.BASE_VERSION,
+            "lineage": lineage,
+            "name": None,
+            "is_current": True,
+        }
     else:
         body = adapter_json(adapter) | {"is_current": True}
     return Response(orjson.dumps(body), media_type="application/json")
@@ -70,6 +84,7 @@ async def activate(version: int, services: ServicesDep) -> Response:
 def adapter_json(a: policy.Adapter) -> dict[str, Any]:
     return {
         "version": a.version,
+        "lineage": a.lineage,
         "name": a.name,
         "path": a.path,
         "is_current": a.is_current,

@@ -66,7 +66,8 @@ def _transition(
         "http_status": t.http_status,
         "model_requested": t.model_requested,
         "model_used": t.model_used,
-        "policy_version": t.policy_version,
+        "policy_version": t.policy_version,  # 0: the base model; None: not the policy
+        "lineage": t.lineage,  # the lineage whose policy served it (model_used: which adapter)
         "messages": [bodies.get(d) for d in t.message_digests],
         "params": t.params,
         "text": t.text,
@@ -79,6 +80,7 @@ def _transition(
         "return": t.return_,
         "credited_at": t.credited_at.isoformat() if t.credited_at else None,
         "trained_at": t.trained_at.isoformat() if t.trained_at else None,
+        "trained_version": t.trained_version,
     }
     if tokens:
         out["prompt_token_ids"] = unpack(t.prompt_token_ids, "i")

@@ -10,6 +10,8 @@ from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.responses import Response
 
+from core import policy
+from core.policy import BASE_VERSION
 from core.vllm import VLLMError
 from proxy.errors import ApiError
 from proxy.services import ServicesDep
@@ -60,7 +62,9 @@ async def healthz(services: ServicesDep) -> Response:
         "journal_pending": recorder.journal.pending,
         "journal_quarantined": recorder.journal.quarantined(),
         "writer_queue": recorder.queue_depth,
-        "policy_version": alias.current[0] if alias.current else 0,
+        # The default lineage's current version, and every lineage's (0: the base model).
+        "policy_version": alias.current.get(policy.DEFAULT_LINEAGE, (BASE_VERSION,))[0],
+        "lineages": {lineage: version for lineage, (version, _) in sorted(alias.current.items())},
         "replicas": {
             r.base_url: {"in_rotation": r.in_rotation, "outstanding": r.outstanding}
             for r in services.upstream.replicas
