@@ -151,7 +151,8 @@ class Forwarder:
         tried: tuple[Replica, ...] = ()
         previous = call.body.get("previous_response_id")
         previous = previous if isinstance(previous, str) else None
-        while replica := self._upstream.pick(episode, tried, previous_response=previous):
+        pick = partial(self._upstream.pick, previous_response=previous, model=call.model_used)
+        while replica := pick(episode, tried):
             if tried:
                 metrics.upstream_retries.inc()
             tried += (replica,)

@@ -4,7 +4,8 @@ Every `replica_probe_s` each replica is asked for its models. One that does not 
 rotation (calls that fail to reach it do the same at once, in forward.py). One that answers gets
 every lineage's current adapter loaded if it lacks it (a restarted or newly added vLLM has none)
 and only then joins, or stays in, the rotation: policy traffic never reaches a replica without
-the policy.
+its policy. One lineage's adapter that a replica refuses keeps only that lineage's calls away
+from it (`Replica.missing`); a replica that can load none of them stays out.
 """
 
 from __future__ import annotations
@@ -50,8 +51,20 @@ class ReplicaKeeper:
         except VLLMError as e:
             self._upstream.failed(replica, repr(e))
             return
-        for _, name in self._alias.current.values():  # every lineage's current adapter
-            if name not in loaded and not await self._alias.restore(replica, name):
-                self._upstream.failed(replica, f"could not load the current adapter {name}")
-                return
+        currents = [name for _, name in self._alias.current.values()]  # every lineage's
+        missing = frozenset(
+            [n for n in currents if n not in loaded and not await self._alias.restore(replica, n)]
+        )
+        if missing != replica.missing:
+            log.warning(
+                "replica %s: %s", replica.base_url,
+                f"could not load {', '.join(sorted(missing))}: their calls go elsewhere"
+                if missing else "has every current adapter again",
+            )  # fmt: skip
+            replica.missing = missing
+        if missing and missing == frozenset(currents):
+            self._upstream.failed(
+                replica, f"could not load any current adapter ({sorted(missing)})"
+            )
+            return
         self._upstream.restored(replica)

@@ -38,6 +38,9 @@ class Replica:
     picked: int = 0  # calls ever sent: breaks ties between equally loaded replicas in turn
     in_rotation: bool = True
     failures: int = 0  # consecutive failed calls or probes
+    # Current adapters it could not load (a lineage's): calls for them go elsewhere; the rest of
+    # its traffic, other lineages' included, is not held up by one lineage's adapter.
+    missing: frozenset[str] = frozenset()
 
     def __post_init__(self) -> None:
         metrics.replica_up.labels(self.base_url).set(1)
@@ -74,12 +77,16 @@ class Upstream:
         exclude: tuple[Replica, ...] = (),
         *,
         previous_response: str | None = None,
+        model: str | None = None,
     ) -> Replica | None:
-        """The replica for the next call of this episode (None: every replica was excluded).
+        """The replica for the next call of this episode (None: every replica was excluded), one
+        that has `model` if any has.
 
         The caller owns the returned replica's `outstanding` slot and must `release()` it.
         """
         candidates = [r for r in self.replicas if r.in_rotation and r not in exclude]
+        if model is not None:
+            candidates = [r for r in candidates if model not in r.missing] or candidates
         home = self._homes.get(previous_response) if previous_response else None
         if home is not None and home in candidates:
             candidates = [home]

@@ -346,6 +346,45 @@ def test_a_replica_that_refuses_the_policy_stays_out(
     assert served_by(second_fake) == []
 
 
+def test_one_lineages_adapter_a_replica_refuses_does_not_keep_the_others_away(
+    make_proxy: Any,
+    fake_vllm: FakeVLLM,
+    second_fake: FakeVLLM,
+    database_url: str,
+    tmp_path: Path,
+) -> None:
+    """Issue 12: the second replica cannot load the writer's adapter (rank 16 > its 8); it still
+    serves the rewriter's and the base model's calls, and the writer's all go to the first."""
+    writer, rewriter = tmp_path / "writer-v1", tmp_path / "rewriter-v2"
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        for version, path, rank in ((1, writer, 16), (2, rewriter, 8)):
+            path.mkdir()
+            (path / "adapter_config.json").write_text(json.dumps({"r": rank}))
+            conn.execute(
+                "INSERT INTO adapter_version (version, lineage, name, path, base_model, "
+                "is_current) VALUES (%s, %s, %s, %s, 'demo', true)",
+                (version, path.name.split("-")[0], path.name, str(path)),
+            )
+    fake_vllm.max_lora_rank, second_fake.max_lora_rank = 16, 8
+    proxy = make_proxy(
+        upstream=[fake_vllm.url, second_fake.url], adapter_per_agent="writer,rewriter"
+    )
+    assert set(fake_vllm.loras) == {"writer-v1", "rewriter-v2"}
+    assert set(second_fake.loras) == {"rewriter-v2"}  # loaded; the writer's refused
+    assert replicas_of(proxy)[second_fake.url]["in_rotation"]
+    with proxy.client() as client:
+        for n in range(12):
+            for agent in ("writer", "rewriter", "checker"):
+                body, headers = chat(f"ep{n}", text=agent)
+                r = client.post(
+                    "/v1/chat/completions", json=body, headers=headers | {"X-Agent-Name": agent}
+                )
+                assert r.status_code == 200, r.text
+    assert "writer" not in served_by(second_fake)
+    assert {"rewriter", "checker"} <= set(served_by(second_fake))
+    assert served_by(fake_vllm).count("writer") == 12
+
+
 def test_rollback_with_a_replica_down_moves_the_alias_and_heals_it_later(
     make_proxy: Any,
     fake_vllm: FakeVLLM,
