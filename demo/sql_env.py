@@ -58,13 +58,15 @@ TEMPLATES = (
 
 @dataclass(frozen=True)
 class Question:
-    template: str  # a TEMPLATES name: the task id, so that GRPO groups repeats of one question
+    template: str  # a TEMPLATES name
+    value: str  # what fills its blank ("rome", "50", ...)
     text: str
     gold: str
 
     @property
     def task_id(self) -> str:
-        return f"{self.template}:{self.text}"
+        """`count_city:rome`: repeats of one question form one GRPO group (a valid tag)."""
+        return f"{self.template}:{self.value}"
 
 
 def build_database(path: Path, *, seed: int = 0) -> Path:
@@ -103,7 +105,9 @@ def questions(count: int, *, seed: int) -> list[Question]:
             "pay": 10 * rng.randint(3, 8),
             "floor": rng.choice(DEPTS)[1],
         }
-        out.append(Question(name, text.format(**values), gold.format(**values)))
+        [blank] = [k for k in values if "{" + k + "}" in text]
+        value = str(values[blank])
+        out.append(Question(name, value, text.format(**values), gold.format(**values)))
     return out
 
 

@@ -3,12 +3,14 @@ queries run safely, execution-match reward."""
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from pathlib import Path
 
 import pytest
 
 from demo import sql_env
+from proxy.config import TAG_PATTERN
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +62,10 @@ def test_a_bad_query_comes_back_as_an_error_and_changes_nothing(
     assert result.rows is None and error in (result.error or ""), result
     assert result.text().startswith("error: ")
     assert sql_env.run(db, "SELECT COUNT(*) FROM emp").rows == [(len(sql_env.NAMES),)]
+
+
+def test_task_ids_are_valid_tags_and_group_repeats_of_a_question() -> None:
+    drawn = sql_env.questions(200, seed=3)
+    assert all(re.fullmatch(TAG_PATTERN, q.task_id) for q in drawn)
+    by_task = {q.task_id: q.text for q in drawn}
+    assert all(by_task[q.task_id] == q.text for q in drawn)  # one question per task id
