@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from demo.tiny_model import build_tokenizer, is_complete, random_model, save_atomically
+from demo.warm_start import pad_rows, sample_texts, token_logprobs
 
 INSTRUCTIONS = "Use the calculator tool, then answer with the number only."
 TOOL_NAME = "calculator"
@@ -398,8 +399,8 @@ def _warm_start(model: Any, episodes: _Episodes, rng: random.Random) -> None:
             mode = rng.choices(modes, weights)[0]
             worded = rng.randrange(len(WORDY)) if rng.random() < P_WORDY else None
             batch.append(episodes.example(question, mode, worded))
-        ids, mask = _pad(batch, episodes.pad)
-        logprobs = _logprobs(model, ids, episodes.shared)
+        ids, mask = pad_rows(batch, episodes.pad)
+        logprobs = token_logprobs(model, ids, episodes.shared)
         total, count = -(logprobs * mask[:, 1:]).sum(), mask.sum()
         if step < COPY_STEPS:
             period = episodes.copy_distance
@@ -410,8 +411,8 @@ def _warm_start(model: Any, episodes: _Episodes, rng: random.Random) -> None:
                 copies.append((tokens * COPY_PERIODS, marked))
             echoes = [episodes.echo(rng.randrange(-99, 1000)) for _ in range(ECHO_BATCH)]
             for rows in (copies, echoes):
-                ids, mask = _pad(rows, episodes.pad)
-                logprobs = _logprobs(model, ids, 0)
+                ids, mask = pad_rows(rows, episodes.pad)
+                logprobs = token_logprobs(model, ids, 0)
                 total, count = total - (logprobs * mask[:, 1:]).sum(), count + mask.sum()
         loss = total / count
         optimizer.zero_grad()
@@ -422,74 +423,6 @@ def _warm_start(model: Any, episodes: _Episodes, rng: random.Random) -> None:
     model.eval()
 
 
-def _pad(rows: list[tuple[list[int], list[float]]], pad: int) -> tuple[Any, Any]:
-    """(ids, loss mask) tensors, right-padded (causal attention never looks at the padding)."""
-    import torch
-
-    width = max(len(ids) for ids, _ in rows)
-    ids = torch.tensor([x + [pad] * (width - len(x)) for x, _ in rows])
-    mask = torch.tensor([m + [0] * (width - len(m)) for _, m in rows], dtype=torch.float)
-    return ids, mask
-
-
-def _logprobs(model: Any, ids: Any, shared: int) -> Any:
-    """log p(ids[:, t] | ids[:, :t]) for t >= 1; the first `shared` tokens (the same in every
-    row) go through the model once, as a cache that every row reuses."""
-    import torch
-
-    rows = ids.shape[0]
-    if shared == 0:
-        logits = model(input_ids=ids).logits[:, :-1].float()
-        return torch.log_softmax(logits, -1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    cache = model.model(input_ids=ids[:1, :shared], use_cache=True).past_key_values
-    cache.batch_repeat_interleave(rows)
-    positions = torch.arange(shared, ids.shape[1])[None].expand(rows, -1)
-    hidden = model.model(
-        input_ids=ids[:, shared:], past_key_values=cache, position_ids=positions, use_cache=False
-    ).last_hidden_state[:, :-1]
-    logits = model.lm_head(hidden).float()
-    logprobs = torch.log_softmax(logits, -1).gather(-1, ids[:, shared + 1 :, None]).squeeze(-1)
-    return torch.cat([torch.zeros(rows, shared), logprobs], 1)
-
-
-def _sample(
-    model: Any, episodes: _Episodes, prompts: list[list[int]], generator: Any, max_new: int = 40
-) -> list[str]:
-    """Completions at temperature 1 (plain sampling, as vLLM does with this model's defaults)."""
-    import torch
-
-    texts = [""] * len(prompts)
-    by_length: dict[int, list[int]] = {}
-    for i, prompt in enumerate(prompts):
-        by_length.setdefault(len(prompt), []).append(i)
-    ends = torch.tensor(sorted(episodes.end_ids))
-    for rows in by_length.values():
-        ids = torch.tensor([prompts[i] for i in rows])
-        out: list[list[int]] = [[] for _ in rows]
-        done = torch.zeros(len(rows), dtype=torch.bool)
-        with torch.no_grad():
-            step = model(input_ids=ids, use_cache=True)
-            for t in range(max_new):
-                probs = torch.softmax(step.logits[:, -1].float(), -1)
-                token = torch.multinomial(probs, 1, generator=generator)[:, 0]
-                for k in (~done).nonzero()[:, 0].tolist():
-                    out[k].append(int(token[k]))
-                done |= torch.isin(token, ends)
-                if bool(done.all()) or t == max_new - 1:
-                    break
-                positions = torch.full((len(rows), 1), ids.shape[1] + t)
-                step = model(
-                    input_ids=token[:, None],
-                    past_key_values=step.past_key_values,
-                    position_ids=positions,
-                    use_cache=True,
-                )
-        for k, i in enumerate(rows):
-            tokens = [x for x in out[k] if x not in episodes.end_ids]
-            texts[i] = episodes.tokenizer.decode(tokens)
-    return texts
-
-
 def _measure(model: Any, episodes: _Episodes, rng: random.Random, *, seed: int) -> dict[str, Any]:
     """Sampled behaviour on EVAL_QUESTIONS questions: turn-1 behaviours, turn-2 accuracy after a
     correct tool result, and whole episodes as an agent would play them (tool run on the model's
@@ -498,9 +431,9 @@ def _measure(model: Any, episodes: _Episodes, rng: random.Random, *, seed: int) 
 
     generator = torch.Generator().manual_seed(seed)
     sample = rng.sample(questions(), EVAL_QUESTIONS)
-    firsts = _sample(model, episodes, [episodes.prompt(q) for q in sample], generator)
+    firsts = sample_texts(model, episodes, [episodes.prompt(q) for q in sample], generator)
     kinds = [classify(text, q) for text, q in zip(firsts, sample, strict=True)]
-    seconds = _sample(model, episodes, [episodes.second_prompt(q) for q in sample], generator)
+    seconds = sample_texts(model, episodes, [episodes.second_prompt(q) for q in sample], generator)
     turn2 = [reward(text, q) for text, q in zip(seconds, sample, strict=True)]
 
     rewards = [0.0] * len(sample)
@@ -513,7 +446,7 @@ def _measure(model: Any, episodes: _Episodes, rng: random.Random, *, seed: int) 
             value = evaluate(args["expression"])
             result = "Error: invalid expression" if value is None else str(value)
             played[i] = episodes.render(history(q, result, expr=args["expression"]))
-    finals = _sample(model, episodes, list(played.values()), generator)
+    finals = sample_texts(model, episodes, list(played.values()), generator)
     for i, text in zip(played, finals, strict=True):
         rewards[i] = reward(text, sample[i])
     n = len(sample)

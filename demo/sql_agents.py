@@ -34,36 +34,11 @@ from langchain_openai import ChatOpenAI
 from langgraph.graph import END, START, StateGraph
 
 from demo import sql_env
+from demo.sql_env import approves, checker_messages, rewriter_messages, writer_messages
 
 TEMPERATURE = 1.0  # the trainers' temperature: their importance ratios assume the same sampling
 MAX_TOKENS = 48
 AGENTS = ("writer", "checker", "rewriter")
-SCHEMA_HINT = "Tables: dept(name, floor), emp(name, dept, city, pay)."
-WRITER_SYSTEM = f"Write one SQLite query that answers the question. {SCHEMA_HINT}"
-CHECKER_SYSTEM = "Does the query answer the question? Say ok or wrong."
-REWRITER_SYSTEM = f"The query is wrong. Write a correct SQLite query. {SCHEMA_HINT}"
-
-
-def writer_messages(question: str) -> list[tuple[str, str]]:
-    return [("system", WRITER_SYSTEM), ("user", question)]
-
-
-def checker_messages(question: str, sql: str, result: str) -> list[tuple[str, str]]:
-    return [
-        ("system", CHECKER_SYSTEM),
-        ("user", f"Question: {question}\nQuery: {sql}\nResult: {result}"),
-    ]
-
-
-def rewriter_messages(question: str, sql: str, result: str) -> list[tuple[str, str]]:
-    return [
-        ("system", REWRITER_SYSTEM),
-        ("user", f"Question: {question}\nQuery: {sql}\nResult: {result}"),
-    ]
-
-
-def approves(verdict: str) -> bool:
-    return verdict.strip().lower().startswith("ok")
 
 
 class State(TypedDict, total=False):

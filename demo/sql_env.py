@@ -56,6 +56,35 @@ TEMPLATES = (
 )  # fmt: skip
 
 
+# The agents' prompts (demo/sql_agents.py sends them; demo/sql_model.py warm-starts on them).
+SCHEMA_HINT = "Tables: dept(name, floor), emp(name, dept, city, pay)."
+WRITER_SYSTEM = f"Write one SQLite query that answers the question. {SCHEMA_HINT}"
+CHECKER_SYSTEM = "Does the query answer the question? Say ok or wrong."
+REWRITER_SYSTEM = f"The query is wrong. Write a correct SQLite query. {SCHEMA_HINT}"
+
+
+def writer_messages(question: str) -> list[tuple[str, str]]:
+    return [("system", WRITER_SYSTEM), ("user", question)]
+
+
+def checker_messages(question: str, sql: str, result: str) -> list[tuple[str, str]]:
+    return [
+        ("system", CHECKER_SYSTEM),
+        ("user", f"Question: {question}\nQuery: {sql}\nResult: {result}"),
+    ]
+
+
+def rewriter_messages(question: str, sql: str, result: str) -> list[tuple[str, str]]:
+    return [
+        ("system", REWRITER_SYSTEM),
+        ("user", f"Question: {question}\nQuery: {sql}\nResult: {result}"),
+    ]
+
+
+def approves(verdict: str) -> bool:
+    return verdict.strip().lower().startswith("ok")
+
+
 @dataclass(frozen=True)
 class Question:
     template: str  # a TEMPLATES name
@@ -146,6 +175,12 @@ def run(database: Path, sql: str) -> Result:
     if len(rows) > MAX_ROWS:
         return Result(None, f"more than {MAX_ROWS} rows")
     return Result([tuple(row) for row in rows])
+
+
+def looks_wrong(result: Result) -> bool:
+    """What a careful checker objects to: an error, no rows, or a lone 0 or NULL (these
+    questions all have an answer, and none of them is zero)."""
+    return result.rows is None or not result.rows or result.rows in ([(0,)], [(None,)])
 
 
 def reward(database: Path, question: Question, sql: str) -> float:

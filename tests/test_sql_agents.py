@@ -27,7 +27,7 @@ def test_the_three_agents_play_through_the_proxy_each_under_its_own_lineage(
     assert len(episodes) == 4 and [e.failed for e in episodes] == [None] * 4
     for e in episodes:
         # The fake answers nonsense: the checker never says ok, so the rewriter always runs.
-        assert e.rewritten and not sql_agents.approves(e.verdict)
+        assert e.rewritten and not sql_env.approves(e.verdict)
         assert e.served == {"writer": ("0", "writer"), "checker": ("0", "policy"),
                             "rewriter": ("0", "rewriter")}  # fmt: skip
         assert e.reward == sql_env.reward(db, e.question, e.final_sql) == 0.0
@@ -46,6 +46,6 @@ def test_the_three_agents_play_through_the_proxy_each_under_its_own_lineage(
 
 
 def test_the_checkers_verdict() -> None:
-    assert sql_agents.approves(" OK, it answers it")
-    assert not sql_agents.approves("wrong: it counts cities")
-    assert not sql_agents.approves("")
+    assert sql_env.approves(" OK, it answers it")
+    assert not sql_env.approves("wrong: it counts cities")
+    assert not sql_env.approves("")
