@@ -4,8 +4,8 @@ Every `replica_probe_s` each replica is asked for its models. One that does not 
 rotation (calls that fail to reach it do the same at once, in forward.py). One that answers gets
 every lineage's current adapter loaded if it lacks it (a restarted or newly added vLLM has none)
 and only then joins, or stays in, the rotation: policy traffic never reaches a replica without
-its policy. One lineage's adapter that a replica refuses keeps only that lineage's calls away
-from it (`Replica.missing`); a replica that can load none of them stays out.
+its policy. One lineage's adapter that a replica refuses keeps only that lineage's calls off
+that replica (`Replica.missing`); a replica that can load none of them stays out.
 """
 
 from __future__ import annotations

@@ -9,6 +9,7 @@ so a broken entry point fails CI.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -237,12 +238,14 @@ def imported_distributions(packages: tuple[str, ...]) -> set[str]:
     from importlib.metadata import packages_distributions
 
     ours = {"flywheel", "core", "proxy", "trainer", "demo", "bench", "migrations", "tests"}
-    modules = set()
+    modules: set[str] = set()
     for package in packages:
-        for source in (ROOT / package).rglob("*.py"):
-            modules |= set(
-                re.findall(r"^\s*(?:from|import) ([a-zA-Z_]\w*)", source.read_text(), re.M)
-            )
+        for source in (ROOT / package).rglob("*.py"):  # import statements, not prose about them
+            for node in ast.walk(ast.parse(source.read_text())):
+                if isinstance(node, ast.Import):
+                    modules |= {alias.name.split(".")[0] for alias in node.names}
+                elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                    modules.add(node.module.split(".")[0])
     third_party = modules - ours - set(sys.stdlib_module_names) - {"__future__"}
     known = packages_distributions()
     missing = third_party - set(known)
