@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import random
-import tempfile
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -175,7 +174,7 @@ def print_round(r: int, episodes: list[Episode]) -> None:
 
 def run(
     base_url: str,
-    rounds: int,
+    rounds: int | None,  # None: until interrupted
     database: Path,
     report: Callable[[int, list[Episode]], None] = print_round,
     *,
@@ -186,9 +185,11 @@ def run(
         history: list[Episode] = []
         try:
             rng = random.Random(seed)
-            for r in range(rounds):
+            r = 0
+            while rounds is None or r < rounds:
+                r += 1
                 episodes = await team.round(seed=rng.randrange(2**31))
-                report(r, episodes)
+                report(r - 1, episodes)
                 history += episodes
         finally:
             await team.close()
@@ -207,5 +208,4 @@ def _args(argv: list[str] | None = None) -> Any:
 
 if __name__ == "__main__":
     args = _args()
-    db = args.database or sql_env.build_database(Path(tempfile.gettempdir()) / "flywheel-sql.db")
-    run(args.base_url, args.rounds, db)
+    run(args.base_url, args.rounds, args.database or sql_env.default_database())

@@ -19,8 +19,11 @@ talk through the proxy with their own X-Agent-Name, so that each can have its ow
 
 from __future__ import annotations
 
+import hashlib
+import os
 import random
 import sqlite3
+import tempfile
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -98,13 +101,21 @@ class Question:
         return f"{self.template}:{self.value}"
 
 
+def default_database() -> Path:
+    """The database in the temp directory, named by what generates it (a change makes a new one):
+    every process of a run (the model's warm start, the agents) builds or finds the same rows."""
+    recipe = repr((DEPTS, CITIES, NAMES, SCHEMA)).encode()
+    digest = hashlib.blake2b(recipe, digest_size=6).hexdigest()
+    return build_database(Path(tempfile.gettempdir()) / f"flywheel-sql-{digest}.db")
+
+
 def build_database(path: Path, *, seed: int = 0) -> Path:
     """Write the database to `path` (the same rows for the same seed); idempotent."""
     if path.exists():
         return path
     rng = random.Random(seed)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_suffix(".tmp")
+    partial = path.with_suffix(f".{os.getpid()}.tmp")  # two builders at once: each its own
     partial.unlink(missing_ok=True)
     with sqlite3.connect(partial) as db:
         db.executescript(SCHEMA)

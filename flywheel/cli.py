@@ -8,7 +8,7 @@
     flywheel keys create --tenant T [--scopes infer,reward,read] [--name N]   # prints the key once
     flywheel keys list | flywheel keys revoke ID
     flywheel migrate [--database-url URL]
-    flywheel up [--port P] [--task calc|calc-tools]   # the whole local loop, embedded defaults
+    flywheel up [--port P] [--task calc|calc-tools|sql]   # the whole local loop, embedded defaults
     flywheel demo-model DIR             # generate the tiny demo model
 
 Every option is also a FLYWHEEL_* environment variable (core/settings.py, proxy/config.py,
@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     up.add_argument("--vllm-port", type=int, default=8001)
     up.add_argument(
         "--task",
-        choices=["calc", "calc-tools"],
+        choices=["calc", "calc-tools", "sql"],
         default="calc",
         help="calc: one call an episode; calc-tools: an Agents SDK agent with a calculator tool",
     )
