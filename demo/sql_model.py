@@ -68,17 +68,22 @@ MISTAKES: dict[str, tuple[str, ...]] = {
 P_WRITER_RIGHT, P_REWRITER_RIGHT, P_CHECKER_FLIP = 0.35, 0.3, 0.1
 STEPS, BATCH, LR, WARMUP = 400, 48, 3e-3, 20
 SHARES = {"writer": 0.4, "checker": 0.3, "rewriter": 0.3}  # of each batch
-RECIPE = {
-    "steps": STEPS,
-    "batch": BATCH,
-    "lr": LR,
-    "warmup": WARMUP,
-    "p_writer_right": P_WRITER_RIGHT,
-    "p_rewriter_right": P_REWRITER_RIGHT,
-    "p_checker_flip": P_CHECKER_FLIP,
-    "shares": SHARES,
-    "mistakes": MISTAKES,
-}
+# As JSON reads it back (tuples become lists), so a built model's recipe compares equal.
+RECIPE = json.loads(
+    json.dumps(
+        {
+            "steps": STEPS,
+            "batch": BATCH,
+            "lr": LR,
+            "warmup": WARMUP,
+            "p_writer_right": P_WRITER_RIGHT,
+            "p_rewriter_right": P_REWRITER_RIGHT,
+            "p_checker_flip": P_CHECKER_FLIP,
+            "shares": SHARES,
+            "mistakes": MISTAKES,
+        }
+    )
+)
 EVAL_EPISODES = 300
 
 
