@@ -6,7 +6,9 @@ each serves; a trainer trains one, trainer/config.py's `lineage`). Version numbe
 sequence for all lineages, so `N` names one adapter everywhere (`<lineage>-vN`).
 
     publish  (trainer)  save policy-vN/ -> load_everywhere -> one transaction: the batch trained,
-                        N inserted and made current, NOTIFY
+                        N inserted and made current, NOTIFY. With a canary rule, N is inserted
+                        as a candidate instead: it serves a fraction of the lineage's episodes
+                        until `decide_canary` promotes it or retires it (core/canary.py)
     activate (rollback) load_everywhere -> make_current; POST /admin/adapters/N/activate on the
                         proxy and `flywheel adapters activate N` both call `activate`
     retire   (trainer)  mark_retired (under the lock) -> unload_everywhere -> delete the directory
@@ -34,8 +36,10 @@ from typing import Any
 from sqlalchemy import func, insert, select, text, update
 from sqlalchemy.orm import Session
 
+from core import canary
 from core.database import AsyncSessions, run_sync
 from core.tables import AdapterVersion
+from core.tables import Canary as CanaryRow
 from core.vllm import Unreachable, VLLMAdmin, VLLMError
 
 BASE_VERSION = 0  # the policy before any training: the base model itself
@@ -94,6 +98,10 @@ class PolicyMoved(Exception):
             f"lineage {lineage} moved from {_label(parent)} to {_label(current)} during the step"
         )
         self.current = current
+
+
+class CanaryOpen(Exception):
+    """The lineage has a candidate under test already: one canary at a time per lineage."""
 
 
 def _label(version: int | None) -> str:
@@ -173,9 +181,11 @@ def publish(
     base_model: str,
     stats: dict[str, Any],
     trained_transitions: int,
+    canary_rule: canary.Rule | None = None,
 ) -> None:
     """Record a new version as its lineage's current one (named `<lineage>-v<version>`); every
-    proxy's alias follows when this commits.
+    proxy's alias follows when this commits. With `canary_rule` (fraction > 0) it becomes the
+    lineage's canary candidate instead, the current version staying as it is.
 
     Compare-and-set: `parent` (the version the new one was trained from; None: the base model)
     must still be the lineage's current one, else PolicyMoved and nothing is written. Without it
@@ -187,7 +197,11 @@ def publish(
     now = session.scalar(select(AdapterVersion.version).where(*mine))
     if now != parent:
         raise PolicyMoved(parent, now, lineage)
-    session.execute(update(AdapterVersion).where(*mine).values(is_current=False))
+    candidate = canary_rule is not None and canary_rule.fraction > 0
+    if candidate and canary.opened(session=session, lineage=lineage):
+        raise CanaryOpen(f"lineage {lineage} has a canary open already")
+    if not candidate:
+        session.execute(update(AdapterVersion).where(*mine).values(is_current=False))
     session.execute(
         insert(AdapterVersion).values(
             version=version,
@@ -195,17 +209,47 @@ def publish(
             name=adapter_name(lineage, version),
             path=path,
             base_model=base_model,
-            is_current=True,
+            is_current=not candidate,
             trained_transitions=trained_transitions,
             stats=stats,
         )
     )
+    if candidate:
+        assert canary_rule is not None
+        canary.open_canary(
+            session=session,
+            lineage=lineage,
+            candidate=version,
+            baseline=BASE_VERSION if now is None else now,
+            rule=canary_rule,
+        )
     session.execute(text(f"NOTIFY {POLICY_CHANNEL}"))
+
+
+def decide_canary(decided: canary.Canary, decision: canary.Decision, *, session: Session) -> bool:
+    """Carry out a canary's decision: promote makes the candidate current, rollback retires it
+    (the trainer then unloads and deletes it). False when the canary was closed meanwhile."""
+    _lock(session)
+    if not canary.close(
+        decided, decision.action, decision.reason, decision.evidence, session=session
+    ):
+        return False
+    if decision.action == "promote":
+        _move(decided.candidate, decided.lineage, session=session)
+    else:
+        session.execute(
+            update(AdapterVersion)
+            .where(AdapterVersion.version == decided.candidate)
+            .values(retired_at=func.now())
+        )
+    session.execute(text(f"NOTIFY {POLICY_CHANNEL}"))
+    return True
 
 
 def make_current(version: int | None, *, session: Session, lineage: str = DEFAULT_LINEAGE) -> None:
     """Make an existing version its lineage's current one, or put `lineage` back on the base
-    model (None). The other lineages do not move."""
+    model (None). The other lineages do not move. A canary open on the lineage is closed as
+    superseded: a hand on the policy overrides the test."""
     _lock(session)
     if version is not None:
         row = session.get(AdapterVersion, version)
@@ -214,6 +258,13 @@ def make_current(version: int | None, *, session: Session, lineage: str = DEFAUL
         if row.retired_at is not None:
             raise RetiredVersion(row.name, row.retired_at)
         lineage = row.lineage
+    for open_ in canary.opened(session=session, lineage=lineage).values():
+        canary.close(open_, "superseded", f"made {_label(version)} current", None, session=session)
+    _move(version, lineage, session=session)
+    session.execute(text(f"NOTIFY {POLICY_CHANNEL}"))
+
+
+def _move(version: int | None, lineage: str, *, session: Session) -> None:
     session.execute(
         update(AdapterVersion)
         .where(AdapterVersion.is_current, AdapterVersion.lineage == lineage)
@@ -223,12 +274,11 @@ def make_current(version: int | None, *, session: Session, lineage: str = DEFAUL
         session.execute(
             update(AdapterVersion).where(AdapterVersion.version == version).values(is_current=True)
         )
-    session.execute(text(f"NOTIFY {POLICY_CHANNEL}"))
 
 
 def mark_retired(*, session: Session, lineage: str, keep: int) -> None:
-    """Retire every version of `lineage` but its newest `keep` and its current one (they stay
-    loadable). The other lineages are not touched."""
+    """Retire every version of `lineage` but its newest `keep`, its current one and an open
+    canary's candidate (they stay loadable). The other lineages are not touched."""
     _lock(session)
     newest = (
         select(AdapterVersion.version)
@@ -243,6 +293,9 @@ def mark_retired(*, session: Session, lineage: str, keep: int) -> None:
             AdapterVersion.retired_at.is_(None),
             AdapterVersion.is_current.is_(False),
             AdapterVersion.version.not_in(newest.scalar_subquery()),
+            AdapterVersion.version.not_in(
+                select(CanaryRow.candidate).where(CanaryRow.decided_at.is_(None))
+            ),
         )
         .values(retired_at=func.now())
     )

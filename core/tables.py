@@ -129,6 +129,8 @@ class Transition(Base):
 
     __table_args__ = (
         Index("ix_transition_episode_id", "episode_id", "requested_at"),
+        # Per version over time: a canary's two arms (core/canary.py), reward per version.
+        Index("ix_transition_policy_version", "policy_version", "requested_at"),
         # The trainer's "oldest credited, untrained, trainable" scan reads only this small index.
         Index(
             "ix_transition_trainable",
@@ -217,3 +219,28 @@ class ApiKey(Base):
     name: Mapped[str | None] = mapped_column(Text)
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
     revoked_at: Mapped[datetime | None]
+
+
+class Canary(Base):
+    """A candidate version serving a fraction of its lineage's `policy` traffic until the reward
+    decides (core/canary.py). Open while `decided_at` is NULL; one open canary per lineage. The
+    decided rows are the record of every promotion and rollback, with their evidence."""
+
+    __tablename__ = "canary"
+
+    id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
+    lineage: Mapped[str] = mapped_column(Text)
+    candidate: Mapped[int] = mapped_column(ForeignKey("adapter_version.version"))
+    baseline: Mapped[int] = mapped_column(Integer)  # the current version then (0: base model)
+    fraction: Mapped[float] = mapped_column(Double)  # of the lineage's episodes
+    rule: Mapped[dict[str, Any]]  # the decision's settings (core/canary.py `Rule`)
+    opened_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    decided_at: Mapped[datetime | None]
+    action: Mapped[str | None] = mapped_column(Text)  # promote | rollback | superseded
+    reason: Mapped[str | None] = mapped_column(Text)
+    # The evidence at the decision: rewarded episodes, mean reward and p-values of each arm.
+    evidence: Mapped[dict[str, Any] | None]
+
+    __table_args__ = (
+        Index("uq_canary_open", "lineage", unique=True, postgresql_where=sql("decided_at IS NULL")),
+    )

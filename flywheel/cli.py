@@ -2,7 +2,8 @@
 
     flywheel proxy --upstream http://127.0.0.1:8001 [--host H] [--port P]
     flywheel trainer --model DIR --vllm URL [--vllm URL ...] --adapters-dir DIR
-    flywheel adapters list [--lineage L]
+    flywheel adapters list [--lineage L]          # versions by lineage, the open canaries
+    flywheel adapters canaries [--lineage L]      # every canary: promoted, rolled back, open
     flywheel adapters activate N --vllm URL [--vllm URL ...]   # rollback, in N's own lineage
     flywheel adapters activate 0 --lineage L --vllm URL         # lineage L back on the base model
     flywheel keys create --tenant T [--scopes infer,reward,read] [--name N]   # prints the key once
@@ -27,7 +28,7 @@ from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
-from core import database, policy, tenants
+from core import canary, database, policy, tenants
 from core.settings import DatabaseSettings, vllm_base_urls
 from core.vllm import VLLMAdmin, VLLMError
 from proxy.config import ProxySettings
@@ -54,11 +55,12 @@ def main(argv: list[str] | None = None) -> None:
     trainer.add_argument("--lineage", help="the adapter lineage it trains (default: policy)")
 
     adapters = commands.add_parser("adapters", help="list adapter versions, or switch the alias")
-    adapters.add_argument("action", choices=["list", "activate"])
+    adapters.add_argument("action", choices=["list", "activate", "canaries"])
     adapters.add_argument("version", nargs="?", type=int, help="with activate: the version")
     adapters.add_argument("--vllm", action="append", help="vLLM base URL(s) to load it into")
     adapters.add_argument(
-        "--lineage", help="list: only this lineage; activate 0: the lineage put back on the base"
+        "--lineage",
+        help="list, canaries: only this lineage; activate 0: the lineage put back on the base",
     )
     adapters.add_argument("--database-url")
 
@@ -169,19 +171,37 @@ def _keys(args: argparse.Namespace, settings: DatabaseSettings) -> None:
 
 def _adapters(args: argparse.Namespace, settings: DatabaseSettings) -> None:
     url = database.resolve_url(settings.database_url, settings.home)
+    if args.action == "canaries":
+        engine, sessions = database.create_sessions(url)
+        with sessions() as session:
+            rows = canary.history(session=session, lineage=args.lineage)
+        engine.dispose()
+        for row in rows:
+            print(_canary_line(row))
+        if not rows:
+            print("no canaries yet (the trainer opens them with FLYWHEEL_CANARY_FRACTION > 0)")
+        return
     if args.action == "list":
         engine, sessions = database.create_sessions(url)
         with sessions() as session:
             adapters = policy.versions(session=session, lineage=args.lineage)
+            tests = canary.opened(session=session, lineage=args.lineage)
         engine.dispose()
         by_lineage: dict[str, list[policy.Adapter]] = {}
         for a in adapters:
             by_lineage.setdefault(a.lineage, []).append(a)
         for lineage, versions in sorted(by_lineage.items()):
             current = next((a.name for a in versions if a.is_current), "the base model")
-            print(f"lineage {lineage}: {len(versions)} versions, serving {current}")
+            test = tests.get(lineage)
+            under_test = (
+                f"; canary {test.candidate_name} on {test.fraction:.0%} of episodes for "
+                f"{test.age_s:.0f}s"
+                if test
+                else ""
+            )
+            print(f"lineage {lineage}: {len(versions)} versions, serving {current}{under_test}")
             for a in versions:
-                mark = "*" if a.is_current else " "
+                mark = "*" if a.is_current else "c" if test and test.candidate == a.version else " "
                 reward = (a.stats or {}).get("reward_mean", float("nan"))
                 state = f"retired {a.retired_at:%Y-%m-%d %H:%M}" if a.retired_at else a.path
                 print(
@@ -219,6 +239,24 @@ def _adapters(args: argparse.Namespace, settings: DatabaseSettings) -> None:
         print(f"lineage {lineage} now serves the base model")
     else:
         print(f"lineage {adapter.lineage} now serves {adapter.name}")
+
+
+def _canary_line(row: Any) -> str:
+    """One canary: when, which versions, what was decided and on what evidence."""
+    head = f"{row.opened_at:%Y-%m-%d %H:%M:%S} {row.lineage}: v{row.candidate} vs v{row.baseline}"
+    if row.decided_at is None:
+        return f"{head} on {row.fraction:.0%} of episodes, open"
+    took = (row.decided_at - row.opened_at).total_seconds()
+    line = f"{head}: {row.action} ({row.reason}) after {took:.0f}s"
+    e = row.evidence
+    if e and e["candidate_mean"] is not None and e["baseline_mean"] is not None:
+        line += (
+            f" | reward {e['candidate_mean']:.3f} on {e['candidate_episodes']} episodes vs "
+            f"{e['baseline_mean']:.3f} on {e['baseline_episodes']}"
+        )
+        if e["p_worse"] is not None:
+            line += f" | p(worse) {e['p_worse']:.3g} p(not worse) {e['p_not_worse']:.3g}"
+    return line
 
 
 def _configure_logging(level: str) -> None:

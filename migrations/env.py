@@ -18,7 +18,14 @@ engine = create_engine(url, poolclass=pool.NullPool)
 with engine.connect() as connection:
     # One migrator at a time: several proxies may start together against one database.
     connection.exec_driver_sql("SELECT pg_advisory_lock(7239011)")
-    context.configure(connection=connection, target_metadata=Base.metadata, compare_type=True)
+    connection.commit()  # the lock is the session's; Alembic opens its own transactions
+    # One transaction per migration, so one may build an index CONCURRENTLY outside any (0008).
+    context.configure(
+        connection=connection,
+        target_metadata=Base.metadata,
+        compare_type=True,
+        transaction_per_migration=True,
+    )
     with context.begin_transaction():
         context.run_migrations()
     connection.exec_driver_sql("SELECT pg_advisory_unlock(7239011)")

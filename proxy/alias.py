@@ -5,10 +5,13 @@ Each lineage has its own current version (core/policy.py). Agents named in `adap
 are served by their lineage; every other call (no agent tag, or another agent) by the default
 lineage `policy` — with per-agent lineages and no trainer on `policy`, that is the base model.
 
-Whoever moves the current version (the trainer's publish, a rollback) NOTIFYs `flywheel_policy` in
-the same transaction; a listening connection re-reads the version the moment that commits, so the
-next call already uses the new adapter. A poll every `alias_refresh_s` is the fallback for while
-the listening connection is down. No database round trip per request either way.
+A lineage with an open canary (core/canary.py) serves its candidate to a fraction of episodes,
+chosen by a hash of the episode id: every call of an episode, on every replica, gets the same one.
+
+Whoever moves the current version or opens or closes a canary (the trainer, a rollback) NOTIFYs
+`flywheel_policy` in the same transaction; a listening connection re-reads the versions the moment
+that commits, so the next call already uses the new adapter. A poll every `alias_refresh_s` is the
+fallback for while the listening connection is down. No database round trip per request either way.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from dataclasses import dataclass
 import orjson
 import psycopg
 
-from core import policy
+from core import canary, policy
 from core.database import AsyncSessions, run_sync
 from core.policy import BASE_VERSION
 from core.vllm import VLLMError
@@ -56,6 +59,7 @@ class PolicyAlias:
         self.base_model = base_model
         self._refresh_s = refresh_s
         self.current: dict[str, tuple[int, str]] = {}  # lineage -> its current (version, name)
+        self.canaries: dict[str, canary.Canary] = {}  # lineage -> its open canary
         # Versions never change name or lineage: version -> (name, lineage), and name -> version.
         self._names: dict[int, tuple[str, str]] = {}
         self._versions: dict[str, int] = {}
@@ -77,9 +81,23 @@ class PolicyAlias:
         try:
             async with self._sessionmaker() as session:
                 adapters = await run_sync(session, policy.currents)
+                canaries = await run_sync(session, canary.opened)
         except Exception as e:  # Postgres down: keep serving the versions we know
             log.debug("alias refresh failed: %s", e)
             return
+        for lineage in sorted(canaries.keys() | self.canaries.keys()):
+            now_open, was_open = canaries.get(lineage), self.canaries.get(lineage)
+            if (now_open and now_open.id) != (was_open and was_open.id):
+                log.info(
+                    "lineage %s canary: %s",
+                    lineage,
+                    f"{now_open.candidate_name} for {now_open.fraction:.0%} of episodes"
+                    if now_open
+                    else "closed",
+                )
+        self.canaries = canaries
+        for c in canaries.values():
+            self._remember(c.candidate, c.candidate_name, c.lineage)
         current = {lineage: (a.version, a.name) for lineage, a in adapters.items()}
         for lineage in sorted(current.keys() | self.current.keys()):
             if current.get(lineage) != self.current.get(lineage):
@@ -116,10 +134,21 @@ class PolicyAlias:
     def lineage_of(self, agent: str | None) -> str:
         return self._lineage_of_agent.get(agent or "", policy.DEFAULT_LINEAGE)
 
-    async def resolve(self, model: str, agent: str | None = None) -> Resolved:
-        """What to send upstream for `model` called by `agent`, and which policy serves it."""
+    def served(self) -> list[str]:
+        """Every adapter `policy` may resolve to now: each lineage's current one and canary."""
+        names = [name for _, name in self.current.values()]
+        return names + [c.candidate_name for c in self.canaries.values()]
+
+    async def resolve(
+        self, model: str, agent: str | None = None, episode_id: str | None = None
+    ) -> Resolved:
+        """What to send upstream for `model` called by `agent` in `episode_id`, and which policy
+        serves it."""
         lineage = self.lineage_of(agent)
         if model == self.alias:
+            test = self.canaries.get(lineage)
+            if test and episode_id and canary.in_canary(episode_id, test.candidate, test.fraction):
+                return Resolved(test.candidate_name, test.candidate, lineage)
             if lineage in self.current:
                 version, name = self.current[lineage]
                 return Resolved(name, version, lineage)

@@ -82,7 +82,7 @@ class Forwarder:
         else:
             choices = _choices(route, body)
 
-        resolved = await self._alias.resolve(model, tags.agent_name)
+        resolved = await self._alias.resolve(model, tags.agent_name, tags.episode_id)
         *transition_ids, request_id = random_uuids(choices + 1)
         call = Call(
             route=route,

@@ -51,7 +51,7 @@ class ReplicaKeeper:
         except VLLMError as e:
             self._upstream.failed(replica, repr(e))
             return
-        currents = [name for _, name in self._alias.current.values()]  # every lineage's
+        currents = self._alias.served()  # every lineage's current adapter and canary
         missing = frozenset(
             [n for n in currents if n not in loaded and not await self._alias.restore(replica, n)]
         )

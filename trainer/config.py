@@ -13,7 +13,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from core import policy
+from core import canary, policy
 from core.settings import DatabaseSettings, split_commas, vllm_base_urls
 
 # vLLM accepts only these LoRA ranks (--max-lora-rank must be one of them, and >= ours).
@@ -104,6 +104,29 @@ class TrainerSettings(DatabaseSettings):
     metrics_port: int = Field(9400, ge=0, le=65535, description="Prometheus port (0: off).")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many steps (demos).")
 
+    # --- canary releases (core/canary.py) ---------------------------------------------------
+    canary_fraction: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="Share of the lineage's episodes a new version serves until the reward "
+        "decides (0: off, a new version is current at once).",
+    )
+    canary_min_episodes: int = Field(
+        30, ge=2, description="Rewarded episodes on each side before the test may decide."
+    )
+    canary_alpha: float = Field(0.05, gt=0, lt=0.5, description="Each one-sided test's level.")
+    canary_margin: float = Field(
+        0.02, ge=0, description="Mean reward a candidate may lose and still be promoted."
+    )
+    canary_max_s: float = Field(
+        3600.0, gt=0, description="Undecided after this long: the fallback decides."
+    )
+    canary_fallback: Literal["promote", "rollback"] = Field(
+        "rollback", description="What an undecided canary does after canary_max_s."
+    )
+    canary_check_s: float = Field(5.0, gt=0, description="How often to test an open canary.")
+
     _split = field_validator("vllm", "agents", "tenants", mode="before")(split_commas)
 
     _lineage = field_validator("lineage")(policy.check_lineage)
@@ -114,6 +137,19 @@ class TrainerSettings(DatabaseSettings):
         if not urls:
             raise ValueError("give at least one --vllm URL (or FLYWHEEL_VLLM)")
         return vllm_base_urls(urls, "vllm")
+
+    @property
+    def canary_rule(self) -> canary.Rule | None:
+        if self.canary_fraction == 0:
+            return None
+        return canary.Rule(
+            fraction=self.canary_fraction,
+            min_episodes=self.canary_min_episodes,
+            alpha=self.canary_alpha,
+            margin=self.canary_margin,
+            max_s=self.canary_max_s,
+            fallback=self.canary_fallback,
+        )
 
     @model_validator(mode="after")
     def _check_combinations(self) -> TrainerSettings:

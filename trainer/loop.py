@@ -29,7 +29,7 @@ from pathlib import Path
 
 from prometheus_client import start_http_server
 
-from core import database, policy
+from core import canary, database, policy
 from core.database import Sessions
 from core.vllm import VLLMError
 from trainer import metrics, store
@@ -102,6 +102,7 @@ class Trainer:
         )
         self.steps = 0
         self._next_reconcile = 0.0
+        self._next_canary_check = 0.0
 
     def run(self) -> None:
         """Steps until max_steps, or until SIGTERM/SIGINT (Stopping): then the claims go back."""
@@ -119,6 +120,8 @@ class Trainer:
     def step(self) -> bool:
         """Train and publish one batch if there is one. True when a new version was published."""
         s = self.settings
+        if self._under_canary():
+            return False
         with self.sessions.begin() as session:
             current = policy.current(session=session, lineage=self.lineage)
             claimed = store.claim(
@@ -154,6 +157,52 @@ class Trainer:
                 self.steps += 1
             return published
         self._give_back([c.id for c in claimed], reason="policy_moved")
+        return False
+
+    def _under_canary(self) -> bool:
+        """While the lineage's candidate is under canary test the trainer waits, its claims
+        free: a step from the candidate would build on what may be rolled back, a step from the
+        current version would be a sibling queued behind it. It tests the canary every
+        canary_check_s and carries out the decision (core/canary.py)."""
+        with self.sessions.begin() as session:
+            test = canary.opened(session=session, lineage=self.lineage).get(self.lineage)
+        if test is None:
+            return False
+        self.metrics.canary_candidate.set(test.candidate)
+        if time.monotonic() < self._next_canary_check:
+            return True
+        self._next_canary_check = time.monotonic() + self.settings.canary_check_s
+        with self.sessions.begin() as session:
+            arms = canary.evidence_rows(test, session=session)
+        evidence = canary.weigh(*arms, test.rule)
+        self.metrics.canary(evidence)
+        decision = canary.decide(evidence, test.rule, test.age_s)
+        if decision is None:
+            return True
+        with self.sessions.begin() as session:
+            if not policy.decide_canary(test, decision, session=session):
+                return True  # closed meanwhile (by hand, or another trainer): look again
+        self.metrics.canary_decided(decision.action, decision.reason)
+        log.info(
+            "%s canary %s: %s (%s) after %.0fs | candidate %d episodes, reward %s"
+            " | baseline v%d %d episodes, reward %s | p(worse) %s p(not worse) %s",
+            self.lineage,
+            test.candidate_name,
+            decision.action,
+            decision.reason,
+            test.age_s,
+            evidence.candidate_episodes,
+            _fmt(evidence.candidate_mean),
+            test.baseline,
+            evidence.baseline_episodes,
+            _fmt(evidence.baseline_mean),
+            _fmt(evidence.p_worse),
+            _fmt(evidence.p_not_worse),
+        )
+        if decision.action == "promote":
+            self.metrics.current_version.set(test.candidate)
+        else:
+            self._retire_old_versions()  # the rolled-back candidate: unloaded, deleted
         return False
 
     def _train(self, claimed: list[store.Claimed]) -> bool:
@@ -243,8 +292,9 @@ class Trainer:
                     path=str(final),
                     base_model=str(s.model),
                     stats=_stats_json(batch, stats, swap_s, self.parent),
+                    canary_rule=s.canary_rule,
                 )
-        except (store.LostClaim, policy.PolicyMoved) as e:
+        except (store.LostClaim, policy.PolicyMoved, policy.CanaryOpen) as e:
             log.warning("discarding %s: %s", name, e)
             try:
                 self.vllm.unload_everywhere(name)
@@ -349,7 +399,11 @@ class Trainer:
         m.clip_fraction.set(stats.clip_fraction)
         for stat in ("mean", "min", "max"):
             m.is_ratio(stat, getattr(stats, f"is_ratio_{stat}"))
-        m.current_version.set(version)
+        canary_rule = self.settings.canary_rule
+        if canary_rule is None:
+            m.current_version.set(version)
+        else:
+            m.canary_candidate.set(version)
         m.step_seconds.observe(stats.seconds)
         m.swap_seconds.observe(swap_s)
         skipped = ", ".join(f"{k} {v}" for k, v in sorted(batch.skip_counts.items())) or "none"
@@ -370,6 +424,17 @@ class Trainer:
             swap_s * 1000,
             skipped,
         )
+        if canary_rule is not None:
+            log.info(
+                "%s v%d is a canary: %.0f%% of the lineage's episodes until the reward decides",
+                self.lineage,
+                version,
+                canary_rule.fraction * 100,
+            )
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
 
 
 def _is_orphan(settings: TrainerSettings, name: str) -> bool:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from core.canary import Evidence
+
 _STEPS = Counter("flywheel_trainer_steps_total", "Training steps published.", ["lineage"])
 _STEP_FAILURES = Counter(
     "flywheel_trainer_step_failures_total", "Steps that did not publish.", ["lineage", "reason"]
@@ -50,6 +52,26 @@ _SWAP_SECONDS = Histogram(
     ["lineage"],
     buckets=(0.01, 0.05, 0.1, 0.5, 1, 5),
 )
+_CANARY_CANDIDATE = Gauge(
+    "flywheel_trainer_canary_candidate",
+    "The version under canary test (0: none open).",
+    ["lineage"],
+)
+_CANARY_EPISODES = Gauge(
+    "flywheel_trainer_canary_episodes",
+    "Rewarded episodes of the open canary, per arm (candidate, baseline).",
+    ["lineage", "arm"],
+)
+_CANARY_REWARD = Gauge(
+    "flywheel_trainer_canary_reward_mean",
+    "Mean episode reward of the open canary, per arm (candidate, baseline).",
+    ["lineage", "arm"],
+)
+_CANARY_DECISIONS = Counter(
+    "flywheel_trainer_canary_decisions_total",
+    "Canaries decided: promote or rollback, and why (worse, not_worse, timeout).",
+    ["lineage", "action", "reason"],
+)
 
 
 class LineageMetrics:
@@ -67,6 +89,21 @@ class LineageMetrics:
         self.current_version = _CURRENT_VERSION.labels(lineage)
         self.step_seconds = _STEP_SECONDS.labels(lineage)
         self.swap_seconds = _SWAP_SECONDS.labels(lineage)
+
+        self.canary_candidate = _CANARY_CANDIDATE.labels(lineage)
+
+    def canary(self, evidence: Evidence) -> None:
+        _CANARY_EPISODES.labels(self.lineage, "candidate").set(evidence.candidate_episodes)
+        _CANARY_EPISODES.labels(self.lineage, "baseline").set(evidence.baseline_episodes)
+        for arm, mean in (
+            ("candidate", evidence.candidate_mean),
+            ("baseline", evidence.baseline_mean),
+        ):
+            _CANARY_REWARD.labels(self.lineage, arm).set(float("nan") if mean is None else mean)
+
+    def canary_decided(self, action: str, reason: str) -> None:
+        _CANARY_DECISIONS.labels(self.lineage, action, reason).inc()
+        self.canary_candidate.set(0)
 
     def step_failure(self, reason: str) -> None:
         _STEP_FAILURES.labels(self.lineage, reason).inc()

@@ -17,7 +17,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from core import policy
+from core import canary, policy
 from core.codecs import unpack
 from core.tenants import TENANT_OF_EPISODE
 
@@ -138,8 +138,10 @@ def finish(
     path: str,
     base_model: str,
     stats: dict[str, Any],
+    canary_rule: canary.Rule | None = None,
 ) -> None:
-    """Make `version` current and mark its batch trained (and the set-aside rows skipped).
+    """Make `version` current (or the lineage's canary candidate, with `canary_rule`) and mark
+    its batch trained (and the set-aside rows skipped).
 
     `trained` maps each row to the return it was trained on: a row claimed by someone else now,
     or whose return a reward has changed since, is LostClaim. `parent` is the version the step
@@ -171,6 +173,7 @@ def finish(
         base_model=base_model,
         stats=stats,
         trained_transitions=len(trained),
+        canary_rule=canary_rule,
     )
 
 

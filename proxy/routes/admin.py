@@ -1,6 +1,7 @@
 """The admin routes (Authorization: Bearer FLYWHEEL_ADMIN_KEY, checked by the edge):
 
     GET  /admin/adapters[?lineage=L]      every version (of one lineage), current ones flagged
+    GET  /admin/canaries[?lineage=L]      the canaries, newest first: open, promoted, rolled back
     POST /admin/adapters/{N}/activate     roll back (or forward) to version N in its own lineage;
                                           N = 0 with ?lineage=L (default `policy`): L back on
                                           the base model. The other lineages do not move.
@@ -19,7 +20,7 @@ import orjson
 from fastapi import APIRouter
 from starlette.responses import Response
 
-from core import policy
+from core import canary, policy
 from core.database import run_sync
 from core.vllm import AdapterRejected
 from proxy.errors import ApiError
@@ -34,6 +35,33 @@ async def list_adapters(services: ServicesDep, lineage: str | None = None) -> Re
         adapters = await run_sync(session, policy.versions, lineage=lineage)
     body = {"object": "list", "data": [adapter_json(a) for a in adapters]}
     return Response(orjson.dumps(body), media_type="application/json")
+
+
+@router.get("/admin/canaries")
+async def list_canaries(
+    services: ServicesDep, lineage: str | None = None, limit: int = 100
+) -> Response:
+    if not 1 <= limit <= 1000:
+        raise ApiError(400, "`limit` must be between 1 and 1000", param="limit")
+    async with services.sessionmaker() as session:
+        rows = await run_sync(session, canary.history, lineage=lineage, limit=limit)
+    data = [
+        {
+            "id": r.id,
+            "lineage": r.lineage,
+            "candidate": r.candidate,
+            "baseline": r.baseline,
+            "fraction": r.fraction,
+            "rule": r.rule,
+            "opened_at": r.opened_at.isoformat(),
+            "decided_at": r.decided_at.isoformat() if r.decided_at else None,
+            "action": r.action,
+            "reason": r.reason,
+            "evidence": r.evidence,
+        }
+        for r in rows
+    ]
+    return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
 
 @router.post("/admin/adapters/{version}/activate")

@@ -65,6 +65,11 @@ async def healthz(services: ServicesDep) -> Response:
         # The default lineage's current version, and every lineage's (0: the base model).
         "policy_version": alias.current.get(policy.DEFAULT_LINEAGE, (BASE_VERSION,))[0],
         "lineages": {lineage: version for lineage, (version, _) in sorted(alias.current.items())},
+        # Open canaries: the candidate version and the share of episodes it serves.
+        "canaries": {
+            lineage: {"candidate": c.candidate, "baseline": c.baseline, "fraction": c.fraction}
+            for lineage, c in sorted(alias.canaries.items())
+        },
         "replicas": {
             r.base_url: {"in_rotation": r.in_rotation, "outstanding": r.outstanding}
             for r in services.upstream.replicas

@@ -1,0 +1,233 @@
+"""Canary releases: a new version serves a fraction of its lineage's episodes until the reward
+decides between it and the current one.
+
+    open     (trainer's publish, core/policy.py) the candidate is recorded but not made current;
+             a `canary` row says candidate, baseline (the current version), fraction, rule
+    serve    (every proxy, proxy/alias.py) `policy` for an episode of that lineage goes to the
+             candidate when `in_canary(episode, candidate, fraction)`: a hash of the episode id,
+             so every call of an episode, on every replica, gets the same version
+    decide   (the lineage's trainer, trainer/loop.py) `evidence_rows` -> `weigh` -> `decide` ->
+             `policy.decide_canary`: promote (the candidate becomes current) or roll back (it
+             is retired: unloaded and deleted)
+
+The test (`weigh`, then `decide`): each arm's rewarded episodes (whose calls of this lineage were
+all served by that arm's version); rewards are centred on their task's mean over both arms, so a
+task mix that differs between the arms by chance does not decide; then Welch's one-sided t-tests:
+    roll back  the candidate is worse:                   p(cand - base < 0)        < alpha
+    promote    the candidate is not worse by the margin: p(cand - base > -margin)  < alpha
+Neither with `min_episodes` per arm: wait, up to `max_s`, then the rule's `fallback`.
+
+Moving the current version by hand (`policy.make_current`) closes the lineage's open canary as
+`superseded`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from typing import Any, Literal
+
+from sqlalchemy import select, text, update
+from sqlalchemy.orm import Session
+
+from core.stats import welch
+from core.tables import AdapterVersion
+from core.tables import Canary as CanaryRow
+
+Action = Literal["promote", "rollback"]
+
+
+@dataclass(frozen=True)
+class Rule:
+    fraction: float  # of the lineage's episodes the candidate serves
+    min_episodes: int = 30  # rewarded episodes on each arm before a test decides
+    alpha: float = 0.05  # each one-sided test's level
+    margin: float = 0.02  # reward the candidate may lose and still be promoted
+    max_s: float = 3600.0  # then the fallback decides
+    fallback: Action = "rollback"
+
+
+@dataclass(frozen=True)
+class Canary:
+    id: int
+    lineage: str
+    candidate: int
+    candidate_name: str
+    baseline: int  # 0: the base model
+    fraction: float
+    rule: Rule
+    opened_at: datetime
+    age_s: float  # by the database's clock, when read
+
+
+@dataclass(frozen=True)
+class Evidence:
+    candidate_episodes: int
+    baseline_episodes: int
+    candidate_mean: float | None
+    baseline_mean: float | None
+    p_worse: float | None  # H1: the candidate's reward is lower
+    p_not_worse: float | None  # H1: it is higher than the baseline's minus the margin
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action
+    reason: str  # worse | not_worse | timeout
+    evidence: Evidence
+
+
+def in_canary(episode_id: str, candidate: int, fraction: float) -> bool:
+    """Whether this episode's calls go to the candidate. The candidate's number is in the hash so
+    each canary samples other episodes."""
+    digest = hashlib.blake2b(f"{candidate}:{episode_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") < fraction * 2**64
+
+
+# --- the decision ----------------------------------------------------------------------------
+
+
+def decide(evidence: Evidence, rule: Rule, age_s: float) -> Decision | None:
+    """A decision, or None: wait for more episodes."""
+    enough = min(evidence.candidate_episodes, evidence.baseline_episodes) >= rule.min_episodes
+    if enough and evidence.p_worse is not None and evidence.p_worse < rule.alpha:
+        return Decision("rollback", "worse", evidence)
+    if enough and evidence.p_not_worse is not None and evidence.p_not_worse < rule.alpha:
+        return Decision("promote", "not_worse", evidence)
+    if age_s >= rule.max_s:
+        return Decision(rule.fallback, "timeout", evidence)
+    return None
+
+
+def weigh(
+    candidate: list[tuple[str | None, float]],
+    baseline: list[tuple[str | None, float]],
+    rule: Rule,
+) -> Evidence:
+    """(task, reward) of each arm's episodes -> their means and the two tests' p-values."""
+
+    def mean(xs: list[float]) -> float | None:
+        return sum(xs) / len(xs) if xs else None
+
+    raw_c, raw_b = [r for _, r in candidate], [r for _, r in baseline]
+    p_worse = p_not_worse = None
+    # Centred per task, over the tasks both arms have (all of them when nobody sets task ids).
+    tasks = {t for t, _ in candidate} & {t for t, _ in baseline}
+    task_mean: dict[str | None, float] = {}
+    for t in tasks:
+        rewards = [r for task, r in candidate + baseline if task == t]
+        task_mean[t] = sum(rewards) / len(rewards)
+    c = [r - task_mean[t] for t, r in candidate if t in task_mean]
+    b = [r - task_mean[t] for t, r in baseline if t in task_mean]
+    if len(c) >= 2 and len(b) >= 2:
+        w = welch(c, b)
+        p_worse, p_not_worse = w.p_less(0.0), w.p_greater(-rule.margin)
+    return Evidence(len(raw_c), len(raw_b), mean(raw_c), mean(raw_b), p_worse, p_not_worse)
+
+
+# --- SQL -------------------------------------------------------------------------------------
+
+
+def open_canary(
+    *, session: Session, lineage: str, candidate: int, baseline: int, rule: Rule
+) -> None:
+    """Called by `policy.publish` under its lock; the NOTIFY there tells every proxy."""
+    session.add(
+        CanaryRow(
+            lineage=lineage,
+            candidate=candidate,
+            baseline=baseline,
+            fraction=rule.fraction,
+            rule=asdict(rule),
+        )
+    )
+    session.flush()
+
+
+def opened(*, session: Session, lineage: str | None = None) -> dict[str, Canary]:
+    """The open canaries, by lineage (of one lineage, or all)."""
+    query = (
+        select(CanaryRow, AdapterVersion.name, text("extract(epoch FROM now() - canary.opened_at)"))
+        .join(AdapterVersion, AdapterVersion.version == CanaryRow.candidate)
+        .where(CanaryRow.decided_at.is_(None))
+    )
+    if lineage is not None:
+        query = query.where(CanaryRow.lineage == lineage)
+    return {
+        row.lineage: Canary(
+            row.id,
+            row.lineage,
+            row.candidate,
+            name,
+            row.baseline,
+            row.fraction,
+            Rule(**row.rule),
+            row.opened_at,
+            float(age),
+        )
+        for row, name, age in session.execute(query)
+    }
+
+
+def evidence_rows(
+    canary: Canary, *, session: Session
+) -> tuple[list[tuple[str | None, float]], list[tuple[str | None, float]]]:
+    """(task, final reward) of the rewarded episodes each arm served since the canary opened.
+    An episode with calls from both (a pin, say) counts for neither."""
+    rows = session.execute(
+        text(
+            "SELECT min(t.policy_version), e.task_id, e.final_reward "
+            "FROM transition t JOIN episode e ON e.id = t.episode_id "
+            "WHERE t.policy_version IN (:candidate, :baseline) AND t.requested_at >= :opened "
+            "AND t.lineage = :lineage AND e.final_reward IS NOT NULL "
+            "GROUP BY e.id, e.task_id, e.final_reward "
+            "HAVING count(DISTINCT t.policy_version) = 1"
+        ),
+        {
+            "candidate": canary.candidate,
+            "baseline": canary.baseline,
+            "opened": canary.opened_at,
+            "lineage": canary.lineage,
+        },
+    ).all()
+    arms: dict[int, list[tuple[str | None, float]]] = {canary.candidate: [], canary.baseline: []}
+    for version, task, reward in rows:
+        arms[version].append((task, float(reward)))
+    return arms[canary.candidate], arms[canary.baseline]
+
+
+def close(
+    canary: Canary,
+    action: Literal["promote", "rollback", "superseded"],
+    reason: str,
+    evidence: Evidence | None,
+    *,
+    session: Session,
+) -> bool:
+    """Record the decision; False when the canary was closed already (another trainer, a hand).
+    `policy.decide_canary` carries it out, under the lock that moves versions."""
+    closed = session.execute(
+        update(CanaryRow)
+        .where(CanaryRow.id == canary.id, CanaryRow.decided_at.is_(None))
+        .values(
+            decided_at=text("now()"),
+            action=action,
+            reason=reason,
+            evidence=_json(evidence),
+        )
+        .returning(CanaryRow.id)
+    ).first()
+    return closed is not None
+
+
+def _json(evidence: Evidence | None) -> dict[str, Any] | None:
+    return asdict(evidence) if evidence else None
+
+
+def history(*, session: Session, lineage: str | None = None, limit: int = 100) -> list[CanaryRow]:
+    """The newest canaries first, open and decided."""
+    query = select(CanaryRow).order_by(CanaryRow.id.desc()).limit(limit)
+    if lineage is not None:
+        query = query.where(CanaryRow.lineage == lineage)
+    return list(session.scalars(query))
