@@ -12,10 +12,11 @@ decides between it and the current one.
 
 The test (`weigh`, then `decide`): each arm's rewarded episodes (whose calls of this lineage were
 all served by that arm's version); rewards are centred on their task's mean over both arms, so a
-task mix that differs between the arms by chance does not decide; then Welch's one-sided t-tests:
-    roll back  the candidate is worse:                   p(cand - base < 0)        < alpha
-    promote    the candidate is not worse by the margin: p(cand - base > -margin)  < alpha
-Neither with `min_episodes` per arm: wait, up to `max_s`, then the rule's `fallback`.
+task mix that differs between the arms by chance does not decide; then Welch's one-sided t-tests,
+only at looks (both arms at min_episodes * 2**k episodes), at level alpha / 2**(k+1) (`weigh`):
+    roll back  the candidate is worse:                   p(cand - base < 0)        < level
+    promote    the candidate is not worse by the margin: p(cand - base > -margin)  < level
+Neither: wait for the next look, up to `max_s`, then the rule's `fallback`.
 
 Moving the current version by hand (`policy.make_current`) closes the lineage's open canary as
 `superseded`.
@@ -41,11 +42,11 @@ Action = Literal["promote", "rollback"]
 @dataclass(frozen=True)
 class Rule:
     fraction: float  # of the lineage's episodes the candidate serves
-    min_episodes: int = 30  # rewarded episodes on each arm before a test decides
-    alpha: float = 0.05  # each one-sided test's level
+    min_episodes: int = 30  # rewarded episodes on each arm at the first look
+    alpha: float = 0.05  # each one-sided test's level, over all looks together
     margin: float = 0.02  # reward the candidate may lose and still be promoted
-    max_s: float = 3600.0  # then the fallback decides
-    fallback: Action = "rollback"
+    max_s: float = 900.0  # then the fallback decides
+    fallback: Action = "promote"
 
 
 @dataclass(frozen=True)
@@ -61,14 +62,23 @@ class Canary:
     age_s: float  # by the database's clock, when read
 
 
+# One rewarded episode of an arm: (when its first call was made, epoch seconds; task; reward).
+Scored = tuple[float, str | None, float]
+
+
 @dataclass(frozen=True)
 class Evidence:
-    candidate_episodes: int
+    candidate_episodes: int  # rewarded so far
     baseline_episodes: int
     candidate_mean: float | None
     baseline_mean: float | None
-    p_worse: float | None  # H1: the candidate's reward is lower
-    p_not_worse: float | None  # H1: it is higher than the baseline's minus the margin
+    # The newest look both arms have reached (None: not yet), the level each test had there,
+    # and how many episodes of each arm it used.
+    look: int | None = None
+    level: float | None = None
+    tested: tuple[int, int] | None = None
+    p_worse: float | None = None  # H1: the candidate's reward is lower
+    p_not_worse: float | None = None  # H1: it is higher than the baseline's minus the margin
 
 
 @dataclass(frozen=True)
@@ -90,40 +100,65 @@ def in_canary(episode_id: str, candidate: int, fraction: float) -> bool:
 
 def decide(evidence: Evidence, rule: Rule, age_s: float) -> Decision | None:
     """A decision, or None: wait for more episodes."""
-    enough = min(evidence.candidate_episodes, evidence.baseline_episodes) >= rule.min_episodes
-    if enough and evidence.p_worse is not None and evidence.p_worse < rule.alpha:
+    level = evidence.level
+    if level is not None and evidence.p_worse is not None and evidence.p_worse < level:
         return Decision("rollback", "worse", evidence)
-    if enough and evidence.p_not_worse is not None and evidence.p_not_worse < rule.alpha:
+    if level is not None and evidence.p_not_worse is not None and evidence.p_not_worse < level:
         return Decision("promote", "not_worse", evidence)
     if age_s >= rule.max_s:
         return Decision(rule.fallback, "timeout", evidence)
     return None
 
 
-def weigh(
-    candidate: list[tuple[str | None, float]],
-    baseline: list[tuple[str | None, float]],
-    rule: Rule,
-) -> Evidence:
-    """(task, reward) of each arm's episodes -> their means and the two tests' p-values."""
+def weigh(candidate: list[Scored], baseline: list[Scored], rule: Rule) -> Evidence:
+    """Each arm's rewarded episodes -> their means, and the two tests at the newest look.
 
-    def mean(xs: list[float]) -> float | None:
-        return sum(xs) / len(xs) if xs else None
+    The trainer looks every few seconds, and a test repeated on growing data until it says yes
+    is wrong far more often than its level. So the tests run only at *looks*: look k is the
+    moment both arms have `min_episodes * 2**k` episodes, and it tests exactly the episodes that
+    began before that moment, at level `alpha / 2**(k+1)`. Between looks the data tested does not
+    change (the answer is the same however often it is asked), and the levels of all looks add
+    up to `alpha`: whatever the number of looks, each test is wrong with probability at most
+    `alpha` (Bonferroni over looks; conservative, and simple enough to check by hand).
+    """
 
-    raw_c, raw_b = [r for _, r in candidate], [r for _, r in baseline]
-    p_worse = p_not_worse = None
+    def mean(rows: list[Scored]) -> float | None:
+        return sum(r for _, _, r in rows) / len(rows) if rows else None
+
+    counts = (len(candidate), len(baseline), mean(candidate), mean(baseline))
+    look, cut = _newest_look(candidate, baseline, rule.min_episodes)
+    if look is None:
+        return Evidence(*counts)
+    c = [row for row in candidate if row[0] <= cut]
+    b = [row for row in baseline if row[0] <= cut]
     # Centred per task, over the tasks both arms have (all of them when nobody sets task ids).
-    tasks = {t for t, _ in candidate} & {t for t, _ in baseline}
+    tasks = {t for _, t, _ in c} & {t for _, t, _ in b}
     task_mean: dict[str | None, float] = {}
     for t in tasks:
-        rewards = [r for task, r in candidate + baseline if task == t]
+        rewards = [r for _, task, r in c + b if task == t]
         task_mean[t] = sum(rewards) / len(rewards)
-    c = [r - task_mean[t] for t, r in candidate if t in task_mean]
-    b = [r - task_mean[t] for t, r in baseline if t in task_mean]
-    if len(c) >= 2 and len(b) >= 2:
-        w = welch(c, b)
+    centred_c = [r - task_mean[t] for _, t, r in c if t in task_mean]
+    centred_b = [r - task_mean[t] for _, t, r in b if t in task_mean]
+    p_worse = p_not_worse = None
+    if len(centred_c) >= 2 and len(centred_b) >= 2:
+        w = welch(centred_c, centred_b)
         p_worse, p_not_worse = w.p_less(0.0), w.p_greater(-rule.margin)
-    return Evidence(len(raw_c), len(raw_b), mean(raw_c), mean(raw_b), p_worse, p_not_worse)
+    level = rule.alpha / 2 ** (look + 1)
+    return Evidence(*counts, look, level, (len(c), len(b)), p_worse, p_not_worse)
+
+
+def _newest_look(
+    candidate: list[Scored], baseline: list[Scored], min_episodes: int
+) -> tuple[int | None, float]:
+    """(k, the moment both arms had min_episodes * 2**k episodes), for the largest such k."""
+    starts_c = sorted(t for t, _, _ in candidate)
+    starts_b = sorted(t for t, _, _ in baseline)
+    look, cut, k = None, 0.0, 0
+    while min(len(starts_c), len(starts_b)) >= min_episodes * 2**k:
+        n = min_episodes * 2**k
+        look, cut = k, max(starts_c[n - 1], starts_b[n - 1])
+        k += 1
+    return look, cut
 
 
 # --- SQL -------------------------------------------------------------------------------------
@@ -170,14 +205,13 @@ def opened(*, session: Session, lineage: str | None = None) -> dict[str, Canary]
     }
 
 
-def evidence_rows(
-    canary: Canary, *, session: Session
-) -> tuple[list[tuple[str | None, float]], list[tuple[str | None, float]]]:
-    """(task, final reward) of the rewarded episodes each arm served since the canary opened.
-    An episode with calls from both (a pin, say) counts for neither."""
+def evidence_rows(canary: Canary, *, session: Session) -> tuple[list[Scored], list[Scored]]:
+    """The rewarded episodes each arm served since the canary opened. An episode with calls
+    from both (a pin, say) counts for neither."""
     rows = session.execute(
         text(
-            "SELECT min(t.policy_version), e.task_id, e.final_reward "
+            "SELECT min(t.policy_version), extract(epoch FROM min(t.requested_at)), e.task_id, "
+            "e.final_reward "
             "FROM transition t JOIN episode e ON e.id = t.episode_id "
             "WHERE t.policy_version IN (:candidate, :baseline) AND t.requested_at >= :opened "
             "AND t.lineage = :lineage AND e.final_reward IS NOT NULL "
@@ -191,9 +225,9 @@ def evidence_rows(
             "lineage": canary.lineage,
         },
     ).all()
-    arms: dict[int, list[tuple[str | None, float]]] = {canary.candidate: [], canary.baseline: []}
-    for version, task, reward in rows:
-        arms[version].append((task, float(reward)))
+    arms: dict[int, list[Scored]] = {canary.candidate: [], canary.baseline: []}
+    for version, started, task, reward in rows:
+        arms[version].append((float(started), task, float(reward)))
     return arms[canary.candidate], arms[canary.baseline]
 
 

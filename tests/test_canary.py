@@ -45,9 +45,10 @@ def test_student_t_tail_and_welch_match_scipys_figures() -> None:
 
 def rewards(
     mean: float, n: int, seed: int, task: str | None = None
-) -> list[tuple[str | None, float]]:
+) -> list[tuple[float, str | None, float]]:
+    """n episodes one second apart, each rewarded 1 with probability `mean`."""
     rng = random.Random(seed)
-    return [(task, float(rng.random() < mean)) for _ in range(n)]
+    return [(float(i), task, float(rng.random() < mean)) for i in range(n)]
 
 
 def test_a_clearly_worse_candidate_is_rolled_back_a_clearly_better_one_promoted() -> None:
@@ -56,28 +57,67 @@ def test_a_clearly_worse_candidate_is_rolled_back_a_clearly_better_one_promoted(
     better = canary.weigh(rewards(0.9, 60, 3), rewards(0.5, 60, 4), RULE)
     assert canary.decide(better, RULE, age_s=1) == canary.Decision("promote", "not_worse", better)
     assert better.candidate_episodes == 60 and better.candidate_mean == pytest.approx(0.9, abs=0.1)
+    # 60 episodes an arm: look 2 (8 * 2**2 = 32 each) tested the first 32, at 0.05 / 8.
+    assert (better.look, better.level, better.tested) == (2, 0.05 / 8, (32, 32))
 
 
 def test_too_few_episodes_wait_then_the_fallback_decides() -> None:
     few = canary.weigh(rewards(0.0, 5, 1), rewards(1.0, 60, 2), RULE)  # below min_episodes
-    assert few.p_worse is not None and few.p_worse < 0.001  # clear, but on 5 episodes
+    assert few.look is None and few.p_worse is None  # however clear, no test on 5 episodes
     assert canary.decide(few, RULE, age_s=1) is None
     assert canary.decide(few, RULE, age_s=600) == canary.Decision("rollback", "timeout", few)
     promote_after = Rule(fraction=0.5, max_s=10, fallback="promote")
     none = canary.weigh([], [], promote_after)
-    assert none == Evidence(0, 0, None, None, None, None)
+    assert none == Evidence(0, 0, None, None)
     assert canary.decide(none, promote_after, age_s=11) == canary.Decision(
         "promote", "timeout", none
     )
 
 
+def test_between_looks_the_answer_does_not_change() -> None:
+    """Look 1 at 16 episodes an arm: the 17th to 31st episodes are not tested until look 2."""
+    c, b = rewards(0.5, 31, 5), rewards(0.5, 31, 6)
+    at_16 = canary.weigh(c[:16], b[:16], RULE)
+    at_31 = canary.weigh(c, b, RULE)
+    assert at_16.look == at_31.look == 1 and at_31.tested == (16, 16)
+    assert (at_16.p_worse, at_16.p_not_worse) == (at_31.p_worse, at_31.p_not_worse)
+    assert at_31.candidate_episodes == 31  # reported, not yet tested
+
+
+def test_checking_again_and_again_rolls_back_an_equal_candidate_no_more_than_alpha() -> None:
+    """The trainer checks every few seconds. Simulated: 400 canaries whose candidate is exactly
+    as good as the baseline (reward 1 with probability 0.5), checked after every 4 new episodes
+    of each arm up to 256. Testing all the data at every check at level alpha rolls back far
+    more than alpha of them; testing only at the looks keeps it under alpha."""
+    rule = Rule(fraction=0.5, min_episodes=16, alpha=0.05, margin=0.0)
+    rng = random.Random(11)
+    looks_wrong = naive_wrong = 0
+    for _ in range(400):
+        c = [(float(i), None, float(rng.random() < 0.5)) for i in range(256)]
+        b = [(float(i), None, float(rng.random() < 0.5)) for i in range(256)]
+        looked = naive = False
+        for n in range(16, 257, 4):
+            evidence = canary.weigh(c[:n], b[:n], rule)
+            looked = looked or (canary.decide(evidence, rule, 0) or PASS).action == "rollback"
+            w = welch([r for *_, r in c[:n]], [r for *_, r in b[:n]])
+            naive = naive or w.p_less() < rule.alpha
+        looks_wrong += looked
+        naive_wrong += naive
+    assert looks_wrong / 400 <= 0.05, looks_wrong
+    assert naive_wrong / 400 > 0.1, naive_wrong  # what the looks are for
+
+
+PASS = canary.Decision("promote", "", Evidence(0, 0, None, None))
+
+
 def test_a_task_mix_that_differs_between_the_arms_does_not_decide() -> None:
     """Same policy, but the candidate drew mostly the hard task: raw means say 'worse'."""
     hard, easy = ("hard", 0.0), ("easy", 1.0)
-    candidate = [hard] * 40 + [easy] * 10
-    baseline = [hard] * 10 + [easy] * 40
-    evidence = canary.weigh(list(candidate), list(baseline), RULE)
-    assert evidence.candidate_mean == 0.2 and evidence.baseline_mean == 0.8
+    candidate = [(float(i), *row) for i, row in enumerate([hard, easy] * 5 + [hard] * 30)]
+    baseline = [(float(i), *row) for i, row in enumerate([hard, easy] * 5 + [easy] * 30)]
+    evidence = canary.weigh(candidate, baseline, RULE)
+    assert evidence.candidate_mean == 0.125 and evidence.baseline_mean == 0.875
+    assert evidence.tested == (32, 32)
     assert evidence.p_worse == 1.0  # within each task the two are the same
     assert canary.decide(evidence, RULE, age_s=1) == canary.Decision(
         "promote", "not_worse", evidence
@@ -135,7 +175,7 @@ def test_a_candidate_is_not_current_until_promoted(
     with sessions.begin() as session:
         policy.mark_retired(session=session, lineage="policy", keep=1)  # spares the candidate
         assert policy.get(v2, session=session).retired_at is None  # type: ignore[union-attr]
-    evidence = Evidence(8, 8, 0.9, 0.5, 0.9, 0.01)
+    evidence = Evidence(8, 8, 0.9, 0.5, 0, 0.025, (8, 8), 0.9, 0.01)
     with sessions.begin() as session:
         decision = canary.Decision("promote", "not_worse", evidence)
         assert policy.decide_canary(test, decision, session=session)
@@ -154,7 +194,7 @@ def test_a_rolled_back_candidate_is_retired_and_a_hand_supersedes_a_canary(
     with sessions.begin() as session:
         test = canary.opened(session=session)["policy"]
         assert test.baseline == policy.BASE_VERSION
-        evidence = Evidence(8, 8, 0.1, 0.5, 0.001, 0.9)
+        evidence = Evidence(8, 8, 0.1, 0.5, 0, 0.025, (8, 8), 0.001, 0.9)
         policy.decide_canary(test, canary.Decision("rollback", "worse", evidence), session=session)
     with sessions.begin() as session:
         assert policy.current(session=session) is None
@@ -229,9 +269,9 @@ def test_the_proxy_splits_by_episode_and_records_each_arm(
     with sessions.begin() as session:
         test = canary.opened(session=session)["policy"]
         arm_c, arm_b = canary.evidence_rows(test, session=session)
-    assert len(arm_c) == list(first.values()).count(str(v2)) and {r for _, r in arm_c} == {1.0}
-    assert len(arm_b) == 60 - len(arm_c) and {r for _, r in arm_b} == {0.0}
-    assert {t for t, _ in arm_c + arm_b} == {"t"}
+    assert len(arm_c) == list(first.values()).count(str(v2)) and {r for *_, r in arm_c} == {1.0}
+    assert len(arm_b) == 60 - len(arm_c) and {r for *_, r in arm_b} == {0.0}
+    assert {t for _, t, _ in arm_c + arm_b} == {"t"}
 
 
 # --- the trainer ----------------------------------------------------------------------------------
@@ -311,7 +351,7 @@ def test_admin_and_cli_show_open_and_decided_canaries(
     v1 = publish(sessions, fake_vllm, tmp_path, RULE)
     with sessions.begin() as session:
         test = canary.opened(session=session)["policy"]
-        evidence = Evidence(9, 11, 0.1, 0.6, 0.002, 0.97)
+        evidence = Evidence(9, 11, 0.1, 0.6, 0, 0.025, (9, 11), 0.002, 0.97)
         policy.decide_canary(test, canary.Decision("rollback", "worse", evidence), session=session)
     v2 = publish(sessions, fake_vllm, tmp_path, RULE)
 
@@ -335,3 +375,34 @@ def test_admin_and_cli_show_open_and_decided_canaries(
     listed_cli = subprocess.run([*cli, "list"], env=env, capture_output=True, text=True, timeout=60)
     assert f"serving the base model; canary policy-v{v2} on 50% of episodes" in listed_cli.stdout
     assert f"c v{v2}" in listed_cli.stdout
+
+
+@pytest.mark.slow
+def test_a_canary_opened_during_a_step_sends_the_batch_back_without_counting_an_attempt(
+    proxy: RunningProxy,
+    make_trainer: Any,  # noqa: F811
+    sessions: Sessions,
+    fake_vllm: FakeVLLM,
+    tmp_path: Path,
+    monkeypatch: Any,
+) -> None:
+    trainer = make_trainer(canary_fraction=0.5, canary_check_s=0.01)
+    play_rewarded(proxy, 8, "warm", {})
+    real_step = trainer.engine.step
+    opened: list[int] = []
+
+    def step(samples: Any) -> Any:  # someone publishes a candidate by hand meanwhile
+        opened.append(publish(sessions, fake_vllm, tmp_path, RULE))
+        return real_step(samples)
+
+    monkeypatch.setattr(trainer.engine, "step", step)
+    assert not trainer.step()
+    [hand] = opened
+    with sessions.begin() as session:
+        assert canary.opened(session=session)["policy"].candidate == hand
+        assert [a.version for a in policy.versions(session=session)] == [hand]
+    assert sorted(fake_vllm.loras) == [f"policy-v{hand}"]  # the trainer's own was unloaded
+    assert proxy.query(
+        "SELECT claimed_by, train_attempts, trained_at, skip_reason, count(*) FROM transition "
+        "GROUP BY 1, 2, 3, 4"
+    ) == [(None, 0, None, None, 8)]

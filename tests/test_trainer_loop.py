@@ -80,6 +80,7 @@ def make_trainer(
             "min_episodes": 4,
             "metrics_port": 0,
             "learning_rate": 1e-3,
+            "retire_grace_s": 0,  # test_a_retired_version_waits_out_its_grace has its own
         }
         settings = TrainerSettings(**(values | overrides))
         admins.append(Replicas(settings.vllm, None))
@@ -246,6 +247,25 @@ def test_old_versions_are_retired_marked_then_unloaded_then_deleted(
     assert dirs == ["policy-v3"] and set(fake_vllm.loras) == {"policy-v3"}
     with sessions() as session:
         assert [a.version for a in policy.versions(session=session) if not a.retired_at] == [3]
+
+
+def test_a_retired_version_waits_out_its_grace_before_it_is_unloaded_and_deleted(
+    proxy: RunningProxy, fake_vllm: FakeVLLM, make_trainer: Any, sessions: Sessions
+) -> None:
+    """A call routed to v1 just before v2 replaced it may still sit in vLLM's queue, and vLLM
+    loads a queued call's adapter from disk: deleted, its engine dies (seen in bench/canary)."""
+    trainer = make_trainer(retain_versions=1, retire_grace_s=0.5)
+    for agent in ("a", "b"):
+        play(proxy, agent=agent)
+        assert trainer.step()
+    with sessions() as session:
+        assert [a.retired_at is not None for a in policy.versions(session=session)] == [True, False]
+    assert set(fake_vllm.loras) == {"policy-v1", "policy-v2"}  # retired, but still there
+    assert (trainer.settings.adapters_dir / "policy-v1").exists()
+    time.sleep(0.6)
+    trainer.reconcile()  # the next reconcile after the grace
+    assert set(fake_vllm.loras) == {"policy-v2"}
+    assert not (trainer.settings.adapters_dir / "policy-v1").exists()
 
 
 def test_retiring_never_deletes_a_directory_outside_the_adapters_dir(

@@ -98,6 +98,13 @@ class TrainerSettings(DatabaseSettings):
     retain_versions: int = Field(
         3, ge=1, description="Adapters kept loaded in vLLM; older ones are unloaded, then deleted."
     )
+    retire_grace_s: float = Field(
+        120.0,
+        ge=0,
+        description="A retired version (an old one, or a rolled-back canary) is unloaded and "
+        "deleted only this long after it was retired: calls routed to it just before still find "
+        "it (vLLM reloads a queued call's adapter from disk, and a missing one kills its engine).",
+    )
     reconcile_s: float = Field(
         5.0, gt=0, description="How often to check every vLLM still has the current adapter."
     )
@@ -120,10 +127,12 @@ class TrainerSettings(DatabaseSettings):
         0.02, ge=0, description="Mean reward a candidate may lose and still be promoted."
     )
     canary_max_s: float = Field(
-        3600.0, gt=0, description="Undecided after this long: the fallback decides."
+        900.0, gt=0, description="Undecided after this long: the fallback decides."
     )
     canary_fallback: Literal["promote", "rollback"] = Field(
-        "rollback", description="What an undecided canary does after canary_max_s."
+        "promote",
+        description="What an undecided canary does after canary_max_s: promote (no harm shown "
+        "in that time) or rollback (only what was shown not worse ships).",
     )
     canary_check_s: float = Field(5.0, gt=0, description="How often to test an open canary.")
 

@@ -25,6 +25,7 @@ import re
 import shutil
 import signal
 import time
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from prometheus_client import start_http_server
@@ -304,7 +305,16 @@ class Trainer:
                 self.engine.restore(before)
                 shutil.rmtree(final, ignore_errors=True)
                 raise
-            self._abandon(batch, final, before, reason="lost_claim")
+            # A canary opened meanwhile (published by hand, or another trainer): the batch goes
+            # back to be trained after its decision, and that is no fault of the batch's.
+            canary_open = isinstance(e, policy.CanaryOpen)
+            self._abandon(
+                batch,
+                final,
+                before,
+                reason="canary_open" if canary_open else "lost_claim",
+                attempt=not canary_open,
+            )
             return False
 
         self.parent = version
@@ -312,15 +322,27 @@ class Trainer:
         self._retire_old_versions()
         return True
 
-    def _abandon(self, batch: Batch, adapter_dir: Path, before: Snapshot, *, reason: str) -> None:
+    def _abandon(
+        self,
+        batch: Batch,
+        adapter_dir: Path,
+        before: Snapshot,
+        *,
+        reason: str,
+        attempt: bool = True,
+    ) -> None:
         """Undo the step: weights back, batch back to the queue, adapter directory gone."""
         self.engine.restore(before)
-        self._give_back(list(batch.trained) + list(batch.skipped), reason=reason)
+        self._give_back(list(batch.trained) + list(batch.skipped), reason=reason, attempt=attempt)
         shutil.rmtree(adapter_dir, ignore_errors=True)
 
-    def _give_back(self, ids: list[str], *, reason: str) -> None:
+    def _give_back(self, ids: list[str], *, reason: str, attempt: bool = True) -> None:
+        """`attempt`: the claim counts towards max_train_attempts (not when the step failed for
+        a reason that is not the batch's)."""
         with self.sessions.begin() as session:
-            store.release(ids, session=session, trainer_id=self.settings.trainer_id)
+            store.release(
+                ids, session=session, trainer_id=self.settings.trainer_id, attempt=attempt
+            )
         self.metrics.step_failure(reason)
 
     def release_claims(self) -> None:
@@ -335,9 +357,11 @@ class Trainer:
 
     def reconcile(self) -> None:
         """Every vLLM has the lineage's retained versions (the current one first); nothing
-        unrecorded of the lineage is loaded or on disk."""
+        unrecorded of the lineage is loaded or on disk; retired versions past their grace are
+        unloaded and deleted."""
         s = self.settings
         self._next_reconcile = time.monotonic() + s.reconcile_s
+        self._retire_old_versions()
         with self.sessions.begin() as session:
             adapters = policy.versions(session=session, lineage=self.lineage)
         retained = [a for a in adapters if a.retired_at is None]
@@ -364,7 +388,9 @@ class Trainer:
 
     def _retire_old_versions(self) -> None:
         """Retire all but the newest `retain_versions` and the current one: marked first (so no
-        rollback can pick them any more), then unloaded everywhere, then deleted."""
+        rollback can pick them any more), then, `retire_grace_s` later (calls routed to a version
+        just before it was retired may still be queued in vLLM), unloaded everywhere, then
+        deleted."""
         with self.sessions.begin() as session:
             policy.mark_retired(
                 session=session, lineage=self.lineage, keep=self.settings.retain_versions
@@ -375,9 +401,12 @@ class Trainer:
                 if a.retired_at is not None
             ]
         root = self.settings.adapters_dir.resolve()
+        graced = datetime.now(UTC) - timedelta(seconds=self.settings.retire_grace_s)
         for a in retired:
             if not Path(a.path).exists():
                 continue  # done already
+            if a.retired_at is not None and a.retired_at > graced:
+                continue  # next time (the reconcile comes every reconcile_s)
             if not Path(a.path).resolve().is_relative_to(root):  # a row edited by hand, or worse
                 log.error("not deleting %s (%s): it is outside %s", a.name, a.path, root)
                 continue

@@ -193,11 +193,13 @@ def set_aside(skipped: dict[str, str], *, session: Session, trainer_id: str) -> 
         )
 
 
-def release(ids: list[str], *, session: Session, trainer_id: str) -> None:
-    """Give a batch back (the step failed): the next claim may take it at once."""
+def release(ids: list[str], *, session: Session, trainer_id: str, attempt: bool = True) -> None:
+    """Give a batch back (the step failed): the next claim may take it at once. `attempt`:
+    the claim counts as one of its train attempts (it was counted when claimed)."""
+    uncount = "" if attempt else ", train_attempts = greatest(train_attempts - 1, 0)"
     session.execute(
         text(
-            "UPDATE transition SET claimed_by = NULL, claim_expires_at = NULL "
+            f"UPDATE transition SET claimed_by = NULL, claim_expires_at = NULL{uncount} "
             "WHERE id = ANY(CAST(:ids AS uuid[])) AND claimed_by = :me"
         ),
         {"ids": ids, "me": trainer_id},
