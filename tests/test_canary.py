@@ -19,6 +19,7 @@ from core import canary, policy
 from core.canary import Evidence, Rule
 from core.database import Sessions
 from core.stats import t_sf, welch
+from tests import test_lineages as lineages
 from tests.conftest import RunningProxy
 from tests.test_trainer_loop import make_trainer  # noqa: F401  (a fixture)
 
@@ -140,25 +141,7 @@ def test_the_split_is_a_stable_fraction_of_episodes_and_differs_per_candidate() 
 def publish(
     sessions: Sessions, fake: FakeVLLM, tmp_path: Path, rule: Rule | None, lineage: str = "policy"
 ) -> int:
-    with sessions.begin() as session:
-        version = policy.next_version(session=session)
-        parent = policy.current(session=session, lineage=lineage)
-    path = tmp_path / policy.adapter_name(lineage, version)
-    path.mkdir()
-    fake.loras[path.name] = str(path)
-    with sessions.begin() as session:
-        policy.publish(
-            session=session,
-            lineage=lineage,
-            parent=parent.version if parent else None,
-            version=version,
-            path=str(path),
-            base_model="demo",
-            stats={},
-            trained_transitions=1,
-            canary_rule=rule,
-        )
-    return version
+    return lineages.publish(sessions, fake, tmp_path, lineage, canary_rule=rule)
 
 
 def test_a_candidate_is_not_current_until_promoted(

@@ -12,7 +12,7 @@ import pytest
 from pydantic import ValidationError
 
 from bench.fake_vllm import FakeVLLM
-from core import policy
+from core import canary, policy
 from core.database import Sessions
 from proxy.config import ProxySettings
 from tests.conftest import RunningProxy
@@ -20,8 +20,16 @@ from tests.conftest import RunningProxy
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "q"}], "max_tokens": 2}
 
 
-def publish(sessions: Sessions, fake: FakeVLLM, tmp_path: Path, lineage: str) -> int:
-    """A new version of `lineage`, loaded into the fake first (as the trainer does)."""
+def publish(
+    sessions: Sessions,
+    fake: FakeVLLM,
+    tmp_path: Path,
+    lineage: str,
+    *,
+    canary_rule: canary.Rule | None = None,
+) -> int:
+    """A new version of `lineage`, loaded into the fake first (as the trainer does); with
+    `canary_rule`, as the lineage's canary candidate."""
     with sessions.begin() as session:
         version = policy.next_version(session=session)
         parent = policy.current(session=session, lineage=lineage)
@@ -38,6 +46,7 @@ def publish(sessions: Sessions, fake: FakeVLLM, tmp_path: Path, lineage: str) ->
             base_model="demo",
             stats={},
             trained_transitions=1,
+            canary_rule=canary_rule,
         )
     return version
 
