@@ -41,8 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from demo.tiny_model import build_tokenizer, is_complete, random_model, save_atomically
-from demo.warm_start import pad_rows, sample_texts, token_logprobs
+from demo.tiny_model import build_tokenizer, random_model, save_atomically
+from demo.warm_start import built_with, pad_rows, sample_texts, token_logprobs
 
 INSTRUCTIONS = "Use the calculator tool, then answer with the number only."
 TOOL_NAME = "calculator"
@@ -258,7 +258,7 @@ def tokenizer_corpus() -> tuple[str, ...]:
 def build_calc_tools_model(out_dir: Path, *, seed: int = 0) -> Path:
     """Tokenizer (digits as single tokens) + tiny Qwen2, warm-started and measured; idempotent."""
     out_dir = Path(out_dir)
-    if is_complete(out_dir) and _built_with(out_dir / "warm_start.json") == RECIPE:
+    if built_with(out_dir, RECIPE):
         return out_dir
     import torch
 
@@ -281,14 +281,6 @@ def build_calc_tools_model(out_dir: Path, *, seed: int = 0) -> Path:
     }
     (out_dir / "warm_start.json").write_text(json.dumps(figures, indent=1))
     return out_dir
-
-
-def _built_with(figures: Path) -> Any:
-    """The recipe a model directory was built with (None: not built); another one rebuilds."""
-    try:
-        return json.loads(figures.read_text())["recipe"]
-    except (OSError, ValueError, KeyError):
-        return None
 
 
 class _Episodes:

@@ -29,8 +29,8 @@ from typing import Any
 
 from demo import sql_env
 from demo.sql_env import checker_messages, rewriter_messages, writer_messages
-from demo.tiny_model import build_tokenizer, is_complete, random_model, save_atomically
-from demo.warm_start import pad_rows, sample_texts, token_logprobs
+from demo.tiny_model import build_tokenizer, random_model, save_atomically
+from demo.warm_start import built_with, pad_rows, sample_texts, token_logprobs
 
 # Per template: wrong queries ({v}: the question's value). Each says which way it fails.
 MISTAKES: dict[str, tuple[str, ...]] = {
@@ -68,22 +68,17 @@ MISTAKES: dict[str, tuple[str, ...]] = {
 P_WRITER_RIGHT, P_REWRITER_RIGHT, P_CHECKER_FLIP = 0.35, 0.3, 0.1
 STEPS, BATCH, LR, WARMUP = 400, 48, 3e-3, 20
 SHARES = {"writer": 0.4, "checker": 0.3, "rewriter": 0.3}  # of each batch
-# As JSON reads it back (tuples become lists), so a built model's recipe compares equal.
-RECIPE = json.loads(
-    json.dumps(
-        {
-            "steps": STEPS,
-            "batch": BATCH,
-            "lr": LR,
-            "warmup": WARMUP,
-            "p_writer_right": P_WRITER_RIGHT,
-            "p_rewriter_right": P_REWRITER_RIGHT,
-            "p_checker_flip": P_CHECKER_FLIP,
-            "shares": SHARES,
-            "mistakes": MISTAKES,
-        }
-    )
-)
+RECIPE = {
+    "steps": STEPS,
+    "batch": BATCH,
+    "lr": LR,
+    "warmup": WARMUP,
+    "p_writer_right": P_WRITER_RIGHT,
+    "p_rewriter_right": P_REWRITER_RIGHT,
+    "p_checker_flip": P_CHECKER_FLIP,
+    "shares": SHARES,
+    "mistakes": MISTAKES,
+}
 EVAL_EPISODES = 300
 
 
@@ -167,7 +162,7 @@ def build_sql_model(out_dir: Path, database: Path, *, seed: int = 0) -> Path:
     """Tokenizer + tiny Qwen2, warm-started and measured; idempotent (rebuilt when the recipe
     changes)."""
     out_dir = Path(out_dir)
-    if is_complete(out_dir) and _built_with(out_dir / "warm_start.json") == RECIPE:
+    if built_with(out_dir, RECIPE):
         return out_dir
     import torch
 
@@ -191,13 +186,6 @@ def build_sql_model(out_dir: Path, database: Path, *, seed: int = 0) -> Path:
     }
     (out_dir / "warm_start.json").write_text(json.dumps(figures, indent=1))
     return out_dir
-
-
-def _built_with(figures: Path) -> Any:
-    try:
-        return json.loads(figures.read_text())["recipe"]
-    except (OSError, ValueError, KeyError):
-        return None
 
 
 def _warm_start(

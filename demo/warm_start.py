@@ -3,7 +3,24 @@ per-token log-probabilities, and sampling as vLLM does, in plain torch on CPU.""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
+
+from demo.tiny_model import is_complete
+
+
+def built_with(out_dir: Path, recipe: dict[str, Any]) -> bool:
+    """Whether `out_dir` holds a complete model whose warm_start.json records `recipe` (another
+    recipe rebuilds). Compared as JSON reads it back, so a tuple in the recipe equals the list
+    it was saved as."""
+    if not is_complete(out_dir):
+        return False
+    try:
+        saved = json.loads((out_dir / "warm_start.json").read_text())["recipe"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return bool(saved == json.loads(json.dumps(recipe)))
 
 
 def pad_rows(rows: list[tuple[list[int], list[float]]], pad: int) -> tuple[Any, Any]:
