@@ -35,13 +35,12 @@ import psycopg
 import torch
 from safetensors.torch import load_file, save_file
 
-from bench.common import append_section, bench_database
+from bench.common import append_section, learning_loop
 from core import canary, database, policy
 from core.vllm import VLLMAdmin
 from demo.agent import Agent, Episode, print_round
 from demo.calculator import build_calculator_model
-from demo.stack import TASKS, TRAINER_ENV, local_loop
-from demo.vllm_server import free_port
+from demo.stack import TASKS, TRAINER_ENV
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).with_suffix(".md")
@@ -127,18 +126,7 @@ def run(
     episodes: list[Episode] = []
     corrupted: list[int] = []
     started = time.monotonic()
-    with (
-        bench_database(database_url) as url,
-        local_loop(
-            run_home,
-            model,
-            database_url=url,
-            proxy_port=free_port(),
-            vllm_port=free_port(),
-            trainer_metrics_port=free_port(),
-            task=task,
-        ) as loop,
-    ):
+    with learning_loop(run_home, model, task, database_url) as (url, loop):
         agent = Agent(loop.proxy_url)
         stop = threading.Event()
 

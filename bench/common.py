@@ -421,6 +421,29 @@ def bench_database(database_url: str | None) -> Iterator[str]:
             conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
 
 
+@contextmanager
+def learning_loop(
+    home: Path, model_dir: Path, task: Any, database_url: str | None
+) -> Iterator[tuple[str, Any]]:
+    """`demo.stack.local_loop` (a `Task`) on free ports and a fresh bench database: yields the
+    database URL and the running `Loop`."""
+    from demo.stack import local_loop
+
+    with (
+        bench_database(database_url) as url,
+        local_loop(
+            home,
+            model_dir,
+            database_url=url,
+            proxy_port=free_port(),
+            vllm_port=free_port(),
+            trainer_metrics_port=free_port(),
+            task=task,
+        ) as loop,
+    ):
+        yield url, loop
+
+
 def version_key(v: str) -> int:
     """An X-Policy-Version header as a sortable number ("none" and "?" first)."""
     return int(v) if v.isdigit() else -1

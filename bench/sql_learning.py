@@ -25,11 +25,10 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from bench import plots
-from bench.common import bench_database
+from bench.common import learning_loop
 from demo import sql_env
 from demo.sql_agents import Episode, Team, print_round
-from demo.stack import TASKS, TRAINER_ENV, Task, local_loop
-from demo.vllm_server import free_port
+from demo.stack import TASKS, TRAINER_ENV, Task
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).with_suffix(".md")
@@ -63,18 +62,7 @@ def run(mode: str, rounds: int, database_url: str | None) -> list[Round]:
     home = Path(tempfile.mkdtemp(prefix=f"{mode}-", dir=HOME))
     db = sql_env.default_database()
     out: list[Round] = []
-    with (
-        bench_database(database_url) as url,
-        local_loop(
-            home,
-            model_dir,
-            database_url=url,
-            proxy_port=free_port(),
-            vllm_port=free_port(),
-            trainer_metrics_port=free_port(),
-            task=task,
-        ) as loop,
-    ):
+    with learning_loop(home, model_dir, task, database_url) as (_, loop):
 
         async def agent_rounds() -> None:
             team = Team(loop.proxy_url, db)
