@@ -48,31 +48,17 @@ HOME = ROOT / ".flywheel" / "canary"
 NOISE_STD = 1.0  # of a corrupted version's LoRA B weights (a trained one's are ~0.003)
 
 
-@dataclass(frozen=True)
-class Settings:
-    fraction: float = 0.25
-    min_episodes: int = 30
-    margin: float = 0.05
-    alpha: float = 0.05
-    max_s: float = 30.0  # a short bake: one undecided version at a time holds the trainer
-    fallback: str = "promote"
-
-    def env(self) -> dict[str, str]:
-        return {
-            "FLYWHEEL_CANARY_FRACTION": str(self.fraction),
-            "FLYWHEEL_CANARY_MIN_EPISODES": str(self.min_episodes),
-            "FLYWHEEL_CANARY_MARGIN": str(self.margin),
-            "FLYWHEEL_CANARY_ALPHA": str(self.alpha),
-            "FLYWHEEL_CANARY_MAX_S": str(self.max_s),
-            "FLYWHEEL_CANARY_FALLBACK": self.fallback,
-            "FLYWHEEL_CANARY_CHECK_S": "1",
-        }
-
-    def rule(self) -> canary.Rule:
-        fallback: canary.Action = "promote" if self.fallback == "promote" else "rollback"
-        return canary.Rule(
-            self.fraction, self.min_episodes, self.alpha, self.margin, self.max_s, fallback
-        )
+def trainer_env(rule: canary.Rule) -> dict[str, str]:
+    """The trainer settings that make it open its canaries with `rule`."""
+    return {
+        "FLYWHEEL_CANARY_FRACTION": str(rule.fraction),
+        "FLYWHEEL_CANARY_MIN_EPISODES": str(rule.min_episodes),
+        "FLYWHEEL_CANARY_MARGIN": str(rule.margin),
+        "FLYWHEEL_CANARY_ALPHA": str(rule.alpha),
+        "FLYWHEEL_CANARY_MAX_S": str(rule.max_s),
+        "FLYWHEEL_CANARY_FALLBACK": rule.fallback,
+        "FLYWHEEL_CANARY_CHECK_S": "1",
+    }
 
 
 @dataclass(frozen=True)
@@ -98,7 +84,7 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Result:
-    settings: Settings
+    rule: canary.Rule
     outcomes: list[Outcome]
     episodes: list[Episode]
     good_rounds: int
@@ -113,7 +99,7 @@ class Result:
 def run(
     good_rounds: int,
     bad_rounds: int,
-    settings: Settings,
+    rule: canary.Rule,
     *,
     database_url: str | None = None,
     home: Path = HOME,
@@ -122,7 +108,7 @@ def run(
     model = build_calculator_model(model_dir or home / "models" / "calculator")
     home.mkdir(parents=True, exist_ok=True)
     run_home = Path(tempfile.mkdtemp(prefix="run-", dir=home))
-    task = dataclasses.replace(TASKS["calc"], trainer_env=TRAINER_ENV | settings.env())
+    task = dataclasses.replace(TASKS["calc"], trainer_env=TRAINER_ENV | trainer_env(rule))
     episodes: list[Episode] = []
     corrupted: list[int] = []
     started = time.monotonic()
@@ -132,7 +118,7 @@ def run(
 
         def corrupt_whenever_none_is_open() -> None:
             while not stop.wait(0.05):
-                version = corrupt_one(url, loop.vllm_url, run_home / "adapters", settings)
+                version = corrupt_one(url, loop.vllm_url, run_home / "adapters", rule)
                 corrupted.extend([version] if version else [])
 
         corrupter = threading.Thread(target=corrupt_whenever_none_is_open, daemon=True)
@@ -147,10 +133,10 @@ def run(
                 corrupter.join()
             agent.close()
         outcomes = _outcomes(url, corrupted)
-    return Result(settings, outcomes, episodes, good_rounds, bad_rounds, time.monotonic() - started)
+    return Result(rule, outcomes, episodes, good_rounds, bad_rounds, time.monotonic() - started)
 
 
-def corrupt_one(url: str, vllm_url: str, adapters_dir: Path, settings: Settings) -> int | None:
+def corrupt_one(url: str, vllm_url: str, adapters_dir: Path, rule: canary.Rule) -> int | None:
     """Publish a corrupted copy of the current adapter as the lineage's canary candidate, if no
     canary is open; its number, or None (open, or the trainer got there first)."""
     engine, sessions = database.create_sessions(url)
@@ -180,7 +166,7 @@ def corrupt_one(url: str, vllm_url: str, adapters_dir: Path, settings: Settings)
                     base_model=current.base_model,
                     stats={"parent": current.version, "corrupted": True},
                     trained_transitions=0,
-                    canary_rule=settings.rule(),
+                    canary_rule=rule,
                 )
         except (policy.CanaryOpen, policy.PolicyMoved):
             asyncio.run(_unload(vllm_url, name))
@@ -258,7 +244,7 @@ def _f(value: float | None, spec: str = ".3f") -> str:
 
 
 def report(result: Result, path: Path = RESULTS) -> list[str]:
-    s = result.settings
+    s = result.rule
     lines = [
         f"Canary fraction {s.fraction}, min episodes per arm {s.min_episodes}, margin "
         f"{s.margin}, alpha {s.alpha}, {s.fallback} after {s.max_s:.0f} s undecided; "
@@ -304,14 +290,23 @@ def main() -> None:
     parser.add_argument("--fraction", type=float, default=0.25)
     parser.add_argument("--min-episodes", type=int, default=30)
     parser.add_argument("--margin", type=float, default=0.05)
-    parser.add_argument("--max-s", type=float, default=30.0)
+    parser.add_argument(
+        "--max-s",
+        type=float,
+        default=30.0,
+        help="a short bake: an undecided canary holds the trainer",
+    )
     parser.add_argument("--fallback", choices=["promote", "rollback"], default="promote")
     parser.add_argument("--database-url", help="a Postgres server (default: embedded)")
     args = parser.parse_args()
-    settings = Settings(
-        args.fraction, args.min_episodes, args.margin, max_s=args.max_s, fallback=args.fallback
+    rule = canary.Rule(
+        args.fraction,
+        args.min_episodes,
+        margin=args.margin,
+        max_s=args.max_s,
+        fallback=args.fallback,
     )
-    result = run(args.good_rounds, args.bad_rounds, settings, database_url=args.database_url)
+    result = run(args.good_rounds, args.bad_rounds, rule, database_url=args.database_url)
     print("\n".join(report(result)))
 
 

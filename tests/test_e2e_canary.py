@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.canary import Settings, report, run
+from bench.canary import report, run
+from core.canary import Rule
 from tests.conftest import TEST_HOME
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
 
-SETTINGS = Settings(fraction=0.3, min_episodes=20, margin=0.1, max_s=20, fallback="promote")
+RULE = Rule(fraction=0.3, min_episodes=20, margin=0.1, max_s=20, fallback="promote")
 
 
 def test_good_candidates_are_promoted_bad_ones_rolled_back_within_their_share(
@@ -26,7 +27,7 @@ def test_good_candidates_are_promoted_bad_ones_rolled_back_within_their_share(
     result = run(
         good_rounds=8,
         bad_rounds=8,
-        settings=SETTINGS,
+        rule=RULE,
         database_url=database_url,
         home=tmp_path,
         model_dir=TEST_HOME / "models" / "calculator",
@@ -42,5 +43,5 @@ def test_good_candidates_are_promoted_bad_ones_rolled_back_within_their_share(
         # chance allows.
         assert o.served_in_split, o
         if o.episodes >= 20:
-            f = SETTINGS.fraction
+            f = RULE.fraction
             assert o.share <= f + 4 * math.sqrt(f * (1 - f) / o.episodes), o
