@@ -325,6 +325,7 @@ def make_app(state: FakeState) -> web.Application:
         ("/v1/unload_lora_adapter", unload_lora),
     ]:
         app.router.add_post(path, wrap(state, handler))
+    app.router.add_post("/detokenize", detokenize)  # not recorded: the dashboard's, not an agent's
     return app
 
 
@@ -421,6 +422,14 @@ async def unload_lora(state: FakeState, body: Json, _: web.Request) -> web.Respo
     if state.loras.pop(name, None) is None:
         return error(404, f"The lora adapter '{name}' cannot be found.", "NotFoundError")
     return web.Response(body=f"Success: LoRA adapter '{name}' removed successfully.".encode())
+
+
+async def detokenize(request: web.Request) -> web.Response:
+    """vLLM's POST /detokenize: exact for the ids this fake samples (its prompt ids are hashes)."""
+    tokens = (await request.json()).get("tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
+        return error(400, "tokens: a list of non-negative integers", "Bad Request", "tokens")
+    return web.json_response({"prompt": "".join(token_text(t) for t in tokens)})
 
 
 def chat_prompt_ids(body: Json) -> list[int]:

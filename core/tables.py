@@ -71,6 +71,9 @@ class Episode(Base):
     final_reward: Mapped[float | None] = mapped_column(Double)
     final_reward_at: Mapped[datetime | None]
 
+    # The dashboard's episode list, newest first, a keyset page at a time.
+    __table_args__ = (Index("ix_episode_created_at", "created_at", "id"),)
+
 
 class Message(Base):
     """A prompt message (or a completions prompt), stored once however many prompts repeat it."""
@@ -129,6 +132,7 @@ class Transition(Base):
 
     __table_args__ = (
         Index("ix_transition_episode_id", "episode_id", "requested_at"),
+        Index("ix_transition_requested_at", "requested_at"),  # the dashboard's window
         # Per version over time: a canary's two arms (core/canary.py), reward per version.
         Index("ix_transition_policy_version", "policy_version", "requested_at"),
         # The trainer's "oldest credited, untrained, trainable" scan reads only this small index.

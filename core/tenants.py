@@ -41,6 +41,9 @@ class Principal:
 
     tenant: str | None
     scopes: frozenset[str]
+    # The operator (the dashboard with the admin key, or with auth off): every tenant's rows,
+    # addressed and shown by their stored ids (`acme/e1`).
+    every_tenant: bool = False
 
     def own(self, public_id: str) -> str:
         """The stored id of one of this tenant's episode or task ids."""
@@ -49,8 +52,17 @@ class Principal:
     def public(self, stored_id: str) -> str:
         return stored_id if self.tenant is None else stored_id.removeprefix(f"{self.tenant}/")
 
+    def owns_episode_sql(self, column: str) -> tuple[str, dict[str, str]]:
+        """A WHERE condition on a stored episode id column: the rows this principal may see."""
+        if self.every_tenant:
+            return "TRUE", {}
+        if self.tenant is None:
+            return f"strpos({column}, '/') = 0", {}
+        return f"starts_with({column}, :tenant_prefix)", {"tenant_prefix": f"{self.tenant}/"}
+
 
 DEFAULT = Principal(None, frozenset(SCOPES))  # no auth, or a key from FLYWHEEL_API_KEYS
+OPERATOR = Principal(None, frozenset(SCOPES), every_tenant=True)
 
 # The tenant of a stored row, in SQL (`Principal.own` in reverse): "default" for the default one.
 TENANT_OF_EPISODE = (

@@ -14,11 +14,12 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
+from starlette.staticfiles import StaticFiles
 
 from proxy.config import ProxySettings
 from proxy.edge import Edge
 from proxy.errors import ApiError, error_response, unexpected_error
-from proxy.routes import admin, episodes, ops, rewards
+from proxy.routes import admin, episodes, ops, rewards, ui
 from proxy.services import running
 
 
@@ -39,8 +40,9 @@ def create_app(settings: ProxySettings) -> Edge:
         openapi_url=openapi_url,
     )
     _add_error_handlers(app)
-    for module in (rewards, episodes, admin, ops):
+    for module in (rewards, episodes, admin, ops, ui):
         app.include_router(module.router)
+    app.mount("/ui/static", StaticFiles(directory=ui.STATIC), name="ui-static")
     return Edge(app, settings)
 
 

@@ -4,6 +4,7 @@
 - auth: with keys on (FLYWHEEL_API_KEYS or FLYWHEEL_AUTH=keys), `/v1/*` needs
   `Authorization: Bearer <key>` (never logged) with the route's scope; the caller's Principal
   (its tenant: proxy/auth.py, core/tenants.py) goes into the scope as `flywheel.principal`;
+  the dashboard's `/ui/api/*` takes the same keys, or the admin key for every tenant's rows;
 - the fast lane: the completion routes (`wire.ROUTES`, every agent call) go straight to
   `routes.completions.complete`, not through FastAPI's middleware stack, router and exception
   handlers (about 5% of the proxy's busy samples at 64 clients, by py-spy); their errors get the
@@ -22,6 +23,7 @@ from starlette.responses import Response
 from starlette.routing import Match
 from starlette.types import Message, Receive, Scope, Send
 
+from core.tenants import OPERATOR, Principal
 from proxy import metrics, wire
 from proxy.auth import require
 from proxy.config import ProxySettings
@@ -103,6 +105,8 @@ class Edge:
             principal = services_of(self.app).keys.authenticate(header)
             require(principal, scope["path"])
             scope["flywheel.principal"] = principal
+        if scope["path"].startswith("/ui/api/"):
+            scope["flywheel.principal"] = self._dashboard_principal(scope)
         if scope["path"].startswith("/admin/"):
             if self._admin_key is None:
                 raise ApiError(
@@ -112,6 +116,21 @@ class Edge:
                 )
             _authorize(scope, [self._admin_key], "FLYWHEEL_ADMIN_KEY")
         return scope
+
+    def _dashboard_principal(self, scope: Scope) -> Principal:
+        """The admin key sees every tenant (and may act); an API key its tenant's rows, with the
+        `read` scope /v1/episodes needs; with auth off, everything."""
+        header = dict(scope["headers"]).get(b"authorization", b"")
+        scheme, _, key = header.partition(b" ")
+        admin = self._admin_key
+        if admin and scheme.lower() == b"bearer" and hmac.compare_digest(key, admin):
+            scope["flywheel.admin"] = True
+            return OPERATOR
+        if not self._auth_on:
+            return OPERATOR
+        principal = services_of(self.app).keys.authenticate(header)
+        require(principal, "/v1/episodes")
+        return principal
 
 
 def _authorize(scope: Scope, keys: list[bytes], setting: str) -> None:

@@ -158,6 +158,9 @@ class Upstream:
 
     async def models(self, timeout_s: float = MODELS_TIMEOUT_S) -> tuple[int, bytes]:
         """GET /v1/models of the first replica in rotation (raises core.vllm.Unreachable)."""
+        return await self.vllm.models(self.any_url(), timeout_s=timeout_s)
+
+    def any_url(self) -> str:
+        """The first replica in rotation (any one, if none is): for calls any of them answers."""
         live = [r for r in self.replicas if r.in_rotation]
-        replica = live[0] if live else self.replicas[0]
-        return await self.vllm.models(replica.base_url, timeout_s=timeout_s)
+        return (live[0] if live else self.replicas[0]).base_url

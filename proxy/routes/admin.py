@@ -22,6 +22,7 @@ from starlette.responses import Response
 
 from core import canary, policy
 from core.database import run_sync
+from core.tables import Canary as CanaryRow
 from core.vllm import AdapterRejected
 from proxy.errors import ApiError
 from proxy.services import ServicesDep
@@ -45,22 +46,7 @@ async def list_canaries(
         raise ApiError(400, "`limit` must be between 1 and 1000", param="limit")
     async with services.sessionmaker() as session:
         rows = await run_sync(session, canary.history, lineage=lineage, limit=limit)
-    data = [
-        {
-            "id": r.id,
-            "lineage": r.lineage,
-            "candidate": r.candidate,
-            "baseline": r.baseline,
-            "fraction": r.fraction,
-            "rule": r.rule,
-            "opened_at": r.opened_at.isoformat(),
-            "decided_at": r.decided_at.isoformat() if r.decided_at else None,
-            "action": r.action,
-            "reason": r.reason,
-            "evidence": r.evidence,
-        }
-        for r in rows
-    ]
+    data = [canary_json(r) for r in rows]
     return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
 
@@ -120,4 +106,20 @@ def adapter_json(a: policy.Adapter) -> dict[str, Any]:
         "trained_transitions": a.trained_transitions,
         "stats": a.stats,
         "retired_at": a.retired_at.isoformat() if a.retired_at else None,
+    }
+
+
+def canary_json(r: CanaryRow) -> dict[str, Any]:
+    return {
+        "id": r.id,
+        "lineage": r.lineage,
+        "candidate": r.candidate,
+        "baseline": r.baseline,
+        "fraction": r.fraction,
+        "rule": r.rule,
+        "opened_at": r.opened_at.isoformat(),
+        "decided_at": r.decided_at.isoformat() if r.decided_at else None,
+        "action": r.action,
+        "reason": r.reason,
+        "evidence": r.evidence,
     }

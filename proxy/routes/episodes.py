@@ -12,11 +12,12 @@ from starlette.responses import Response
 
 from core.codecs import unpack
 from core.tables import Reward, Transition
+from core.tenants import Principal
 from proxy import store
 from proxy.auth import principal_of
 from proxy.errors import ApiError
 from proxy.recorder import OUTAGE_ERRORS, STORED_WAIT_S
-from proxy.services import ServicesDep
+from proxy.services import Services, ServicesDep
 
 router = APIRouter()
 
@@ -25,7 +26,14 @@ router = APIRouter()
 async def get_episode(
     episode_id: str, request: Request, services: ServicesDep, tokens: bool = False
 ) -> Response:
-    principal = principal_of(request.scope)  # another tenant's episode is not found
+    # Another tenant's episode is not found.
+    return await read_episode(principal_of(request.scope), episode_id, services, tokens=tokens)
+
+
+async def read_episode(
+    principal: Principal, episode_id: str, services: Services, *, tokens: bool
+) -> Response:
+    """The episode as `principal` may see it (the dashboard's episode page reads the same)."""
     stored_id = principal.own(episode_id)
     # This process's own unwritten transitions of the episode first: a read after a call sees it.
     await services.recorder.wait_stored(stored_id, timeout=STORED_WAIT_S)
@@ -38,8 +46,14 @@ async def get_episode(
         raise ApiError(
             404, f"no episode {episode_id!r}", param="episode_id", code="episode_not_found"
         )
-    public = principal.public
-    episode = {
+    episode = episode_json(rows, principal.public, tokens)
+    return Response(orjson.dumps(episode), media_type="application/json")
+
+
+def episode_json(
+    rows: store.EpisodeRows, public: Callable[[str], str], tokens: bool
+) -> dict[str, Any]:
+    return {
         "id": public(rows.episode.id),
         "object": "episode",
         "task_id": public(rows.episode.task_id) if rows.episode.task_id else None,
@@ -48,7 +62,6 @@ async def get_episode(
         "transitions": [_transition(t, rows.messages, tokens, public) for t in rows.transitions],
         "rewards": [_reward(r) for r in rows.rewards],
     }
-    return Response(orjson.dumps(episode), media_type="application/json")
 
 
 def _transition(

@@ -1,0 +1,188 @@
+"""The dashboard: a static app at /ui (proxy/ui/, no build step) and the JSON it reads.
+
+    GET /ui/                              the app (HTML, JS, CSS; uPlot vendored with its licence)
+    GET /ui/api/whoami                    what the caller's key may see and do
+    GET /ui/api/overview?hours=&agent=&task=   series, versions, facets, queue, lineages, writer
+    GET /ui/api/episodes?q=&task=&agent=&version=&min_reward=&max_reward=&since=&until=
+                        &limit=&after=    one keyset page of episodes, newest first
+    GET /ui/api/episodes/{id}[?tokens=true]    one episode (the view of GET /v1/episodes/{id})
+    GET /ui/api/transitions/{id}/tokens   a completion's tokens with their behaviour logprobs
+
+The static files hold no data and need no key. /ui/api/ needs what /v1/episodes needs (an API key
+with the `read` scope: the tenant's own episodes) or the admin key (every tenant's, by stored
+id); with auth off, everything (edge.py decides). Adapter actions go to POST /admin/... with the
+admin key: the same code path as curl and `flywheel adapters`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import orjson
+from fastapi import APIRouter, Query, Request
+from starlette.responses import FileResponse, RedirectResponse, Response
+
+from core import canary, policy
+from core.codecs import unpack
+from core.database import run_sync
+from core.vllm import VLLMError
+from proxy import dashboard
+from proxy.auth import principal_of
+from proxy.errors import ApiError
+from proxy.recorder import OUTAGE_ERRORS
+from proxy.routes.admin import canary_json
+from proxy.routes.episodes import read_episode
+from proxy.services import ServicesDep
+
+STATIC = Path(__file__).resolve().parent.parent / "ui"
+MAX_TOKENS_SHOWN = 2048  # a completion's tokens coloured at most (one detokenize call each)
+
+router = APIRouter()
+
+
+@router.get("/ui", include_in_schema=False)
+async def app_root() -> Response:
+    return RedirectResponse("/ui/")
+
+
+@router.get("/ui/", include_in_schema=False)
+async def app_page() -> Response:
+    return FileResponse(STATIC / "index.html", headers={"Cache-Control": "no-cache"})
+
+
+def _json(body: Any) -> Response:
+    return Response(orjson.dumps(body), media_type="application/json")
+
+
+@router.get("/ui/api/whoami")
+async def whoami(request: Request, services: ServicesDep) -> Response:
+    principal = principal_of(request.scope)
+    return _json(
+        {
+            "tenant": "*" if principal.every_tenant else (principal.tenant or "default"),
+            "admin": bool(request.scope.get("flywheel.admin")),
+            "admin_enabled": services.settings.admin_key is not None,
+            "auth": services.settings.auth_on,
+        }
+    )
+
+
+@router.get("/ui/api/overview")
+async def overview(
+    request: Request,
+    services: ServicesDep,
+    hours: float = Query(6.0, gt=0, le=24 * 90),
+    agent: str | None = None,
+    task: str | None = None,
+) -> Response:
+    principal = principal_of(request.scope)
+    until = datetime.now(UTC)
+    window = dashboard.Window(
+        since=until - timedelta(hours=hours),
+        until=until,
+        agent=agent or None,
+        task=principal.own(task) if task else None,
+    )
+    try:
+        async with services.sessionmaker() as session:
+            body = await dashboard.overview(principal, window, session=session)
+            currents = await run_sync(session, policy.currents)
+            canaries = await run_sync(session, canary.history, limit=10)
+    except OUTAGE_ERRORS as e:
+        raise ApiError(503, "database unavailable", type="service_unavailable") from e
+    recorder = services.recorder
+    body["lineages"] = [
+        {
+            "lineage": lineage,
+            "version": a.version,
+            "name": a.name,
+            "since": a.created_at.isoformat(),
+        }
+        for lineage, a in sorted(currents.items())
+    ]
+    body["canaries"] = [canary_json(c) for c in canaries]
+    body["writer"] = {  # this replica's recording backlog
+        "queued": recorder.queue_depth,
+        "journaled": recorder.journal.pending,
+        "database_up": recorder.database_up,
+    }
+    return _json(body)
+
+
+@router.get("/ui/api/episodes")
+async def list_episodes(
+    request: Request,
+    services: ServicesDep,
+    q: str | None = Query(None, max_length=256),
+    task: str | None = Query(None, max_length=256),
+    agent: str | None = Query(None, max_length=256),
+    version: int | None = Query(None, ge=0),
+    min_reward: float | None = None,
+    max_reward: float | None = None,
+    since: datetime | None = None,
+    until: datetime | None = None,
+    limit: int = Query(50, ge=1, le=200),
+    after: str | None = Query(None, max_length=1024),
+) -> Response:
+    principal = principal_of(request.scope)
+    where = dashboard.EpisodeFilter(
+        search=q or None,
+        task=principal.own(task) if task else None,
+        agent=agent or None,
+        version=version,
+        min_reward=min_reward,
+        max_reward=max_reward,
+        since=since,
+        until=until,
+    )
+    try:
+        async with services.sessionmaker() as session:
+            page = await dashboard.episodes(
+                principal, where, limit=limit, after=after or None, session=session
+            )
+    except dashboard.BadCursor as e:
+        raise ApiError(400, str(e), param="after") from e
+    except OUTAGE_ERRORS as e:
+        raise ApiError(503, "database unavailable", type="service_unavailable") from e
+    return _json(page)
+
+
+@router.get("/ui/api/episodes/{episode_id:path}")
+async def get_episode(
+    episode_id: str, request: Request, services: ServicesDep, tokens: bool = False
+) -> Response:
+    return await read_episode(principal_of(request.scope), episode_id, services, tokens=tokens)
+
+
+@router.get("/ui/api/transitions/{transition_id}/tokens")
+async def transition_tokens(
+    transition_id: str, request: Request, services: ServicesDep
+) -> Response:
+    principal = principal_of(request.scope)
+    try:
+        uuid.UUID(transition_id)
+        async with services.sessionmaker() as session:
+            found = await dashboard.completion_tokens(principal, transition_id, session=session)
+    except OUTAGE_ERRORS as e:
+        raise ApiError(503, "database unavailable", type="service_unavailable") from e
+    except ValueError:  # not a uuid: no such transition either
+        found = None
+    if found is None:
+        raise ApiError(404, f"no transition {transition_id!r}", code="transition_not_found")
+    ids = unpack(found[0], "i") or []
+    logprobs = unpack(found[1], "f") or []
+    shown = ids[:MAX_TOKENS_SHOWN]
+    texts: list[str | None] = [None] * len(shown)
+    note = None
+    try:
+        texts = list(await services.upstream.vllm.token_texts(services.upstream.any_url(), shown))
+    except VLLMError as e:
+        note = f"vLLM could not detokenize ({e}); showing token ids"
+    tokens = [
+        {"id": t, "text": text, "logprob": logprobs[i] if i < len(logprobs) else None}
+        for i, (t, text) in enumerate(zip(shown, texts, strict=True))
+    ]
+    return _json({"tokens": tokens, "total": len(ids), "note": note})

