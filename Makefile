@@ -48,6 +48,9 @@ lint: install
 	done; rm -f $$rendered
 
 test: lint
+	@# tests/test_browser.py drives the dashboard in Debian's chromium (Playwright's own
+	@# browser download cannot work here).
+	command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 	$(BIN)/pytest
 
 clean:

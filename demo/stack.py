@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import secrets
 import subprocess
 import sys
 from collections.abc import Callable, Iterator
@@ -135,6 +136,7 @@ class Loop:
     proxy_url: str
     vllm_url: str
     trainer_logs: dict[str, Path]  # lineage -> its trainer's log
+    admin_key: str  # the dashboard's adapter actions (FLYWHEEL_ADMIN_KEY, made up if unset)
 
     @property
     def trainer_log(self) -> Path:
@@ -159,6 +161,7 @@ def local_loop(
     url = database.resolve_url(database_url, home)  # an embedded server lives as long as we do
     database.migrate(url)
     env = {**os.environ, "FLYWHEEL_DATABASE_URL": url, "FLYWHEEL_HOME": str(home)}
+    admin_key = env.setdefault("FLYWHEEL_ADMIN_KEY", secrets.token_urlsafe(16))
     vllm_url = f"http://127.0.0.1:{vllm_port}"
     proxy_url = f"http://127.0.0.1:{proxy_port}"
     flywheel = [sys.executable, "-m", "flywheel"]
@@ -211,7 +214,7 @@ def local_loop(
                 timeout=300,
                 log_path=trainer_logs[lineage],
             )
-        yield Loop(proxy_url, vllm_url, trainer_logs)
+        yield Loop(proxy_url, vllm_url, trainer_logs, admin_key)
 
 
 def run_local_stack(
@@ -229,6 +232,7 @@ def run_local_stack(
     ) as loop:
         print(
             f"proxy on {loop.proxy_url}: export OPENAI_BASE_URL={loop.proxy_url}/v1\n"
+            f"dashboard: {loop.proxy_url}/ui (admin key, for rollbacks: {loop.admin_key})\n"
             f"trainer logs: {', '.join(map(str, loop.trainer_logs.values()))}; metrics on :9400"
             f" and {loop.proxy_url}/metrics\n"
             f"{chosen.intro}:",
