@@ -142,6 +142,27 @@ def test_cpu_split_smoke(postgres_url: str, tmp_path: Path) -> None:
     assert flywheel[3] > 0 and direct[3] < flywheel[3]  # the proxy worked only when called
 
 
+def test_dashboard_smoke(postgres_url: str, tmp_path: Path) -> None:
+    report = tmp_path / "dashboard.md"
+    _bench(
+        "bench.dashboard", "--transitions", "4000", "--days", "28", "--repeat", "1",
+        "--database-url", postgres_url, "--results", str(report),
+    )  # fmt: skip
+    rows = {row[0]: row for row in _table(report, tuple(_cells_of(report)))}
+    assert len(rows) == 15, rows
+    assert rows["overview, last 168 h, every tenant"][3] == "1,000 calls in window"  # 7 of 28 days
+    assert rows["episodes, first page (50)"][3] == "50 episodes"
+    assert rows["episodes, a page half-way back (keyset)"][3] == "50 episodes"
+    assert rows["episodes, by version (an old one)"][3] == "50 episodes"
+    assert rows["one episode (4 calls, messages, rewards)"][3] == "4 calls"
+
+
+def _cells_of(report: Path) -> list[str]:
+    """The first cells of the report's table rows (its queries)."""
+    lines = report.read_text().splitlines()
+    return [line.split("|")[1].strip() for line in lines if line.startswith("| ")][1:]
+
+
 def test_tool_learning_report_and_plot(tmp_path: Path) -> None:
     """The report and plot of bench/tool_learning.py from rounds as its loop measures them (the
     loop itself is tests/test_e2e_tools.py's)."""
