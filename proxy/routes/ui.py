@@ -40,7 +40,9 @@ from proxy.services import ServicesDep
 STATIC = Path(__file__).resolve().parent.parent / "ui"
 MAX_TOKENS_SHOWN = 2048  # a completion's tokens coloured at most (one detokenize call each)
 
-router = APIRouter()
+# Not in the public OpenAPI schema (nor so in bench/fuzz): the bad-input cases are tested in
+# tests/test_dashboard.py.
+router = APIRouter(include_in_schema=False)
 
 
 @router.get("/ui", include_in_schema=False)
