@@ -68,20 +68,7 @@ WHERE e.created_at >= :since AND e.created_at < :until AND {owns_e}
 GROUP BY 1 ORDER BY 1"""),
         p,
     )
-    # An episode counts once for every version that served one of its calls.
-    versions = await session.execute(
-        text(f"""
-WITH served AS (
-    SELECT DISTINCT t.lineage, t.policy_version, t.episode_id FROM transition t
-    WHERE {_IN_WINDOW} AND {owns_t} AND t.policy_version IS NOT NULL
-)
-SELECT s.lineage, s.policy_version AS version, count(*) AS episodes,
-       count(e.final_reward) AS rewarded, avg(e.final_reward) AS mean,
-       stddev_samp(e.final_reward) AS sd
-FROM served s JOIN episode e ON e.id = s.episode_id
-GROUP BY 1, 2 ORDER BY 1, 2"""),
-        p,
-    )
+    versions = await reward_per_version(principal, window, session=session)
     # Who called, on which tasks, and what the trainer set aside: one pass over the window.
     # (The agent/task filters apply to the series; the choices stay the window's.)
     facets = await session.execute(
@@ -120,10 +107,7 @@ GROUP BY 1 ORDER BY 1"""),
             {"at": at.isoformat(), "episodes": n, "rewarded": r, "mean": mean}
             for at, n, r, mean in rewards
         ],
-        "versions": [
-            {"lineage": lin, "version": v, "episodes": n, "rewarded": r, "mean": m, "sd": sd}
-            for lin, v, n, r, m, sd in versions
-        ],
+        "versions": versions,
         "agents": sorted(agents, key=lambda a: -a["calls"]),
         "tasks": sorted(tasks, key=lambda t: -t["calls"]),
         "skips": sorted(skips, key=lambda s: -s["transitions"]),
@@ -137,6 +121,31 @@ GROUP BY 1 ORDER BY 1"""),
             for lin, n, oldest, at in queue
         ],
     }
+
+
+async def reward_per_version(
+    principal: Principal, window: Window, *, session: AsyncSession
+) -> list[dict[str, Any]]:
+    """Each (lineage, version)'s episodes in the window and their final reward; an episode counts
+    once for every version that served one of its calls (the adapters page reads only this)."""
+    owns_t, p = principal.owns_episode_sql("t.episode_id")
+    rows = await session.execute(
+        text(f"""
+WITH served AS (
+    SELECT DISTINCT t.lineage, t.policy_version, t.episode_id FROM transition t
+    WHERE {_IN_WINDOW} AND {owns_t} AND t.policy_version IS NOT NULL
+)
+SELECT s.lineage, s.policy_version AS version, count(*) AS episodes,
+       count(e.final_reward) AS rewarded, avg(e.final_reward) AS mean,
+       stddev_samp(e.final_reward) AS sd
+FROM served s JOIN episode e ON e.id = s.episode_id
+GROUP BY 1, 2 ORDER BY 1, 2"""),
+        p | window.params(),
+    )
+    return [
+        {"lineage": lin, "version": v, "episodes": n, "rewarded": r, "mean": m, "sd": sd}
+        for lin, v, n, r, m, sd in rows
+    ]
 
 
 @dataclass(frozen=True)

@@ -97,6 +97,8 @@ def test_the_overview_counts_calls_rewards_versions_and_the_queue(
     assert versions[("policy", 0)]["episodes"] == 4 and versions[("policy", 0)]["mean"] == 1.5
     assert versions[("policy", v1)]["episodes"] == 3 and versions[("policy", v1)]["rewarded"] == 2
     assert versions[("policy", v1)]["mean"] == 15.0
+    # The adapters page reads the same table alone.
+    assert ui(proxy, "/ui/api/versions", hours=1).json()["data"] == body["versions"]
     assert {a["agent"]: a["calls"] for a in body["agents"]} == {"x": 4, "y": 3}
     assert {t["task"]: t["calls"] for t in body["tasks"]} == {"a": 4, "b": 3}
     assert body["skips"] == [{"reason": "stale", "transitions": 1}]

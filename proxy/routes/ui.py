@@ -3,6 +3,7 @@
     GET /ui/                              the app (HTML, JS, CSS; uPlot vendored with its licence)
     GET /ui/api/whoami                    what the caller's key may see and do
     GET /ui/api/overview?hours=&agent=&task=   series, versions, facets, queue, lineages, writer
+    GET /ui/api/versions?hours=           the reward per version alone (the adapters page)
     GET /ui/api/episodes?q=&task=&agent=&version=&min_reward=&max_reward=&since=&until=
                         &limit=&after=    one keyset page of episodes, newest first
     GET /ui/api/episodes/{id}[?tokens=true]    one episode (the view of GET /v1/episodes/{id})
@@ -112,6 +113,24 @@ async def overview(
         "database_up": recorder.database_up,
     }
     return _json(body)
+
+
+@router.get("/ui/api/versions")
+async def versions(
+    request: Request, services: ServicesDep, hours: float = Query(720.0, gt=0, le=24 * 90)
+) -> Response:
+    """The reward each version earned in service (the adapters page): the overview's per-version
+    table alone, without its series and facets."""
+    until = datetime.now(UTC)
+    window = dashboard.Window(since=until - timedelta(hours=hours), until=until)
+    try:
+        async with services.sessionmaker() as session:
+            rows = await dashboard.reward_per_version(
+                principal_of(request.scope), window, session=session
+            )
+    except OUTAGE_ERRORS as e:
+        raise ApiError(503, "database unavailable", type="service_unavailable") from e
+    return _json({"object": "list", "data": rows})
 
 
 @router.get("/ui/api/episodes")

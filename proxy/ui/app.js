@@ -329,8 +329,8 @@ async function adapters() {
           : "The adapter pages need the admin key (FLYWHEEL_ADMIN_KEY): enter it at the top right.")];
   }
   const [list, canaries, served] = await Promise.all([
-    api("/admin/adapters"), api("/admin/canaries?limit=50"), api("/ui/api/overview?hours=720")]);
-  const reward = Object.fromEntries(served.versions.map(v => [`${v.lineage || "policy"}|${v.version}`, v]));
+    api("/admin/adapters"), api("/admin/canaries?limit=50"), api("/ui/api/versions?hours=720")]);
+  const reward = Object.fromEntries(served.data.map(v => [`${v.lineage || "policy"}|${v.version}`, v]));
   const byLineage = {};
   for (const a of list.data) (byLineage[a.lineage] ||= []).push(a);
   if (!Object.keys(byLineage).length) byLineage.policy = [];
