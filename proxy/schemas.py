@@ -17,6 +17,9 @@ from pydantic import (
 from proxy.config import TAG_PATTERN
 
 MAX_REWARDS_PER_POST = 10_000
+# A reward's magnitude at most: far beyond any score or cost a task gives, and small enough that
+# sums of an episode's steps, group statistics (squares) and the dashboard's means stay finite.
+MAX_ABS_REWARD = 1e9
 AIR_SOURCE = "air"  # the proxy's own intermediate rewards (proxy/air.py); clients may not use it
 
 
@@ -28,7 +31,7 @@ class RewardIn(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     episode_id: Annotated[str, StringConstraints(pattern=TAG_PATTERN)]
-    reward: Annotated[float, Field(allow_inf_nan=False)]
+    reward: Annotated[float, Field(allow_inf_nan=False, ge=-MAX_ABS_REWARD, le=MAX_ABS_REWARD)]
     transition_id: Annotated[uuid.UUID | None, Field(strict=False)] = None
     tool_call_id: Annotated[str | None, StringConstraints(min_length=1, max_length=200)] = None
     source: Annotated[

@@ -204,6 +204,9 @@ def test_bad_rewards_get_a_clear_400_and_store_nothing(
         b'{"episode_id": "e", "reward": NaN}',
         b'{"episode_id": "e", "reward": 1e999}',
         b'{"episode_id": "e", "reward": -Infinity}',
+        # Finite but beyond MAX_ABS_REWARD: two of them once overflowed the dashboard's mean.
+        b'{"episode_id": "e", "reward": 1e308}',
+        b'{"episode_id": "e", "reward": -1.0000001e9}',
     ],
 )
 def test_malformed_reward_bodies(proxy: RunningProxy, raw: bytes) -> None:
