@@ -32,6 +32,7 @@ from core.database import run_sync
 from core.vllm import VLLMError
 from proxy import dashboard
 from proxy.auth import principal_of
+from proxy.config import TAG_PATTERN
 from proxy.errors import ApiError
 from proxy.recorder import OUTAGE_ERRORS
 from proxy.routes.admin import canary_json
@@ -40,10 +41,13 @@ from proxy.services import ServicesDep
 
 STATIC = Path(__file__).resolve().parent.parent / "ui"
 MAX_TOKENS_SHOWN = 2048  # a completion's tokens coloured at most (one detokenize call each)
+# Filters are what could have been stored (a tag, a version): anything else is a 400, not a query.
+TAG_OR_EMPTY = f"{TAG_PATTERN}|^$"  # (the page's forms send empty fields)
+ID_PREFIX = r"^[A-Za-z0-9._:@+=-]{0,200}$"  # the start of an episode id
+MAX_VERSION = 2**31 - 1  # policy_version is an integer column
 
-# Not in the public OpenAPI schema (nor so in bench/fuzz): the bad-input cases are tested in
-# tests/test_dashboard.py.
-router = APIRouter(include_in_schema=False)
+# The JSON is in the OpenAPI schema (so bench/fuzz generates requests for it); the page is not.
+router = APIRouter()
 
 
 @router.get("/ui", include_in_schema=False)
@@ -78,8 +82,8 @@ async def overview(
     request: Request,
     services: ServicesDep,
     hours: float = Query(6.0, gt=0, le=24 * 90),
-    agent: str | None = None,
-    task: str | None = None,
+    agent: str | None = Query(None, pattern=TAG_OR_EMPTY),
+    task: str | None = Query(None, pattern=TAG_OR_EMPTY),
 ) -> Response:
     principal = principal_of(request.scope)
     until = datetime.now(UTC)
@@ -137,12 +141,12 @@ async def versions(
 async def list_episodes(
     request: Request,
     services: ServicesDep,
-    q: str | None = Query(None, max_length=256),
-    task: str | None = Query(None, max_length=256),
-    agent: str | None = Query(None, max_length=256),
-    version: int | None = Query(None, ge=0),
-    min_reward: float | None = None,
-    max_reward: float | None = None,
+    q: str | None = Query(None, pattern=ID_PREFIX),
+    task: str | None = Query(None, pattern=TAG_OR_EMPTY),
+    agent: str | None = Query(None, pattern=TAG_OR_EMPTY),
+    version: int | None = Query(None, ge=0, le=MAX_VERSION),
+    min_reward: float | None = Query(None, allow_inf_nan=False),
+    max_reward: float | None = Query(None, allow_inf_nan=False),
     since: datetime | None = None,
     until: datetime | None = None,
     limit: int = Query(50, ge=1, le=200),
