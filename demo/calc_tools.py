@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from demo.tiny_model import build_tokenizer, random_model, save_atomically
+from demo.tiny_model import build_tokenizer, one_build_at_a_time, random_model, save_atomically
 from demo.warm_start import built_with, pad_rows, sample_texts, token_logprobs
 
 INSTRUCTIONS = "Use the calculator tool, then answer with the number only."
@@ -255,6 +255,7 @@ def tokenizer_corpus() -> tuple[str, ...]:
     return tuple(texts) * 5
 
 
+@one_build_at_a_time
 def build_calc_tools_model(out_dir: Path, *, seed: int = 0) -> Path:
     """Tokenizer (digits as single tokens) + tiny Qwen2, warm-started and measured; idempotent."""
     out_dir = Path(out_dir)

@@ -19,7 +19,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from demo.tiny_model import build_tokenizer, is_complete, random_model, save_atomically
+from demo.tiny_model import (
+    build_tokenizer,
+    is_complete,
+    one_build_at_a_time,
+    random_model,
+    save_atomically,
+)
 
 SYSTEM = "Answer with a single number."
 QUESTIONS = [(a, b) for a in range(10) for b in range(10)]
@@ -46,6 +52,7 @@ def reward(answer: str, a: int, b: int) -> float:
         return 0.0
 
 
+@one_build_at_a_time
 def build_calculator_model(out_dir: Path, *, seed: int = 0) -> Path:
     """Tokenizer (digits as single tokens) + tiny Qwen2, warm-started; idempotent."""
     out_dir = Path(out_dir)

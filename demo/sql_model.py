@@ -29,7 +29,7 @@ from typing import Any
 
 from demo import sql_env
 from demo.sql_env import checker_messages, rewriter_messages, writer_messages
-from demo.tiny_model import build_tokenizer, random_model, save_atomically
+from demo.tiny_model import build_tokenizer, one_build_at_a_time, random_model, save_atomically
 from demo.warm_start import built_with, pad_rows, sample_texts, token_logprobs
 
 # Per template: wrong queries ({v}: the question's value). Each says which way it fails.
@@ -158,6 +158,7 @@ def tokenizer_corpus(questions: list[sql_env.Question]) -> tuple[str, ...]:
     return tuple(texts) * 5
 
 
+@one_build_at_a_time
 def build_sql_model(out_dir: Path, database: Path, *, seed: int = 0) -> Path:
     """Tokenizer + tiny Qwen2, warm-started and measured; idempotent (rebuilt when the recipe
     changes)."""

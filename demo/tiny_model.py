@@ -8,11 +8,14 @@ a 2-layer Qwen2 with random weights (head size 64, which vLLM's CPU attention su
 Run: `.venv/bin/python -m demo.tiny_model [OUT_DIR]` (default `.cache/demo-model`).
 """
 
+import fcntl
+import functools
 import json
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 if TYPE_CHECKING:  # transformers takes seconds to import; the CLI imports this module
     from transformers import PreTrainedTokenizerFast
@@ -170,6 +173,29 @@ def random_model(tokenizer: "PreTrainedTokenizerFast", *, seed: int) -> Any:
     return model
 
 
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+def one_build_at_a_time(
+    build: Callable[Concatenate[Path, P], R],
+) -> Callable[Concatenate[Path, P], R]:
+    """Run `build(out_dir, ...)` holding an exclusive lock on `out_dir`'s sibling `.lock` file, so
+    that a second builder of the same model (another process: the tests' background build, or
+    another thread) waits for the first and then finds the model built instead of building it
+    over the first one's files. The builder's own is-it-built check runs under the lock."""
+
+    def locked(out_dir: Path, /, *args: P.args, **kwargs: P.kwargs) -> R:
+        out_dir = Path(out_dir)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        with open(out_dir.with_name(out_dir.name + ".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+            return build(out_dir, *args, **kwargs)
+
+    functools.update_wrapper(locked, build)
+    return locked
+
+
 def save_atomically(out_dir: Path, tokenizer: "PreTrainedTokenizerFast", model: Any) -> Path:
     """Build next to the target and rename at the end: an interrupted build never looks complete."""
     tmp_dir = out_dir.with_name(out_dir.name + ".tmp")
@@ -181,6 +207,7 @@ def save_atomically(out_dir: Path, tokenizer: "PreTrainedTokenizerFast", model: 
     return out_dir
 
 
+@one_build_at_a_time
 def build_demo_model(out_dir: Path, *, seed: int = 0) -> Path:
     """Write tokenizer, config, random weights and generation config to `out_dir` (idempotent)."""
     out_dir = Path(out_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import threading
 import time
 import uuid
@@ -30,6 +31,35 @@ from proxy.services import Services
 
 TEMPLATE_DB = f"flywheel_template_{os.getpid()}"  # per run: parallel runs share the server
 TEST_HOME = Path(__file__).resolve().parent.parent / ".flywheel" / "test"
+
+
+_MODEL_BUILDER = pytest.StashKey[subprocess.Popen[bytes]]()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `models(...)` run last, and the models they train start building now, in a
+    niced background process (tests/models.py): minutes of one core each, taken while the other
+    tests leave it idle. A test that gets there first waits for its model (the builder's lock)."""
+    late = [item for item in items if item.get_closest_marker("models")]
+    items[:] = [item for item in items if not item.get_closest_marker("models")] + late
+    names = {name: None for item in late for name in item.get_closest_marker("models").args}  # type: ignore[union-attr]
+    if names and not config.option.collectonly:
+        log = TEST_HOME / "logs" / "models.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with open(log, "ab") as out:
+            config.stash[_MODEL_BUILDER] = subprocess.Popen(
+                ["nice", "-n", "10", sys.executable, "-m", "tests.models", *names],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd=Path(__file__).resolve().parent.parent,
+            )
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    builder = config.stash.get(_MODEL_BUILDER, None)
+    if builder is not None and builder.poll() is None:  # the run ended early: -x, ^C
+        builder.terminate()
+        builder.wait(timeout=30)
 
 
 @pytest.fixture(scope="session")

@@ -14,9 +14,14 @@ import pytest
 
 from bench.canary import report, run
 from core.canary import Rule
-from tests.conftest import TEST_HOME
+from tests import models
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.slow,
+    pytest.mark.timeout(1200),
+    pytest.mark.models("calculator"),
+]
 
 RULE = Rule(fraction=0.3, min_episodes=20, margin=0.1, max_s=20, fallback="promote")
 
@@ -30,7 +35,7 @@ def test_good_candidates_are_promoted_bad_ones_rolled_back_within_their_share(
         rule=RULE,
         database_url=database_url,
         home=tmp_path,
-        model_dir=TEST_HOME / "models" / "calculator",
+        model_dir=models.built("calculator"),
     )
     print("\n".join(report(result, tmp_path / "canary.md")))
     assert result.failed == []

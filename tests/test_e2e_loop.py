@@ -15,12 +15,11 @@ import httpx
 import pytest
 
 from demo.agent import Episode, print_round, run
-from demo.calculator import build_calculator_model
 from demo.stack import local_loop
 from demo.vllm_server import free_port
-from tests.conftest import TEST_HOME
+from tests import models
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.models("calculator")]
 
 ROUNDS = 30  # x 64 episodes; about two minutes of agent traffic
 WINDOW = 192  # episodes compared at each end (three rounds)
@@ -33,7 +32,7 @@ def mean(episodes: list[Episode]) -> float:
 def test_the_agent_gets_better_through_hot_swapped_adapters(
     database_url: str, tmp_path: Path
 ) -> None:
-    model = build_calculator_model(TEST_HOME / "models" / "calculator")
+    model = models.built("calculator")
     with local_loop(
         tmp_path,
         model,

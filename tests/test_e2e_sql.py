@@ -26,9 +26,14 @@ from demo.sql_agents import AGENTS, Episode, Team, print_round
 from demo.sql_model import build_sql_model
 from demo.stack import TASKS, local_loop
 from demo.vllm_server import free_port
-from tests.conftest import TEST_HOME
+from tests import models
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(1800)]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.slow,
+    pytest.mark.timeout(1800),
+    pytest.mark.models("sql"),
+]
 
 ROUNDS = 16  # x 64 episodes, about two minutes
 COMPARED = 4  # rounds at each end
@@ -37,7 +42,7 @@ Z_CLEAR = 2.5  # one-sided p < 0.01
 
 @pytest.fixture(scope="module")
 def sql_model() -> Path:
-    return build_sql_model(TEST_HOME / "models" / "sql", sql_env.default_database())
+    return models.built("sql")
 
 
 def test_the_warm_start_leaves_the_sql_task_to_learn(sql_model: Path) -> None:

@@ -1,0 +1,41 @@
+"""The warm-started models the e2e tests train, by name, under TEST_HOME/models.
+
+Each takes minutes of one core to build (demo/calculator.py, demo/calc_tools.py,
+demo/sql_model.py), so a test that needs one is marked `@pytest.mark.models(name)`: conftest runs
+such tests last and builds their models in a background process from the session's start, on the
+core the other tests leave idle. The builders hold a lock on their directory, so a test that
+needs its model before the background build is done waits for it rather than building it again.
+
+    python -m tests.models calculator sql calc-tools     # what conftest starts (niced)
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from demo.stack import TASKS
+from tests.conftest import TEST_HOME
+
+BUILDERS: dict[str, Callable[[Path], Path]] = {
+    "calculator": TASKS["calc"].build_model,
+    "calc-tools": TASKS["calc-tools"].build_model,
+    "sql": TASKS["sql"].build_model,
+}
+
+
+def path(name: str) -> Path:
+    return TEST_HOME / "models" / name
+
+
+def built(name: str) -> Path:
+    """The model's directory, built (or waited for) first."""
+    return BUILDERS[name](path(name))
+
+
+if __name__ == "__main__":
+    for name in sys.argv[1:]:
+        started = time.monotonic()
+        print(f"{built(name)} ready after {time.monotonic() - started:.0f} s", flush=True)
