@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -253,23 +254,43 @@ def imported_distributions(packages: tuple[str, ...]) -> set[str]:
     return {known[m][0].lower().replace("_", "-") for m in third_party}
 
 
+@pytest.fixture(scope="module")
+def resolutions(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[dict[str, tuple[subprocess.Popen[str], Path]]]:
+    """pip's resolution of each image's install target, from scratch, both started at once (each
+    is a minute or more of waiting on the package index)."""
+    started = {}
+    for name in sorted(IMAGE_PACKAGES):
+        (target,) = dockerfile(name)["installs"]
+        report = tmp_path_factory.mktemp("resolve") / "report.json"
+        process = subprocess.Popen(
+            [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
+             "--disable-pip-version-check", "--report", str(report), target],
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        started[name] = (process, report)
+    yield started
+    for process, _ in started.values():
+        process.kill()
+        process.wait()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(IMAGE_PACKAGES))
-def test_image_install_target_brings_everything_its_code_imports(name: str, tmp_path: Path) -> None:
+def test_image_install_target_brings_everything_its_code_imports(
+    name: str, resolutions: dict[str, tuple[subprocess.Popen[str], Path]]
+) -> None:
     """pip's resolution of the image's install target, from scratch, covers every import."""
-    (target,) = dockerfile(name)["installs"]
-    report = tmp_path / "report.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-         "--disable-pip-version-check", "--report", str(report), target],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
+    process, report = resolutions[name]
+    _, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr[-3000:]
     resolved = {
         item["metadata"]["name"].lower().replace("_", "-")
         for item in json.loads(report.read_text())["install"]
     }
     missing = imported_distributions(IMAGE_PACKAGES[name]) - resolved
+    (target,) = dockerfile(name)["installs"]
     assert not missing, f"{name} installs {target} without {missing}: add them to pyproject.toml"
 
 
