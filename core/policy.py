@@ -11,6 +11,9 @@ sequence for all lineages, so `N` names one adapter everywhere (`<lineage>-vN`).
                         until `decide_canary` promotes it or retires it (core/canary.py)
     activate (rollback) load_everywhere -> make_current; POST /admin/adapters/N/activate on the
                         proxy and `flywheel adapters activate N` both call `activate`
+    pin                 activate, and hold the lineage there: publish raises Pinned (the trainer
+                        waits, its queue kept), make_current too unless it moves the pin;
+                        `unpin` lets the trainer go on from the pinned version
     retire   (trainer)  mark_retired (under the lock) -> unload_everywhere -> delete the directory
 
 Whoever moves `is_current` or retires a version holds PUBLISH_LOCK for that transaction, and a
@@ -33,12 +36,13 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import func, insert, select, text, update
+from sqlalchemy import delete, func, insert, select, text, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
 from core import canary
 from core.database import AsyncSessions, run_sync
-from core.tables import AdapterVersion
+from core.tables import AdapterVersion, LineagePin
 from core.tables import Canary as CanaryRow
 from core.vllm import Unreachable, VLLMAdmin, VLLMError
 
@@ -104,6 +108,27 @@ class CanaryOpen(Exception):
     """The lineage has a candidate under test already: one canary at a time per lineage."""
 
 
+@dataclass(frozen=True)
+class Pin:
+    lineage: str
+    version: int  # BASE_VERSION: held on the base model
+    pinned_at: datetime
+    note: str | None
+
+
+class Pinned(Exception):
+    """The lineage is pinned: held at its version by hand until it is unpinned."""
+
+    def __init__(self, pin: Pin) -> None:
+        super().__init__(
+            f"lineage {pin.lineage} is pinned at {_label(pin.version or None)} since "
+            f"{pin.pinned_at:%Y-%m-%d %H:%M:%S}"
+            + (f" ({pin.note})" if pin.note else "")
+            + "; unpin it, or pin another version"
+        )
+        self.pin = pin
+
+
 def _label(version: int | None) -> str:
     return "the base model" if version is None else f"v{version}"
 
@@ -153,6 +178,18 @@ def named(name: str, *, session: Session) -> Adapter | None:
     return _adapter(row) if row else None
 
 
+def pin_of(lineage: str, *, session: Session) -> Pin | None:
+    row = session.get(LineagePin, lineage)
+    return Pin(row.lineage, row.version, row.pinned_at, row.note) if row else None
+
+
+def pins(*, session: Session) -> dict[str, Pin]:
+    return {
+        row.lineage: Pin(row.lineage, row.version, row.pinned_at, row.note)
+        for row in session.scalars(select(LineagePin))
+    }
+
+
 def versions(*, session: Session, lineage: str | None = None) -> list[Adapter]:
     """Oldest first; of one lineage, or of all (None)."""
     query = select(AdapterVersion).order_by(AdapterVersion.version)
@@ -190,9 +227,13 @@ def publish(
     Compare-and-set: `parent` (the version the new one was trained from; None: the base model)
     must still be the lineage's current one, else PolicyMoved and nothing is written. Without it
     a rollback would not stick (the next step publishes a descendant of the version rolled back
-    from) and two trainers would publish two alternating, diverging policies.
+    from) and two trainers would publish two alternating, diverging policies. A pinned lineage
+    takes nothing: Pinned.
     """
     _lock(session)
+    held = pin_of(lineage, session=session)
+    if held is not None:
+        raise Pinned(held)
     mine = (AdapterVersion.is_current, AdapterVersion.lineage == lineage)
     now = session.scalar(select(AdapterVersion.version).where(*mine))
     if now != parent:
@@ -246,10 +287,18 @@ def decide_canary(decided: canary.Canary, decision: canary.Decision, *, session:
     return True
 
 
-def make_current(version: int | None, *, session: Session, lineage: str = DEFAULT_LINEAGE) -> None:
+def make_current(
+    version: int | None,
+    *,
+    session: Session,
+    lineage: str = DEFAULT_LINEAGE,
+    pin: bool = False,
+    note: str | None = None,
+) -> None:
     """Make an existing version its lineage's current one, or put `lineage` back on the base
     model (None). The other lineages do not move. A canary open on the lineage is closed as
-    superseded: a hand on the policy overrides the test."""
+    superseded: a hand on the policy overrides the test. `pin`: and hold the lineage there (a
+    pinned lineage moves only so: else Pinned)."""
     _lock(session)
     if version is not None:
         row = session.get(AdapterVersion, version)
@@ -258,10 +307,30 @@ def make_current(version: int | None, *, session: Session, lineage: str = DEFAUL
         if row.retired_at is not None:
             raise RetiredVersion(row.name, row.retired_at)
         lineage = row.lineage
+    held = pin_of(lineage, session=session)
+    if held is not None and not pin:
+        raise Pinned(held)
     for open_ in canary.opened(session=session, lineage=lineage).values():
         canary.close(open_, "superseded", f"made {_label(version)} current", None, session=session)
     _move(version, lineage, session=session)
+    if pin:
+        values = {"version": version or BASE_VERSION, "note": note, "pinned_at": func.now()}
+        session.execute(
+            pg_insert(LineagePin)
+            .values(lineage=lineage, **values)
+            .on_conflict_do_update(index_elements=[LineagePin.lineage], set_=values)
+        )
     session.execute(text(f"NOTIFY {POLICY_CHANNEL}"))
+
+
+def unpin(lineage: str, *, session: Session) -> Pin | None:
+    """Let the lineage move again (the trainer goes on from the pinned version); the pin it
+    had, or None."""
+    _lock(session)
+    held = pin_of(lineage, session=session)
+    if held is not None:
+        session.execute(delete(LineagePin).where(LineagePin.lineage == lineage))
+    return held
 
 
 def _move(version: int | None, lineage: str, *, session: Session) -> None:
@@ -369,14 +438,16 @@ async def activate(
     vllm: VLLMAdmin,
     urls: Sequence[str],
     lineage: str = DEFAULT_LINEAGE,
+    pin: bool = False,
+    note: str | None = None,
 ) -> tuple[Adapter | None, Rollout | None]:
     """Roll back (or forward) to `version`, in its own lineage (0: `lineage` back on the base
-    model): load it everywhere, then move that lineage's alias. Raises UnknownVersion,
-    RetiredVersion, AdapterRejected or NoReplica, and then the alias has not moved. The database
-    is not held while vLLM loads."""
+    model): load it everywhere, then move that lineage's alias; `pin`: and hold it there.
+    Raises UnknownVersion, RetiredVersion, Pinned, AdapterRejected or NoReplica, and then the
+    alias has not moved. The database is not held while vLLM loads."""
     if version == BASE_VERSION:
         async with sessions.begin() as session:
-            await run_sync(session, make_current, version=None, lineage=lineage)
+            await run_sync(session, make_current, version=None, lineage=lineage, pin=pin, note=note)
         return None, None
     async with sessions() as session:
         adapter = await run_sync(session, get, version=version)
@@ -384,7 +455,12 @@ async def activate(
         raise UnknownVersion(f"no adapter version {version}")
     if adapter.retired_at is not None:
         raise RetiredVersion(adapter.name, adapter.retired_at)
+    if not pin:  # refused before anything is loaded (make_current checks again, under the lock)
+        async with sessions() as session:
+            held = await run_sync(session, pin_of, lineage=adapter.lineage)
+        if held is not None:
+            raise Pinned(held)
     rollout = await load_everywhere(vllm, urls, adapter.name, adapter.path)
     async with sessions.begin() as session:
-        await run_sync(session, make_current, version=version)
+        await run_sync(session, make_current, version=version, pin=pin, note=note)
     return adapter, rollout

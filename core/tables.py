@@ -248,3 +248,15 @@ class Canary(Base):
     __table_args__ = (
         Index("uq_canary_open", "lineage", unique=True, postgresql_where=sql("decided_at IS NULL")),
     )
+
+
+class LineagePin(Base):
+    """A lineage held at one version by hand (core/policy.py `pin`): nothing is published to it
+    and no canary opens on it until it is unpinned. Version 0: held on the base model."""
+
+    __tablename__ = "lineage_pin"
+
+    lineage: Mapped[str] = mapped_column(Text, primary_key=True)
+    version: Mapped[int] = mapped_column(Integer)
+    pinned_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    note: Mapped[str | None] = mapped_column(Text)  # why, for whoever looks later

@@ -6,6 +6,8 @@
     flywheel adapters canaries [--lineage L]      # every canary: promoted, rolled back, open
     flywheel adapters activate N --vllm URL [--vllm URL ...]   # rollback, in N's own lineage
     flywheel adapters activate 0 --lineage L --vllm URL         # lineage L back on the base model
+    flywheel adapters pin N --vllm URL [--note WHY]   # activate N and hold its lineage there
+    flywheel adapters unpin [--lineage L]             # let the trainer publish to it again
     flywheel keys create --tenant T [--scopes infer,reward,read] [--name N]   # prints the key once
     flywheel keys list | flywheel keys revoke ID
     flywheel migrate [--database-url URL]
@@ -55,13 +57,15 @@ def main(argv: list[str] | None = None) -> None:
     trainer.add_argument("--lineage", help="the adapter lineage it trains (default: policy)")
 
     adapters = commands.add_parser("adapters", help="list adapter versions, or switch the alias")
-    adapters.add_argument("action", choices=["list", "activate", "canaries"])
-    adapters.add_argument("version", nargs="?", type=int, help="with activate: the version")
+    adapters.add_argument("action", choices=["list", "activate", "pin", "unpin", "canaries"])
+    adapters.add_argument("version", nargs="?", type=int, help="with activate, pin: the version")
     adapters.add_argument("--vllm", action="append", help="vLLM base URL(s) to load it into")
     adapters.add_argument(
         "--lineage",
-        help="list, canaries: only this lineage; activate 0: the lineage put back on the base",
+        help="list, canaries: only this lineage; activate/pin 0: the lineage put back on the "
+        "base; unpin: this lineage (default policy)",
     )
+    adapters.add_argument("--note", help="with pin: why, shown with the pin")
     adapters.add_argument("--database-url")
 
     keys = commands.add_parser("keys", help="create, list or revoke tenants' API keys")
@@ -181,11 +185,20 @@ def _adapters(args: argparse.Namespace, settings: DatabaseSettings) -> None:
         if not rows:
             print("no canaries yet (the trainer opens them with FLYWHEEL_CANARY_FRACTION > 0)")
         return
+    if args.action == "unpin":
+        lineage = args.lineage or policy.DEFAULT_LINEAGE
+        engine, sessions = database.create_sessions(url)
+        with sessions.begin() as session:
+            was = policy.unpin(lineage, session=session)
+        engine.dispose()
+        print(f"lineage {lineage} unpinned" if was else f"lineage {lineage} was not pinned")
+        return
     if args.action == "list":
         engine, sessions = database.create_sessions(url)
         with sessions() as session:
             adapters = policy.versions(session=session, lineage=args.lineage)
             tests = canary.opened(session=session, lineage=args.lineage)
+            pins = policy.pins(session=session)
         engine.dispose()
         by_lineage: dict[str, list[policy.Adapter]] = {}
         for a in adapters:
@@ -199,7 +212,17 @@ def _adapters(args: argparse.Namespace, settings: DatabaseSettings) -> None:
                 if test
                 else ""
             )
-            print(f"lineage {lineage}: {len(versions)} versions, serving {current}{under_test}")
+            held = pins.get(lineage)
+            pinned = (
+                f"; pinned since {held.pinned_at:%Y-%m-%d %H:%M}"
+                + (f" ({held.note})" if held.note else "")
+                if held
+                else ""
+            )
+            print(
+                f"lineage {lineage}: {len(versions)} versions, serving {current}"
+                f"{under_test}{pinned}"
+            )
             for a in versions:
                 mark = "*" if a.is_current else "c" if test and test.candidate == a.version else " "
                 reward = (a.stats or {}).get("reward_mean", float("nan"))
@@ -210,7 +233,7 @@ def _adapters(args: argparse.Namespace, settings: DatabaseSettings) -> None:
                 )
         return
     if args.version is None or not args.vllm:
-        sys.exit("flywheel adapters activate N --vllm URL [--vllm URL ...]")
+        sys.exit(f"flywheel adapters {args.action} N --vllm URL [--vllm URL ...]")
     try:
         urls = vllm_base_urls(args.vllm, "--vllm")
         lineage = policy.check_lineage(args.lineage or policy.DEFAULT_LINEAGE)
@@ -222,7 +245,13 @@ def _adapters(args: argparse.Namespace, settings: DatabaseSettings) -> None:
         vllm = VLLMAdmin(api_key=None)
         try:
             adapter, rollout = await policy.activate(
-                args.version, sessions=sessions, vllm=vllm, urls=urls, lineage=lineage
+                args.version,
+                sessions=sessions,
+                vllm=vllm,
+                urls=urls,
+                lineage=lineage,
+                pin=args.action == "pin",
+                note=args.note,
             )
         finally:
             await vllm.close()
@@ -233,12 +262,13 @@ def _adapters(args: argparse.Namespace, settings: DatabaseSettings) -> None:
 
     try:
         adapter = asyncio.run(activate())
-    except (policy.UnknownVersion, policy.RetiredVersion, VLLMError) as e:
+    except (policy.UnknownVersion, policy.RetiredVersion, policy.Pinned, VLLMError) as e:
         sys.exit(f"flywheel adapters: {e}")
+    pinned = ", pinned" if args.action == "pin" else ""
     if adapter is None:
-        print(f"lineage {lineage} now serves the base model")
+        print(f"lineage {lineage} now serves the base model{pinned}")
     else:
-        print(f"lineage {adapter.lineage} now serves {adapter.name}")
+        print(f"lineage {adapter.lineage} now serves {adapter.name}{pinned}")
 
 
 def _canary_line(row: Any) -> str:

@@ -133,6 +133,19 @@ def test_flywheel_adapters_cli(database_url: str, fake_vllm: FakeVLLM, tmp_path:
     )
     assert bad_url.returncode != 0 and "must start with http:// or https://" in bad_url.stderr
 
+    # Pin, then the list says so and activate is refused until unpin.
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*cli, *argv], env=env, capture_output=True, text=True, timeout=60)
+
+    pinned = run("pin", "1", "--vllm", fake_vllm.url, "--note", "known good")
+    assert pinned.returncode == 0 and "now serves policy-v1, pinned" in pinned.stdout
+    assert "pinned since" in run("list").stdout and "(known good)" in run("list").stdout
+    held = run("activate", "0", "--vllm", fake_vllm.url)
+    assert held.returncode != 0 and "lineage policy is pinned at v1" in held.stderr
+    assert run("unpin").stdout.strip() == "lineage policy unpinned"
+    assert run("unpin").stdout.strip() == "lineage policy was not pinned"
+    assert run("activate", "0", "--vllm", fake_vllm.url).returncode == 0
+
 
 def test_a_restarted_vllm_gets_the_adapter_back_on_first_use(
     make_proxy: Any, fake_vllm: FakeVLLM, tmp_path: Path

@@ -131,7 +131,8 @@ def page(tmp_path: Path) -> Iterator[Any]:
         page = browser.new_page(viewport={"width": 1360, "height": 900})
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
-        page.on("dialog", lambda d: d.accept())  # "Serve v1 as the current policy?" - yes
+        # "Serve v1 as the current policy?" - yes; "Pin ...: why?" - a note.
+        page.on("dialog", lambda d: d.accept("known good" if d.type == "prompt" else None))
         yield page
         browser.close()
         assert errors == [], errors  # no script error on any page
@@ -217,6 +218,17 @@ def test_the_dashboard_in_a_browser(stack: Stack, page: Any, tmp_path: Path) -> 
         chat = {"model": "policy", "max_tokens": 2, "messages": [{"role": "user", "content": "q"}]}
         r = c.post("/v1/chat/completions", json=chat)
     assert r.headers["x-policy-version"] == str(v1)
+
+    # Pin v2 (with the note the prompt asks for): served, held, then unpinned.
+    page.locator("tr", has_text=f"v{v2} ").locator("button.pin").click()
+    page.wait_for_selector(f"h2:has-text('pinned at v{v2}')")
+    assert "known good" in page.inner_text("h2:has-text('pinned')")
+    assert page.locator("button:has-text('Activate')").count() == 0  # held: activate would 409
+    with stack.proxy.client() as c:
+        assert c.post("/v1/chat/completions", json=chat).headers["x-policy-version"] == str(v2)
+    page.click("button.unpin")
+    page.wait_for_selector("main[data-ready] button:has-text('Activate')")
+    assert page.locator("h2:has-text('pinned')").count() == 0
 
     # Another key (auth is off here: it only loses the admin rights) says so.
     page.fill("#key", "not-the-admin-key")

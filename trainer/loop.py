@@ -104,6 +104,7 @@ class Trainer:
         self.steps = 0
         self._next_reconcile = 0.0
         self._next_canary_check = 0.0
+        self._was_pinned = False
 
     def run(self) -> None:
         """Steps until max_steps, or until SIGTERM/SIGINT (Stopping): then the claims go back."""
@@ -121,7 +122,7 @@ class Trainer:
     def step(self) -> bool:
         """Train and publish one batch if there is one. True when a new version was published."""
         s = self.settings
-        if self._under_canary():
+        if self._pinned() or self._under_canary():
             return False
         with self.sessions.begin() as session:
             current = policy.current(session=session, lineage=self.lineage)
@@ -159,6 +160,21 @@ class Trainer:
             return published
         self._give_back([c.id for c in claimed], reason="policy_moved")
         return False
+
+    def _pinned(self) -> bool:
+        """While the lineage is pinned by hand (core/policy.py `pin`) the trainer waits, its
+        claims free: nothing it trained could be published. Unpinned, it goes on from the
+        pinned version (`_follow`), the transitions credited meanwhile still in its queue."""
+        with self.sessions.begin() as session:
+            held = policy.pin_of(self.lineage, session=session)
+        if (held is not None) != self._was_pinned:
+            if held is not None:
+                log.warning("%s: not training until it is unpinned", policy.Pinned(held))
+            else:
+                log.warning("%s unpinned: training again", self.lineage)
+        self._was_pinned = held is not None
+        self.metrics.pinned.set(self._was_pinned)
+        return self._was_pinned
 
     def _under_canary(self) -> bool:
         """While the lineage's candidate is under canary test the trainer waits, its claims
@@ -295,7 +311,7 @@ class Trainer:
                     stats=_stats_json(batch, stats, swap_s, self.parent),
                     canary_rule=s.canary_rule,
                 )
-        except (store.LostClaim, policy.PolicyMoved, policy.CanaryOpen) as e:
+        except (store.LostClaim, policy.PolicyMoved, policy.CanaryOpen, policy.Pinned) as e:
             log.warning("discarding %s: %s", name, e)
             try:
                 self.vllm.unload_everywhere(name)
@@ -305,15 +321,16 @@ class Trainer:
                 self.engine.restore(before)
                 shutil.rmtree(final, ignore_errors=True)
                 raise
-            # A canary opened meanwhile (published by hand, or another trainer): the batch goes
-            # back to be trained after its decision, and that is no fault of the batch's.
-            canary_open = isinstance(e, policy.CanaryOpen)
+            # A canary opened or a pin came meanwhile: the batch goes back to be trained after
+            # the decision or the unpin, and that is no fault of the batch's.
+            held = isinstance(e, policy.CanaryOpen | policy.Pinned)
+            reason = {policy.CanaryOpen: "canary_open", policy.Pinned: "pinned"}
             self._abandon(
                 batch,
                 final,
                 before,
-                reason="canary_open" if canary_open else "lost_claim",
-                attempt=not canary_open,
+                reason=reason.get(type(e), "lost_claim"),
+                attempt=not held,
             )
             return False
 

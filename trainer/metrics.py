@@ -40,6 +40,11 @@ _QUEUE = Gauge(
 _CURRENT_VERSION = Gauge(
     "flywheel_trainer_current_version", "The version the lineage's alias serves.", ["lineage"]
 )
+_PINNED = Gauge(
+    "flywheel_trainer_pinned",
+    "1 while the lineage is pinned by hand (the trainer waits, its queue kept), else 0.",
+    ["lineage"],
+)
 _STEP_SECONDS = Histogram(
     "flywheel_trainer_step_seconds",
     "Time to train one batch.",
@@ -87,6 +92,7 @@ class LineageMetrics:
         self.staleness = _STALENESS.labels(lineage)
         self.queue = _QUEUE.labels(lineage)
         self.current_version = _CURRENT_VERSION.labels(lineage)
+        self.pinned = _PINNED.labels(lineage)
         self.step_seconds = _STEP_SECONDS.labels(lineage)
         self.swap_seconds = _SWAP_SECONDS.labels(lineage)
 

@@ -5,6 +5,11 @@
     POST /admin/adapters/{N}/activate     roll back (or forward) to version N in its own lineage;
                                           N = 0 with ?lineage=L (default `policy`): L back on
                                           the base model. The other lineages do not move.
+    POST /admin/adapters/{N}/pin[?note=]  activate N and hold its lineage there: the trainer
+                                          publishes nothing to it, no canary opens, activate
+                                          answers 409 lineage_pinned, until it is unpinned
+    POST /admin/lineages/{L}/unpin        let L move again (the trainer goes on from its version)
+    GET  /admin/lineages                  each lineage: current version, pin, open canary
 
 Activation is `core.policy.activate`, the same lifecycle the trainer's publish and
 `flywheel adapters activate` use: load N into every vLLM replica, then move the alias. A replica
@@ -17,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-from fastapi import APIRouter
+from fastapi import APIRouter, Query
 from starlette.responses import Response
 
 from core import canary, policy
@@ -25,7 +30,7 @@ from core.database import run_sync
 from core.tables import Canary as CanaryRow
 from core.vllm import AdapterRejected
 from proxy.errors import ApiError
-from proxy.services import ServicesDep
+from proxy.services import Services, ServicesDep
 
 router = APIRouter()
 
@@ -50,9 +55,59 @@ async def list_canaries(
     return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
 
 
+@router.get("/admin/lineages")
+async def list_lineages(services: ServicesDep) -> Response:
+    async with services.sessionmaker() as session:
+        adapters = await run_sync(session, policy.versions)
+        pins = await run_sync(session, policy.pins)
+        tests = await run_sync(session, canary.opened)
+    names = sorted({a.lineage for a in adapters} | set(pins))
+    current = {a.lineage: a for a in adapters if a.is_current}
+    data = [
+        {
+            "lineage": name,
+            "version": current[name].version if name in current else policy.BASE_VERSION,
+            "name": current[name].name if name in current else None,
+            "pinned": pin_json(pins.get(name)),
+            "canary": tests[name].candidate if name in tests else None,
+        }
+        for name in names
+    ]
+    return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
+
+
 @router.post("/admin/adapters/{version}/activate")
 async def activate(
     version: int, services: ServicesDep, lineage: str = policy.DEFAULT_LINEAGE
+) -> Response:
+    return await _activate(version, lineage, services)
+
+
+@router.post("/admin/adapters/{version}/pin")
+async def pin(
+    version: int,
+    services: ServicesDep,
+    lineage: str = policy.DEFAULT_LINEAGE,
+    note: str | None = Query(None, max_length=500, pattern=r"^[^\x00-\x1f]*$"),
+) -> Response:
+    return await _activate(version, lineage, services, pin=True, note=note or None)
+
+
+@router.post("/admin/lineages/{lineage}/unpin")
+async def unpin(lineage: str, services: ServicesDep) -> Response:
+    """Idempotent: unpinning a lineage that is not pinned answers the same, with `was` null."""
+    try:
+        policy.check_lineage(lineage)
+    except ValueError as e:
+        raise ApiError(400, str(e), param="lineage") from e
+    async with services.sessionmaker.begin() as session:
+        was = await run_sync(session, policy.unpin, lineage=lineage)
+    body = {"lineage": lineage, "pinned": None, "was": pin_json(was)}
+    return Response(orjson.dumps(body), media_type="application/json")
+
+
+async def _activate(
+    version: int, lineage: str, services: Services, *, pin: bool = False, note: str | None = None
 ) -> Response:
     upstream = services.upstream
     try:
@@ -66,11 +121,15 @@ async def activate(
             vllm=upstream.vllm,
             urls=[r.base_url for r in upstream.replicas],
             lineage=lineage,
+            pin=pin,
+            note=note,
         )
     except policy.UnknownVersion as e:
         raise ApiError(404, str(e), code="adapter_not_found") from e
     except policy.RetiredVersion as e:
         raise ApiError(409, f"{e}; it cannot be activated", code="adapter_retired") from e
+    except policy.Pinned as e:
+        raise ApiError(409, str(e), code="lineage_pinned") from e
     except AdapterRejected as e:
         raise ApiError(
             502,
@@ -92,7 +151,18 @@ async def activate(
         }
     else:
         body = adapter_json(adapter) | {"is_current": True}
+    if pin:
+        async with services.sessionmaker() as session:
+            body["pinned"] = pin_json(
+                await run_sync(session, policy.pin_of, lineage=body["lineage"])
+            )
     return Response(orjson.dumps(body), media_type="application/json")
+
+
+def pin_json(p: policy.Pin | None) -> dict[str, Any] | None:
+    if p is None:
+        return None
+    return {"version": p.version, "since": p.pinned_at.isoformat(), "note": p.note}
 
 
 def adapter_json(a: policy.Adapter) -> dict[str, Any]:

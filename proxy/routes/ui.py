@@ -35,7 +35,7 @@ from proxy.auth import principal_of
 from proxy.config import TAG_PATTERN
 from proxy.errors import ApiError
 from proxy.recorder import OUTAGE_ERRORS
-from proxy.routes.admin import canary_json
+from proxy.routes.admin import canary_json, pin_json
 from proxy.routes.episodes import read_episode
 from proxy.services import ServicesDep
 
@@ -97,6 +97,7 @@ async def overview(
         async with services.sessionmaker() as session:
             body = await dashboard.overview(principal, window, session=session)
             currents = await run_sync(session, policy.currents)
+            pins = await run_sync(session, policy.pins)
             canaries = await run_sync(session, canary.history, limit=10)
     except OUTAGE_ERRORS as e:
         raise ApiError(503, "database unavailable", type="service_unavailable") from e
@@ -104,11 +105,13 @@ async def overview(
     body["lineages"] = [
         {
             "lineage": lineage,
-            "version": a.version,
-            "name": a.name,
-            "since": a.created_at.isoformat(),
+            "version": a.version if a else policy.BASE_VERSION,
+            "name": a.name if a else None,
+            "since": a.created_at.isoformat() if a else None,
+            "pinned": pin_json(pins.get(lineage)),
         }
-        for lineage, a in sorted(currents.items())
+        for lineage in sorted(set(currents) | set(pins))
+        for a in [currents.get(lineage)]
     ]
     body["canaries"] = [canary_json(c) for c in canaries]
     body["writer"] = {  # this replica's recording backlog

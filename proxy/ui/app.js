@@ -136,8 +136,9 @@ async function overview() {
   const open = Object.fromEntries(data.canaries.filter(c => !c.decided_at).map(c => [c.lineage, c]));
   const cards = h("div", { class: "cards" },
     lineages.map(l => card(`current · ${l.lineage}`, l.version ? `v${l.version}` : "base model",
-      open[l.lineage] ? `canary: v${open[l.lineage].candidate} on ${Math.round(open[l.lineage].fraction * 100)}% of episodes`
-        : l.since ? `since ${ago(l.since)}` : "no adapter yet")),
+      l.pinned ? `pinned ${ago(l.pinned.since)}${l.pinned.note ? `: ${l.pinned.note}` : ""}`
+        : open[l.lineage] ? `canary: v${open[l.lineage].candidate} on ${Math.round(open[l.lineage].fraction * 100)}% of episodes`
+          : l.since ? `since ${ago(l.since)}` : "no adapter yet")),
     card("calls", fmt(calls), `${fmt(lastRate, 2)}/s in the last ${data.bucket_s} s · ${fmt(failed)} failed`),
     card("episodes", fmt(episodes), `${fmt(rewarded)} rewarded`),
     (data.queue.length ? data.queue : [{ lineage: "policy", trainable: 0 }]).map(qr => card(
@@ -328,30 +329,46 @@ async function adapters() {
           ? "The key in use is not the admin key (FLYWHEEL_ADMIN_KEY): the adapter pages need it."
           : "The adapter pages need the admin key (FLYWHEEL_ADMIN_KEY): enter it at the top right.")];
   }
-  const [list, canaries, served] = await Promise.all([
-    api("/admin/adapters"), api("/admin/canaries?limit=50"), api("/ui/api/versions?hours=720")]);
+  const [list, canaries, served, lines] = await Promise.all([
+    api("/admin/adapters"), api("/admin/canaries?limit=50"), api("/ui/api/versions?hours=720"),
+    api("/admin/lineages")]);
+  const pins = Object.fromEntries(lines.data.filter(l => l.pinned).map(l => [l.lineage, l.pinned]));
   const reward = Object.fromEntries(served.data.map(v => [`${v.lineage || "policy"}|${v.version}`, v]));
   const byLineage = {};
   for (const a of list.data) (byLineage[a.lineage] ||= []).push(a);
   if (!Object.keys(byLineage).length) byLineage.policy = [];
   const openCandidates = new Set(canaries.data.filter(c => !c.decided_at).map(c => c.candidate));
   const status = h("div", {});
-  const activate = async (lineage, version) => {
-    const label = version ? `v${version}` : "the base model";
-    if (!confirm(`Serve ${label} as the current ${lineage} policy on every replica?`)) return;
-    status.replaceChildren(h("div", { class: "notice" }, `activating ${label}…`));
+  const label = version => (version ? `v${version}` : "the base model");
+  const post = async (doing, path) => {
+    status.replaceChildren(h("div", { class: "notice" }, doing));
     try {
-      await api(withQuery(`/admin/adapters/${version}/activate`, { lineage }), { method: "POST" });
+      await api(path, { method: "POST" });
       await render();
     } catch (e) {
       status.replaceChildren(showError(e));
     }
   };
+  const activate = (lineage, version) => {
+    if (!confirm(`Serve ${label(version)} as the current ${lineage} policy on every replica?`)) return;
+    post(`activating ${label(version)}…`, withQuery(`/admin/adapters/${version}/activate`, { lineage }));
+  };
+  const pin = (lineage, version) => {
+    const note = prompt(`Pin ${lineage} at ${label(version)}: it serves that version and the trainer publishes nothing to it until it is unpinned. Why? (optional, shown with the pin)`, "");
+    if (note === null) return;
+    post(`pinning ${label(version)}…`, withQuery(`/admin/adapters/${version}/pin`, { lineage, note: note || undefined }));
+  };
+  const unpin = lineage => post(`unpinning ${lineage}…`, `/admin/lineages/${encodeURIComponent(lineage)}/unpin`);
   const sections = Object.entries(byLineage).sort().map(([lineage, rows]) => {
     const anyCurrent = rows.some(a => a.is_current);
     const base = reward[`${lineage}|0`];
     const all = [...rows.slice().reverse(), { version: 0, lineage, is_current: !anyCurrent, base: true }];
-    return [h("h2", {}, `Lineage ${lineage}`), table([
+    const held = pins[lineage];
+    const heading = h("h2", {}, `Lineage ${lineage}`, " ",
+      held ? [h("span", { class: "pill warn" }, `pinned at ${label(held.version)} ${ago(held.since)}`),
+        held.note ? h("span", { class: "muted" }, ` ${held.note} `) : " ",
+        h("button", { class: "unpin", onclick: () => unpin(lineage) }, "Unpin")] : null);
+    return [heading, table([
       { label: "version", cell: a => [a.base ? "base model" : `v${a.version}`, " ",
         a.is_current ? h("span", { class: "pill good" }, "current") : null,
         openCandidates.has(a.version) ? h("span", { class: "pill warn" }, "canary") : null,
@@ -363,12 +380,14 @@ async function adapters() {
       { label: "loss", num: true, cell: a => fmt(a.stats && a.stats.loss, 4) },
       { label: "train / swap", num: true, cell: a => (a.stats && a.stats.train_s != null ? `${fmt(a.stats.train_s, 1)} s / ${fmt(a.stats.swap_s * 1000, 0)} ms` : "") },
       { label: "reward in service", num: true, cell: a => { const r = a.base ? base : reward[`${lineage}|${a.version}`]; return r ? `${fmt(r.mean)} (${fmt(r.rewarded)} ep.)` : "—"; } },
-      { label: "", cell: a => (a.is_current || a.retired_at ? "" : h("button", { onclick: () => activate(lineage, a.version) },
-        a.base ? "Roll back to base" : openCandidates.has(a.version) ? "Promote now" : "Activate")) },
+      { label: "", cell: a => (a.retired_at ? "" : [
+        a.is_current || held ? null : h("button", { onclick: () => activate(lineage, a.version) },
+          a.base ? "Roll back to base" : openCandidates.has(a.version) ? "Promote now" : "Activate"),
+        held && held.version === a.version ? null : h("button", { class: "pin", onclick: () => pin(lineage, a.version) }, "Pin")]) },
     ], all, a => ({ class: a.is_current ? "current" : a.retired_at ? "retired" : null }), { class: "adapters" })];
   });
   return [h("h1", {}, "Adapters"), h("p", { class: "muted" },
-    "Activating a version loads it into every vLLM replica and then moves the lineage's alias (POST /admin/adapters/N/activate, as `flywheel adapters activate`). Reward in service: the last 30 days' episodes that version served."),
+    "Activating a version loads it into every vLLM replica and then moves the lineage's alias (POST /admin/adapters/N/activate, as `flywheel adapters activate`). Pinning does the same and holds the lineage there: the trainer publishes nothing to it and no canary opens until it is unpinned. Reward in service: the last 30 days' episodes that version served."),
   status, sections, h("h2", {}, "Canaries"), canaryTable(canaries.data)];
 }
 
