@@ -10,6 +10,7 @@
     flywheel adapters unpin [--lineage L]             # let the trainer publish to it again
     flywheel keys create --tenant T [--scopes infer,reward,read] [--name N]   # prints the key once
     flywheel keys list | flywheel keys revoke ID
+    flywheel export OUT.jsonl|OUT.parquet [--kind transitions|sft|pairs] [--tokens] [filters]
     flywheel migrate [--database-url URL]
     flywheel up [--port P] [--task calc|calc-tools|sql]   # the whole local loop, embedded defaults
     flywheel demo-model DIR             # generate the tiny demo model
@@ -25,13 +26,16 @@ import argparse
 import asyncio
 import logging
 import sys
+from datetime import datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
 
 from core import canary, database, policy, tenants
+from core.export import FORMATS, KINDS, ExportFilter, export
 from core.settings import DatabaseSettings, vllm_base_urls
+from core.tenants import OPERATOR, Principal
 from core.vllm import VLLMAdmin, VLLMError
 from proxy.config import ProxySettings
 
@@ -76,6 +80,25 @@ def main(argv: list[str] | None = None) -> None:
     keys.add_argument("--name", help="with create: a note (who or what uses it)")
     keys.add_argument("--database-url")
 
+    export = commands.add_parser(
+        "export", help="recorded transitions to JSON Lines or Parquet (core/export.py)"
+    )
+    export.add_argument("out", type=Path, help="the file: .parquet for Parquet, else JSON Lines")
+    export.add_argument("--kind", choices=KINDS, default="transitions")
+    export.add_argument("--format", choices=FORMATS, help="default: from OUT's suffix")
+    export.add_argument("--tokens", action="store_true", help="token ids and logprobs too")
+    export.add_argument("--tenant", help="only this tenant's rows, under its own ids")
+    export.add_argument("--since", type=datetime.fromisoformat, help="requested at or after")
+    export.add_argument("--until", type=datetime.fromisoformat, help="requested before")
+    export.add_argument("--agent")
+    export.add_argument("--task", help="a task id (the tenant's own with --tenant)")
+    export.add_argument("--version", type=int, help="the policy version that served it")
+    export.add_argument("--lineage")
+    export.add_argument("--min-reward", type=float, help="the episode's final reward at least")
+    export.add_argument("--max-reward", type=float, help="the episode's final reward at most")
+    export.add_argument("--trained", choices=["yes", "no"], help="trained on already, or not yet")
+    export.add_argument("--database-url")
+
     migrate = commands.add_parser("migrate", help="apply the database migrations and exit")
     migrate.add_argument("--database-url")
 
@@ -113,6 +136,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.command == "keys":
         _keys(args, _settings(DatabaseSettings, given))
+        return
+    if args.command == "export":
+        _export(args, _settings(DatabaseSettings, given))
         return
     if args.command == "migrate":  # needs the database only (no proxy settings to check)
         db = _settings(DatabaseSettings, given)
@@ -269,6 +295,33 @@ def _adapters(args: argparse.Namespace, settings: DatabaseSettings) -> None:
         print(f"lineage {lineage} now serves the base model{pinned}")
     else:
         print(f"lineage {adapter.lineage} now serves {adapter.name}{pinned}")
+
+
+def _export(args: argparse.Namespace, settings: DatabaseSettings) -> None:
+    tenant = args.tenant
+    where = ExportFilter(
+        principal=OPERATOR
+        if tenant is None
+        else Principal(None if tenant == "default" else tenant, frozenset()),
+        since=args.since,
+        until=args.until,
+        agent=args.agent,
+        task=args.task,
+        version=args.version,
+        lineage=args.lineage,
+        min_reward=args.min_reward,
+        max_reward=args.max_reward,
+        trained=None if args.trained is None else args.trained == "yes",
+    )
+    url = database.resolve_url(settings.database_url, settings.home)
+    try:
+        done = export(
+            url, args.out, kind=args.kind, fmt=args.format, where=where, tokens=args.tokens
+        )
+    except (OSError, RuntimeError) as e:
+        sys.exit(f"flywheel export: {e}")
+    rate = done.rows / done.seconds if done.seconds else 0.0
+    print(f"{done.rows} {args.kind} rows to {done.path} in {done.seconds:.1f} s ({rate:,.0f}/s)")
 
 
 def _canary_line(row: Any) -> str:
