@@ -1,0 +1,157 @@
+"""`flywheel export` at a million transitions: rows per second and peak memory, per format.
+
+Fills a fresh database with `--transitions` rows shaped like recorded chat calls (4 an episode;
+a shared system message and the task's question by digest, so the calls of one task and agent
+form a group for `pairs`; 300 prompt token ids, 12 completion ids and logprobs each; a step
+reward on one call in four), then runs each export in a process of its own (`python -m
+flywheel export`), sampling its resident memory:
+
+    PYTHONPATH=. .venv/bin/python -m bench.export [--transitions 1000000]
+        [--database-url URL] [--results bench/export.md]
+
+Memory that does not grow with the table is the point: the rows stream from a server-side
+cursor and Parquet is written a row group at a time. The figures are appended to bench/export.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import psycopg
+
+from bench.common import append_section, bench_database
+
+REPORT = Path(__file__).with_name("export.md")
+CALLS_PER_EPISODE = 4
+PROMPT_IDS, COMPLETION_IDS = 300, 12
+
+
+def fill(url: str, transitions: int) -> None:
+    episodes = transitions // CALLS_PER_EPISODE
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            """
+            INSERT INTO message (digest, body)
+            SELECT decode(md5('system'), 'hex'),
+                   '{"role": "system", "content": "Answer with a number."}'::jsonb
+            UNION ALL
+            SELECT decode(md5('user-task-' || n), 'hex'),
+                   jsonb_build_object('role', 'user', 'content', 'What is ' || n || ' + 1?')
+            FROM generate_series(0, 49) AS n""",
+        )
+        conn.execute(
+            """
+            INSERT INTO episode (id, task_id, created_at, final_reward, final_reward_at)
+            SELECT 'ep-' || n, 'task-' || (n %% 50),
+                   now() - make_interval(secs => 86400 * (1 - n::float8 / %(n)s)), random(), now()
+            FROM generate_series(1, %(n)s) AS n""",
+            {"n": episodes},
+        )
+        conn.execute(
+            """
+            INSERT INTO transition (id, episode_id, request_id, choice_index, task_id,
+                agent_name, requested_at, route, status, http_status, model_requested,
+                model_used, policy_version, lineage, message_digests, params, text,
+                finish_reason, latency_ms, prompt_tokens, completion_tokens, prompt_token_ids,
+                completion_token_ids, logprobs, "return", credited_at)
+            SELECT gen_random_uuid(), e.id, gen_random_uuid(), 0, e.task_id,
+                'agent-' || k, e.created_at + make_interval(secs => k), 'chat', 'ok', 200,
+                'policy', 'policy-v1', 1, 'policy',
+                ARRAY[decode(md5('system'), 'hex'), decode(md5('user-' || e.task_id), 'hex')],
+                '{"max_tokens": 16, "temperature": 1.0}', 'The answer is 42.', 'stop',
+                20 + 10 * random(), %(p)s, %(c)s,
+                decode(repeat('07000000', %(p)s), 'hex'),
+                decode(repeat('09000000', %(c)s), 'hex'),
+                decode(repeat('cdcc4cbe', %(c)s), 'hex'),
+                e.final_reward, e.created_at
+            FROM episode e CROSS JOIN generate_series(0, %(calls)s - 1) AS k""",
+            {"calls": CALLS_PER_EPISODE, "p": PROMPT_IDS, "c": COMPLETION_IDS},
+        )
+        conn.execute(
+            """
+            INSERT INTO reward (episode_id, transition_id, value, source, idempotency_key)
+            SELECT t.episode_id, t.id, -0.5, 'air', 'air:' || t.id
+            FROM transition t WHERE t.agent_name = 'agent-0'"""
+        )
+        conn.execute("ANALYZE")
+
+
+def run_export(url: str, out: Path, *args: str) -> tuple[int, float, float, float, int]:
+    """(rows, export seconds, process seconds, peak RSS MiB, file bytes) of one `flywheel
+    export` process (its own figure: the export, without the interpreter's start and imports)."""
+    env = {**os.environ, "FLYWHEEL_DATABASE_URL": url}
+    cmd = [sys.executable, "-m", "flywheel", "export", str(out), *args]
+    started = time.perf_counter()
+    process = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
+    watched = psutil.Process(process.pid)
+    peak = 0
+    while process.poll() is None:
+        try:
+            peak = max(peak, watched.memory_info().rss)
+        except psutil.NoSuchProcess:
+            break
+        time.sleep(0.05)
+    seconds = time.perf_counter() - started
+    stdout = process.stdout.read() if process.stdout else ""
+    if process.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd)} failed: {stdout}")
+    words = stdout.split()  # "N <kind> rows to PATH in S s (R/s)"
+    rows, exported = int(words[0]), float(words[words.index("in") + 1])
+    return rows, exported, seconds, peak / 2**20, out.stat().st_size
+
+
+CASES = [
+    ("transitions, JSON Lines", "t.jsonl", ()),
+    ("transitions + tokens, JSON Lines", "tt.jsonl", ("--tokens",)),
+    ("transitions + tokens, Parquet", "tt.parquet", ("--tokens",)),
+    ("sft, Parquet", "sft.parquet", ("--kind", "sft")),
+    ("pairs, JSON Lines", "pairs.jsonl", ("--kind", "pairs")),
+]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--transitions", type=int, default=1_000_000)
+    parser.add_argument("--database-url", default=None)
+    parser.add_argument("--results", type=Path, default=REPORT)
+    args = parser.parse_args()
+    results = []
+    with bench_database(args.database_url) as url, tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        fill(url, args.transitions)
+        print(f"filled {args.transitions:,} transitions in {time.perf_counter() - start:.0f} s")
+        # The export's memory at a tenth of the rows: what grows with the table would show.
+        small = [("transitions + tokens, Parquet, first 10 %", "small.parquet", ("--tokens",))]
+        until = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(time.time() - 0.9 * 86400))
+        for name, file, extra in [*CASES, *small]:
+            more = ("--until", until) if file == "small.parquet" else ()
+            rows, seconds, wall, peak, size = run_export(url, Path(tmp) / file, *extra, *more)
+            results.append((name, rows, seconds, wall, peak, size))
+            print(
+                f"{name:45s} {rows:>9,} rows {seconds:6.1f} s {rows / seconds:>9,.0f}/s "
+                f"(process {wall:5.1f} s) peak RSS {peak:6.0f} MiB  {size / 2**20:7.0f} MiB"
+            )
+    lines = [
+        f"{args.transitions:,} transitions ({args.transitions // CALLS_PER_EPISODE:,} episodes, "
+        f"{PROMPT_IDS} prompt ids and {COMPLETION_IDS} completion ids each); one `flywheel "
+        "export` process per row, peak RSS sampled every 50 ms (includes the interpreter and "
+        "imports).\n",
+        "| export | rows | export s | rows/s | process s | peak RSS MiB | file MiB |",
+        "|---|---|---|---|---|---|---|",
+        *[
+            f"| {n} | {r:,} | {s:.1f} | {r / s:,.0f} | {w:.1f} | {p:.0f} | {b / 2**20:.0f} |"
+            for n, r, s, w, p, b in results
+        ],
+    ]
+    append_section(args.results, "flywheel export", "bench.export", lines)
+
+
+if __name__ == "__main__":
+    main()
