@@ -347,13 +347,8 @@ _LIST_COLUMNS = {
 def write_parquet(
     produced: Iterator[dict[str, Any]], path: Path, names: list[str], batch: int = BATCH
 ) -> int:
-    try:
-        import pyarrow as pa
-        import pyarrow.parquet as pq
-    except ImportError as e:  # the proxy image has no pyarrow
-        raise RuntimeError(
-            "Parquet needs pyarrow (pip install pyarrow); JSON Lines does not"
-        ) from e
+    import pyarrow as pa  # (here: the CLI's other commands need not load it)
+    import pyarrow.parquet as pq
 
     schema = pa.schema([(name, _parquet_type(pa, name)) for name in names])
     count = 0
