@@ -94,6 +94,13 @@ class ProxySettings(DatabaseSettings):
         description="Text that starts a tool call in the served model's output (Hermes/Qwen: "
         "<tool_call>); seen with no call parsed, AIR counts an unparsed call. Empty: not checked.",
     )
+    otel_endpoint: str | None = Field(
+        None,
+        description="OTLP/HTTP traces URL (e.g. http://collector:4318/v1/traces): every recorded "
+        "call is also exported as an OpenTelemetry span in its episode's trace (proxy/tracing.py)."
+        " Unset: off.",
+    )
+    otel_service_name: str = Field("flywheel-proxy", description="The spans' service.name.")
     writer_batch_size: int = Field(500, ge=1, description="Most transitions per database write.")
     journal_retry_s: float = Field(
         1.0, gt=0, description="While Postgres is unreachable, how often a journal replay is tried."

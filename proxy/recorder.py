@@ -30,6 +30,7 @@ from core.database import AsyncSessions
 from core.record import TransitionRecord
 from proxy import metrics, store
 from proxy.journal import Journal
+from proxy.tracing import Spans
 
 log = logging.getLogger(__name__)
 
@@ -59,8 +60,10 @@ class Recorder:
         retry_s: float,
         gamma: float | None,
         air_penalty: float | None = None,
+        spans: Spans | None = None,
     ) -> None:
         self._sessionmaker = sessionmaker
+        self._spans = spans  # every record accepted is also a span (FLYWHEEL_OTEL_ENDPOINT)
         self.journal = journal
         self._batch_size = batch_size
         self._queue_max_bytes = queue_max_bytes
@@ -118,6 +121,8 @@ class Recorder:
         return futures
 
     def submit(self, records: list[TransitionRecord]) -> None:
+        if self._spans is not None:
+            self._spans.emit(records)
         self._track(records)
         self._queue.extend(records)
         if (

@@ -29,6 +29,7 @@ from proxy.journal import Journal
 from proxy.recorder import Recorder
 from proxy.replicas import ReplicaKeeper
 from proxy.scoring import Scorer
+from proxy.tracing import Spans
 from proxy.upstream import Upstream
 
 
@@ -41,6 +42,7 @@ class Services:
     alias: PolicyAlias
     forwarder: Forwarder
     keys: KeyRing
+    spans: Spans | None = None  # FLYWHEEL_OTEL_ENDPOINT
 
 
 @asynccontextmanager
@@ -50,6 +52,11 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
     engine, sessionmaker = database.create_async_sessions(url)
     api_key = settings.upstream_api_key.get_secret_value() if settings.upstream_api_key else None
     upstream = Upstream(settings.upstream, api_key=api_key, timeout_s=settings.upstream_timeout_s)
+    spans = (
+        Spans(settings.otel_endpoint, settings.otel_service_name)
+        if settings.otel_endpoint
+        else None
+    )
     recorder = Recorder(
         sessionmaker,
         Journal(settings.journal_dir),
@@ -58,6 +65,7 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
         retry_s=settings.journal_retry_s,
         gamma=settings.credit_gamma,
         air_penalty=settings.air_penalty,
+        spans=spans,
     )
     recorder.start()
     keys = KeyRing(
@@ -89,6 +97,7 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
                 settings.durable_wait_s if settings.durable else None,
             ),
             keys,
+            spans,
         )  # fmt: skip
     finally:
         await keys.stop()
@@ -96,6 +105,8 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
         await scorer.stop()  # hands its last records to the writer
         await alias.stop()
         await recorder.stop(settings.shutdown_flush_s)
+        if spans is not None:
+            await asyncio.to_thread(spans.close)  # exports what is queued
         await upstream.close()
         await engine.dispose()
 
