@@ -76,7 +76,7 @@ def export(
 ) -> Exported:
     """Write the rows to `path` (the format from its suffix unless `fmt`); a partial file is
     never left under that name (written next to it, renamed at the end)."""
-    if kind not in KINDS:
+    if kind not in KINDS:  # (before a file is opened)
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, not {kind!r}")
     fmt = fmt or ("parquet" if path.suffix == ".parquet" else "jsonl")
     if fmt not in FORMATS:
@@ -102,6 +102,36 @@ def export(
 # --- the rows ----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Query:
+    """An export as SQL and what makes each of its rows an export row (None: nothing yet; the
+    pairs shaper holds a group's best row until its worst comes)."""
+
+    sql: str
+    params: dict[str, Any]
+    shape: Callable[[dict[str, Any]], dict[str, Any] | None]
+
+
+def query(kind: str, where: ExportFilter, *, tokens: bool = False) -> Query:
+    """The export's query; the CLI runs it on a sync session (`rows`), the proxy's
+    GET /v1/export on an async one. Both stream it through a server-side cursor."""
+    if kind not in KINDS:
+        raise ValueError(f"kind must be one of {', '.join(KINDS)}, not {kind!r}")
+    conditions, params = _conditions(where)
+    public = where.principal.public
+    if kind == "transitions":
+        sql = _TRANSITIONS.format(
+            tokens=_TOKEN_COLUMNS if tokens else "", where=" AND ".join(conditions)
+        )
+        return Query(sql, params, functools.partial(_transition, public=public))
+    if kind == "sft":
+        conditions += ["t.status = 'ok'", "t.route = 'chat'"]
+        sql = _TRANSITIONS.format(tokens="", where=" AND ".join(conditions))
+        return Query(sql, params, functools.partial(_sft, public=public))
+    conditions += ["t.status = 'ok'", "t.route = 'chat'", 't."return" IS NOT NULL']
+    return Query(_PAIRS.format(where=" AND ".join(conditions)), params, _Pairer(public))
+
+
 def rows(
     kind: str,
     where: ExportFilter,
@@ -111,33 +141,12 @@ def rows(
     session: Session,
 ) -> Iterator[dict[str, Any]]:
     """The export's rows, read through a server-side cursor (`batch` rows a round trip)."""
-    conditions, params = _conditions(where)
-    public = where.principal.public
-    if kind == "transitions":
-        sql = _TRANSITIONS.format(
-            tokens=_TOKEN_COLUMNS if tokens else "", where=" AND ".join(conditions)
-        )
-        shape = functools.partial(_transition, public=public)
-    elif kind == "sft":
-        conditions += ["t.status = 'ok'", "t.route = 'chat'"]
-        sql = _TRANSITIONS.format(tokens="", where=" AND ".join(conditions))
-        shape = functools.partial(_sft, public=public)
-    else:
-        conditions += ["t.status = 'ok'", "t.route = 'chat'", 't."return" IS NOT NULL']
-        yield from _pairs(
-            _stream(session, _PAIRS.format(where=" AND ".join(conditions)), params, batch), public
-        )
-        return
-    for row in _stream(session, sql, params, batch):
-        yield shape(row)
-
-
-def _stream(
-    session: Session, sql: str, params: dict[str, Any], batch: int
-) -> Iterator[dict[str, Any]]:
-    result = session.execute(text(sql), params, execution_options={"yield_per": batch})
-    for row in result:
-        yield dict(row._mapping)
+    q = query(kind, where, tokens=tokens)
+    result = session.execute(text(q.sql), q.params, execution_options={"yield_per": batch})
+    for row in result.mappings():
+        out = q.shape(dict(row))
+        if out is not None:
+            yield out
 
 
 def _conditions(where: ExportFilter) -> tuple[list[str], dict[str, Any]]:
@@ -276,22 +285,26 @@ WHERE (r.best = 1 OR r.worst = 1) AND r.spread > 0
 ORDER BY r.task_id, r.agent_name, r.message_digests, r.best"""
 
 
-def _pairs(
-    ranked: Iterator[dict[str, Any]], public: Callable[[str], str]
-) -> Iterator[dict[str, Any]]:
-    best: dict[str, Any] | None = None
-    for row in ranked:
+class _Pairer:
+    """Rows of `_PAIRS` in, pairs out: a group's best row is held until its worst comes."""
+
+    def __init__(self, public: Callable[[str], str]) -> None:
+        self._public = public
+        self._best: dict[str, Any] | None = None
+
+    def __call__(self, row: dict[str, Any]) -> dict[str, Any] | None:
         if row["best"] == 1:
-            best = row
-            continue
+            self._best = row
+            return None
+        best = self._best
         if best is None or best["message_digests"] != row["message_digests"]:
             raise RuntimeError("pairs out of order: a group's worst row came without its best")
-        yield {
+        return {
             "prompt": best["messages"],
             "chosen": [_assistant(best["text"], best["tool_calls"])],
             "rejected": [_assistant(row["text"], row["tool_calls"])],
             "tools": (best["params"] or {}).get("tools"),
-            "task_id": public(best["task_id"]) if best["task_id"] else None,
+            "task_id": self._public(best["task_id"]) if best["task_id"] else None,
             "agent_name": best["agent_name"],
             "chosen_return": best["return"],
             "rejected_return": row["return"],

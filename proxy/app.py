@@ -19,7 +19,7 @@ from starlette.staticfiles import StaticFiles
 from proxy.config import ProxySettings
 from proxy.edge import Edge
 from proxy.errors import ApiError, error_response, unexpected_error
-from proxy.routes import admin, episodes, ops, rewards, ui
+from proxy.routes import admin, episodes, export, ops, rewards, ui
 from proxy.services import running
 
 
@@ -40,7 +40,7 @@ def create_app(settings: ProxySettings) -> Edge:
         openapi_url=openapi_url,
     )
     _add_error_handlers(app)
-    for module in (rewards, episodes, admin, ops, ui):
+    for module in (rewards, episodes, export, admin, ops, ui):
         app.include_router(module.router)
     app.mount("/ui/static", StaticFiles(directory=ui.STATIC), name="ui-static")
     return Edge(app, settings)

@@ -32,6 +32,7 @@ SCOPE_OF = {
     "models": "infer",
     "rewards": "reward",
     "episodes": "read",
+    "export": "read",
 }
 
 

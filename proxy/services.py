@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Annotated, cast
 
 from fastapi import Depends, FastAPI, Request
@@ -32,6 +32,8 @@ from proxy.scoring import Scorer
 from proxy.tracing import Spans
 from proxy.upstream import Upstream
 
+MAX_EXPORTS = 2  # GET /v1/export streams running at once per proxy
+
 
 @dataclass(frozen=True)
 class Services:
@@ -43,6 +45,8 @@ class Services:
     forwarder: Forwarder
     keys: KeyRing
     spans: Spans | None = None  # FLYWHEEL_OTEL_ENDPOINT
+    # GET /v1/export: each running export holds a pooled connection (proxy/routes/export.py).
+    export_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(MAX_EXPORTS))
 
 
 @asynccontextmanager

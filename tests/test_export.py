@@ -4,6 +4,7 @@ episodes (`GET /v1/episodes/{id}?tokens=true`). Real Postgres, the real proxy on
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -19,6 +20,7 @@ import pytest
 from core.database import Sessions
 from core.export import ExportFilter, columns, export
 from core.tenants import Principal
+from proxy.services import MAX_EXPORTS
 from tests.conftest import RunningProxy
 from tests.test_tenants import new_key
 
@@ -168,3 +170,58 @@ def test_filters_and_the_command_line(recorded: tuple[RunningProxy, str], tmp_pa
     empty = export(proxy.database_url, tmp_path / "none.parquet", where=ExportFilter(agent="x"))
     table = pyarrow.parquet.read_table(empty.path)
     assert empty.rows == table.num_rows == 0 and table.column_names == columns("transitions")
+
+
+def get_export(proxy: RunningProxy, key: str, **params: Any) -> Any:
+    with proxy.client(Authorization=f"Bearer {key}") as c:
+        return c.get("/v1/export", params=params)
+
+
+def test_a_tenant_exports_its_own_rows_over_http(
+    recorded: tuple[RunningProxy, str], sessions: Sessions, tmp_path: Path
+) -> None:
+    proxy, acme = recorded
+    r = get_export(proxy, acme, tokens="true")
+    assert r.status_code == 200 and r.headers["content-type"] == "application/x-ndjson"
+    lines = [json.loads(line) for line in r.text.splitlines()]
+    # The same rows as `flywheel export --tenant acme --tokens`, token ids included.
+    where = ExportFilter(principal=Principal("acme", frozenset()))
+    cli = export(proxy.database_url, tmp_path / "acme.jsonl", where=where, tokens=True)
+    assert lines == [json.loads(line) for line in cli.path.read_text().splitlines()]
+    assert len(lines) == 6 and lines[0]["prompt_token_ids"]
+    pairs = get_export(proxy, acme, kind="pairs").text.splitlines()
+    assert [json.loads(p)["chosen_return"] for p in pairs] == [1.0]
+    assert len(get_export(proxy, acme, min_reward=0.5).text.splitlines()) == 2
+
+    # Another tenant sees its own; a key without `read` is refused; bad filters are 400s.
+    globex_read = new_key(sessions, "globex", "read")
+    infer_only = new_key(sessions, "acme", "infer")
+    time.sleep(0.3)
+    [row] = [json.loads(line) for line in get_export(proxy, globex_read).text.splitlines()]
+    assert row["episode_id"] == "e0"
+    assert get_export(proxy, infer_only).status_code == 403
+    for bad, param in [
+        ({"kind": "everything"}, "kind"),
+        ({"version": -1}, "version"),
+        ({"agent": "a\x00"}, "agent"),
+        ({"min_reward": "nan"}, "min_reward"),
+        ({"since": "yesterday"}, "since"),
+        ({"trained": "maybe"}, "trained"),
+    ]:
+        refused = get_export(proxy, acme, **bad)
+        assert refused.status_code == 400, (bad, refused.text)
+        assert refused.json()["error"]["param"] == f"query.{param}"
+
+    # Each running export holds a pooled connection: beyond MAX_EXPORTS, 429 at once.
+    slots = proxy.services.export_slots
+    loop = proxy.services.recorder._task.get_loop()  # type: ignore[union-attr]
+    for _ in range(MAX_EXPORTS):
+        asyncio.run_coroutine_threadsafe(slots.acquire(), loop).result(timeout=5)
+    try:
+        busy = get_export(proxy, acme)
+        assert busy.status_code == 429 and busy.json()["error"]["code"] == "too_many_exports"
+    finally:
+        for _ in range(MAX_EXPORTS):
+            loop.call_soon_threadsafe(slots.release)
+    time.sleep(0.1)
+    assert get_export(proxy, acme).status_code == 200
