@@ -93,6 +93,9 @@ def export(
                 count = write_parquet(produced, partial, columns(kind, tokens), batch)
             else:
                 count = write_jsonl(produced, partial)
+    except BaseException:
+        partial.unlink(missing_ok=True)
+        raise
     finally:
         engine.dispose()
     partial.replace(path)

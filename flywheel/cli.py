@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from pydantic import ValidationError
+from sqlalchemy.exc import SQLAlchemyError
 
 from core import canary, database, policy, tenants
 from core.export import FORMATS, KINDS, ExportFilter, export
@@ -318,7 +319,7 @@ def _export(args: argparse.Namespace, settings: DatabaseSettings) -> None:
         done = export(
             url, args.out, kind=args.kind, fmt=args.format, where=where, tokens=args.tokens
         )
-    except (OSError, RuntimeError) as e:
+    except (OSError, RuntimeError, SQLAlchemyError) as e:
         sys.exit(f"flywheel export: {e}")
     rate = done.rows / done.seconds if done.seconds else 0.0
     print(f"{done.rows} {args.kind} rows to {done.path} in {done.seconds:.1f} s ({rate:,.0f}/s)")
