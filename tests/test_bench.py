@@ -157,6 +157,20 @@ def test_dashboard_smoke(postgres_url: str, tmp_path: Path) -> None:
     assert rows["one episode (4 calls, messages, rewards)"][3] == "4 calls"
 
 
+def test_export_smoke(postgres_url: str, tmp_path: Path) -> None:
+    report = tmp_path / "export.md"
+    _bench(
+        "bench.export", "--transitions", "2000", "--database-url", postgres_url,
+        "--results", str(report),
+    )  # fmt: skip
+    rows = {row[0]: row for row in _table(report, tuple(_cells_of(report)))}
+    assert len(rows) == 6, rows
+    for name in ("transitions, JSON Lines", "transitions + tokens, Parquet", "sft, Parquet"):
+        assert rows[name][1] == "2,000" and _number(rows[name][5]) > 0  # rows, peak RSS
+    assert rows["pairs, JSON Lines"][1] == "200"  # 50 tasks x 4 agents, one pair each
+    assert 150 <= _number(rows["transitions + tokens, Parquet, first 10 %"][1]) <= 250
+
+
 def _cells_of(report: Path) -> list[str]:
     """The first cells of the report's table rows (its queries)."""
     lines = report.read_text().splitlines()
