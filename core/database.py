@@ -83,7 +83,8 @@ def migrate(url: str) -> None:
 
 
 # Both engines: pool_pre_ping, so that a Postgres restart does not leave dead connections that
-# fail the next write; JSON by orjson, as everywhere here (NaN becomes null, which jsonb accepts).
+# fail the next write; JSON by orjson both ways, as everywhere here (NaN becomes null, which jsonb
+# accepts; what jsonb holds was parsed by orjson on the way in, so it parses back the same).
 
 
 def _json(value: Any) -> str:
@@ -98,13 +99,19 @@ def create_async_sessions(url: str, *, pool_size: int = 10) -> tuple[AsyncEngine
         max_overflow=pool_size,
         pool_pre_ping=True,
         json_serializer=_json,
+        json_deserializer=orjson.loads,
     )
     return engine, async_sessionmaker(engine, expire_on_commit=False)
 
 
 def create_sessions(url: str) -> tuple[Engine, Sessions]:
     """The trainer's (and the tools') engine and sessions: synchronous, like the trainer."""
-    engine = create_engine(sqlalchemy_url(url), pool_pre_ping=True, json_serializer=_json)
+    engine = create_engine(
+        sqlalchemy_url(url),
+        pool_pre_ping=True,
+        json_serializer=_json,
+        json_deserializer=orjson.loads,
+    )
     return engine, sessionmaker(engine, expire_on_commit=False)
 
 
