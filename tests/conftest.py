@@ -36,6 +36,7 @@ TEST_HOME = Path(__file__).resolve().parent.parent / ".flywheel" / "test"
 _MODEL_BUILDER = pytest.StashKey[subprocess.Popen[bytes]]()
 
 
+@pytest.hookimpl(trylast=True)  # after -k and -m have deselected what will not run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked `models(...)` run last, and the models they train start building now, in a
     niced background process (tests/models.py): minutes of one core each, taken while the other
