@@ -76,19 +76,16 @@ def export(
 ) -> Exported:
     """Write the rows to `path` (the format from its suffix unless `fmt`); a partial file is
     never left under that name (written next to it, renamed at the end)."""
-    if kind not in KINDS:  # (before a file is opened)
-        raise ValueError(f"kind must be one of {', '.join(KINDS)}, not {kind!r}")
     fmt = fmt or ("parquet" if path.suffix == ".parquet" else "jsonl")
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    q = query(kind, where or ExportFilter(), tokens=tokens)  # (before a file is opened)
     started = time.perf_counter()
     partial = path.with_name(f".{path.name}.partial")
     engine, sessions = database.create_sessions(database_url)
     try:
         with sessions() as session:
-            produced = rows(
-                kind, where or ExportFilter(), tokens=tokens, batch=batch, session=session
-            )
+            produced = rows(q, batch=batch, session=session)
             if fmt == "parquet":
                 count = write_parquet(produced, partial, columns(kind, tokens), batch)
             else:
@@ -135,16 +132,8 @@ def query(kind: str, where: ExportFilter, *, tokens: bool = False) -> Query:
     return Query(_PAIRS.format(where=" AND ".join(conditions)), params, _Pairer(public))
 
 
-def rows(
-    kind: str,
-    where: ExportFilter,
-    *,
-    tokens: bool = False,
-    batch: int = BATCH,
-    session: Session,
-) -> Iterator[dict[str, Any]]:
+def rows(q: Query, *, batch: int = BATCH, session: Session) -> Iterator[dict[str, Any]]:
     """The export's rows, read through a server-side cursor (`batch` rows a round trip)."""
-    q = query(kind, where, tokens=tokens)
     result = session.execute(text(q.sql), q.params, execution_options={"yield_per": batch})
     for row in result.mappings():
         out = q.shape(dict(row))
@@ -175,8 +164,15 @@ def _conditions(where: ExportFilter) -> tuple[list[str], dict[str, Any]]:
     return conditions, params
 
 
-# The prompt's messages from their digests, in order (a digest not found is a JSON null), and the
-# step rewards given to the call.
+# A call's prompt messages from its digests, in order (a digest not found is a JSON null), for
+# the row aliased `{row}`.
+_MESSAGES = """LEFT JOIN LATERAL (
+    SELECT coalesce(jsonb_agg(m.body ORDER BY d.ord), '[]') AS messages
+    FROM unnest({row}.message_digests) WITH ORDINALITY AS d(digest, ord)
+    LEFT JOIN message m ON m.digest = d.digest
+) msg"""
+
+# The calls, their messages and the step rewards given to them.
 _TRANSITIONS = """
 SELECT t.id, t.episode_id, t.task_id, t.agent_name, t.requested_at, t.route, t.status,
        t.model_used, t.policy_version, t.lineage, msg.messages, t.params, t.text, t.tool_calls,
@@ -185,18 +181,14 @@ SELECT t.id, t.episode_id, t.task_id, t.agent_name, t.requested_at, t.route, t.s
        st.step_rewards{tokens}
 FROM transition t
 JOIN episode e ON e.id = t.episode_id
-LEFT JOIN LATERAL (
-    SELECT coalesce(jsonb_agg(m.body ORDER BY d.ord), '[]') AS messages
-    FROM unnest(t.message_digests) WITH ORDINALITY AS d(digest, ord)
-    LEFT JOIN message m ON m.digest = d.digest
-) msg ON TRUE
+{messages} ON TRUE
 LEFT JOIN LATERAL (
     SELECT jsonb_agg(jsonb_build_object('reward', r.value, 'source', r.source) ORDER BY r.id)
         AS step_rewards
     FROM reward r WHERE r.transition_id = t.id
 ) st ON TRUE
 WHERE {where}
-ORDER BY t.requested_at, t.id"""
+ORDER BY t.requested_at, t.id""".replace("{messages}", _MESSAGES.format(row="t"))
 _TOKEN_COLUMNS = ", t.prompt_token_ids, t.completion_token_ids, t.logprobs"
 
 
@@ -279,13 +271,11 @@ WITH ranked AS (
 )
 SELECT r.*, msg.messages
 FROM ranked r
-LEFT JOIN LATERAL (
-    SELECT coalesce(jsonb_agg(m.body ORDER BY d.ord), '[]') AS messages
-    FROM unnest(r.message_digests) WITH ORDINALITY AS d(digest, ord)
-    LEFT JOIN message m ON m.digest = d.digest
-) msg ON r.best = 1
+{messages} ON r.best = 1
 WHERE (r.best = 1 OR r.worst = 1) AND r.spread > 0
-ORDER BY r.task_id, r.agent_name, r.message_digests, r.best"""
+ORDER BY r.task_id, r.agent_name, r.message_digests, r.best""".replace(
+    "{messages}", _MESSAGES.format(row="r")
+)
 
 
 class _Pairer:

@@ -47,6 +47,7 @@ from core.tables import Canary as CanaryRow
 from core.vllm import Unreachable, VLLMAdmin, VLLMError
 
 BASE_VERSION = 0  # the policy before any training: the base model itself
+MAX_VERSION = 2**31 - 1  # versions are int4 columns (adapter_version, transition.policy_version)
 DEFAULT_LINEAGE = "policy"
 # Lineage names appear in adapter names, directories, model names and metric labels.
 LINEAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
@@ -178,16 +179,17 @@ def named(name: str, *, session: Session) -> Adapter | None:
     return _adapter(row) if row else None
 
 
+def _pin(row: LineagePin) -> Pin:
+    return Pin(row.lineage, row.version, row.pinned_at, row.note)
+
+
 def pin_of(lineage: str, *, session: Session) -> Pin | None:
     row = session.get(LineagePin, lineage)
-    return Pin(row.lineage, row.version, row.pinned_at, row.note) if row else None
+    return _pin(row) if row else None
 
 
 def pins(*, session: Session) -> dict[str, Pin]:
-    return {
-        row.lineage: Pin(row.lineage, row.version, row.pinned_at, row.note)
-        for row in session.scalars(select(LineagePin))
-    }
+    return {row.lineage: _pin(row) for row in session.scalars(select(LineagePin))}
 
 
 def versions(*, session: Session, lineage: str | None = None) -> list[Adapter]:

@@ -22,7 +22,7 @@ from fastapi import APIRouter, Query, Request
 from sqlalchemy import text
 from starlette.responses import Response, StreamingResponse
 
-from core import export
+from core import export, policy
 from proxy.auth import principal_of
 from proxy.config import TAG_PATTERN
 from proxy.errors import ApiError
@@ -42,8 +42,8 @@ async def export_rows(
     until: datetime | None = None,
     agent: str | None = Query(None, pattern=TAG_PATTERN),
     task: str | None = Query(None, pattern=TAG_PATTERN),
-    version: int | None = Query(None, ge=0, le=2**31 - 1),
-    lineage: str | None = Query(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"),
+    version: int | None = Query(None, ge=0, le=policy.MAX_VERSION),
+    lineage: str | None = Query(None, pattern=f"^{policy.LINEAGE_NAME.pattern}$"),
     min_reward: float | None = Query(None, allow_inf_nan=False),
     max_reward: float | None = Query(None, allow_inf_nan=False),
     trained: bool | None = None,

@@ -44,7 +44,6 @@ MAX_TOKENS_SHOWN = 2048  # a completion's tokens coloured at most (one detokeniz
 # Filters are what could have been stored (a tag, a version): anything else is a 400, not a query.
 TAG_OR_EMPTY = f"{TAG_PATTERN}|^$"  # (the page's forms send empty fields)
 ID_PREFIX = r"^[A-Za-z0-9._:@+=-]{0,200}$"  # the start of an episode id
-MAX_VERSION = 2**31 - 1  # policy_version is an integer column
 
 # The JSON is in the OpenAPI schema (so bench/fuzz generates requests for it); the page is not.
 router = APIRouter()
@@ -147,7 +146,7 @@ async def list_episodes(
     q: str | None = Query(None, pattern=ID_PREFIX),
     task: str | None = Query(None, pattern=TAG_OR_EMPTY),
     agent: str | None = Query(None, pattern=TAG_OR_EMPTY),
-    version: int | None = Query(None, ge=0, le=MAX_VERSION),
+    version: int | None = Query(None, ge=0, le=policy.MAX_VERSION),
     min_reward: float | None = Query(None, allow_inf_nan=False),
     max_reward: float | None = Query(None, allow_inf_nan=False),
     since: datetime | None = None,
