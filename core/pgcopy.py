@@ -29,9 +29,15 @@ Columns = Sequence[tuple[str, str]]
 
 
 async def copy_insert(
-    session: AsyncSession, table: str, columns: Columns, rows: Sequence[Sequence[Any]]
+    session: AsyncSession,
+    table: str,
+    columns: Columns,
+    rows: Sequence[Sequence[Any]],
+    *,
+    on_conflict: str = "DO NOTHING",
 ) -> None:
-    """COPY `rows` into `table` within the session's transaction (the caller commits)."""
+    """COPY `rows` into `table` within the session's transaction (the caller commits); rows
+    there already get `ON CONFLICT {on_conflict}`."""
     names = ", ".join(f'"{name}"' for name, _ in columns)
     types = [pg_type for _, pg_type in columns]
     connection = await session.connection()
@@ -54,7 +60,8 @@ async def copy_insert(
         )
         await _copy(cursor, f"{table}_in", names, types, rows)
         await cursor.execute(
-            f"INSERT INTO {table} ({names}) SELECT {names} FROM {table}_in ON CONFLICT DO NOTHING"
+            f"INSERT INTO {table} ({names}) SELECT {names} FROM {table}_in "
+            f"ON CONFLICT {on_conflict}"
         )
 
 

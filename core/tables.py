@@ -7,17 +7,22 @@ Size matters here: a multi-turn episode repeats its history in every prompt. So
 - token ids and logprobs are packed little-endian int32 / float32 `bytea` (4 bytes a token),
   stored without compression (`UNCOMPRESSED`, migration 0003): pglz saved nothing on them and
   cost a third of Postgres's CPU per recorded transition.
+
+Kept in bounds: `transition` is partitioned by UTC day on `requested_at` (migration 0011;
+`core/partitions.py` makes the days, `core/retention.py` drops old ones), and `message.last_used`
+says until when a message may still be needed.
 """
 
 from __future__ import annotations
 
 import uuid
-from datetime import datetime
+from datetime import date, datetime
 from typing import Any, ClassVar
 
 from sqlalchemy import (
     BigInteger,
     Boolean,
+    Date,
     DateTime,
     Double,
     ForeignKey,
@@ -82,10 +87,16 @@ class Message(Base):
 
     digest: Mapped[bytes] = mapped_column(LargeBinary, primary_key=True)
     body: Mapped[dict[str, Any]]
+    # At least the UTC day of every transition that names it (the writer keeps it so): retention
+    # deletes the messages last used before the oldest day it keeps.
+    last_used: Mapped[date] = mapped_column(Date, server_default=func.current_date())
 
 
 class Transition(Base):
-    """One choice of one completion call: (input_t, output_t) of the paper, plus its return."""
+    """One choice of one completion call: (input_t, output_t) of the paper, plus its return.
+
+    Partitioned by day on `requested_at`, so the primary key has to contain it; `id` alone is
+    unique all the same (a uuid4 made by the proxy)."""
 
     __tablename__ = "transition"
 
@@ -95,7 +106,7 @@ class Transition(Base):
     choice_index: Mapped[int] = mapped_column(SmallInteger)
     task_id: Mapped[str | None] = mapped_column(Text)
     agent_name: Mapped[str | None] = mapped_column(Text)
-    requested_at: Mapped[datetime]
+    requested_at: Mapped[datetime] = mapped_column(primary_key=True)
     route: Mapped[str] = mapped_column(Text)  # "chat" | "completions" | "responses"
     status: Mapped[str] = mapped_column(Text)  # "ok" | "aborted" | "failed"
     http_status: Mapped[int] = mapped_column(SmallInteger)
@@ -144,6 +155,7 @@ class Transition(Base):
                 "AND skip_reason IS NULL"
             ),
         ),
+        {"postgresql_partition_by": "RANGE (requested_at)"},
     )
 
 
@@ -154,7 +166,9 @@ class Reward(Base):
 
     id: Mapped[int] = mapped_column(BigInteger, Identity(), primary_key=True)
     episode_id: Mapped[str] = mapped_column(ForeignKey("episode.id"), index=True)
-    transition_id: Mapped[uuid.UUID | None] = mapped_column(ForeignKey("transition.id"), index=True)
+    # No foreign key: `transition` is partitioned (migration 0011); retention deletes the step
+    # rewards of the transitions it drops.
+    transition_id: Mapped[uuid.UUID | None] = mapped_column(Uuid, index=True)
     value: Mapped[float] = mapped_column(Double)
     # Who gave it: NULL (the application, unsaid), "air" (the proxy's own, proxy/air.py), or
     # what the client posted (e.g. "tool" for a tool run it saw fail).

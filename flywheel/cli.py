@@ -11,6 +11,7 @@
     flywheel keys create --tenant T [--scopes infer,reward,read] [--name N]   # prints the key once
     flywheel keys list | flywheel keys revoke ID
     flywheel export OUT.jsonl|OUT.parquet [--kind transitions|sft|pairs] [--tokens] [filters]
+    flywheel retain --days N [--archive DIR] [--include-untrained] [--dry-run]   # drop old days
     flywheel migrate [--database-url URL]
     flywheel up [--port P] [--task calc|calc-tools|sql]   # the whole local loop, embedded defaults
     flywheel demo-model DIR             # generate the tiny demo model
@@ -33,7 +34,7 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 from sqlalchemy.exc import SQLAlchemyError
 
-from core import canary, database, policy, tenants
+from core import canary, database, policy, retention, tenants
 from core.export import FORMATS, KINDS, ExportFilter, export
 from core.settings import DatabaseSettings, vllm_base_urls
 from core.tenants import OPERATOR, Principal
@@ -100,6 +101,19 @@ def main(argv: list[str] | None = None) -> None:
     export.add_argument("--trained", choices=["yes", "no"], help="trained on already, or not yet")
     export.add_argument("--database-url")
 
+    retain = commands.add_parser(
+        "retain", help="drop (or archive, then drop) recorded days older than N (core/retention.py)"
+    )
+    retain.add_argument(
+        "--days", type=int, required=True, help="whole UTC days kept, besides today"
+    )
+    retain.add_argument("--archive", type=Path, help="export each day to DIR/<day>.parquet first")
+    retain.add_argument(
+        "--include-untrained", action="store_true", help="drop days a trainer has not used yet"
+    )
+    retain.add_argument("--dry-run", action="store_true", help="say what would go; change nothing")
+    retain.add_argument("--database-url")
+
     migrate = commands.add_parser("migrate", help="apply the database migrations and exit")
     migrate.add_argument("--database-url")
 
@@ -140,6 +154,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.command == "export":
         _export(args, _settings(DatabaseSettings, given))
+        return
+    if args.command == "retain":
+        _retain(args, _settings(DatabaseSettings, given))
         return
     if args.command == "migrate":  # needs the database only (no proxy settings to check)
         db = _settings(DatabaseSettings, given)
@@ -323,6 +340,45 @@ def _export(args: argparse.Namespace, settings: DatabaseSettings) -> None:
         sys.exit(f"flywheel export: {e}")
     rate = done.rows / done.seconds if done.seconds else 0.0
     print(f"{done.rows} {args.kind} rows to {done.path} in {done.seconds:.1f} s ({rate:,.0f}/s)")
+
+
+def _retain(args: argparse.Namespace, settings: DatabaseSettings) -> None:
+    url = database.resolve_url(settings.database_url, settings.home)
+    engine, _ = database.create_sessions(url)
+
+    def say(d: retention.Decision) -> None:
+        what = {"drop": "archived and dropped" if d.archive else "dropped"}.get(d.action, d.action)
+        if args.dry_run and d.action == "drop":
+            what = "would drop"
+        reason = f": {d.reason}" if d.reason else ""
+        print(f"{d.partition.name}: {d.rows} transitions, {_mib(d.bytes)} -> {what}{reason}")
+
+    try:
+        done = retention.retain(
+            engine,
+            url,
+            days=args.days,
+            archive=args.archive,
+            include_untrained=args.include_untrained,
+            dry_run=args.dry_run,
+            on_decision=say,
+        )
+    except (OSError, ValueError, SQLAlchemyError) as e:
+        sys.exit(f"flywheel retain: {e}")
+    finally:
+        engine.dispose()
+    print(f"cutoff {done.cutoff:%Y-%m-%d %H:%M} UTC; {len(done.decisions)} days older")
+    if not args.dry_run:
+        print(
+            f"deleted {done.episodes} episodes, {done.rewards} of their rewards, "
+            f"{done.messages} messages"
+        )
+    for table, before in done.bytes_before.items():
+        print(f"  {table}: {_mib(before)} -> {_mib(done.bytes_after[table])}")
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
 
 
 def _canary_line(row: Any) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine, pool
 
+from core.partitions import is_partition
 from core.tables import Base
 
 config = context.config
@@ -25,6 +26,7 @@ with engine.connect() as connection:
         target_metadata=Base.metadata,
         compare_type=True,
         transaction_per_migration=True,
+        include_name=lambda name, type_, _: not (type_ == "table" and is_partition(name or "")),
     )
     with context.begin_transaction():
         context.run_migrations()

@@ -101,6 +101,24 @@ class ProxySettings(DatabaseSettings):
         " Unset: off.",
     )
     otel_service_name: str = Field("flywheel-proxy", description="The spans' service.name.")
+    retention_days: int | None = Field(
+        None,
+        ge=1,
+        description="Drop recorded days older than this many whole UTC days (core/retention.py;"
+        " days a trainer has not used yet are kept). Unset: keep everything. The command "
+        "`flywheel retain` does the same by hand.",
+    )
+    retention_archive_dir: Path | None = Field(
+        None,
+        description="With FLYWHEEL_RETENTION_DAYS: export each day to DIR/<partition>.parquet "
+        "(with token ids) before dropping it.",
+    )
+    maintenance_s: float = Field(
+        3600.0,
+        gt=0,
+        description="How often one proxy makes the coming days' partitions of `transition` "
+        "(core/partitions.py) and applies FLYWHEEL_RETENTION_DAYS; also once at start-up.",
+    )
     writer_batch_size: int = Field(500, ge=1, description="Most transitions per database write.")
     journal_retry_s: float = Field(
         1.0, gt=0, description="While Postgres is unreachable, how often a journal replay is tried."

@@ -22,8 +22,10 @@ import logging
 import time
 from collections import deque
 from collections.abc import Iterator
+from datetime import UTC, date, datetime
 
 import orjson
+import psycopg
 from sqlalchemy import exc as sa_exc
 
 from core.database import AsyncSessions
@@ -35,7 +37,15 @@ from proxy.tracing import Spans
 log = logging.getLogger(__name__)
 
 # Errors that mean "Postgres is not there right now", as opposed to "Postgres refused this row".
-OUTAGE_ERRORS = (sa_exc.OperationalError, sa_exc.InterfaceError, OSError, TimeoutError)
+# psycopg's own: COPY runs on the driver's connection, unwrapped by SQLAlchemy. Its
+# OperationalError includes a deadlock or a lock timeout: the batch is fine, only unlucky.
+OUTAGE_ERRORS = (
+    sa_exc.OperationalError,
+    sa_exc.InterfaceError,
+    psycopg.OperationalError,
+    OSError,
+    TimeoutError,
+)
 WRITE_TIMEOUT_S = 15.0  # a write hanging longer than this is an outage: journal and move on
 REPLAY_CHUNK = 5000
 # Batches written at once, each on its own connection: while Postgres writes one, Python packs
@@ -43,7 +53,8 @@ REPLAY_CHUNK = 5000
 WRITERS = 2
 # Digests of messages this process knows are committed, so it does not send them again (a system
 # prompt or an episode's history repeats in batch after batch). Forgotten when full or after an
-# outage (the database may come back restored from a backup); messages are never deleted.
+# outage (the database may come back restored from a backup) and when the UTC day changes
+# (retention deletes messages by their `last_used` day: core/retention.py).
 STORED_MESSAGES_MAX = 200_000
 # How long a reward or an episode read waits for this process's transitions to leave the queue.
 STORED_WAIT_S = 10.0
@@ -76,6 +87,7 @@ class Recorder:
         self._unstored: dict[str, set[str]] = {}  # episode id -> transition ids not in Postgres
         self._watched: dict[str, asyncio.Future[None]] = {}  # durable mode: id -> "it is safe"
         self._stored_messages: set[bytes] = set()  # digests known committed (STORED_MESSAGES_MAX)
+        self._stored_day = date.min  # the UTC day the cache above holds for
         self._wake = asyncio.Event()
         self._stored = asyncio.Event()  # set and replaced after every write: "look again"
         self._stopping = False
@@ -236,6 +248,13 @@ class Recorder:
         return True
 
     async def _insert(self, records: list[TransitionRecord]) -> None:
+        # The cache of stored messages holds for one UTC day: what it was sent on marks each
+        # message used until at least that day, and retention keeps every message used within
+        # a day of the oldest transition it keeps (core/retention.py).
+        today = datetime.now(UTC).date()
+        if today != self._stored_day:
+            self._stored_messages.clear()
+            self._stored_day = today
         try:
             async with asyncio.timeout(WRITE_TIMEOUT_S), self._sessionmaker.begin() as session:
                 sent = await store.insert_transitions(
@@ -244,13 +263,15 @@ class Recorder:
                     gamma=self._gamma,
                     air_penalty=self._air_penalty,
                     stored_messages=self._stored_messages,
+                    today=today,
                 )
         except OUTAGE_ERRORS:
             self._stored_messages.clear()
             raise
         if len(self._stored_messages) + len(sent) > STORED_MESSAGES_MAX:
             self._stored_messages.clear()
-        self._stored_messages.update(sent)  # committed: the block above has exited cleanly
+        if today == self._stored_day:  # (another writer may have begun the next day meanwhile)
+            self._stored_messages.update(sent)  # committed: the block above exited cleanly
         for r in records:
             metrics.transitions_recorded.labels(r.status).inc()
 

@@ -2,7 +2,8 @@
 typed object: `ServicesDep` for FastAPI routes, `services_of(app)` for the edge's fast lane.
 
 Start-up: find the database (configured or embedded), migrate it, start the background writer
-(replaying any journal left from before), the upstream client, the alias and the replica probes.
+(replaying any journal left from before), the upstream client, the alias, the replica probes and
+the housekeeping of partitions and retention (proxy/maintenance.py).
 Shutdown, in reverse: probes stop, records still being scored (proxy/scoring.py) are handed to
 the writer, the alias stops, then every recorded transition is flushed (to Postgres, or to the
 journal if Postgres can't take them), then connections close.
@@ -26,6 +27,7 @@ from proxy.auth import KeyRing
 from proxy.config import ProxySettings
 from proxy.forward import Forwarder
 from proxy.journal import Journal
+from proxy.maintenance import Maintenance
 from proxy.recorder import Recorder
 from proxy.replicas import ReplicaKeeper
 from proxy.scoring import Scorer
@@ -91,6 +93,8 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
     await alias.start()
     keeper = ReplicaKeeper(upstream, alias, probe_s=settings.replica_probe_s)
     await keeper.start()
+    maintenance = Maintenance(settings, url)
+    await maintenance.start()
     scorer = Scorer(upstream, recorder)
     check = None if settings.air_penalty is None else ToolCheck(settings.air_tool_call_marker)
     try:
@@ -104,6 +108,7 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
             spans,
         )  # fmt: skip
     finally:
+        await maintenance.stop()
         await keys.stop()
         await keeper.stop()
         await scorer.stop()  # hands its last records to the writer

@@ -11,6 +11,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Container
 from dataclasses import dataclass
+from datetime import UTC, date, datetime
 from typing import Any
 
 from psycopg.types.json import Jsonb
@@ -45,7 +46,12 @@ async def lock_episodes(episodes: dict[str, str | None], *, session: AsyncSessio
     )
 
 
-MESSAGE_COLUMNS = (("digest", "bytea"), ("body", "jsonb"))
+MESSAGE_COLUMNS = (("digest", "bytea"), ("body", "jsonb"), ("last_used", "date"))
+# A message stored already is marked used until at least this batch's day (core/retention.py).
+MESSAGE_CONFLICT = (
+    "(digest) DO UPDATE SET last_used = excluded.last_used "
+    "WHERE message.last_used < excluded.last_used"
+)
 
 
 async def insert_transitions(
@@ -55,13 +61,19 @@ async def insert_transitions(
     gamma: float | None,
     air_penalty: float | None = None,
     stored_messages: Container[bytes] = frozenset(),
+    today: date | None = None,
 ) -> list[bytes]:
     """Write recorded transitions (idempotent by id: journal replays may repeat some), with an
     `air` reward of -air_penalty for each one whose tool calls AIR found wrong (proxy/air.py).
 
-    Messages whose digest is in `stored_messages` (known to be committed already) are not sent
-    again. Returns the digests of the messages it sent: stored once the caller commits.
+    Messages whose digest is in `stored_messages` (known to be committed already, with a
+    `last_used` of `today` or later) are not sent again; the ones sent are marked used until at
+    least `today` (UTC, by default now) and the day of every record. Returns the digests of the
+    messages it sent: stored once the caller commits.
     """
+    today = today or datetime.now(UTC).date()
+    newest = datetime.fromtimestamp(max((r.requested_at for r in records), default=0), UTC)
+    last_used = max(today, newest.date())
     episodes: dict[str, str | None] = {}
     for r in records:
         episodes[r.episode_id] = episodes.get(r.episode_id) or r.task_id
@@ -91,7 +103,13 @@ async def insert_transitions(
         rows.append(copy_row(r, packed, packed_prompt_ids[id(prompt_ids)]))
     if messages:
         # In digest order: two writers inserting the same new messages never deadlock.
-        await copy_insert(session, "message", MESSAGE_COLUMNS, sorted(messages.items()))
+        await copy_insert(
+            session,
+            "message",
+            MESSAGE_COLUMNS,
+            [(digest, body, last_used) for digest, body in sorted(messages.items())],
+            on_conflict=MESSAGE_CONFLICT,
+        )
     await copy_insert(session, "transition", TRANSITION_COLUMNS, rows)
     if air_penalty is not None:
         await add_air_rewards([r for r in records if r.tool_errors], -air_penalty, session=session)

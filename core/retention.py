@@ -1,0 +1,210 @@
+"""`flywheel retain` and the proxy's FLYWHEEL_RETENTION_DAYS: drop (or archive, then drop) the
+daily partitions of `transition` older than N days, and what only they used.
+
+- A partition that still holds untrained transitions a trainer would use (credited, trainable,
+  served by a lineage) is kept unless `include_untrained`: the trainer has not had them yet.
+- With `archive`, a partition is first exported (core/export.py, with token ids) to
+  `<archive>/<partition>.parquet`, and dropped only if it still holds exactly those rows.
+- With a partition go its transitions' step rewards (no foreign key can reach a partitioned
+  table), then every episode older than the cutoff that has no transition left (with its
+  rewards), then every message last used before the oldest day still kept, less one day for
+  clocks that disagree. The writer keeps `message.last_used` at or after the day of every
+  transition naming it and trusts its cache of stored messages for one day only
+  (proxy/recorder.py), so no message a transition still names, or one a writer is about to
+  name, is deleted.
+
+Each step is its own short transaction; the lock on `transition` is taken with a timeout, so a
+long reader (an export) makes retention give up and try on the next run instead of stalling the
+writer behind it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime
+from pathlib import Path
+
+from sqlalchemy import Engine
+from sqlalchemy.exc import OperationalError
+
+from core import export, partitions
+from core.partitions import DAY, PARENT, Partition
+
+log = logging.getLogger("flywheel.retention")
+
+BATCH = 10_000  # episodes or messages deleted per transaction
+# Untrained rows that a trainer would claim (trainer/store.py `_QUEUED`, less its filters).
+_UNTRAINED = (
+    "status = 'ok' AND credited_at IS NOT NULL AND trained_at IS NULL AND skip_reason IS NULL "
+    "AND lineage IS NOT NULL"
+)
+TABLES = ("transition", "message", "episode", "reward")
+
+
+@dataclass(frozen=True)
+class Decision:
+    partition: Partition
+    rows: int
+    bytes: int
+    untrained: int
+    action: str  # "drop" | "keep" | "failed"
+    reason: str = ""
+    archive: Path | None = None
+    rewards: int = 0  # its transitions' step rewards, deleted with it
+
+
+@dataclass
+class Retained:
+    cutoff: datetime
+    decisions: list[Decision] = field(default_factory=list)
+    episodes: int = 0  # deleted
+    rewards: int = 0  # deleted: step rewards of dropped transitions, rewards of deleted episodes
+    messages: int = 0
+    bytes_before: dict[str, int] = field(default_factory=dict)
+    bytes_after: dict[str, int] = field(default_factory=dict)
+
+
+def sizes(engine: Engine) -> dict[str, int]:
+    """Bytes on disk of each table, indexes and TOAST included (`transition`: all partitions).
+    One relation a statement, in autocommit: holding one partition's lock while waiting for
+    another's would deadlock with DDL that takes them the other way round."""
+    out = {}
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        for table in TABLES:
+            relations = conn.exec_driver_sql(
+                "SELECT relid::text FROM pg_partition_tree(%(t)s::regclass)", {"t": table}
+            ).scalars()
+            out[table] = sum(
+                conn.exec_driver_sql(  # (one dropped meanwhile is NULL: 0)
+                    "SELECT coalesce(pg_total_relation_size(to_regclass(%(r)s)), 0)", {"r": r}
+                ).scalar_one()
+                for r in list(relations)
+            )
+    return out
+
+
+def retain(
+    engine: Engine,
+    database_url: str,
+    *,
+    days: int,
+    now: datetime | None = None,
+    archive: Path | None = None,
+    include_untrained: bool = False,
+    dry_run: bool = False,
+    lock_timeout_s: float = partitions.LOCK_TIMEOUT_S,
+    on_decision: Callable[[Decision], None] = lambda d: None,
+) -> Retained:
+    """Keep the last `days` whole UTC days (and today); see the module's doc for what goes."""
+    if days < 1:
+        raise ValueError("days must be at least 1")
+    now = now or datetime.now(UTC)
+    cutoff = partitions.start_of(now.astimezone(UTC).date() - days * DAY)
+    result = Retained(cutoff, bytes_before=sizes(engine))
+    if not dry_run:  # the default partition's rows into their days' partitions first
+        today = now.astimezone(UTC).date()
+        partitions.ensure(engine, today=today, ahead=0, lock_timeout_s=lock_timeout_s)
+    with engine.begin() as conn:
+        old = [p for p in partitions.partitions(conn) if p.hi <= cutoff]
+    for p in old:
+        decision = _decide(engine, p, include_untrained)
+        if decision.action == "drop" and not dry_run:
+            decision = _drop(engine, database_url, decision, archive, lock_timeout_s)
+        result.decisions.append(decision)
+        on_decision(decision)
+    if not dry_run:
+        result.episodes, rewards = _prune_episodes(engine, cutoff)
+        result.rewards = rewards + sum(d.rewards for d in result.decisions)
+        result.messages = _prune_messages(engine, now.astimezone(UTC).date())
+    result.bytes_after = sizes(engine)
+    return result
+
+
+def _decide(engine: Engine, p: Partition, include_untrained: bool) -> Decision:
+    with engine.begin() as conn:
+        rows, size, untrained = conn.exec_driver_sql(
+            f"SELECT (SELECT count(*) FROM {p.name}), pg_total_relation_size('{p.name}'), "
+            f"(SELECT count(*) FROM {p.name} WHERE {_UNTRAINED})"
+        ).one()
+    if untrained and not include_untrained:
+        reason = f"{untrained} untrained transitions (--include-untrained drops them)"
+        return Decision(p, rows, size, untrained, "keep", reason)
+    return Decision(p, rows, size, untrained, "drop")
+
+
+def _drop(
+    engine: Engine, database_url: str, d: Decision, archive: Path | None, lock_timeout_s: float
+) -> Decision:
+    p = d.partition
+    path = None
+    if archive is not None:
+        archive.mkdir(parents=True, exist_ok=True)
+        path = archive / f"{p.name}.parquet"
+        where = export.ExportFilter(since=p.lo, until=p.hi)
+        written = export.export(database_url, path, where=where, tokens=True).rows
+    try:
+        with engine.begin() as conn:
+            partitions.lock_for_ddl(conn, lock_timeout_s)  # from here nothing enters it
+            conn.exec_driver_sql(f"LOCK TABLE {p.name} IN ACCESS EXCLUSIVE MODE")
+            rows, untrained = conn.exec_driver_sql(
+                f"SELECT count(*), count(*) FILTER (WHERE {_UNTRAINED}) FROM {p.name}"
+            ).one()
+            if untrained > d.untrained or (path is not None and rows != written):
+                conn.rollback()
+                return _failed(d, "it changed while being decided on or archived; next run")
+            rewards = conn.exec_driver_sql(
+                f"DELETE FROM reward r USING {p.name} t WHERE r.transition_id = t.id"
+            ).rowcount
+            conn.exec_driver_sql(f"DROP TABLE {p.name}")
+    except OperationalError as e:  # the lock timeout, mostly
+        return _failed(d, f"{type(e.orig).__name__}: {str(e.orig).strip()}; next run")
+    return Decision(p, rows, d.bytes, untrained, "drop", archive=path, rewards=rewards)
+
+
+def _failed(d: Decision, reason: str) -> Decision:
+    log.warning("retention kept %s: %s", d.partition.name, reason)
+    return Decision(d.partition, d.rows, d.bytes, d.untrained, "failed", reason)
+
+
+def _prune_episodes(engine: Engine, cutoff: datetime) -> tuple[int, int]:
+    """Episodes begun before the cutoff with no transition left, and their rewards."""
+    episodes = rewards = 0
+    while True:
+        with engine.begin() as conn:
+            ids = list(
+                conn.exec_driver_sql(
+                    "SELECT id FROM episode e WHERE created_at < %(cutoff)s AND NOT EXISTS "
+                    f"(SELECT 1 FROM {PARENT} t WHERE t.episode_id = e.id) "
+                    "ORDER BY created_at LIMIT %(n)s FOR UPDATE SKIP LOCKED",
+                    {"cutoff": cutoff, "n": BATCH},
+                ).scalars()
+            )
+            if not ids:
+                return episodes, rewards
+            rewards += conn.exec_driver_sql(
+                "DELETE FROM reward WHERE episode_id = ANY(%(ids)s)", {"ids": ids}
+            ).rowcount
+            episodes += conn.exec_driver_sql(
+                "DELETE FROM episode WHERE id = ANY(%(ids)s)", {"ids": ids}
+            ).rowcount
+        if len(ids) < BATCH:
+            return episodes, rewards
+
+
+def _prune_messages(engine: Engine, today: date) -> int:
+    with engine.begin() as conn:
+        oldest = conn.exec_driver_sql(f"SELECT min(requested_at) FROM {PARENT}").scalar()
+    keep_from = min(today, oldest.astimezone(UTC).date() if oldest else today) - DAY
+    deleted = 0
+    while True:
+        with engine.begin() as conn:
+            n = conn.exec_driver_sql(
+                "DELETE FROM message WHERE ctid = ANY(ARRAY(SELECT ctid FROM message "
+                "WHERE last_used < %(day)s LIMIT %(n)s))",
+                {"day": keep_from, "n": BATCH},
+            ).rowcount
+        deleted += n
+        if n < BATCH:
+            return deleted

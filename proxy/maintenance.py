@@ -1,0 +1,81 @@
+"""The proxy's housekeeping: at start-up and every FLYWHEEL_MAINTENANCE_S, the coming days'
+partitions of `transition` (core/partitions.py) and, with FLYWHEEL_RETENTION_DAYS, retention
+(core/retention.py).
+
+One replica at a time does it (a session advisory lock; the others skip that round). The work
+is sync SQL and DDL on a small engine of its own, run in a thread: nothing here waits on the
+event loop that serves calls, and nothing there waits on it (recording goes to the default
+partition when a day's partition is missing).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from datetime import UTC, datetime
+
+from sqlalchemy import create_engine, pool
+
+from core import database, partitions, retention
+from proxy.config import ProxySettings
+
+log = logging.getLogger("flywheel.maintenance")
+
+LOCK = 7239012  # pg_try_advisory_lock key (migrations use 7239011)
+
+
+class Maintenance:
+    def __init__(self, settings: ProxySettings, database_url: str) -> None:
+        self._settings = settings
+        self._url = database_url
+        self._engine = create_engine(database.sqlalchemy_url(database_url), poolclass=pool.NullPool)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="flywheel-maintenance")
+
+    async def stop(self) -> None:
+        if self._task:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        self._engine.dispose()
+
+    async def _run(self) -> None:
+        while True:
+            try:
+                await asyncio.to_thread(self.once)
+            except Exception:  # Postgres down, a lock timeout: the next round tries again
+                log.exception(
+                    "maintenance failed; next try in %.0f s", self._settings.maintenance_s
+                )
+            await asyncio.sleep(self._settings.maintenance_s)
+
+    def once(self) -> retention.Retained | None:
+        """One round, if no other replica is at it; returns what retention did (None: none)."""
+        with self._engine.connect().execution_options(isolation_level="AUTOCOMMIT") as lock:
+            if not lock.exec_driver_sql(f"SELECT pg_try_advisory_lock({LOCK})").scalar():
+                return None
+            try:
+                made = partitions.ensure(self._engine, today=datetime.now(UTC).date())
+                if made:
+                    log.info("made partitions %s", ", ".join(made))
+                days = self._settings.retention_days
+                if days is None:
+                    return None
+                done = retention.retain(
+                    self._engine,
+                    self._url,
+                    days=days,
+                    archive=self._settings.retention_archive_dir,
+                )
+                for d in done.decisions:
+                    log.info(
+                        "retention: %s, %d rows: %s %s",
+                        d.partition.name,
+                        d.rows,
+                        d.action,
+                        d.reason,
+                    )
+                return done
+            finally:
+                lock.exec_driver_sql(f"SELECT pg_advisory_unlock({LOCK})")
