@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -27,7 +28,7 @@ import psycopg
 from sqlalchemy import text
 
 from bench.common import append_section, bench_database
-from core import database
+from core import database, partitions
 from core.tenants import OPERATOR, Principal
 from proxy import dashboard, store
 
@@ -38,6 +39,10 @@ CALLS_PER_EPISODE = 4
 def fill(url: str, transitions: int, days: float) -> None:
     episodes = transitions // CALLS_PER_EPISODE
     span_s = days * 86400
+    engine, _ = database.create_sessions(url)  # the days' partitions, as the proxy makes them
+    today = datetime.now(UTC).date()
+    partitions.ensure(engine, today=today - timedelta(days=math.ceil(days)), ahead=int(days) + 2)
+    engine.dispose()
     with psycopg.connect(url, autocommit=True) as conn:
         # A tenant's share (every 10th episode) is stored namespaced, as the proxy stores it.
         conn.execute(

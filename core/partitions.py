@@ -115,10 +115,8 @@ def _make(engine: Engine, day: date, lock_timeout_s: float) -> None:
 
 
 def lock_for_ddl(conn: Connection, lock_timeout_s: float) -> None:
-    """The locks that making or dropping a partition takes, taken first and in the order a
-    writer takes them (proxy/store.py: `episode`, then `transition`), or a writer holding
-    `episode` and waiting for `transition` deadlocks with the DDL, which needs `episode` for its
-    foreign key's triggers. Gives up after `lock_timeout_s` (LockNotAvailable)."""
+    """The lock that making or dropping a partition takes on the parent, taken first (a writer
+    takes the parent before a partition too), giving up after `lock_timeout_s`
+    (LockNotAvailable) rather than queue every writer behind a long reader."""
     conn.exec_driver_sql(f"SET LOCAL lock_timeout = '{int(lock_timeout_s * 1000)}ms'")
-    conn.exec_driver_sql("LOCK TABLE episode IN SHARE ROW EXCLUSIVE MODE")
     conn.exec_driver_sql(f"LOCK TABLE ONLY {PARENT} IN ACCESS EXCLUSIVE MODE")

@@ -21,6 +21,7 @@ writer behind it.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, date, datetime
@@ -64,6 +65,7 @@ class Retained:
     messages: int = 0
     bytes_before: dict[str, int] = field(default_factory=dict)
     bytes_after: dict[str, int] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)  # by step: days, episodes, messages
 
 
 def sizes(engine: Engine) -> dict[str, int]:
@@ -73,14 +75,14 @@ def sizes(engine: Engine) -> dict[str, int]:
     out = {}
     with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
         for table in TABLES:
-            relations = conn.exec_driver_sql(
+            relations = conn.exec_driver_sql(  # (none when it is not partitioned)
                 "SELECT relid::text FROM pg_partition_tree(%(t)s::regclass)", {"t": table}
             ).scalars()
             out[table] = sum(
                 conn.exec_driver_sql(  # (one dropped meanwhile is NULL: 0)
                     "SELECT coalesce(pg_total_relation_size(to_regclass(%(r)s)), 0)", {"r": r}
                 ).scalar_one()
-                for r in list(relations)
+                for r in list(relations) or [table]
             )
     return out
 
@@ -108,16 +110,22 @@ def retain(
         partitions.ensure(engine, today=today, ahead=0, lock_timeout_s=lock_timeout_s)
     with engine.begin() as conn:
         old = [p for p in partitions.partitions(conn) if p.hi <= cutoff]
+    started = time.perf_counter()
     for p in old:
         decision = _decide(engine, p, include_untrained)
         if decision.action == "drop" and not dry_run:
             decision = _drop(engine, database_url, decision, archive, lock_timeout_s)
         result.decisions.append(decision)
         on_decision(decision)
+    result.seconds["days"] = time.perf_counter() - started
     if not dry_run:
+        started = time.perf_counter()
         result.episodes, rewards = _prune_episodes(engine, cutoff)
         result.rewards = rewards + sum(d.rewards for d in result.decisions)
+        result.seconds["episodes"] = time.perf_counter() - started
+        started = time.perf_counter()
         result.messages = _prune_messages(engine, now.astimezone(UTC).date())
+        result.seconds["messages"] = time.perf_counter() - started
     result.bytes_after = sizes(engine)
     return result
 
@@ -154,8 +162,8 @@ def _drop(
             if untrained > d.untrained or (path is not None and rows != written):
                 conn.rollback()
                 return _failed(d, "it changed while being decided on or archived; next run")
-            rewards = conn.exec_driver_sql(
-                f"DELETE FROM reward r USING {p.name} t WHERE r.transition_id = t.id"
+            rewards = conn.exec_driver_sql(  # (by the index: a join would read all rewards)
+                f"DELETE FROM reward WHERE transition_id = ANY(ARRAY(SELECT id FROM {p.name}))"
             ).rowcount
             conn.exec_driver_sql(f"DROP TABLE {p.name}")
     except OperationalError as e:  # the lock timeout, mostly
@@ -168,29 +176,38 @@ def _failed(d: Decision, reason: str) -> Decision:
     return Decision(d.partition, d.rows, d.bytes, d.untrained, "failed", reason)
 
 
+# Episodes retention may delete: begun before the cutoff, and with no call left. Those whose
+# newest call is older than the cutoff need looking only in the old days (a partition bound:
+# the days kept for their untrained rows, usually none); those without `last_call_at` (none
+# recorded since migration 0011, or rewards only) in every day. Both conditions are re-checked
+# on the row under its lock (a writer recording a call moves `last_call_at` under that lock).
+_DOOMED = """
+SELECT id FROM episode e
+WHERE created_at < %(cutoff)s AND {last_call}
+  AND NOT EXISTS (SELECT 1 FROM transition t WHERE t.episode_id = e.id {bound})
+ORDER BY created_at LIMIT %(n)s FOR UPDATE OF e SKIP LOCKED"""
+_DOOMED_QUERIES = (
+    _DOOMED.format(last_call="last_call_at < %(cutoff)s", bound="AND t.requested_at < %(cutoff)s"),
+    _DOOMED.format(last_call="last_call_at IS NULL", bound=""),
+)
+
+
 def _prune_episodes(engine: Engine, cutoff: datetime) -> tuple[int, int]:
-    """Episodes begun before the cutoff with no transition left, and their rewards."""
+    """Episodes begun before the cutoff with no call left, and their rewards."""
     episodes = rewards = 0
-    while True:
-        with engine.begin() as conn:
-            ids = list(
-                conn.exec_driver_sql(
-                    "SELECT id FROM episode e WHERE created_at < %(cutoff)s AND NOT EXISTS "
-                    f"(SELECT 1 FROM {PARENT} t WHERE t.episode_id = e.id) "
-                    "ORDER BY created_at LIMIT %(n)s FOR UPDATE SKIP LOCKED",
-                    {"cutoff": cutoff, "n": BATCH},
-                ).scalars()
-            )
-            if not ids:
-                return episodes, rewards
-            rewards += conn.exec_driver_sql(
-                "DELETE FROM reward WHERE episode_id = ANY(%(ids)s)", {"ids": ids}
-            ).rowcount
-            episodes += conn.exec_driver_sql(
-                "DELETE FROM episode WHERE id = ANY(%(ids)s)", {"ids": ids}
-            ).rowcount
-        if len(ids) < BATCH:
-            return episodes, rewards
+    for doomed in _DOOMED_QUERIES:
+        while True:
+            with engine.begin() as conn:
+                ids = list(conn.exec_driver_sql(doomed, {"cutoff": cutoff, "n": BATCH}).scalars())
+                rewards += conn.exec_driver_sql(
+                    "DELETE FROM reward WHERE episode_id = ANY(%(ids)s)", {"ids": ids}
+                ).rowcount
+                episodes += conn.exec_driver_sql(
+                    "DELETE FROM episode WHERE id = ANY(%(ids)s)", {"ids": ids}
+                ).rowcount
+            if len(ids) < BATCH:
+                break
+    return episodes, rewards
 
 
 def _prune_messages(engine: Engine, today: date) -> int:

@@ -75,6 +75,8 @@ class Episode(Base):
     created_at: Mapped[datetime] = mapped_column(server_default=func.now())
     final_reward: Mapped[float | None] = mapped_column(Double)
     final_reward_at: Mapped[datetime | None]
+    # Its newest call's requested_at (the writer moves it up); NULL: none recorded since 0011.
+    last_call_at: Mapped[datetime | None]
 
     # The dashboard's episode list, newest first, a keyset page at a time.
     __table_args__ = (Index("ix_episode_created_at", "created_at", "id"),)
@@ -101,7 +103,10 @@ class Transition(Base):
     __tablename__ = "transition"
 
     id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True)
-    episode_id: Mapped[str] = mapped_column(ForeignKey("episode.id"))
+    # No foreign key (0011): the writer creates the episode in the same transaction, and
+    # retention deletes one only with no call left; the check cost a probe of every partition
+    # per deleted episode (and a lookup per recorded row).
+    episode_id: Mapped[str] = mapped_column(Text)
     request_id: Mapped[uuid.UUID] = mapped_column(Uuid)
     choice_index: Mapped[int] = mapped_column(SmallInteger)
     task_id: Mapped[str | None] = mapped_column(Text)

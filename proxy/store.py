@@ -29,20 +29,33 @@ from proxy.schemas import RewardIn
 # --- recording (the background writer) -------------------------------------------------------
 
 
-async def lock_episodes(episodes: dict[str, str | None], *, session: AsyncSession) -> None:
-    """Create missing episode rows and row-lock all of them, in id order (no deadlocks)."""
+async def lock_episodes(
+    episodes: dict[str, str | None],
+    *,
+    session: AsyncSession,
+    last_calls: dict[str, float] | None = None,
+) -> None:
+    """Create missing episode rows and row-lock all of them, in id order (no deadlocks); with
+    `last_calls` (unix seconds by episode), move each one's `last_call_at` up to its newest.
+
+    Retention deletes an episode only while its `last_call_at` is older than its cutoff, under
+    this same row lock (core/retention.py): a call being written keeps its episode."""
     if not episodes:
         return
     ids = sorted(episodes)
-    # Two array parameters, not a VALUES row per episode: a batch of interleaved episodes has
+    times = [
+        None if last_calls is None else datetime.fromtimestamp(last_calls[i], UTC) for i in ids
+    ]
+    # Array parameters, not a VALUES row per episode: a batch of interleaved episodes has
     # hundreds, and building that statement cost the writer more than packing their token ids.
     await session.execute(
         text(
-            "INSERT INTO episode (id, task_id) "
-            "SELECT * FROM unnest(CAST(:ids AS text[]), CAST(:task_ids AS text[])) "
-            "ON CONFLICT (id) DO UPDATE SET task_id = coalesce(episode.task_id, excluded.task_id)"
+            "INSERT INTO episode (id, task_id, last_call_at) SELECT * FROM unnest("
+            "CAST(:ids AS text[]), CAST(:task_ids AS text[]), CAST(:times AS timestamptz[])) "
+            "ON CONFLICT (id) DO UPDATE SET task_id = coalesce(episode.task_id, excluded.task_id),"
+            " last_call_at = greatest(episode.last_call_at, excluded.last_call_at)"
         ),
-        {"ids": ids, "task_ids": [episodes[i] for i in ids]},
+        {"ids": ids, "task_ids": [episodes[i] for i in ids], "times": times},
     )
 
 
@@ -75,9 +88,11 @@ async def insert_transitions(
     newest = datetime.fromtimestamp(max((r.requested_at for r in records), default=0), UTC)
     last_used = max(today, newest.date())
     episodes: dict[str, str | None] = {}
+    last_calls: dict[str, float] = {}
     for r in records:
         episodes[r.episode_id] = episodes.get(r.episode_id) or r.task_id
-    await lock_episodes(episodes, session=session)
+        last_calls[r.episode_id] = max(last_calls.get(r.episode_id, 0.0), r.requested_at)
+    await lock_episodes(episodes, session=session, last_calls=last_calls)
 
     messages: dict[bytes, Any] = {}
     # The n choices of one request share one prompt list and (chat) one list of prompt token

@@ -147,6 +147,9 @@ def scenario(database_url: str, engine: Any) -> dict[str, Any]:
             "UPDATE episode e SET created_at = "
             "(SELECT min(requested_at) FROM transition t WHERE t.episode_id = e.id)"
         )
+        # An episode that only ever got a reward (no call: no last_call_at), 20 days ago.
+        conn.execute("INSERT INTO episode (id, created_at) VALUES ('reward-only', %s)", (at(20),))
+        conn.execute("INSERT INTO reward (episode_id, value) VALUES ('reward-only', 1)")
     return {"day20": day20, "day9": day9, "day8": day8, "today": today}
 
 
@@ -155,6 +158,10 @@ def test_retention_drops_old_days_and_only_what_they_alone_used(
 ) -> None:
     rows = scenario(database_url, engine)
     before = query(database_url, "SELECT count(*) FROM message")[0][0]
+    # The writer keeps each episode's newest call (what lets retention look only in old days).
+    assert query(database_url, "SELECT last_call_at FROM episode WHERE id = 'long'") == [
+        (datetime.fromtimestamp(rows["today"][0].requested_at, UTC),)
+    ]
 
     done = retention.retain(engine, database_url, days=5)
 
@@ -166,9 +173,9 @@ def test_retention_drops_old_days_and_only_what_they_alone_used(
     }
     kept = {r[0] for r in query(database_url, "SELECT episode_id FROM transition")}
     assert kept == {"waiting", "long"}
-    # `gone` and `unrewarded` had nothing left: they go, `gone` with both its rewards; `long`
-    # stays, less the step reward of its dropped call.
-    assert (done.episodes, done.rewards) == (2, 3)
+    # `gone`, `unrewarded` and `reward-only` had nothing left: they go with their rewards;
+    # `long` stays, less the step reward of its dropped call.
+    assert (done.episodes, done.rewards) == (3, 4)
     assert {r[0] for r in query(database_url, "SELECT id FROM episode")} == {"long", "waiting"}
     assert query(database_url, "SELECT count(*) FROM reward") == [(0,)]
     # Day 20's own message went; day 8's stays while day 9 is kept (messages last used within
@@ -295,7 +302,8 @@ def test_the_proxy_records_every_call_while_days_are_made_and_dropped(
     try:
         with proxy.client() as client:
             for i in range(150):
-                episode = f"live-{i}"
+                # Every 5th call continues an old episode that retention is dropping meanwhile.
+                episode = f"old-{max(1, rounds)}" if i % 5 == 0 else f"live-{i}"
                 r = client.post(
                     "/v1/chat/completions",
                     json={
@@ -311,11 +319,15 @@ def test_the_proxy_records_every_call_while_days_are_made_and_dropped(
         stop.set()
         churner.join()
     assert rounds >= 3
-    stored = proxy.wait_rows(
-        "SELECT DISTINCT episode_id FROM transition WHERE episode_id LIKE 'live-%%'", len(episodes)
-    )
-    assert {r[0] for r in stored} == set(episodes)
-    assert query(
-        database_url, "SELECT count(*) FROM transition WHERE episode_id LIKE 'old-%%'"
-    ) == [(0,)]
+    recent = "SELECT id FROM transition WHERE requested_at > now() - interval '1 hour'"
+    proxy.wait_rows(recent, len(episodes))  # every answered call
+    assert {r[0] for r in query(database_url, "SELECT episode_id FROM transition")} >= set(episodes)
+    old = "SELECT count(*) FROM transition WHERE requested_at < now() - interval '8 days'"
+    assert query(database_url, old) == [(0,)]
     assert dangling_digests(database_url) == 0
+    # Every call's episode is there, the continued old ones included.
+    assert query(
+        database_url,
+        "SELECT count(*) FROM transition t WHERE NOT EXISTS "
+        "(SELECT 1 FROM episode e WHERE e.id = t.episode_id)",
+    ) == [(0,)]
