@@ -9,7 +9,8 @@ the model name, the prompt, the choice index and `seed`. Tool calls come back wh
 `tools` and either `tool_choice` names a function or is "required", or the last user message says
 "call a tool" and no tool result follows it (`/v1/responses` lives in bench/fake_responses.py).
 Knobs: `latency_s` (before each answer), `token_delay_s` (between stream chunks), `always_detail`
-(token ids and logprobs whether asked or not: benchmarks), `fail_next(n, status, body)`, and
+(token ids and logprobs whether asked or not: benchmarks), `fail_next(n, status, body)`,
+`replies` (scripted contents for the next chat answers: what a judge model would say), and
 `requests` (every JSON body received, for assertions).
 
     with FakeVLLM() as fake:            # background thread, free port
@@ -250,6 +251,8 @@ class FakeState:
     # What /v1/responses sampled (prompt + completion ids -> completion logprobs), so that
     # `prompt_logprobs` scores those tokens as sampled, as a real model does (proxy/scoring.py).
     sampled: dict[tuple[int, ...], list[float]] = field(default_factory=dict)
+    # The content of the next non-streamed chat answers, one each (token ids stay generated).
+    replies: list[str] = field(default_factory=list)
     store_responses: bool = False  # vLLM's VLLM_ENABLE_RESPONSES_API_STORE: ids it answered
     stored: set[str] = field(default_factory=set)
 
@@ -467,6 +470,8 @@ async def chat_completions(state: FakeState, body: Json, request: web.Request) -
     out = []
     for i, c in enumerate(choices):
         message: Json = {"role": "assistant", "content": "".join(t.text for t in c.tokens)}
+        if state.replies:  # scripted answers (an LLM judge's JSON), one a call, in order
+            message["content"] = state.replies.pop(0)
         message.update(CHAT_NULLS)
         if c.tool_call:
             message["content"] = c.tool_call["content"]

@@ -166,7 +166,7 @@ def _conditions(where: ExportFilter) -> tuple[list[str], dict[str, Any]]:
 
 # A call's prompt messages from its digests, in order (a digest not found is a JSON null), for
 # the row aliased `{row}`.
-_MESSAGES = """LEFT JOIN LATERAL (
+MESSAGES_SQL = """LEFT JOIN LATERAL (
     SELECT coalesce(jsonb_agg(m.body ORDER BY d.ord), '[]') AS messages
     FROM unnest({row}.message_digests) WITH ORDINALITY AS d(digest, ord)
     LEFT JOIN message m ON m.digest = d.digest
@@ -188,7 +188,7 @@ LEFT JOIN LATERAL (
     FROM reward r WHERE r.transition_id = t.id
 ) st ON TRUE
 WHERE {where}
-ORDER BY t.requested_at, t.id""".replace("{messages}", _MESSAGES.format(row="t"))
+ORDER BY t.requested_at, t.id""".replace("{messages}", MESSAGES_SQL.format(row="t"))
 _TOKEN_COLUMNS = ", t.prompt_token_ids, t.completion_token_ids, t.logprobs"
 
 
@@ -274,7 +274,7 @@ FROM ranked r
 {messages} ON r.best = 1
 WHERE (r.best = 1 OR r.worst = 1) AND r.spread > 0
 ORDER BY r.task_id, r.agent_name, r.message_digests, r.best""".replace(
-    "{messages}", _MESSAGES.format(row="r")
+    "{messages}", MESSAGES_SQL.format(row="r")
 )
 
 

@@ -41,7 +41,7 @@ _UNTRAINED = (
     "status = 'ok' AND credited_at IS NOT NULL AND trained_at IS NULL AND skip_reason IS NULL "
     "AND lineage IS NOT NULL"
 )
-TABLES = ("transition", "message", "episode", "reward")
+TABLES = ("transition", "message", "episode", "reward", "judgement")
 
 
 @dataclass(frozen=True)
@@ -193,7 +193,7 @@ _DOOMED_QUERIES = (
 
 
 def _prune_episodes(engine: Engine, cutoff: datetime) -> tuple[int, int]:
-    """Episodes begun before the cutoff with no call left, and their rewards."""
+    """Episodes begun before the cutoff with no call left, their rewards and judgements."""
     episodes = rewards = 0
     for doomed in _DOOMED_QUERIES:
         while True:
@@ -202,6 +202,9 @@ def _prune_episodes(engine: Engine, cutoff: datetime) -> tuple[int, int]:
                 rewards += conn.exec_driver_sql(
                     "DELETE FROM reward WHERE episode_id = ANY(%(ids)s)", {"ids": ids}
                 ).rowcount
+                conn.exec_driver_sql(
+                    "DELETE FROM judgement WHERE episode_id = ANY(%(ids)s)", {"ids": ids}
+                )
                 episodes += conn.exec_driver_sql(
                     "DELETE FROM episode WHERE id = ANY(%(ids)s)", {"ids": ids}
                 ).rowcount

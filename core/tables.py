@@ -279,3 +279,28 @@ class LineagePin(Base):
     version: Mapped[int] = mapped_column(Integer)
     pinned_at: Mapped[datetime] = mapped_column(server_default=func.now())
     note: Mapped[str | None] = mapped_column(Text)  # why, for whoever looks later
+
+
+class Judgement(Base):
+    """The judge's work on one episode (judge/): a claim while it is being judged, then its score
+    and rationale, which judge model gave them and what the group's call cost. The score also
+    went to the proxy as the episode's final reward (source `judge`)."""
+
+    __tablename__ = "judgement"
+
+    episode_id: Mapped[str] = mapped_column(ForeignKey("episode.id"), primary_key=True)
+    status: Mapped[str] = mapped_column(Text)  # claimed | judged | skipped | failed
+    claimed_by: Mapped[str | None] = mapped_column(Text)
+    claimed_until: Mapped[datetime | None]
+    attempts: Mapped[int] = mapped_column(SmallInteger, server_default=sql("0"))
+    error: Mapped[str | None] = mapped_column(Text)  # the last failed attempt's
+    score: Mapped[float | None] = mapped_column(Double)
+    rationale: Mapped[str | None] = mapped_column(Text)
+    model: Mapped[str | None] = mapped_column(Text)
+    # Episodes ranked together in one call share a group id, its size, tokens and cost.
+    group_id: Mapped[uuid.UUID | None] = mapped_column(Uuid)
+    group_size: Mapped[int | None] = mapped_column(SmallInteger)
+    prompt_tokens: Mapped[int | None] = mapped_column(Integer)
+    completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    cost_usd: Mapped[float | None] = mapped_column(Double)  # None: litellm knew no price
+    judged_at: Mapped[datetime | None]

@@ -11,6 +11,7 @@
     flywheel keys create --tenant T [--scopes infer,reward,read] [--name N]   # prints the key once
     flywheel keys list | flywheel keys revoke ID
     flywheel export OUT.jsonl|OUT.parquet [--kind transitions|sft|pairs] [--tokens] [filters]
+    flywheel judge [--once]      # LLM-judge rewards for unrewarded episodes (FLYWHEEL_JUDGE_*)
     flywheel retain --days N [--archive DIR] [--include-untrained] [--dry-run]   # drop old days
     flywheel migrate [--database-url URL]
     flywheel up [--port P] [--task calc|calc-tools|sql]   # the whole local loop, embedded defaults
@@ -101,6 +102,15 @@ def main(argv: list[str] | None = None) -> None:
     export.add_argument("--trained", choices=["yes", "no"], help="trained on already, or not yet")
     export.add_argument("--database-url")
 
+    judge = commands.add_parser(
+        "judge", help="score unrewarded episodes with an LLM judge through litellm (judge/)"
+    )
+    judge.add_argument("--judge-model", help="a litellm model string (FLYWHEEL_JUDGE_MODEL)")
+    judge.add_argument("--judge-api-base")
+    judge.add_argument("--judge-proxy", help="the proxy the rewards are posted to")
+    judge.add_argument("--once", action="store_true", help="one round, then exit")
+    judge.add_argument("--database-url")
+
     retain = commands.add_parser(
         "retain", help="drop (or archive, then drop) recorded days older than N (core/retention.py)"
     )
@@ -154,6 +164,22 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.command == "export":
         _export(args, _settings(DatabaseSettings, given))
+        return
+    if args.command == "judge":
+        from judge.config import JudgeSettings
+
+        judge_settings = _settings(JudgeSettings, given)
+        _configure_logging(judge_settings.log_level)
+        from judge.worker import run as run_judge  # imports litellm: the judge's own install
+
+        done = run_judge(judge_settings, once=args.once)
+        if done is not None:
+            print(
+                f"judged {done.judged} episodes in {done.groups} groups ({done.failed} failed, "
+                f"{done.skipped} skipped), ${done.cost_usd:.4f}"
+            )
+            if done.errors:
+                sys.exit(f"flywheel judge: {done.errors[0]}")
         return
     if args.command == "retain":
         _retain(args, _settings(DatabaseSettings, given))

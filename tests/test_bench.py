@@ -171,6 +171,20 @@ def test_export_smoke(postgres_url: str, tmp_path: Path) -> None:
     assert 150 <= _number(rows["transitions + tokens, Parquet, first 10 %"][1]) <= 250
 
 
+def test_retention_smoke(postgres_url: str, tmp_path: Path) -> None:
+    report = tmp_path / "retention.md"
+    _bench(
+        "bench.retention", "--transitions", "4000", "--clients", "2", "--settle-s", "1",
+        "--database-url", postgres_url, "--results", str(report),
+    )  # fmt: skip
+    sizes = {row[0]: row for row in _table(report, ("transition", "message", "all"))}
+    assert _number(sizes["transition"][2]) < _number(sizes["transition"][1])  # after < before
+    text = report.read_text()
+    assert "Dropped 15 days" in text and " 0 lost)" in text, text
+    phases = _table(report, ("before retention", "during retention", "after retention"))
+    assert len(phases) == 3 and all(_number(row[2]) == 0 for row in phases)  # none failed
+
+
 def _cells_of(report: Path) -> list[str]:
     """The first cells of the report's table rows (its queries)."""
     lines = report.read_text().splitlines()

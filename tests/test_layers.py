@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("flywheel", "bench", "demo", "proxy", "trainer", "core")
+PACKAGES = ("flywheel", "bench", "demo", "proxy", "trainer", "judge", "core")
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
 
@@ -52,6 +52,8 @@ def test_the_packages_as_they_are_keep_every_contract(tmp_path: Path) -> None:
         ("proxy/forward.py", "import demo.agent", "proxy.forward -> demo.agent"),
         ("demo/stack.py", "import flywheel.cli", "demo.stack -> flywheel.cli"),
         ("core/record.py", "import torch", "core.record -> torch"),
+        ("judge/worker.py", "import trainer.store", "judge.worker -> trainer.store"),
+        ("judge/ruler.py", "import torch", "judge.ruler -> torch"),
     ],
 )
 def test_a_forbidden_import_breaks_a_contract(
