@@ -16,9 +16,11 @@ import shutil
 import statistics
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
+import tomllib
 import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
@@ -33,6 +35,7 @@ import psutil
 import psycopg
 
 from core import database
+from demo.tiny_model import one_build_at_a_time
 from demo.vllm_server import free_port, wait_http
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -304,6 +307,7 @@ def start_fake(
     always_detail: bool = True,
     load_delay_s: float = 0.0,
     port: int | None = None,
+    judge_answers: bool = False,
 ) -> Server:
     """The fake vLLM. `always_detail`: every answer carries token ids and logprobs (the issue's
     "fixed-size completions with token ids/logprobs"), so a direct call costs the fake what a
@@ -312,6 +316,8 @@ def start_fake(
     argv += ["--token-delay-s", str(token_delay_s), "--load-delay-s", str(load_delay_s)]
     if always_detail:
         argv.append("--always-detail")
+    if judge_answers:
+        argv.append("--judge-answers")
     return _start("fake_vllm", argv, "/health", _env(), port)
 
 
@@ -403,6 +409,34 @@ def start_litellm(upstream: str) -> Server:
     env.pop("PYTHONPATH")  # its own venv, its own packages
     argv = [str(exe), "--config", str(config), "--host", "127.0.0.1", "--num_workers", "1"]
     return _start("litellm_proxy", argv, "/health/liveliness", env)
+
+
+@one_build_at_a_time
+def build_judge_venv(target: Path) -> Path:
+    """A venv for `flywheel judge`: litellm at the `judge` extra's pin, with the openai<3 it
+    needs, in its own site-packages, over this venv's (a .pth adds those after its own): the
+    judge runs there as in its image, while the tests' clients keep today's openai 3."""
+    with open(Path(__file__).parents[1] / "pyproject.toml", "rb") as f:
+        (pin,) = tomllib.load(f)["project"]["optional-dependencies"]["judge"]
+    stamp = target / f".built-{pin}"
+    if stamp.exists():
+        return target
+    shutil.rmtree(target, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "venv", str(target)], check=True)
+    (site,) = (target / "lib").glob("python3*/site-packages")
+    here = sysconfig.get_paths()["purelib"]
+    (site / "zz_flywheel.pth").write_text(f"import site; site.addsitedir({here!r})\n")
+    pip = [str(target / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", "-q"]
+    # pip sees the project's packages through the .pth and installs only what differs (openai
+    # 2, litellm); it then says openai-agents wants openai 3: true, and not this venv's concern.
+    subprocess.run([*pip, "install", pin], check=True, capture_output=True)
+    subprocess.run(
+        [str(target / "bin" / "python"), "-c", "import litellm, judge.worker"],
+        check=True,
+        env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
+    )
+    stamp.touch()
+    return target
 
 
 @contextmanager

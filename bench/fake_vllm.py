@@ -10,7 +10,8 @@ the model name, the prompt, the choice index and `seed`. Tool calls come back wh
 "call a tool" and no tool result follows it (`/v1/responses` lives in bench/fake_responses.py).
 Knobs: `latency_s` (before each answer), `token_delay_s` (between stream chunks), `always_detail`
 (token ids and logprobs whether asked or not: benchmarks), `fail_next(n, status, body)`,
-`replies` (scripted contents for the next chat answers: what a judge model would say), and
+`replies` (scripted contents for the next chat answers: what a judge model would say),
+`judge_answers` (scores that fit a judge's JSON schema, as guided decoding gives them), and
 `requests` (every JSON body received, for assertions).
 
     with FakeVLLM() as fake:            # background thread, free port
@@ -253,6 +254,9 @@ class FakeState:
     sampled: dict[tuple[int, ...], list[float]] = field(default_factory=dict)
     # The content of the next non-streamed chat answers, one each (token ids stay generated).
     replies: list[str] = field(default_factory=list)
+    # A request held to a JSON schema of `scores` (judge/ruler.py) gets scores that fit it, as
+    # vLLM's guided decoding would give (bench/judge.py).
+    judge_answers: bool = False
     store_responses: bool = False  # vLLM's VLLM_ENABLE_RESPONSES_API_STORE: ids it answered
     stored: set[str] = field(default_factory=set)
 
@@ -472,6 +476,8 @@ async def chat_completions(state: FakeState, body: Json, request: web.Request) -
         message: Json = {"role": "assistant", "content": "".join(t.text for t in c.tokens)}
         if state.replies:  # scripted answers (an LLM judge's JSON), one a call, in order
             message["content"] = state.replies.pop(0)
+        elif state.judge_answers and (answer := judge_answer(body, i)) is not None:
+            message["content"] = answer
         message.update(CHAT_NULLS)
         if c.tool_call:
             message["content"] = c.tool_call["content"]
@@ -662,6 +668,21 @@ def prompt_logprobs(state: FakeState, prompt: list[int]) -> list[Json | None]:
     ]
 
 
+def judge_answer(body: Json, choice: int) -> str | None:
+    """Scores for a judge's request (its JSON schema asks for exactly n), seeded by its prompt."""
+    try:
+        schema = body["response_format"]["json_schema"]["schema"]
+        n = schema["properties"]["scores"]["minItems"]
+    except (KeyError, TypeError):
+        return None
+    rng = random.Random(f"{body.get('messages')!r}{choice}")
+    scores = [
+        {"trajectory_id": str(k), "explanation": f"trajectory {k}", "score": round(rng.random(), 3)}
+        for k in range(1, n + 1)
+    ]
+    return json.dumps({"scores": scores})
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, default=18002)
@@ -675,6 +696,9 @@ if __name__ == "__main__":
         action="store_true",
         help="send token ids and logprobs whether asked or not (benchmarks: same work per call)",
     )
+    parser.add_argument(
+        "--judge-answers", action="store_true", help="answer a judge's schema with scores"
+    )
     args = parser.parse_args()
     fake_state = FakeState(
         args.model,
@@ -683,5 +707,6 @@ if __name__ == "__main__":
         load_delay_s=args.load_delay_s,
         log_path=args.log,
         always_detail=args.always_detail,
+        judge_answers=args.judge_answers,
     )
     web.run_app(make_app(fake_state), host="127.0.0.1", port=args.port, access_log=None)

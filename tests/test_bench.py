@@ -180,9 +180,23 @@ def test_retention_smoke(postgres_url: str, tmp_path: Path) -> None:
     sizes = {row[0]: row for row in _table(report, ("transition", "message", "all"))}
     assert _number(sizes["transition"][2]) < _number(sizes["transition"][1])  # after < before
     text = report.read_text()
-    assert "Dropped 15 days" in text and " 0 lost)" in text, text
+    assert "Dropped 15 days" in text and "(0 lost)" in text, text
     phases = _table(report, ("before retention", "during retention", "after retention"))
     assert len(phases) == 3 and all(_number(row[2]) == 0 for row in phases)  # none failed
+
+
+@pytest.mark.models("judge-venv")
+def test_judge_smoke(postgres_url: str, tmp_path: Path) -> None:
+    from tests import models
+
+    venv = models.built("judge-venv")  # (built in the background)
+    report = tmp_path / "judge.md"
+    _bench(
+        "bench.judge", "--episodes", "40", "--concurrency", "2", "--latency-s", "0",
+        "--database-url", postgres_url, "--results", str(report), "--venv", str(venv),
+    )  # fmt: skip
+    (row,) = _table(report, ("0",))
+    assert row[1] == "2" and _number(row[2]) > 0 and row[5] == "40 of 40", row
 
 
 def _cells_of(report: Path) -> list[str]:

@@ -1,0 +1,165 @@
+"""Judge throughput: episodes a second `flywheel judge` scores (judge/), through litellm, against a
+judge model answering after `--latency-s`, with a proxy taking its rewards.
+
+    PYTHONPATH=. .venv/bin/python -m bench.judge [--episodes 800] [--group-size 8]
+        [--concurrency 1,4,16] [--latency-s 0,1] [--database-url URL] [--results bench/judge.md]
+        [--venv DIR]
+
+For each latency and concurrency: a fresh database holding `--episodes` unrewarded episodes of 4
+calls (50 tasks; two messages and an answer a call, last call an hour ago), a proxy, the fake
+vLLM as the judge model (`--judge-answers`: scores that fit the judge's JSON schema, as vLLM's
+guided decoding gives them), and `flywheel judge` in its own install (bench/common.py's
+judge venv: litellm with openai 2) running until every episode has its judge reward. Reported:
+episodes judged a second, judge calls a second, the judge process's CPU per call, and the
+rewards stored with source `judge` (all of them, or the run says what is missing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import psycopg
+
+from bench import common
+from bench.common import append_section, bench_database
+
+REPORT = Path(__file__).with_name("judge.md")
+CALLS_PER_EPISODE = 4
+TASKS = 50
+
+
+def fill(url: str, episodes: int) -> None:
+    with psycopg.connect(url, autocommit=True) as conn:
+        conn.execute(
+            """
+            INSERT INTO message (digest, body)
+            SELECT decode(md5('system'), 'hex'),
+                   '{"role": "system", "content": "Answer with a number."}'::jsonb
+            UNION ALL
+            SELECT decode(md5('q-' || n), 'hex'),
+                   jsonb_build_object('role', 'user', 'content', 'What is ' || n || ' + 1?')
+            FROM generate_series(0, %(tasks)s - 1) AS n""",
+            {"tasks": TASKS},
+        )
+        conn.execute(
+            """
+            INSERT INTO episode (id, task_id, created_at, last_call_at)
+            SELECT 'ep-' || n, 'task-' || (n %% %(tasks)s), now() - interval '1 hour',
+                   now() - interval '1 hour'
+            FROM generate_series(1, %(n)s) AS n""",
+            {"n": episodes, "tasks": TASKS},
+        )
+        conn.execute(
+            """
+            INSERT INTO transition (id, episode_id, request_id, choice_index, task_id,
+                agent_name, requested_at, route, status, http_status, model_requested,
+                model_used, policy_version, lineage, message_digests, params, text,
+                finish_reason, latency_ms)
+            SELECT gen_random_uuid(), e.id, gen_random_uuid(), 0, e.task_id, 'agent',
+                e.created_at + make_interval(secs => k), 'chat', 'ok', 200, 'policy', 'demo',
+                0, 'policy',
+                ARRAY[decode(md5('system'), 'hex'),
+                      decode(md5('q-' || substr(e.task_id, 6)), 'hex')],
+                '{}', 'The answer is ' || k || '.', 'stop', 20
+            FROM episode e CROSS JOIN generate_series(0, %(calls)s - 1) AS k""",
+            {"calls": CALLS_PER_EPISODE},
+        )
+        conn.execute("ANALYZE")
+
+
+def judged(url: str) -> int:
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT count(*) FROM reward WHERE source = 'judge'").fetchone()
+    return int(row[0]) if row else 0
+
+
+def one_run(
+    url: str, venv: Path, episodes: int, group_size: int, concurrency: int, latency_s: float
+) -> tuple[float, int, float, int]:
+    """(seconds until every episode was judged, judge calls, judge CPU seconds, rewards)."""
+    fake = common.start_fake(latency_s, always_detail=False, judge_answers=True)
+    proxy = common.start_flywheel(fake.url, url)
+    env = {
+        **os.environ,
+        "FLYWHEEL_DATABASE_URL": url,
+        "FLYWHEEL_JUDGE_MODEL": "openai/demo",
+        "FLYWHEEL_JUDGE_API_BASE": fake.url + "/v1",
+        "FLYWHEEL_JUDGE_API_KEY": "sk-bench",
+        "FLYWHEEL_JUDGE_PROXY": proxy.url,
+        "FLYWHEEL_JUDGE_KEY": common.MASTER_KEY,
+        "FLYWHEEL_JUDGE_GRACE_S": "0",
+        "FLYWHEEL_JUDGE_POLL_S": "0.2",
+        "FLYWHEEL_JUDGE_GROUP_SIZE": str(group_size),
+        "FLYWHEEL_JUDGE_CONCURRENCY": str(concurrency),
+        "FLYWHEEL_LOG_LEVEL": "warning",
+    }
+    judge = subprocess.Popen(
+        [str(venv / "bin" / "python"), "-m", "flywheel", "judge"],
+        env=env,
+        cwd=Path(__file__).parents[1],
+    )
+    try:
+        meter = psutil.Process(judge.pid)
+        while judged(url) == 0 and judge.poll() is None:  # litellm's import, then the first
+            time.sleep(0.05)
+        cpu_start = sum(meter.cpu_times()[:2])
+        started = time.perf_counter()
+        while (n := judged(url)) < episodes and judge.poll() is None:
+            if time.perf_counter() - started > 600:
+                break
+            time.sleep(0.05)
+        seconds = time.perf_counter() - started
+        cpu = sum(meter.cpu_times()[:2]) - cpu_start
+    finally:
+        judge.terminate()
+        judge.wait(timeout=30)
+        proxy.stop()
+        fake.stop()
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT count(DISTINCT group_id) FROM judgement").fetchone()
+    calls = int(row[0]) if row else 0
+    return seconds, calls, cpu, n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--episodes", type=int, default=800)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--concurrency", default="1,4,16")
+    parser.add_argument("--latency-s", default="0,1")
+    parser.add_argument("--database-url", default=None)
+    parser.add_argument("--results", type=Path, default=REPORT)
+    parser.add_argument("--venv", type=Path, default=common.WORK / "judge-venv", help="built here")
+    args = parser.parse_args()
+    venv = common.build_judge_venv(args.venv)
+    lines = [
+        f"{args.episodes} unrewarded episodes of {CALLS_PER_EPISODE} calls over {TASKS} tasks, "
+        f"groups of up to {args.group_size}; the fake vLLM as judge model, through litellm. "
+        "Timed from the first reward stored (after litellm's import) to the last.\n",
+        "| judge latency s | concurrency | episodes/s | judge calls/s | judge CPU ms/call |"
+        " rewards stored |",
+        "|---|---|---|---|---|---|",
+    ]
+    for latency in (float(x) for x in args.latency_s.split(",")):
+        for concurrency in (int(x) for x in args.concurrency.split(",")):
+            with bench_database(args.database_url) as url:
+                fill(url, args.episodes)
+                seconds, calls, cpu, n = one_run(
+                    url, venv, args.episodes, args.group_size, concurrency, latency
+                )
+            line = (
+                f"| {latency:g} | {concurrency} | {n / seconds:,.1f} | {calls / seconds:,.2f} | "
+                f"{1000 * cpu / max(calls, 1):.1f} | {n:,} of {args.episodes:,} |"
+            )
+            print(line, flush=True)
+            lines.append(line)
+    append_section(args.results, "Judge throughput", "bench.judge", lines)
+
+
+if __name__ == "__main__":
+    main()
