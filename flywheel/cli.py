@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> None:
 
         judge_settings = _settings(JudgeSettings, given)
         _configure_logging(judge_settings.log_level)
-        from judge.worker import run as run_judge  # imports litellm: the judge's own install
+        from judge.worker import run as run_judge  # (litellm on first use: the judge install)
 
         done = run_judge(judge_settings, once=args.once)
         if done is not None:

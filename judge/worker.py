@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import asyncio
 import fnmatch
+import functools
 import json
 import logging
+import math
 import os
 import socket
 import time
@@ -32,9 +34,6 @@ from judge.config import JudgeSettings
 
 log = logging.getLogger("flywheel.judge")
 
-# LiteLLM would fetch its price list from GitHub at import; use the copy it ships.
-os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
-import litellm  # noqa: E402
 
 LEASE_S = 600.0  # a claim outlives the slowest judge call; an expired one is taken over
 CLAIM_BATCH = 256  # due episodes looked at per round
@@ -128,8 +127,9 @@ class Judge:
             waited = now - episodes[0].last_call_at.timestamp() - s.judge_grace_s
             if len(episodes) < s.judge_min_group and waited < s.judge_alone_after_s:
                 continue
-            size = s.judge_group_size
-            groups.extend(episodes[i : i + size] for i in range(0, len(episodes), size))
+            # As even as can be: 9 due in groups of 8 are 5 and 4, not 8 and a lone one.
+            k = math.ceil(len(episodes) / s.judge_group_size)
+            groups.extend(episodes[i::k] for i in range(k))
         return groups
 
     # --- one group ----------------------------------------------------------------------------
@@ -179,7 +179,7 @@ class Judge:
                 kwargs["output_cost_per_token"] = s.judge_output_cost_per_token
             if (rf := ruler.response_format(s.judge_response_format, n)) is not None:
                 kwargs["response_format"] = rf
-            response = await litellm.acompletion(
+            response = await _litellm().acompletion(
                 model=s.judge_model,
                 messages=messages,
                 api_base=s.judge_api_base,
@@ -251,12 +251,22 @@ class Judge:
             store.failed(ids, reason, session=session)
 
 
+@functools.cache
+def _litellm() -> Any:
+    """litellm, imported on first use: it is the judge install's alone (the `judge` extra), and
+    it would fetch its price list from GitHub at import unless told to use the copy it ships."""
+    os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
+    import litellm
+
+    return litellm
+
+
 def _cost(response: Any) -> float | None:
     """What the call cost in USD, when litellm knows the model's price (or was given one)."""
     cost = (getattr(response, "_hidden_params", None) or {}).get("response_cost")
     if cost is None:
         try:
-            cost = litellm.completion_cost(completion_response=response)
+            cost = _litellm().completion_cost(completion_response=response)
         except Exception:  # an unmapped model (a local one): no price
             return None
     return float(cost)

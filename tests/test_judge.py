@@ -108,6 +108,32 @@ def test_rubrics_by_task_pattern_and_the_answer_schema() -> None:
     assert ruler.response_format("none", 3) is None
 
 
+def test_due_episodes_are_grouped_by_task_evenly_and_singles_wait(tmp_path: Path) -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from judge.config import JudgeSettings
+    from judge.store import Due
+    from judge.worker import Judge
+
+    settings = JudgeSettings(
+        judge_model="openai/x", database_url="postgresql://nobody@/nothing", home=tmp_path,
+        judge_group_size=8, judge_min_group=2, judge_alone_after_s=3600, judge_grace_s=0,
+    )  # fmt: skip
+    judge = Judge(settings)  # (no connection is made until a round)
+    now = datetime.now(UTC)
+    due = [Due(f"a{i}", "task-a", now) for i in range(9)]
+    due += [Due("b0", "task-b", now)]  # alone, and recent: waits for a peer
+    due += [Due("c0", "task-c", now - timedelta(hours=2))]  # alone for 2 h: judged alone
+    due += [Due("n0", None, now)]  # no task: nothing to rank it against
+    try:
+        groups = [[d.episode_id for d in g] for g in judge._groups(due)]
+    finally:
+        judge.close()
+    assert sorted(map(len, groups)) == [1, 1, 4, 5]
+    assert ["b0"] not in groups and ["c0"] in groups and ["n0"] in groups
+    assert sorted(i for g in groups for i in g if i.startswith("a")) == [f"a{i}" for i in range(9)]
+
+
 # --- `flywheel judge`, through litellm, in its own install ----------------------------------
 
 
