@@ -32,15 +32,13 @@ from sqlalchemy.exc import OperationalError
 
 from core import export, partitions
 from core.partitions import DAY, PARENT, Partition
+from core.tables import TRAINABLE
 
 log = logging.getLogger("flywheel.retention")
 
 BATCH = 10_000  # episodes or messages deleted per transaction
 # Untrained rows that a trainer would claim (trainer/store.py `_QUEUED`, less its filters).
-_UNTRAINED = (
-    "status = 'ok' AND credited_at IS NOT NULL AND trained_at IS NULL AND skip_reason IS NULL "
-    "AND lineage IS NOT NULL"
-)
+_UNTRAINED = f"{TRAINABLE} AND lineage IS NOT NULL"
 TABLES = ("transition", "message", "episode", "reward", "judgement")
 
 

@@ -53,6 +53,12 @@ NAMING_CONVENTION = {
 }
 
 
+# A transition the trainer may still learn from: the partial index below, the trainer's queue
+# (trainer/store.py) and what retention keeps (core/retention.py) say it in these words.
+TRAINABLE = (
+    "status = 'ok' AND credited_at IS NOT NULL AND trained_at IS NULL AND skip_reason IS NULL"
+)
+
 # transition columns with STORAGE EXTERNAL (SQLAlchemy has no word for it; a test checks them).
 UNCOMPRESSED = ("prompt_token_ids", "completion_token_ids", "logprobs")
 
@@ -155,10 +161,7 @@ class Transition(Base):
         Index(
             "ix_transition_trainable",
             "credited_at",
-            postgresql_where=sql(
-                "status = 'ok' AND credited_at IS NOT NULL AND trained_at IS NULL "
-                "AND skip_reason IS NULL"
-            ),
+            postgresql_where=sql(TRAINABLE),
         ),
         {"postgresql_partition_by": "RANGE (requested_at)"},
     )

@@ -19,6 +19,7 @@ from sqlalchemy.orm import Session
 
 from core import canary, policy
 from core.codecs import unpack
+from core.tables import TRAINABLE
 from core.tenants import TENANT_OF_EPISODE
 
 
@@ -44,7 +45,7 @@ class LostClaim(Exception):
 # Credited, untrained, trainable, served by this trainer's lineage, and of the agents and tenants
 # it trains (if limited).
 _QUEUED = f"""
-status = 'ok' AND credited_at IS NOT NULL AND trained_at IS NULL AND skip_reason IS NULL
+{TRAINABLE}
   AND lineage = :lineage
   AND (CAST(:agents AS text[]) IS NULL OR agent_name = ANY(CAST(:agents AS text[])))
   AND (CAST(:tenants AS text[]) IS NULL OR {TENANT_OF_EPISODE} = ANY(CAST(:tenants AS text[])))
