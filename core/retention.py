@@ -100,11 +100,10 @@ def retain(
     """Keep the last `days` whole UTC days (and today); see the module's doc for what goes."""
     if days < 1:
         raise ValueError("days must be at least 1")
-    now = now or datetime.now(UTC)
-    cutoff = partitions.start_of(now.astimezone(UTC).date() - days * DAY)
+    today = (now or datetime.now(UTC)).astimezone(UTC).date()
+    cutoff = partitions.start_of(today - days * DAY)
     result = Retained(cutoff, bytes_before=sizes(engine))
     if not dry_run:  # the default partition's rows into their days' partitions first
-        today = now.astimezone(UTC).date()
         partitions.ensure(engine, today=today, ahead=0, lock_timeout_s=lock_timeout_s)
     with engine.begin() as conn:
         old = [p for p in partitions.partitions(conn) if p.hi <= cutoff]
@@ -122,7 +121,7 @@ def retain(
         result.rewards = rewards + sum(d.rewards for d in result.decisions)
         result.seconds["episodes"] = time.perf_counter() - started
         started = time.perf_counter()
-        result.messages = _prune_messages(engine, now.astimezone(UTC).date())
+        result.messages = _prune_messages(engine, today)
         result.seconds["messages"] = time.perf_counter() - started
     result.bytes_after = sizes(engine)
     return result

@@ -84,15 +84,14 @@ async def insert_transitions(
     least `today` (UTC, by default now) and the day of every record. Returns the digests of the
     messages it sent: stored once the caller commits.
     """
-    today = today or datetime.now(UTC).date()
-    newest = datetime.fromtimestamp(max((r.requested_at for r in records), default=0), UTC)
-    last_used = max(today, newest.date())
     episodes: dict[str, str | None] = {}
     last_calls: dict[str, float] = {}
     for r in records:
         episodes[r.episode_id] = episodes.get(r.episode_id) or r.task_id
         last_calls[r.episode_id] = max(last_calls.get(r.episode_id, 0.0), r.requested_at)
     await lock_episodes(episodes, session=session, last_calls=last_calls)
+    newest = datetime.fromtimestamp(max(last_calls.values(), default=0.0), UTC)
+    last_used = max(today or datetime.now(UTC).date(), newest.date())
 
     messages: dict[bytes, Any] = {}
     # The n choices of one request share one prompt list and (chat) one list of prompt token
