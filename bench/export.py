@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import psutil
 import psycopg
@@ -33,19 +34,25 @@ CALLS_PER_EPISODE = 4
 PROMPT_IDS, COMPLETION_IDS = 300, 12
 
 
+def insert_task_messages(conn: psycopg.Connection[Any]) -> None:
+    """A system message, md5('system'), and one question per task `task-N` (N < 50), by
+    md5('user-task-N'): what the filled calls name (bench/judge.py fills with them too)."""
+    conn.execute(
+        """
+        INSERT INTO message (digest, body)
+        SELECT decode(md5('system'), 'hex'),
+               '{"role": "system", "content": "Answer with a number."}'::jsonb
+        UNION ALL
+        SELECT decode(md5('user-task-' || n), 'hex'),
+               jsonb_build_object('role', 'user', 'content', 'What is ' || n || ' + 1?')
+        FROM generate_series(0, 49) AS n""",
+    )
+
+
 def fill(url: str, transitions: int) -> None:
     episodes = transitions // CALLS_PER_EPISODE
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(
-            """
-            INSERT INTO message (digest, body)
-            SELECT decode(md5('system'), 'hex'),
-                   '{"role": "system", "content": "Answer with a number."}'::jsonb
-            UNION ALL
-            SELECT decode(md5('user-task-' || n), 'hex'),
-                   jsonb_build_object('role', 'user', 'content', 'What is ' || n || ' + 1?')
-            FROM generate_series(0, 49) AS n""",
-        )
+        insert_task_messages(conn)
         conn.execute(
             """
             INSERT INTO episode (id, task_id, created_at, final_reward, final_reward_at)

@@ -27,25 +27,16 @@ import psycopg
 
 from bench import common
 from bench.common import append_section, bench_database
+from bench.export import insert_task_messages
 
 REPORT = Path(__file__).with_name("judge.md")
 CALLS_PER_EPISODE = 4
-TASKS = 50
+TASKS = 50  # bench/export.insert_task_messages's
 
 
 def fill(url: str, episodes: int) -> None:
     with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(
-            """
-            INSERT INTO message (digest, body)
-            SELECT decode(md5('system'), 'hex'),
-                   '{"role": "system", "content": "Answer with a number."}'::jsonb
-            UNION ALL
-            SELECT decode(md5('q-' || n), 'hex'),
-                   jsonb_build_object('role', 'user', 'content', 'What is ' || n || ' + 1?')
-            FROM generate_series(0, %(tasks)s - 1) AS n""",
-            {"tasks": TASKS},
-        )
+        insert_task_messages(conn)  # a question for each of the TASKS tasks
         conn.execute(
             """
             INSERT INTO episode (id, task_id, created_at, last_call_at)
@@ -63,8 +54,7 @@ def fill(url: str, episodes: int) -> None:
             SELECT gen_random_uuid(), e.id, gen_random_uuid(), 0, e.task_id, 'agent',
                 e.created_at + make_interval(secs => k), 'chat', 'ok', 200, 'policy', 'demo',
                 0, 'policy',
-                ARRAY[decode(md5('system'), 'hex'),
-                      decode(md5('q-' || substr(e.task_id, 6)), 'hex')],
+                ARRAY[decode(md5('system'), 'hex'), decode(md5('user-' || e.task_id), 'hex')],
                 '{}', 'The answer is ' || k || '.', 'stop', 20
             FROM episode e CROSS JOIN generate_series(0, %(calls)s - 1) AS k""",
             {"calls": CALLS_PER_EPISODE},
