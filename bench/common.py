@@ -412,12 +412,13 @@ def start_litellm(upstream: str) -> Server:
 
 
 @one_build_at_a_time
-def build_judge_venv(target: Path) -> Path:
-    """A venv for `flywheel judge`: litellm at the `judge` extra's pin, with the openai<3 it
-    needs, in its own site-packages, over this venv's (a .pth adds those after its own): the
-    judge runs there as in its image, while the tests' clients keep today's openai 3."""
+def build_litellm_venv(target: Path) -> Path:
+    """A venv for `flywheel judge` and for a proxy with routes: litellm at the `litellm` extra's
+    pin, with the openai<3 it needs, in its own site-packages, over this venv's (a .pth adds
+    those after its own): they run there as in their images, while the tests' clients keep
+    today's openai 3."""
     with open(Path(__file__).parents[1] / "pyproject.toml", "rb") as f:
-        (pin,) = tomllib.load(f)["project"]["optional-dependencies"]["judge"]
+        (pin,) = tomllib.load(f)["project"]["optional-dependencies"]["litellm"]
     stamp = target / f".built-{pin}"
     if stamp.exists():
         return target
@@ -431,7 +432,7 @@ def build_judge_venv(target: Path) -> Path:
     # 2, litellm); it then says openai-agents wants openai 3: true, and not this venv's concern.
     subprocess.run([*pip, "install", pin], check=True, capture_output=True)
     subprocess.run(
-        [str(target / "bin" / "python"), "-c", "import litellm, judge.worker"],
+        [str(target / "bin" / "python"), "-c", "import litellm, judge.worker, proxy.providers"],
         check=True,
         env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
     )

@@ -124,9 +124,11 @@ def main() -> None:
     parser.add_argument("--latency-s", default="0,1")
     parser.add_argument("--database-url", default=None)
     parser.add_argument("--results", type=Path, default=REPORT)
-    parser.add_argument("--venv", type=Path, default=common.WORK / "judge-venv", help="built here")
+    parser.add_argument(
+        "--venv", type=Path, default=common.WORK / "litellm-venv", help="built here"
+    )
     args = parser.parse_args()
-    venv = common.build_judge_venv(args.venv)
+    venv = common.build_litellm_venv(args.venv)
     lines = [
         f"{args.episodes} unrewarded episodes of {CALLS_PER_EPISODE} calls over {TASKS} tasks, "
         f"groups of up to {args.group_size}; the fake vLLM as judge model, through litellm. "

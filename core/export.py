@@ -177,8 +177,8 @@ _TRANSITIONS = """
 SELECT t.id, t.episode_id, t.task_id, t.agent_name, t.requested_at, t.route, t.status,
        t.model_used, t.policy_version, t.lineage, msg.messages, t.params, t.text, t.tool_calls,
        t.tool_errors, t.finish_reason, t.latency_ms, t.prompt_tokens, t.completion_tokens,
-       t."return", t.credited_at, t.trained_at, t.trained_version, e.final_reward,
-       st.step_rewards{tokens}
+       t.provider, t.cost_usd, t."return", t.credited_at, t.trained_at, t.trained_version,
+       e.final_reward, st.step_rewards{tokens}
 FROM transition t
 JOIN episode e ON e.id = t.episode_id
 {messages} ON TRUE
@@ -213,6 +213,8 @@ def _transition(r: dict[str, Any], public: Callable[[str], str]) -> dict[str, An
         "latency_ms": r["latency_ms"],
         "prompt_tokens": r["prompt_tokens"],
         "completion_tokens": r["completion_tokens"],
+        "provider": r["provider"],  # a call routed through litellm (no token ids); None: vLLM
+        "cost_usd": r["cost_usd"],
         "return": r["return"],
         "step_rewards": r["step_rewards"] or [],
         "final_reward": r["final_reward"],
@@ -319,8 +321,9 @@ def columns(kind: str, tokens: bool = False) -> list[str]:
 _TRANSITION_FIELDS = [
     "id", "episode_id", "task_id", "agent_name", "requested_at", "route", "status",
     "model_used", "policy_version", "lineage", "messages", "params", "text", "tool_calls",
-    "tool_errors", "finish_reason", "latency_ms", "prompt_tokens", "completion_tokens", "return",
-    "step_rewards", "final_reward", "credited_at", "trained_at", "trained_version",
+    "tool_errors", "finish_reason", "latency_ms", "prompt_tokens", "completion_tokens", "provider",
+    "cost_usd", "return", "step_rewards", "final_reward", "credited_at", "trained_at",
+    "trained_version",
 ]  # fmt: skip
 _TOKEN_FIELDS = ["prompt_token_ids", "completion_token_ids", "logprobs"]
 _SFT_FIELDS = [
@@ -395,6 +398,7 @@ _SCALAR_TYPES: dict[str, Callable[[Any], Any]] = {
     "prompt_tokens": lambda pa: pa.int32(),
     "completion_tokens": lambda pa: pa.int32(),
     "latency_ms": lambda pa: pa.float64(),
+    "cost_usd": lambda pa: pa.float64(),
     "return": lambda pa: pa.float64(),
     "final_reward": lambda pa: pa.float64(),
     "chosen_return": lambda pa: pa.float64(),

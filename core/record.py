@@ -71,6 +71,8 @@ class TransitionRecord:
     latency_ms: float = _column("float8")
     prompt_tokens: int | None = _column("int4", default=None)
     completion_tokens: int | None = _column("int4", default=None)
+    provider: str | None = _column("text", default=None)  # a routed call's (proxy/providers.py)
+    cost_usd: float | None = _column("float8", default=None)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> TransitionRecord:

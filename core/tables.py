@@ -140,6 +140,10 @@ class Transition(Base):
     latency_ms: Mapped[float] = mapped_column(Double)
     prompt_tokens: Mapped[int | None] = mapped_column(Integer)
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
+    # A routed call's provider (FLYWHEEL_ROUTES: "openai", "anthropic", ...) and litellm's price
+    # of the call (on its first choice); NULL: served by vLLM.
+    provider: Mapped[str | None] = mapped_column(Text)
+    cost_usd: Mapped[float | None] = mapped_column(Double)
     return_: Mapped[float | None] = mapped_column("return", Double)
     credited_at: Mapped[datetime | None]
     trained_at: Mapped[datetime | None]

@@ -8,11 +8,13 @@ Lists (`upstream`, `api_keys`) are comma-separated in the environment. Where the
 from __future__ import annotations
 
 import ipaddress
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import ByteSize, Field, SecretStr, field_validator, model_validator
+import orjson
+from pydantic import BaseModel, ByteSize, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from core import policy
@@ -20,6 +22,21 @@ from core.settings import DatabaseSettings, split_commas, vllm_base_urls
 
 # No `/`: a tenant's ids are stored as `<tenant>/<id>` (core/tenants.py), so no tag names another's.
 TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,199}$"
+
+
+class ProviderRoute(BaseModel, extra="forbid", frozen=True):
+    """A model name the proxy sends to a provider through litellm (FLYWHEEL_ROUTES)."""
+
+    model: str = Field(pattern=r"^[A-Za-z0-9_.-]+/.+$")  # litellm's `<provider>/<model>`
+    api_base: str | None = None  # default: the provider's
+    # The environment variable holding its key; default: litellm's own (OPENAI_API_KEY, ...).
+    api_key_env: str | None = None
+    input_cost_per_token: float | None = Field(None, ge=0)  # USD, where litellm has no price
+    output_cost_per_token: float | None = Field(None, ge=0)
+
+    @property
+    def provider(self) -> str:
+        return self.model.split("/", 1)[0]
 
 
 class ProxySettings(DatabaseSettings):
@@ -62,6 +79,18 @@ class ProxySettings(DatabaseSettings):
     base_model: str | None = Field(
         None,
         description="Model the alias serves before any adapter exists (default: vLLM's first).",
+    )
+    routes: Annotated[dict[str, ProviderRoute], NoDecode] = Field(
+        default_factory=dict,
+        description="Model names served by providers through litellm, not by vLLM "
+        "(proxy/providers.py): `gpt-4.1=openai/gpt-4.1,claude=anthropic/claude-sonnet-4-5`, or "
+        'JSON for more: `{"gpt-4.1": {"model": "openai/gpt-4.1", "api_base": "...", '
+        '"api_key_env": "TEAM_OPENAI_KEY"}}`. Their chat calls are recorded (no token ids, '
+        "never trained). Needs the `litellm` extra (the proxy image has it).",
+    )
+    route_timeout_s: float = Field(600.0, gt=0, description="One routed call's time limit.")
+    route_retries: int = Field(
+        0, ge=0, description="litellm's retries of a routed call that failed before answering."
     )
     keep_alive_s: int = Field(
         65,
@@ -191,6 +220,39 @@ class ProxySettings(DatabaseSettings):
             policy.check_lineage(lineage)
         return lineages
 
+    @field_validator("routes", mode="before")
+    @classmethod
+    def _parse_routes(cls, value: object) -> object:
+        """`name=provider/model,...` or a JSON object of name -> model string or route."""
+        if not isinstance(value, str):
+            return value
+        if value.lstrip()[:1] in ("{", "["):
+            try:
+                routes = orjson.loads(value)
+            except orjson.JSONDecodeError as e:
+                raise ValueError(f"not valid JSON: {e}") from e
+        else:
+            routes = {}
+            for entry in filter(None, (part.strip() for part in value.split(","))):
+                name, sep, model = entry.partition("=")
+                if not sep:
+                    raise ValueError(f"{entry!r} is not name=provider/model")
+                routes[name.strip()] = model.strip()
+        if not isinstance(routes, dict):
+            raise ValueError("a JSON route list must be an object of model name -> route")
+        return {k: {"model": v} if isinstance(v, str) else v for k, v in routes.items()}
+
+    @field_validator("routes")
+    @classmethod
+    def _check_routes(cls, routes: dict[str, ProviderRoute]) -> dict[str, ProviderRoute]:
+        for name, route in routes.items():
+            if not name or len(name) > 200:
+                raise ValueError(f"{name!r} is not a model name")
+            if route.api_key_env is not None and not os.environ.get(route.api_key_env):
+                raise ValueError(f"route {name!r}: the environment variable "
+                                 f"{route.api_key_env} (its api_key_env) is not set")  # fmt: skip
+        return routes
+
     @field_validator("upstream")
     @classmethod
     def _check_upstream(cls, urls: list[str]) -> list[str]:
@@ -199,6 +261,13 @@ class ProxySettings(DatabaseSettings):
     @property
     def auth_on(self) -> bool:
         return self.auth == "keys" or bool(self.api_keys)
+
+    @model_validator(mode="after")
+    def _routes_leave_the_alias_alone(self) -> ProxySettings:
+        if self.policy_alias in self.routes:
+            raise ValueError(f"FLYWHEEL_ROUTES routes {self.policy_alias!r}, the policy alias: "
+                             "the trained policy would never be served")  # fmt: skip
+        return self
 
     @model_validator(mode="after")
     def _refuse_an_open_network_proxy(self) -> ProxySettings:

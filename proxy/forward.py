@@ -7,6 +7,9 @@ responses.py). On the way back those are removed again where the client did not 
 the client sees what vLLM would have sent it. Each choice becomes one transition, handed to the
 background writer (never awaited here), or first to the scorer when vLLM left its logprobs out.
 
+A model name in FLYWHEEL_ROUTES goes to its provider through litellm instead (proxy/providers.py),
+recorded the same way but for token ids, logprobs and a lineage, which it has none of.
+
 Durable mode (FLYWHEEL_DURABLE): a successful answer is released only once its transitions are
 committed or fsync'd to the journal: a non-streaming body after that, a stream's terminal event
 (`[DONE]`, or the Responses API's `response.completed`) held until then. After `durable_wait_s`
@@ -31,9 +34,11 @@ from proxy import metrics, responses, wire
 from proxy.air import ToolCheck
 from proxy.alias import PolicyAlias
 from proxy.call import Call, failure, random_uuids, transitions
+from proxy.config import ProviderRoute
 from proxy.errors import ApiError, error_response
 from proxy.http1 import Response as UpstreamResponse
 from proxy.http1 import UpstreamBroken
+from proxy.providers import ProviderFailed, Providers
 from proxy.recorder import Recorder
 from proxy.scoring import Scorer, needs_scoring
 from proxy.tags import Tags
@@ -58,6 +63,7 @@ class Forwarder:
         scorer: Scorer,
         tool_check: ToolCheck | None = None,
         durable_wait_s: float | None = None,
+        providers: Providers | None = None,
     ) -> None:
         self._upstream = upstream
         self._alias = alias
@@ -65,6 +71,7 @@ class Forwarder:
         self._scorer = scorer
         self._tool_check = tool_check  # AIR (proxy/air.py); None: off
         self._durable_wait_s = durable_wait_s  # None: durable mode off
+        self._providers = providers  # FLYWHEEL_ROUTES; None: none
 
     async def handle(
         self, route: wire.Route, body: dict[str, Any], tags: Tags, *, scrub: bool = False
@@ -76,6 +83,12 @@ class Forwarder:
         stream = body.get("stream", False)
         if not isinstance(stream, bool) and stream is not None:
             raise ApiError(400, "`stream` must be a boolean", param="stream")
+        routed = self._providers.get(model) if self._providers is not None else None
+        if routed is not None:
+            if route is not wire.CHAT:
+                raise ApiError(400, f"model {model!r} is served by a provider (FLYWHEEL_ROUTES), "
+                               "through /v1/chat/completions only", param="model")  # fmt: skip
+            return await self._route(routed, body, tags, stream=bool(stream), scrub=scrub)
         choices = 1
         if route is wire.RESPONSES:
             responses.check(body)  # one model call, one transition
@@ -253,6 +266,116 @@ class Forwarder:
         if not call.recorded:  # the client left before the relay's first step
             response.close()
             self._submit(call, transitions(call, {}, "aborted"))
+
+    # --- models served by providers (FLYWHEEL_ROUTES) -------------------------------------
+
+    async def _route(
+        self, routed: ProviderRoute, body: dict[str, Any], tags: Tags, *, stream: bool, scrub: bool
+    ) -> Response:
+        assert self._providers is not None
+        *transition_ids, request_id = random_uuids(_choices(wire.CHAT, body) + 1)
+        call = Call(
+            route=wire.CHAT,
+            tags=tags,
+            body=body,
+            model_used=routed.model,
+            policy_version=None,
+            lineage=None,  # not a policy's: never trained
+            transition_ids=transition_ids,
+            request_id=request_id,
+            scrub=scrub,
+        )
+        sent = time.perf_counter()
+        try:
+            if stream:
+                chunks = await self._providers.stream(routed, body)
+            else:
+                data = await self._providers.complete(routed, body)
+        except ProviderFailed as e:
+            call.upstream_s = time.perf_counter() - sent
+            self._submit(
+                call, self._provided(routed, failure(call, e.status, orjson.dumps(e.body)))
+            )
+            return Response(orjson.dumps(e.body), status_code=e.status,
+                            media_type="application/json", headers=call.headers())  # fmt: skip
+        if stream:
+            return RelayResponse(
+                self._relay_routed(call, routed, chunks, sent),
+                call.headers(),
+                after=partial(self._end_routed, call, routed),
+            )
+        call.upstream_s = time.perf_counter() - sent
+        records = transitions(call, wire.collect(wire.CHAT, data), "ok")
+        self._submit(call, self._provided(routed, records, data.get("usage")))
+        await self._safe(call)
+        return Response(orjson.dumps(data), media_type="application/json", headers=call.headers())
+
+    async def _relay_routed(
+        self,
+        call: Call,
+        routed: ProviderRoute,
+        chunks: AsyncGenerator[dict[str, Any]],
+        sent: float,
+    ) -> AsyncGenerator[bytes]:
+        """The provider's chunks as SSE events, collected on the way; the usage chunk the
+        proxy asked for is passed on only if the client asked for it too."""
+        collected: dict[int, wire.Choice] = {}
+        status, error, usage = "aborted", None, None
+        options = call.body.get("stream_options")
+        wants_usage = isinstance(options, dict) and options.get("include_usage") is True
+        try:
+            async for chunk in chunks:
+                wire.collect_chunk(wire.CHAT, chunk, collected)
+                usage = chunk.get("usage") or usage
+                if not wants_usage and "usage" in chunk:
+                    del chunk["usage"]
+                    if not any(c.get("delta") or c.get("finish_reason") for c in chunk["choices"]):
+                        continue  # the usage chunk, which the client did not ask for
+                yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+            status = "ok"
+        except ProviderFailed as e:  # mid-stream: an error event, as OpenAI sends one
+            status, error = "failed", e.body
+            yield b"data: " + orjson.dumps(e.body) + b"\n\n"
+        finally:
+            await chunks.aclose()  # a client that left stops the provider's generation
+            call.upstream_s = time.perf_counter() - sent
+            if error is not None:
+                records = failure(call, 200, orjson.dumps(error), partial=collected)
+            else:
+                records = transitions(call, collected, status)
+            self._submit(call, self._provided(routed, records, usage))
+        if status == "ok":
+            await self._safe(call)
+            yield b"data: [DONE]\n\n"
+
+    def _end_routed(self, call: Call, routed: ProviderRoute) -> None:
+        if not call.recorded:  # the client left before the relay's first step
+            self._submit(call, self._provided(routed, transitions(call, {}, "aborted")))
+
+    def _provided(
+        self,
+        routed: ProviderRoute,
+        records: list[TransitionRecord],
+        usage: dict[str, Any] | None = None,
+    ) -> list[TransitionRecord]:
+        """Mark a routed call's records: its provider, the provider's token counts (the n
+        choices share the prompt; their completions are counted apart only when n is 1), and
+        the call's price on its first choice."""
+        assert self._providers is not None
+        prompt = usage.get("prompt_tokens") if usage else None
+        completion = usage.get("completion_tokens") if usage and len(records) == 1 else None
+        for r in records:
+            r.provider = routed.provider
+            r.prompt_tokens, r.completion_tokens = prompt, completion
+            r.completion_token_ids = None  # a provider's token ids are not ours to train on
+            r.logprobs = r.logprobs or None  # kept where the client asked the provider for them
+        cost = self._providers.cost(routed, usage)
+        records[0].cost_usd = cost
+        name = records[0].model_requested or ""  # a FLYWHEEL_ROUTES name: a bounded label
+        metrics.routed_calls.labels(name, records[0].status).inc()
+        if cost:
+            metrics.routed_cost.labels(name).inc(cost)
+        return records
 
     # --- recording ------------------------------------------------------------------------
 

@@ -1,9 +1,10 @@
 """Everything a route may use, started once by the app's lifespan and handed to each route as one
 typed object: `ServicesDep` for FastAPI routes, `services_of(app)` for the edge's fast lane.
 
-Start-up: find the database (configured or embedded), migrate it, start the background writer
-(replaying any journal left from before), the upstream client, the alias, the replica probes and
-the housekeeping of partitions and retention (proxy/maintenance.py).
+Start-up: import litellm if models are routed to providers (proxy/providers.py), find the
+database (configured or embedded), migrate it, start the background writer (replaying any journal
+left from before), the upstream client, the alias, the replica probes and the housekeeping of
+partitions and retention (proxy/maintenance.py).
 Shutdown, in reverse: probes stop, records still being scored (proxy/scoring.py) are handed to
 the writer, the alias stops, then every recorded transition is flushed (to Postgres, or to the
 journal if Postgres can't take them), then connections close.
@@ -28,6 +29,7 @@ from proxy.config import ProxySettings
 from proxy.forward import Forwarder
 from proxy.journal import Journal
 from proxy.maintenance import Maintenance
+from proxy.providers import Providers
 from proxy.recorder import Recorder
 from proxy.replicas import ReplicaKeeper
 from proxy.scoring import Scorer
@@ -53,6 +55,14 @@ class Services:
 
 @asynccontextmanager
 async def running(settings: ProxySettings) -> AsyncIterator[Services]:
+    providers = None
+    if settings.routes:  # litellm (a second or two to import) first: nothing to undo if absent
+        providers = await asyncio.to_thread(
+            Providers,
+            settings.routes,
+            timeout_s=settings.route_timeout_s,
+            retries=settings.route_retries,
+        )
     url = await asyncio.to_thread(database.resolve_url, settings.database_url, settings.home)
     await asyncio.to_thread(database.migrate, url)
     engine, sessionmaker = database.create_async_sessions(url)
@@ -103,6 +113,7 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
             Forwarder(
                 upstream, alias, recorder, scorer, check,
                 settings.durable_wait_s if settings.durable else None,
+                providers,
             ),
             keys,
             spans,

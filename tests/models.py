@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.common import build_judge_venv
+from bench.common import build_litellm_venv
 from demo.stack import TASKS
 from tests.conftest import TEST_HOME
 
@@ -24,7 +24,7 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     "calculator": TASKS["calc"].build_model,
     "calc-tools": TASKS["calc-tools"].build_model,
     "sql": TASKS["sql"].build_model,
-    "judge-venv": build_judge_venv,  # `flywheel judge`'s install (litellm, openai 2)
+    "litellm-venv": build_litellm_venv,  # the judge's and routed proxies' install (openai 2)
 }
 
 

@@ -185,11 +185,11 @@ def test_retention_smoke(postgres_url: str, tmp_path: Path) -> None:
     assert len(phases) == 3 and all(_number(row[2]) == 0 for row in phases)  # none failed
 
 
-@pytest.mark.models("judge-venv")
+@pytest.mark.models("litellm-venv")
 def test_judge_smoke(postgres_url: str, tmp_path: Path) -> None:
     from tests import models
 
-    venv = models.built("judge-venv")  # (built in the background)
+    venv = models.built("litellm-venv")  # (built in the background)
     report = tmp_path / "judge.md"
     _bench(
         "bench.judge", "--episodes", "40", "--concurrency", "2", "--latency-s", "0",

@@ -220,9 +220,9 @@ def test_dockerfiles_install_extras_that_exist() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = set(project["optional-dependencies"])
     wanted = {
-        "Dockerfile.proxy": set(),
+        "Dockerfile.proxy": {"litellm"},  # FLYWHEEL_ROUTES
         "Dockerfile.trainer": {"trainer"},
-        "Dockerfile.judge": {"judge"},
+        "Dockerfile.judge": {"litellm"},
     }
     for name, expected in wanted.items():
         (target,) = dockerfile(name)["installs"]

@@ -1,6 +1,6 @@
 """The LLM judge (issue 15, part 3): what it asks and how it reads the answer (pure), and
 `flywheel judge` itself, run as its own process in its own install (tests/models.py's
-judge-venv: litellm and the openai 2 it needs), judging episodes recorded through a real proxy
+litellm-venv: litellm and the openai 2 it needs), judging episodes recorded through a real proxy
 with the fake vLLM as the judge model, through litellm."""
 
 from __future__ import annotations
@@ -151,7 +151,7 @@ def record(proxy: RunningProxy, episode: str, task: str | None, question: str) -
 def run_judge(
     proxy: RunningProxy, fake: FakeVLLM, **settings: str
 ) -> subprocess.CompletedProcess[str]:
-    venv = models.built("judge-venv")
+    venv = models.built("litellm-venv")
     env = {
         **os.environ,
         "FLYWHEEL_DATABASE_URL": proxy.database_url,
@@ -180,7 +180,7 @@ def rows(proxy: RunningProxy, sql: str, *params: Any) -> list[tuple[Any, ...]]:
         return conn.execute(sql, params).fetchall()
 
 
-@pytest.mark.models("judge-venv")
+@pytest.mark.models("litellm-venv")
 def test_the_judge_ranks_a_tasks_episodes_and_the_trainer_takes_its_rewards(
     make_proxy: Any, fake_vllm: FakeVLLM, tmp_path: Path
 ) -> None:

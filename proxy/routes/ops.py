@@ -1,5 +1,6 @@
 """What operators and clients ask of the proxy itself: GET /v1/models (vLLM's models plus the
-policy alias), GET /healthz (readiness), GET /livez (liveness) and GET /metrics (Prometheus)."""
+policy alias and the models routed to providers), GET /healthz (readiness), GET /livez
+(liveness) and GET /metrics (Prometheus)."""
 
 from __future__ import annotations
 
@@ -35,17 +36,16 @@ async def models(services: ServicesDep) -> Response:
         if isinstance(root, str) and root.startswith("/"):  # a directory on vLLM's disk
             model["root"] = model.get("id")
     created = max((m.get("created", 0) for m in data.get("data", [])), default=0)
-    data.setdefault("data", []).append(
-        {
-            "id": services.settings.policy_alias,
-            "object": "model",
-            "created": created,
-            "owned_by": "flywheel",
-            "root": None,
-            "parent": None,
-        }
-    )
+    listed = data.setdefault("data", [])
+    listed.append(_model(services.settings.policy_alias, created, "flywheel"))
+    for name, route in services.settings.routes.items():  # served by providers, through litellm
+        listed.append(_model(name, created, route.provider))
     return Response(orjson.dumps(data), media_type="application/json")
+
+
+def _model(name: str, created: int, owner: str) -> dict[str, object]:
+    return {"id": name, "object": "model", "created": created, "owned_by": owner,
+            "root": None, "parent": None}  # fmt: skip
 
 
 @router.get("/healthz")
