@@ -74,10 +74,12 @@ class JudgeSettings(DatabaseSettings):
     judge_max_chars: int = Field(
         6000, ge=200, description="Each episode's transcript is cut to this many characters."
     )
-    judge_response_format: Literal["json_schema", "json_object", "none"] = Field(
+    judge_response_format: Literal["json_schema", "json_object", "regex", "none"] = Field(
         "json_schema",
         description="How the judge is held to the answer's JSON shape: a schema (OpenAI, vLLM's "
-        "guided decoding), JSON mode, or only the prompt.",
+        "guided decoding), JSON mode, only the prompt, or `regex`: vLLM's structured outputs "
+        "held to the compact answer by a regular expression (a small local judge model, which a "
+        "schema leaves room to ramble in whitespace).",
     )
     judge_input_cost_per_token: float | None = Field(
         None, ge=0, description="USD, for a model litellm has no price for (a local one)."

@@ -109,6 +109,18 @@ def response_format(kind: str, n: int) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": {"name": "scores", "schema": schema}}
 
 
+def answer_regex(n: int, explanation_chars: int = 200) -> str:
+    """The compact answer for `n` trajectories, exactly (vLLM's `structured_outputs.regex`):
+    ids in order, a short plain explanation, a score in [0, 1] with at most three decimals."""
+    score = r"(0(\.[0-9]{1,3})?|1(\.0{1,3})?)"
+    explanation = rf"[A-Za-z0-9 ,.;:'()+*/=-]{{0,{explanation_chars}}}"
+    entries = ",".join(
+        rf'\{{"trajectory_id":"{i}","explanation":"{explanation}","score":{score}\}}'
+        for i in range(1, n + 1)
+    )
+    return rf'\{{"scores":\[{entries}\]\}}'
+
+
 def parse(answer: str | None, n: int) -> list[Score]:
     """The `n` scores, in trajectory order; BadAnswer unless every trajectory has exactly one
     score in [0, 1]. A fenced ```json block is accepted (models add them)."""

@@ -179,6 +179,8 @@ class Judge:
                 kwargs["output_cost_per_token"] = s.judge_output_cost_per_token
             if (rf := ruler.response_format(s.judge_response_format, n)) is not None:
                 kwargs["response_format"] = rf
+            elif s.judge_response_format == "regex":  # vLLM's own request field
+                kwargs["extra_body"] = {"structured_outputs": {"regex": ruler.answer_regex(n)}}
             response = await _litellm().acompletion(
                 model=s.judge_model,
                 messages=messages,

