@@ -28,6 +28,7 @@ from demo.vllm_server import free_port, start_vllm, stop_vllm, wait_ready
 from proxy.app import create_app
 from proxy.config import ProxySettings
 from proxy.services import Services
+from trainer import store as trainer_store
 
 TEMPLATE_DB = f"flywheel_template_{os.getpid()}"  # per run: parallel runs share the server
 TEST_HOME = Path(__file__).resolve().parent.parent / ".flywheel" / "test"
@@ -203,6 +204,19 @@ def start_proxy(settings: ProxySettings) -> RunningProxy:
     return RunningProxy(
         f"http://127.0.0.1:{settings.port}", settings.database_url, settings, server, thread
     )
+
+
+def trainer_claims(database_url: str, *, min_groups: int = 0) -> list[trainer_store.Claimed]:
+    """What the `policy` lineage's trainer would claim now (every agent and tenant)."""
+    engine, sessions = database.create_sessions(database_url)
+    try:
+        with sessions.begin() as session:
+            return trainer_store.claim(
+                session=session, trainer_id="t", lease_s=60, lineage="policy", agents=[],
+                tenants=[], limit=100, min_episodes=1, min_groups=min_groups, max_attempts=3,
+            )  # fmt: skip
+    finally:
+        engine.dispose()
 
 
 @pytest.fixture

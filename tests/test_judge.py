@@ -16,11 +16,9 @@ import psycopg
 import pytest
 
 from bench.fake_vllm import FakeVLLM
-from core import database
 from judge import ruler
 from tests import models
-from tests.conftest import RunningProxy
-from trainer import store as trainer_store
+from tests.conftest import RunningProxy, trainer_claims
 
 # --- what the judge asks, and how it reads the answer ---------------------------------------
 
@@ -270,15 +268,7 @@ def test_the_judge_ranks_a_tasks_episodes_and_the_trainer_takes_its_rewards(
     assert rows(proxy, "SELECT final_reward FROM episode WHERE id = 'lonely'") == [(0.5,)]
 
     # The trainer claims them like any rewarded call: the judge's score is their return.
-    engine, sessions = database.create_sessions(proxy.database_url)
-    try:
-        with sessions.begin() as session:
-            claimed = trainer_store.claim(
-                session=session, trainer_id="t", lease_s=60, lineage="policy", agents=[],
-                tenants=[], limit=100, min_episodes=1, min_groups=1, max_attempts=3,
-            )  # fmt: skip
-    finally:
-        engine.dispose()
+    claimed = trainer_claims(proxy.database_url, min_groups=1)
     assert sorted((c.episode_id, c.ret) for c in claimed) == [
         ("ep-0", 0.9), ("ep-1", 0.1), ("ep-2", 0.6), ("lonely", 0.5), ("rewarded", 1.0)
     ]  # fmt: skip
@@ -329,14 +319,6 @@ def test_the_judge_on_vllm_cpu_posts_rewards_the_trainer_uses(
                          "JOIN transition t ON t.episode_id = e.id ORDER BY 1")  # fmt: skip
     assert finals == [(j[0], j[2], j[2]) for j in judged]
     assert rows(proxy, "SELECT DISTINCT source FROM reward") == [("judge",)]
-    engine, sessions = database.create_sessions(proxy.database_url)
-    try:
-        with sessions.begin() as session:
-            claimed = trainer_store.claim(
-                session=session, trainer_id="t", lease_s=60, lineage="policy", agents=[],
-                tenants=[], limit=100, min_episodes=2, min_groups=1, max_attempts=3,
-            )  # fmt: skip
-    finally:
-        engine.dispose()
+    claimed = trainer_claims(proxy.database_url, min_groups=1)
     assert sorted((c.episode_id, c.ret) for c in claimed) == [(j[0], j[2]) for j in judged]
     assert all(c.prompt_token_ids and c.completion_token_ids for c in claimed)

@@ -27,8 +27,7 @@ from core import database, export
 from demo.vllm_server import free_port
 from proxy.config import ProviderRoute, ProxySettings
 from tests import models
-from tests.conftest import TEMPLATE_DB
-from trainer import store as trainer_store
+from tests.conftest import TEMPLATE_DB, trainer_claims
 
 ROOT = Path(__file__).parents[1]
 KEY = "sk-provider-test"
@@ -223,16 +222,7 @@ def test_routed_calls_go_through_litellm_and_are_recorded_untrainable(
         'SELECT "return" FROM transition WHERE episode_id = %s AND "return" IS NOT NULL', 3, episode
     )
     assert [x for (x,) in returns] == [1.0, 1.0, 1.0]
-    engine, sessions = database.create_sessions(routed.database_url)
-    try:
-        with sessions.begin() as session:
-            claimed = trainer_store.claim(
-                session=session, trainer_id="t", lease_s=60, lineage="policy", agents=[],
-                tenants=[], limit=100, min_episodes=1, min_groups=0, max_attempts=3,
-            )  # fmt: skip
-    finally:
-        engine.dispose()
-    (mine,) = [c for c in claimed if c.episode_id == episode]
+    (mine,) = [c for c in trainer_claims(routed.database_url) if c.episode_id == episode]
     assert mine.policy_version == 0 and mine.prompt_token_ids and mine.completion_token_ids
 
     # Exported like the rest, marked by their provider.
