@@ -329,7 +329,8 @@ class Forwarder:
                 usage = chunk.get("usage") or usage
                 if not wants_usage and "usage" in chunk:
                     del chunk["usage"]
-                    if not any(c.get("delta") or c.get("finish_reason") for c in chunk["choices"]):
+                    said = chunk.get("choices") or ()  # ([] or an empty delta, by provider)
+                    if not any(c.get("delta") or c.get("finish_reason") for c in said):
                         continue  # the usage chunk, which the client did not ask for
                 yield b"data: " + orjson.dumps(chunk) + b"\n\n"
             status = "ok"
