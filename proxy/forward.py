@@ -273,6 +273,9 @@ class Forwarder:
         self, routed: ProviderRoute, body: dict[str, Any], tags: Tags, *, stream: bool, scrub: bool
     ) -> Response:
         assert self._providers is not None
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:  # (vLLM would say so; litellm crashes)
+            raise ApiError(400, "`messages` must be a non-empty list", param="messages")
         *transition_ids, request_id = random_uuids(_choices(wire.CHAT, body) + 1)
         call = Call(
             route=wire.CHAT,

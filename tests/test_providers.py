@@ -262,6 +262,9 @@ def test_a_providers_refusal_reaches_the_client_and_is_recorded(
     assert r.status_code == 400 and "chat/completions only" in r.json()["error"]["message"]
     r = httpx.post(routed.url + "/v1/responses", json={"model": "frontier", "input": "Hi"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "model"
+    for bad in ({"model": "frontier"}, {"model": "frontier", "messages": "Hi"}):
+        r = httpx.post(routed.url + "/v1/chat/completions", json=bad)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
 
     failed = routed.wait_rows(
         "SELECT model_requested, provider, status, http_status, error->'error'->>'message' "
