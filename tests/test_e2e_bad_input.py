@@ -26,7 +26,7 @@ BASE = {"model": "demo", "max_output_tokens": 4}
         ("unknown role", {"input": [{"role": "wizard", "content": "hi"}]}, "body.input"),
         ("content of the wrong type", {"input": [{"role": "user", "content": 5}]}, "body.input"),
         ("tools not a list", {"input": "hi", "tools": "calc"}, "body.tools"),
-        ("longer than the model's context", {"input": "word " * 3000}, "input_text"),
+        ("longer than the model's context", {"input": "word " * 3000}, "input_tokens"),
         ("negative max_output_tokens", {"input": "hi", "max_output_tokens": -1}, "max_tokens"),
     ],
 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 import uuid
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -31,7 +32,11 @@ def at(days_ago: int) -> datetime:
 
 
 def record(
-    episode: str, days_ago: int, *messages: dict[str, Any], **fields: Any
+    episode: str,
+    days_ago: int,
+    *messages: dict[str, Any],
+    prompt: list[int] | None = None,
+    **fields: Any,
 ) -> TransitionRecord:
     return TransitionRecord(
         id=str(uuid.uuid4()),
@@ -45,7 +50,7 @@ def record(
         messages=list(messages),
         latency_ms=1.0,
         lineage="policy",
-        prompt_token_ids=[1, 2, 3],
+        prompt_token_ids=prompt or [1, 2, 3],
         completion_token_ids=[4, 5],
         logprobs=[-0.5, -0.25],
         text="7",
@@ -74,12 +79,21 @@ def query(database_url: str, sql: str, *params: Any) -> list[tuple[Any, ...]]:
 
 
 def dangling_digests(database_url: str) -> int:
-    """Message digests a stored transition names that `message` lacks: must always be 0."""
+    """Message or token block digests a stored transition names that `message` or
+    `token_block` lacks: must always be 0."""
     return query(
         database_url,
-        "SELECT count(*) FROM transition t, unnest(t.message_digests) d "
-        "WHERE NOT EXISTS (SELECT 1 FROM message m WHERE m.digest = d)",
+        "SELECT (SELECT count(*) FROM transition t, unnest(t.message_digests) d "
+        "WHERE NOT EXISTS (SELECT 1 FROM message m WHERE m.digest = d)) + "
+        "(SELECT count(*) FROM transition t, unnest(t.prompt_blocks) d "
+        "WHERE NOT EXISTS (SELECT 1 FROM token_block b WHERE b.digest = d))",
     )[0][0]
+
+
+# Token ids: a block that the system prompt's ids make, used on day 20 and today, and one that
+# only day 20's prompts have (core/codecs.py BLOCK_TOKENS).
+SHARED_BLOCK = list(range(1000, 1256))
+BLOCK20 = [*SHARED_BLOCK, *range(2000, 2256), 7]
 
 
 @pytest.fixture
@@ -126,10 +140,14 @@ def scenario(database_url: str, engine: Any) -> dict[str, Any]:
     those days alone."""
     only20 = {"role": "user", "content": "only on day 20"}
     only8 = {"role": "user", "content": "only on day 8"}
-    day20 = [record("long", 20, SYSTEM, only20), record("gone", 20, SYSTEM, only20)]
+    day20 = [
+        record("long", 20, SYSTEM, only20, prompt=BLOCK20),
+        record("gone", 20, SYSTEM, only20, prompt=BLOCK20),
+    ]
     day9 = [record("waiting", 9, SYSTEM)]
     day8 = [record("unrewarded", 8, only8)]
-    today = [record("long", 0, SYSTEM, {"role": "user", "content": "today"})]
+    today = [record("long", 0, SYSTEM, {"role": "user", "content": "today"},
+                    prompt=[*SHARED_BLOCK, 8, 9])]  # fmt: skip
     seed(database_url, [(20, day20), (9, day9), (8, day8), (0, today)])
     partitions.ensure(engine, today=TODAY, ahead=1)
     with psycopg.connect(database_url) as conn:
@@ -184,6 +202,8 @@ def test_retention_drops_old_days_and_only_what_they_alone_used(
         done.messages == 1
         and before - 1 == query(database_url, "SELECT count(*) FROM message")[0][0]
     )
+    # Likewise the token id block only day 20's prompts had; the shared one is used today.
+    assert done.blocks == 1 and query(database_url, "SELECT count(*) FROM token_block") == [(1,)]
     assert dangling_digests(database_url) == 0
     assert done.bytes_after["transition"] < done.bytes_before["transition"]
     assert rows["today"][0].id in {
@@ -301,7 +321,12 @@ def test_the_proxy_records_every_call_while_days_are_made_and_dropped(
     episodes = []
     try:
         with proxy.client() as client:
-            for i in range(150):
+            # At least 150 calls, and on until the churner has done 3 rounds (a loaded
+            # machine runs it slower than the calls).
+            deadline = time.monotonic() + 120
+            i = 0
+            while (i < 150 or rounds < 3) and time.monotonic() < deadline:
+                i += 1
                 # Every 5th call continues an old episode that retention is dropping meanwhile.
                 episode = f"old-{max(1, rounds)}" if i % 5 == 0 else f"live-{i}"
                 r = client.post(
