@@ -34,6 +34,7 @@ from sqlalchemy.orm import Session
 
 from core import database
 from core.codecs import unpack
+from core.tables import PROMPT_IDS_SQL
 from core.tenants import OPERATOR, Principal
 
 KINDS = ("transitions", "sft", "pairs")
@@ -189,7 +190,9 @@ LEFT JOIN LATERAL (
 ) st ON TRUE
 WHERE {where}
 ORDER BY t.requested_at, t.id""".replace("{messages}", MESSAGES_SQL.format(row="t"))
-_TOKEN_COLUMNS = ", t.prompt_token_ids, t.completion_token_ids, t.logprobs"
+_TOKEN_COLUMNS = (
+    f", {PROMPT_IDS_SQL.format(row='t')} AS prompt_token_ids, t.completion_token_ids, t.logprobs"
+)
 
 
 def _transition(r: dict[str, Any], public: Callable[[str], str]) -> dict[str, Any]:

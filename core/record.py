@@ -60,7 +60,10 @@ class TransitionRecord:
     # (responses), stored once each by digest.
     messages: list[Any] = _column("bytea[]", column="message_digests")
     params: dict[str, Any] = _column("jsonb", default_factory=dict)  # the request minus the prompt
-    prompt_token_ids: list[int] | None = _column("bytea", default=None)
+    prompt_token_ids: list[int] | None = _column("bytea", default=None)  # the whole prompt
+    # Not the record's to carry: the store splits the prompt's ids into content-addressed blocks
+    # (core/codecs.py `split_blocks`) and writes their digests here, the rest in the column above.
+    prompt_blocks: None = _column("bytea[]", default=None)
     completion_token_ids: list[int] | None = _column("bytea", encode=_pack_ids, default=None)
     logprobs: list[float] | None = _column("bytea", encode=_pack_logprobs, default=None)
     text: str | None = _column("text", default=None)
@@ -90,16 +93,22 @@ _values = attrgetter(*(f.name for f in _FIELDS))  # every field in one C call
 _ENCODED = tuple((i, f.metadata["encode"]) for i, f in enumerate(_FIELDS) if f.metadata["encode"])
 _POSITION = {f.name: i for i, f in enumerate(_FIELDS)}
 _MESSAGES, _PROMPT_IDS = _POSITION["messages"], _POSITION["prompt_token_ids"]
+_PROMPT_BLOCKS = _POSITION["prompt_blocks"]
 
 
 def copy_row(
-    record: TransitionRecord, message_digests: PackedDigests, prompt_token_ids: bytes | None
+    record: TransitionRecord,
+    message_digests: PackedDigests,
+    prompt_blocks: PackedDigests | None,
+    prompt_rest: bytes | None,
 ) -> tuple[Any, ...]:
-    """The record as a COPY row in TRANSITION_COLUMNS order. The store packs the two values that
-    the n choices of one call share (their prompt), once per call."""
+    """The record as a COPY row in TRANSITION_COLUMNS order. The store packs the values that
+    the n choices of one call share (their prompt: messages, token id blocks and the rest), once
+    per call."""
     row = list(_values(record))
     for i, encode in _ENCODED:
         row[i] = encode(row[i])
     row[_MESSAGES] = message_digests
-    row[_PROMPT_IDS] = prompt_token_ids
+    row[_PROMPT_BLOCKS] = prompt_blocks
+    row[_PROMPT_IDS] = prompt_rest
     return tuple(row)  # psycopg's COPY writes a tuple faster than a list

@@ -7,11 +7,11 @@ daily partitions of `transition` older than N days, and what only they used.
   `<archive>/<partition>.parquet`, and dropped only if it still holds exactly those rows.
 - With a partition go its transitions' step rewards (no foreign key can reach a partitioned
   table), then every episode older than the cutoff that has no transition left (with its
-  rewards), then every message last used before the oldest day still kept, less one day for
-  clocks that disagree. The writer keeps `message.last_used` at or after the day of every
-  transition naming it and trusts its cache of stored messages for one day only
-  (proxy/recorder.py), so no message a transition still names, or one a writer is about to
-  name, is deleted.
+  rewards), then every message and token id block last used before the oldest day still kept,
+  less one day for clocks that disagree. The writer keeps their `last_used` at or after the day
+  of every transition naming them and trusts its cache of stored ones for one day only
+  (proxy/recorder.py), so none that a transition still names, or a writer is about to name, is
+  deleted.
 
 Each step is its own short transaction; the lock on `transition` is taken with a timeout, so a
 long reader (an export) makes retention give up and try on the next run instead of stalling the
@@ -39,7 +39,8 @@ log = logging.getLogger("flywheel.retention")
 BATCH = 10_000  # episodes or messages deleted per transaction
 # Untrained rows that a trainer would claim (trainer/store.py `_QUEUED`, less its filters).
 _UNTRAINED = f"{TRAINABLE} AND lineage IS NOT NULL"
-TABLES = ("transition", "message", "episode", "reward", "judgement")
+TABLES = ("transition", "message", "token_block", "episode", "reward", "judgement")
+CONTENT = ("message", "token_block")  # stored once by digest, pruned by `last_used`
 
 
 @dataclass(frozen=True)
@@ -61,9 +62,11 @@ class Retained:
     episodes: int = 0  # deleted
     rewards: int = 0  # deleted: step rewards of dropped transitions, rewards of deleted episodes
     messages: int = 0
+    blocks: int = 0  # of prompts' token ids
     bytes_before: dict[str, int] = field(default_factory=dict)
     bytes_after: dict[str, int] = field(default_factory=dict)
-    seconds: dict[str, float] = field(default_factory=dict)  # by step: days, episodes, messages
+    # by step: days, episodes, messages (and token blocks)
+    seconds: dict[str, float] = field(default_factory=dict)
 
 
 def sizes(engine: Engine) -> dict[str, int]:
@@ -121,7 +124,7 @@ def retain(
         result.rewards = rewards + sum(d.rewards for d in result.decisions)
         result.seconds["episodes"] = time.perf_counter() - started
         started = time.perf_counter()
-        result.messages = _prune_messages(engine, today)
+        result.messages, result.blocks = (_prune_content(engine, today, t) for t in CONTENT)
         result.seconds["messages"] = time.perf_counter() - started
     result.bytes_after = sizes(engine)
     return result
@@ -210,7 +213,7 @@ def _prune_episodes(engine: Engine, cutoff: datetime) -> tuple[int, int]:
     return episodes, rewards
 
 
-def _prune_messages(engine: Engine, today: date) -> int:
+def _prune_content(engine: Engine, today: date, table: str) -> int:
     with engine.begin() as conn:
         oldest = conn.exec_driver_sql(f"SELECT min(requested_at) FROM {PARENT}").scalar()
     keep_from = min(today, oldest.astimezone(UTC).date() if oldest else today) - DAY
@@ -218,7 +221,7 @@ def _prune_messages(engine: Engine, today: date) -> int:
     while True:
         with engine.begin() as conn:
             n = conn.exec_driver_sql(
-                "DELETE FROM message WHERE ctid = ANY(ARRAY(SELECT ctid FROM message "
+                f"DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {table} "
                 "WHERE last_used < %(day)s LIMIT %(n)s))",
                 {"day": keep_from, "n": BATCH},
             ).rowcount

@@ -100,6 +100,26 @@ class Message(Base):
     last_used: Mapped[date] = mapped_column(Date, server_default=func.current_date())
 
 
+class TokenBlock(Base):
+    """BLOCK_TOKENS of a prompt's token ids (core/codecs.py), stored once however many prompts
+    begin with them: a conversation's earlier turns, a shared system prompt."""
+
+    __tablename__ = "token_block"
+
+    digest: Mapped[bytes] = mapped_column(LargeBinary, primary_key=True)
+    ids: Mapped[bytes] = mapped_column(LargeBinary)  # packed like prompt_token_ids
+    last_used: Mapped[date] = mapped_column(Date, server_default=func.current_date())  # as above
+
+
+# A transition's whole prompt token ids (packed), its blocks joined back in order before the rest:
+# what every reader selects instead of the column itself.
+PROMPT_IDS_SQL = """(CASE WHEN {row}.prompt_blocks IS NULL THEN {row}.prompt_token_ids ELSE (
+    SELECT string_agg(b.ids, ''::bytea ORDER BY d.ord)
+    FROM unnest({row}.prompt_blocks) WITH ORDINALITY AS d(digest, ord)
+    JOIN token_block b ON b.digest = d.digest
+) || coalesce({row}.prompt_token_ids, ''::bytea) END)"""
+
+
 class Transition(Base):
     """One choice of one completion call: (input_t, output_t) of the paper, plus its return.
 
@@ -128,7 +148,10 @@ class Transition(Base):
     lineage: Mapped[str | None] = mapped_column(Text)
     message_digests: Mapped[list[bytes]] = mapped_column(ARRAY(LargeBinary))
     params: Mapped[dict[str, Any]]  # the request minus messages/prompt
+    # The prompt's token ids past its last whole block; the blocks are in `token_block`, named
+    # in order by `prompt_blocks` (NULL: none, the prompt is all here). PROMPT_IDS_SQL joins them.
     prompt_token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
+    prompt_blocks: Mapped[list[bytes] | None] = mapped_column(ARRAY(LargeBinary))
     completion_token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
     logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
     text: Mapped[str | None] = mapped_column(Text)

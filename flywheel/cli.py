@@ -397,7 +397,7 @@ def _retain(args: argparse.Namespace, settings: DatabaseSettings) -> None:
     if not args.dry_run:
         print(
             f"deleted {done.episodes} episodes, {done.rewards} of their rewards, "
-            f"{done.messages} messages"
+            f"{done.messages} messages, {done.blocks} token id blocks"
         )
     for table, before in done.bytes_before.items():
         print(f"  {table}: {_mib(before)} -> {_mib(done.bytes_after[table])}")

@@ -51,11 +51,11 @@ REPLAY_CHUNK = 5000
 # Batches written at once, each on its own connection: while Postgres writes one, Python packs
 # the next (either side alone leaves the other idle for about half of the time).
 WRITERS = 2
-# Digests of messages this process knows are committed, so it does not send them again (a system
-# prompt or an episode's history repeats in batch after batch). Forgotten when full or after an
-# outage (the database may come back restored from a backup) and when the UTC day changes
-# (retention deletes messages by their `last_used` day: core/retention.py).
-STORED_MESSAGES_MAX = 200_000
+# Digests of messages and token id blocks this process knows are committed, so it does not send
+# them again (a system prompt or an episode's history repeats in batch after batch). Forgotten
+# when full or after an outage (the database may come back restored from a backup) and when the
+# UTC day changes (retention deletes them by their `last_used` day: core/retention.py).
+STORED_MAX = 200_000
 # How long a reward or an episode read waits for this process's transitions to leave the queue.
 STORED_WAIT_S = 10.0
 
@@ -86,7 +86,7 @@ class Recorder:
         self._replaying = False
         self._unstored: dict[str, set[str]] = {}  # episode id -> transition ids not in Postgres
         self._watched: dict[str, asyncio.Future[None]] = {}  # durable mode: id -> "it is safe"
-        self._stored_messages: set[bytes] = set()  # digests known committed (STORED_MESSAGES_MAX)
+        self._known: set[bytes] = set()  # digests known committed (STORED_MAX)
         self._stored_day = date.min  # the UTC day the cache above holds for
         self._wake = asyncio.Event()
         self._stored = asyncio.Event()  # set and replaced after every write: "look again"
@@ -248,12 +248,12 @@ class Recorder:
         return True
 
     async def _insert(self, records: list[TransitionRecord]) -> None:
-        # The cache of stored messages holds for one UTC day: what it was sent on marks each
-        # message used until at least that day, and retention keeps every message used within
-        # a day of the oldest transition it keeps (core/retention.py).
+        # The cache of stored messages and blocks holds for one UTC day: what it was sent on
+        # marks each used until at least that day, and retention keeps every one used within a
+        # day of the oldest transition it keeps (core/retention.py).
         today = datetime.now(UTC).date()
         if today != self._stored_day:
-            self._stored_messages.clear()
+            self._known.clear()
             self._stored_day = today
         try:
             async with asyncio.timeout(WRITE_TIMEOUT_S), self._sessionmaker.begin() as session:
@@ -262,16 +262,16 @@ class Recorder:
                     session=session,
                     gamma=self._gamma,
                     air_penalty=self._air_penalty,
-                    stored_messages=self._stored_messages,
+                    stored=self._known,
                     today=today,
                 )
         except OUTAGE_ERRORS:
-            self._stored_messages.clear()
+            self._known.clear()
             raise
-        if len(self._stored_messages) + len(sent) > STORED_MESSAGES_MAX:
-            self._stored_messages.clear()
+        if len(self._known) + len(sent) > STORED_MAX:
+            self._known.clear()
         if today == self._stored_day:  # (another writer may have begun the next day meanwhile)
-            self._stored_messages.update(sent)  # committed: the block above exited cleanly
+            self._known.update(sent)  # committed: the block above exited cleanly
         for r in records:
             metrics.transitions_recorded.labels(r.status).inc()
 

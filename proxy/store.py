@@ -19,10 +19,10 @@ from sqlalchemy import ARRAY, Text, Uuid, any_, bindparam, func, select, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from core.codecs import PackedDigests, message_digest, pack, pack_digests
+from core.codecs import PackedDigests, message_digest, pack, pack_digests, split_blocks
 from core.pgcopy import copy_insert
 from core.record import TRANSITION_COLUMNS, TransitionRecord, copy_row
-from core.tables import Episode, Message, Reward, Transition
+from core.tables import Episode, Message, Reward, TokenBlock, Transition
 from proxy.credit import Step, assign_returns
 from proxy.schemas import RewardIn
 
@@ -66,6 +66,9 @@ MESSAGE_CONFLICT = (
     "WHERE message.last_used < excluded.last_used"
 )
 
+BLOCK_COLUMNS = (("digest", "bytea"), ("ids", "bytea"), ("last_used", "date"))
+BLOCK_CONFLICT = MESSAGE_CONFLICT.replace("message.", "token_block.")
+
 
 async def insert_transitions(
     records: list[TransitionRecord],
@@ -73,16 +76,17 @@ async def insert_transitions(
     session: AsyncSession,
     gamma: float | None,
     air_penalty: float | None = None,
-    stored_messages: Container[bytes] = frozenset(),
+    stored: Container[bytes] = frozenset(),
     today: date | None = None,
 ) -> list[bytes]:
     """Write recorded transitions (idempotent by id: journal replays may repeat some), with an
     `air` reward of -air_penalty for each one whose tool calls AIR found wrong (proxy/air.py).
 
-    Messages whose digest is in `stored_messages` (known to be committed already, with a
-    `last_used` of `today` or later) are not sent again; the ones sent are marked used until at
-    least `today` (UTC, by default now) and the day of every record. Returns the digests of the
-    messages it sent: stored once the caller commits.
+    Prompts are stored by content: each message once (`message`), and the token ids' whole
+    blocks once (`token_block`, core/codecs.py). Those whose digest is in `stored` (known to be
+    committed already, with a `last_used` of `today` or later) are not sent again; the ones sent
+    are marked used until at least `today` (UTC, by default now) and the day of every record.
+    Returns the digests it sent: stored once the caller commits.
     """
     episodes: dict[str, str | None] = {}
     last_calls: dict[str, float] = {}
@@ -94,10 +98,11 @@ async def insert_transitions(
     last_used = max(today or datetime.now(UTC).date(), newest.date())
 
     messages: dict[bytes, Any] = {}
+    blocks: dict[bytes, bytes] = {}
     # The n choices of one request share one prompt list and (chat) one list of prompt token
     # ids: hash and pack those once (the records hold the lists alive, so ids stay unique here).
     packed_by_prompt: dict[int, PackedDigests] = {}
-    packed_prompt_ids: dict[int, bytes | None] = {}
+    packed_prompt_ids: dict[int, tuple[PackedDigests | None, bytes | None]] = {}
     rows = []
     for r in records:
         prompt = r.messages
@@ -106,17 +111,23 @@ async def insert_transitions(
             digests = []
             for body in prompt:
                 digest = message_digest(body)
-                if digest not in stored_messages:
+                if digest not in stored:
                     # JSON null (a client sent `null` for a message) is a value, not SQL NULL.
                     messages[digest] = Jsonb(None) if body is None else body
                 digests.append(digest)
             packed = packed_by_prompt[id(prompt)] = pack_digests(digests)
         prompt_ids = r.prompt_token_ids
-        if id(prompt_ids) not in packed_prompt_ids:
-            packed_prompt_ids[id(prompt_ids)] = pack(prompt_ids, "i")
-        rows.append(copy_row(r, packed, packed_prompt_ids[id(prompt_ids)]))
+        split = packed_prompt_ids.get(id(prompt_ids))
+        if split is None:
+            block_digests, block_ids, rest = split_blocks(pack(prompt_ids, "i"))
+            for digest, ids in zip(block_digests, block_ids, strict=True):
+                if digest not in stored:
+                    blocks[digest] = ids
+            named = pack_digests(block_digests) if block_digests else None
+            split = packed_prompt_ids[id(prompt_ids)] = (named, rest)
+        rows.append(copy_row(r, packed, *split))
+    # In digest order: two writers inserting the same new messages (blocks) never deadlock.
     if messages:
-        # In digest order: two writers inserting the same new messages never deadlock.
         await copy_insert(
             session,
             "message",
@@ -124,12 +135,20 @@ async def insert_transitions(
             [(digest, body, last_used) for digest, body in sorted(messages.items())],
             on_conflict=MESSAGE_CONFLICT,
         )
+    if blocks:
+        await copy_insert(
+            session,
+            "token_block",
+            BLOCK_COLUMNS,
+            [(digest, ids, last_used) for digest, ids in sorted(blocks.items())],
+            on_conflict=BLOCK_CONFLICT,
+        )
     await copy_insert(session, "transition", TRANSITION_COLUMNS, rows)
     if air_penalty is not None:
         await add_air_rewards([r for r in records if r.tool_errors], -air_penalty, session=session)
     await attach_pending_rewards(records, session=session)
     await credit_episodes(sorted(episodes), session=session, gamma=gamma)
-    return list(messages)
+    return [*messages, *blocks]
 
 
 async def add_air_rewards(
@@ -412,6 +431,7 @@ class EpisodeRows:
     transitions: list[Transition]  # in call order
     messages: dict[bytes, Any]  # digest -> body, for every prompt message of the transitions
     rewards: list[Reward]  # as posted
+    blocks: dict[bytes, bytes]  # digest -> packed ids, for every prompt's token id blocks
 
 
 async def get_episode(episode_id: str, *, session: AsyncSession) -> EpisodeRows | None:
@@ -432,9 +452,16 @@ async def get_episode(episode_id: str, *, session: AsyncSession) -> EpisodeRows 
             select(Message.digest, Message.body).where(Message.digest.in_(digests))
         )
         bodies = {digest: body for digest, body in rows}
+    named = {d for t in transitions for d in t.prompt_blocks or ()}
+    blocks: dict[bytes, bytes] = {}
+    if named:
+        rows = await session.execute(
+            select(TokenBlock.digest, TokenBlock.ids).where(TokenBlock.digest.in_(named))
+        )
+        blocks = {digest: ids for digest, ids in rows}
     rewards = (
         await session.scalars(
             select(Reward).where(Reward.episode_id == episode_id).order_by(Reward.id)
         )
     ).all()
-    return EpisodeRows(episode, list(transitions), bodies, list(rewards))
+    return EpisodeRows(episode, list(transitions), bodies, list(rewards), blocks)

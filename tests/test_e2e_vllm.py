@@ -7,14 +7,17 @@ greedy request sent to it directly.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
+import orjson
 import pytest
 from openai import OpenAI
 
+from core import codecs, export
 from proxy.wire import pg_safe
-from tests.conftest import RunningProxy
+from tests.conftest import RunningProxy, trainer_claims
 
 pytestmark = pytest.mark.e2e
 
@@ -76,6 +79,41 @@ def test_recorded_ids_equal_vllm_ids_streaming(real_proxy: RunningProxy) -> None
     assert prompt_ids and t["prompt_token_ids"] == prompt_ids
     assert token_ids and t["completion_token_ids"] == token_ids
     assert t["text"] == pg_safe(text)  # a sampled U+0000 is stored as U+FFFD
+
+
+def test_a_multi_turn_conversations_prompts_are_stored_in_blocks_and_read_back_whole(
+    real_proxy: RunningProxy, tmp_path: Path
+) -> None:
+    """Three turns under a long system prompt, so each prompt spans whole blocks of token ids
+    (core/codecs.py) that the next one repeats: stored once, and the episode API, the trainer's
+    claim and the export each give back exactly the prompt ids vLLM reported for each call."""
+    system = "You are a careful calculator. " + "Show the sum, then stop. " * 60
+    client = OpenAI(base_url=real_proxy.v1, api_key="x", default_headers={"X-Episode-Id": "mt"})
+    messages: list[dict[str, Any]] = [{"role": "system", "content": system}]
+    vllm_prompts = []
+    for question in ("What is 1 + 2?", "And 3 + 4?", "And 5 + 6?"):
+        messages.append({"role": "user", "content": question})
+        response = client.chat.completions.create(
+            model="policy", messages=messages, max_tokens=8,  # type: ignore[arg-type]
+            extra_body={"return_token_ids": True},
+        )  # fmt: skip
+        vllm_prompts.append((response.model_extra or {})["prompt_token_ids"])
+        messages.append({"role": "assistant", "content": response.choices[0].message.content})
+    assert len(vllm_prompts[0]) > 2 * codecs.BLOCK_TOKENS  # each prompt has whole blocks
+    httpx.post(f"{real_proxy.v1}/rewards", json={"episode_id": "mt", "reward": 1.0})
+
+    assert [t["prompt_token_ids"] for t in recorded(real_proxy, "mt")] == vllm_prompts
+    blocks = real_proxy.query(
+        "SELECT count(*), count(DISTINCT d) FROM transition, unnest(prompt_blocks) d "
+        "WHERE episode_id = 'mt'"
+    )
+    assert blocks[0][0] > blocks[0][1] == real_proxy.query("SELECT count(*) FROM token_block")[0][0]
+    claimed = sorted((c.prompt_token_ids for c in trainer_claims(real_proxy.database_url)), key=len)
+    assert claimed == vllm_prompts
+    out = tmp_path / "mt.jsonl"
+    export.export(real_proxy.database_url, out, tokens=True)
+    rows = sorted(map(orjson.loads, out.read_bytes().splitlines()), key=lambda r: r["requested_at"])
+    assert [r["prompt_token_ids"] for r in rows] == vllm_prompts
 
 
 @pytest.mark.parametrize("stream", [False, True])

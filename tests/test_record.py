@@ -85,14 +85,20 @@ def test_copy_row_puts_each_field_in_its_column() -> None:
     r = sample()
     digests, prompt_ids = pack_digests([b"\x01" * 16]), pack(r.prompt_token_ids, "i")
     row = dict(
-        zip([name for name, _ in TRANSITION_COLUMNS], copy_row(r, digests, prompt_ids), strict=True)
+        zip(
+            [name for name, _ in TRANSITION_COLUMNS],
+            copy_row(r, digests, None, prompt_ids),
+            strict=True,
+        )
     )
     assert row["id"] == packed_uuid(r.id) and row["request_id"] == packed_uuid(r.request_id)
     assert row["requested_at"] == datetime.fromtimestamp(r.requested_at, UTC)
     assert row["message_digests"] == digests and row["prompt_token_ids"] == prompt_ids
+    assert row["prompt_blocks"] is None
     assert row["completion_token_ids"] == pack([7, 8], "i")
     assert row["logprobs"] == pack([-0.5, -0.25], "f")
     encoded = {"id", "request_id", "requested_at", "message_digests", "prompt_token_ids"}
+    encoded |= {"prompt_blocks"}
     encoded |= {"completion_token_ids", "logprobs"}
     for f in dataclasses.fields(TransitionRecord):
         column = f.metadata["column"] or f.name

@@ -25,7 +25,9 @@ def stored(rows: store.EpisodeRows | None) -> dict[str, dict[str, Any]]:
     return {
         str(t.id): {
             "messages": [rows.messages.get(d) for d in t.message_digests],
-            "prompt_token_ids": codecs.unpack(t.prompt_token_ids, "i"),
+            "prompt_token_ids": codecs.unpack(
+                codecs.join_blocks(t.prompt_blocks, rows.blocks, t.prompt_token_ids), "i"
+            ),
             "completion_token_ids": codecs.unpack(t.completion_token_ids, "i"),
             "logprobs": codecs.unpack(t.logprobs, "f"),
             "params": t.params,
@@ -79,16 +81,18 @@ async def test_messages_known_to_be_stored_are_not_sent_again(database_url: str)
     first, second = episode_records(random.Random(2), turns=2)
     async with sessionmaker.begin() as session:
         sent = await store.insert_transitions([first], session=session, gamma=None)
-    assert len(sent) == 2  # system, user
+    assert len(sent) == 3  # system, user, the prompt's first block of token ids
     async with sessionmaker.begin() as session:
         sent_again = await store.insert_transitions(
-            [second], session=session, gamma=None, stored_messages=set(sent)
+            [second], session=session, gamma=None, stored=set(sent)
         )
     async with sessionmaker() as session:
         episode = stored(await store.get_episode(first.episode_id, session=session))
     messages = await count(sessionmaker, "message")
     await engine.dispose()
-    assert len(sent_again) == 2  # the assistant's reply and the next user message
+    # The assistant's reply and the next user message; the longer prompt's one whole block is
+    # the same as the first's.
+    assert len(sent_again) == 2
     assert messages == 4
     assert [t["messages"] for t in episode.values()] == [first.messages, second.messages]
 

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from core import canary, policy
 from core.codecs import unpack
-from core.tables import TRAINABLE
+from core.tables import PROMPT_IDS_SQL, TRAINABLE
 from core.tenants import TENANT_OF_EPISODE
 
 
@@ -53,7 +53,8 @@ _QUEUED = f"""
 
 _CANDIDATES = f"""
 SELECT id::text, episode_id, task_id, agent_name, policy_version, "return",
-       prompt_token_ids, completion_token_ids, logprobs, params, train_attempts
+       {PROMPT_IDS_SQL.format(row="transition")}, completion_token_ids, logprobs, params,
+       train_attempts
 FROM transition
 WHERE {_QUEUED} AND (claim_expires_at IS NULL OR claim_expires_at < now())
 ORDER BY credited_at

@@ -10,7 +10,7 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from core.codecs import unpack
+from core.codecs import join_blocks, unpack
 from core.tables import Reward, Transition
 from core.tenants import Principal
 from proxy import store
@@ -59,14 +59,15 @@ def episode_json(
         "task_id": public(rows.episode.task_id) if rows.episode.task_id else None,
         "final_reward": rows.episode.final_reward,
         "created_at": rows.episode.created_at.isoformat(),
-        "transitions": [_transition(t, rows.messages, tokens, public) for t in rows.transitions],
+        "transitions": [_transition(t, rows, tokens, public) for t in rows.transitions],
         "rewards": [_reward(r) for r in rows.rewards],
     }
 
 
 def _transition(
-    t: Transition, bodies: dict[bytes, Any], tokens: bool, public: Callable[[str], str]
+    t: Transition, rows: store.EpisodeRows, tokens: bool, public: Callable[[str], str]
 ) -> dict[str, Any]:
+    bodies = rows.messages
     out: dict[str, Any] = {
         "id": str(t.id),
         "request_id": str(t.request_id),
@@ -98,7 +99,8 @@ def _transition(
         "trained_version": t.trained_version,
     }
     if tokens:
-        out["prompt_token_ids"] = unpack(t.prompt_token_ids, "i")
+        prompt = join_blocks(t.prompt_blocks, rows.blocks, t.prompt_token_ids)
+        out["prompt_token_ids"] = unpack(prompt, "i")
         out["completion_token_ids"] = unpack(t.completion_token_ids, "i")
         out["logprobs"] = unpack(t.logprobs, "f")
     return out
