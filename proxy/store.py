@@ -126,23 +126,14 @@ async def insert_transitions(
             named = pack_digests(block_digests) if block_digests else None
             split = packed_prompt_ids[id(prompt_ids)] = (named, rest)
         rows.append(copy_row(r, packed, *split))
-    # In digest order: two writers inserting the same new messages (blocks) never deadlock.
-    if messages:
-        await copy_insert(
-            session,
-            "message",
-            MESSAGE_COLUMNS,
-            [(digest, body, last_used) for digest, body in sorted(messages.items())],
-            on_conflict=MESSAGE_CONFLICT,
-        )
-    if blocks:
-        await copy_insert(
-            session,
-            "token_block",
-            BLOCK_COLUMNS,
-            [(digest, ids, last_used) for digest, ids in sorted(blocks.items())],
-            on_conflict=BLOCK_CONFLICT,
-        )
+    content: tuple[tuple[str, Any, str, dict[bytes, Any]], ...] = (
+        ("message", MESSAGE_COLUMNS, MESSAGE_CONFLICT, messages),
+        ("token_block", BLOCK_COLUMNS, BLOCK_CONFLICT, blocks),
+    )
+    for table, columns, conflict, new in content:
+        if new:  # in digest order: two writers inserting the same new ones never deadlock
+            rows_in_order = [(digest, value, last_used) for digest, value in sorted(new.items())]
+            await copy_insert(session, table, columns, rows_in_order, on_conflict=conflict)
     await copy_insert(session, "transition", TRANSITION_COLUMNS, rows)
     if air_penalty is not None:
         await add_air_rewards([r for r in records if r.tool_errors], -air_penalty, session=session)
