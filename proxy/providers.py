@@ -22,6 +22,16 @@ from proxy.config import ProviderRoute
 
 # What a client's body holds that is ours or litellm's to set.
 _OURS = ("model", "messages", "stream", "stream_options")
+# OpenAI's chat parameters, which litellm maps for each provider. Anything else a client sends
+# goes to the provider as it is (`extra_body`), never to litellm as an argument: a body saying
+# `base_url` or `api_key` must not steer the call, with the route's key, somewhere else.
+OPENAI_PARAMS = frozenset({
+    "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
+    "max_completion_tokens", "max_tokens", "metadata", "modalities", "n", "parallel_tool_calls",
+    "prediction", "presence_penalty", "prompt_cache_key", "reasoning_effort", "response_format",
+    "safety_identifier", "seed", "service_tier", "stop", "store", "temperature", "tool_choice",
+    "tools", "top_logprobs", "top_p", "user", "verbosity", "web_search_options",
+})  # fmt: skip
 
 
 class ProviderFailed(Exception):
@@ -85,7 +95,10 @@ class Providers:
         return float(sum(costs))
 
     async def _call(self, route: ProviderRoute, body: dict[str, Any], *, stream: bool) -> Any:
-        params = {k: v for k, v in body.items() if k not in _OURS}
+        params = {k: v for k, v in body.items() if k in OPENAI_PARAMS}
+        extra = {k: v for k, v in body.items() if k not in OPENAI_PARAMS and k not in _OURS}
+        if extra:
+            params["extra_body"] = extra
         if stream:
             params["stream_options"] = body["stream_options"]
         api_key = os.environ.get(route.api_key_env) if route.api_key_env else None

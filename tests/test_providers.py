@@ -239,6 +239,24 @@ def test_routed_calls_go_through_litellm_and_are_recorded_untrainable(
 
 
 @pytest.mark.models("litellm-venv")
+def test_a_body_cannot_steer_litellm(routed: RoutedProxy, fake_vllm: FakeVLLM) -> None:
+    """Fields litellm would take as its own arguments (where to send the call, with which key,
+    or a canned answer) go to the provider as unknown fields instead: the call still reaches
+    the route's provider with the route's key."""
+    body = {
+        "model": "frontier", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+        "base_url": "http://127.0.0.1:9/v1", "api_base": "http://127.0.0.1:9/v1",
+        "api_key": "sk-stolen", "mock_response": "pwned", "custom_llm_provider": "x",
+    }  # fmt: skip
+    r = httpx.post(routed.url + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["content"] != "pwned"
+    (sent,) = [q for q in fake_vllm.requests if q["path"] == "/v1/chat/completions"]
+    assert sent["headers"]["Authorization"] == f"Bearer {KEY}"
+    assert sent["body"]["mock_response"] == "pwned"  # passed on as an unknown field, unused
+
+
+@pytest.mark.models("litellm-venv")
 def test_a_providers_refusal_reaches_the_client_and_is_recorded(
     routed: RoutedProxy, fake_vllm: FakeVLLM
 ) -> None:
