@@ -10,6 +10,8 @@ corrupted versions rolled back; how long each decision took, how much traffic ea
                               weights replaced by noise: it answers garbage), through
                               `policy.publish` as a trainer does; the trainer decides it (its own
                               publish meanwhile finds the canary open and waits)
+  and on, up to bad_rounds more, while no corrupted version has been decided yet (a fast
+  machine's rounds can end while the trainer's last candidate still waits for its time limit)
 Per canary: who made it, candidate and baseline, the decision and why, seconds to it, the
 lineage's episodes while it was open, how many the candidate served (its share, against the
 configured fraction), each arm's mean reward and the tests' p-values. Failed agent requests are
@@ -123,17 +125,35 @@ def run(
 
         corrupter = threading.Thread(target=corrupt_whenever_none_is_open, daemon=True)
         try:
-            for r in range(good_rounds + bad_rounds):
+            r = 0
+            while r < good_rounds + bad_rounds or (
+                r < good_rounds + 2 * bad_rounds and not _any_decided(url, corrupted)
+            ):
                 if r == good_rounds:
                     corrupter.start()
                 episodes += _round(agent, r)
+                r += 1
         finally:
             stop.set()
             if corrupter.is_alive():
                 corrupter.join()
             agent.close()
         outcomes = _outcomes(url, corrupted)
-    return Result(rule, outcomes, episodes, good_rounds, bad_rounds, time.monotonic() - started)
+    return Result(
+        rule, outcomes, episodes, good_rounds, r - good_rounds, time.monotonic() - started
+    )
+
+
+def _any_decided(url: str, corrupted: list[int]) -> bool:
+    """Whether any corrupted candidate has been decided yet."""
+    if not corrupted:
+        return False
+    with psycopg.connect(url) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM canary WHERE decided_at IS NOT NULL AND candidate = ANY(%s)",
+            (corrupted,),
+        ).fetchone()
+    return bool(row and row[0])
 
 
 def corrupt_one(url: str, vllm_url: str, adapters_dir: Path, rule: canary.Rule) -> int | None:
