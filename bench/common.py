@@ -328,15 +328,17 @@ def start_flywheel(
     home: Path | None = None,
     settings: dict[str, str] | None = None,
     port: int | None = None,
+    python: str = sys.executable,
 ) -> Server:
-    """`flywheel proxy`; `settings` are FLYWHEEL_* variables (e.g. FLYWHEEL_DURABLE="true")."""
+    """`flywheel proxy`; `settings` are FLYWHEEL_* variables (e.g. FLYWHEEL_DURABLE="true");
+    `python`: another install's interpreter (the litellm venv, for FLYWHEEL_ROUTES)."""
     env = _env(
         FLYWHEEL_DATABASE_URL=database_url,
         FLYWHEEL_HOME=str(home or tempfile.mkdtemp(prefix="flywheel-bench-")),
         FLYWHEEL_LOG_LEVEL="warning",
         **(settings or {}),
     )
-    argv = [sys.executable, "-m", "flywheel", "proxy"]
+    argv = [python, "-m", "flywheel", "proxy"]
     for url in [upstream] if isinstance(upstream, str) else upstream:  # several: replicas
         argv += ["--upstream", url]
     return _start("flywheel_proxy", argv, "/healthz", env, port)

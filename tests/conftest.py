@@ -10,6 +10,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -81,15 +82,24 @@ def postgres_url() -> Iterator[str]:
         conn.execute(f"DROP DATABASE IF EXISTS {TEMPLATE_DB}")
 
 
-@pytest.fixture
-def database_url(postgres_url: str) -> Iterator[str]:
-    """A fresh, migrated database for one test (copied from a template: ~0.1 s)."""
+@contextmanager
+def fresh_database(postgres_url: str) -> Iterator[str]:
+    """A fresh, migrated database (copied from a template: ~0.1 s), dropped afterwards."""
     name = f"t_{uuid.uuid4().hex[:12]}"
     with psycopg.connect(postgres_url, autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {name} TEMPLATE {TEMPLATE_DB}")
-    yield database.with_database(postgres_url, name)
-    with psycopg.connect(postgres_url, autocommit=True) as conn:
-        conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    try:
+        yield database.with_database(postgres_url, name)
+    finally:
+        with psycopg.connect(postgres_url, autocommit=True) as conn:
+            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+@pytest.fixture
+def database_url(postgres_url: str) -> Iterator[str]:
+    """A fresh, migrated database for one test."""
+    with fresh_database(postgres_url) as url:
+        yield url
 
 
 def start_demo_vllm() -> tuple[str, subprocess.Popen[bytes]]:

@@ -8,7 +8,6 @@ episode, with its provider, tokens and price, never claimed by a trainer, and ex
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,14 +21,14 @@ import psycopg
 import pytest
 from pydantic import ValidationError
 
+from bench.common import start_flywheel
 from bench.fake_vllm import FakeVLLM
-from core import database, export
+from core import export
 from demo.vllm_server import free_port
 from proxy.config import ProviderRoute, ProxySettings
 from tests import models
-from tests.conftest import TEMPLATE_DB, trainer_claims
+from tests.conftest import fresh_database, trainer_claims
 
-ROOT = Path(__file__).parents[1]
 KEY = "sk-provider-test"
 
 # --- the setting ----------------------------------------------------------------------------
@@ -78,8 +77,8 @@ def test_a_bad_route_setting_says_what_is_wrong(routes: str, why: str) -> None:
 
 
 class RoutedProxy:
-    def __init__(self, url: str, database_url: str, log: Path) -> None:
-        self.url, self.database_url, self.log = url, database_url, log
+    def __init__(self, url: str, database_url: str) -> None:
+        self.url, self.database_url = url, database_url
 
     def client(self, **headers: str) -> openai.OpenAI:
         return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,
@@ -100,16 +99,11 @@ class RoutedProxy:
 def routed(
     postgres_url: str, fake_vllm_server: FakeVLLM, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[RoutedProxy]:
-    """One proxy for the module: vLLM (the fake) serves `policy`; `frontier` is routed through
-    litellm to the same fake as an OpenAI-compatible provider at its own base URL and key,
-    `nowhere` to a port nobody listens on."""
+    """One proxy for the module, run by the litellm install's interpreter: vLLM (the fake)
+    serves `policy`; `frontier` is routed through litellm to the same fake as an
+    OpenAI-compatible provider at its own base URL and key, `nowhere` to a port nobody listens
+    on."""
     venv = models.built("litellm-venv")
-    name = f"t_{uuid.uuid4().hex[:12]}"
-    with psycopg.connect(postgres_url, autocommit=True) as conn:
-        conn.execute(f"CREATE DATABASE {name} TEMPLATE {TEMPLATE_DB}")
-    url = database.with_database(postgres_url, name)
-    home = tmp_path_factory.mktemp("routed")
-    port = free_port()
     routes = {
         "frontier": {"model": "openai/demo", "api_base": fake_vllm_server.url + "/v1",
                      "api_key_env": "FRONTIER_KEY", "input_cost_per_token": 1e-6,
@@ -117,40 +111,20 @@ def routed(
         "nowhere": {"model": "openai/demo", "api_base": f"http://127.0.0.1:{free_port()}/v1",
                     "api_key_env": "FRONTIER_KEY"},
     }  # fmt: skip
-    env = {
-        **os.environ,
+    settings = {
         "FRONTIER_KEY": KEY,
-        "FLYWHEEL_DATABASE_URL": url,
-        "FLYWHEEL_UPSTREAM": fake_vllm_server.url,
-        "FLYWHEEL_PORT": str(port),
-        "FLYWHEEL_HOME": str(home),
         "FLYWHEEL_ROUTES": orjson.dumps(routes).decode(),
         "FLYWHEEL_ALIAS_REFRESH_S": "0.1",
     }
-    log = home / "proxy.log"
-    with open(log, "wb") as out:
-        process = subprocess.Popen(
-            [str(venv / "bin" / "python"), "-m", "flywheel", "proxy"],
-            env=env, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+    with fresh_database(postgres_url) as url:
+        server = start_flywheel(
+            fake_vllm_server.url, url, home=tmp_path_factory.mktemp("routed"),
+            settings=settings, python=str(venv / "bin" / "python"),
         )  # fmt: skip
-    proxy = RoutedProxy(f"http://127.0.0.1:{port}", url, log)
-    try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert process.poll() is None, log.read_text()[-3000:]
-            assert time.monotonic() < deadline, log.read_text()[-3000:]
-            try:
-                if httpx.get(proxy.url + "/healthz", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        yield proxy
-    finally:
-        process.terminate()
-        process.wait(timeout=60)
-        with psycopg.connect(postgres_url, autocommit=True) as conn:
-            conn.execute(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+        try:
+            yield RoutedProxy(server.url, url)
+        finally:
+            server.stop()
 
 
 TOOLS = [{"type": "function", "function": {
