@@ -12,7 +12,8 @@ what the tables, TOAST and indexes grew by (`transition`'s partitions, `message`
 COPY encoding; Postgres's own work is not in it) at this benchmark's batches (one per turn: as
 many calls as episodes), and for ~4,000-token prompts in batches of 100.
 
-    PYTHONPATH=. .venv/bin/python -m bench.storage [--episodes 40] [--database-url URL]
+    PYTHONPATH=. .venv/bin/python -m bench.storage [--episodes 40] [--cpu-episodes 100]
+        [--database-url URL]
 
 Prints the table and appends it to bench/storage.md.
 """
@@ -135,7 +136,9 @@ def run(url: str | None, mode: str, episodes: list[list[TransitionRecord]]) -> R
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--episodes", type=int, default=40)
+    parser.add_argument("--cpu-episodes", type=int, default=100, help="for the 4k-prompt CPU")
     parser.add_argument("--database-url", default=None)
+    parser.add_argument("--results", type=Path, default=RESULTS, help="report to append to")
     args = parser.parse_args()
 
     rng = random.Random(0)
@@ -143,16 +146,11 @@ def main() -> None:
     results = [run(args.database_url, mode, episodes) for mode in ("whole", "blocks", "whole")]
     # ~4,000-token prompts alone (the first five calls of 100 episodes starting at 3,500 ids,
     # batches of 100 as under load, so that a batch's fixed cost does not hide a row's): CPU.
-    short = [episode(rng, start=3_500)[:5] for _ in range(100)]
+    short = [episode(rng, start=3_500)[:5] for _ in range(args.cpu_episodes)]
     cpu4k: dict[str, list[float]] = {}
     for mode in ("whole", "blocks", "whole", "blocks"):
-        split = whole if mode == "whole" else codecs.split_blocks
-        with (
-            bench_database(args.database_url) as db,
-            mock.patch.object(store, "split_blocks", split),
-        ):
-            cpu = asyncio.run(write(db, short))
-        cpu4k.setdefault(mode, []).append(cpu / sum(len(e) for e in short))
+        r = run(args.database_url, mode, short)
+        cpu4k.setdefault(mode, []).append(r.cpu_s / r.calls)
 
     lines = [
         f"{args.episodes} episodes of {TURNS} calls; prompts {START:,} to "
@@ -178,7 +176,7 @@ def main() -> None:
         + ", ".join(f"{m} {', '.join(f'{v * 1e3:.3f}' for v in vs)} ms" for m, vs in cpu4k.items())
     )
     print("\n".join(lines))
-    append_section(RESULTS, "Multi-turn storage", "bench.storage", lines)
+    append_section(args.results, "Multi-turn storage", "bench.storage", lines)
 
 
 if __name__ == "__main__":

@@ -171,6 +171,20 @@ def test_export_smoke(postgres_url: str, tmp_path: Path) -> None:
     assert 150 <= _number(rows["transitions + tokens, Parquet, first 10 %"][1]) <= 250
 
 
+def test_storage_smoke(postgres_url: str, tmp_path: Path) -> None:
+    report = tmp_path / "storage.md"
+    _bench(
+        "bench.storage", "--episodes", "3", "--cpu-episodes", "3",
+        "--database-url", postgres_url, "--results", str(report),
+    )  # fmt: skip
+    rows = _table(report, ("whole", "blocks"))
+    assert [row[0] for row in rows] == ["whole", "blocks", "whole"]
+    per_episode = [_number(row[4].removesuffix(" KiB")) for row in rows]
+    assert per_episode[1] < per_episode[0] == per_episode[2]  # blocks store less, whole alike
+    assert _number(rows[0][3].removesuffix(" MiB")) == 0 < _number(rows[1][3].removesuffix(" MiB"))
+    assert "smaller** with blocks" in report.read_text()
+
+
 def test_retention_smoke(postgres_url: str, tmp_path: Path) -> None:
     report = tmp_path / "retention.md"
     _bench(
