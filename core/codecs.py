@@ -3,7 +3,8 @@ digest arrays pre-packed in Postgres's binary format for COPY (core/pgcopy.py se
 
 - token ids: little-endian int32 (`pack(ids, "i")`); logprobs: little-endian float32 (`"f"`);
 - a prompt's token ids: its whole blocks of `BLOCK_TOKENS`, content-addressed like messages
-  (`split_blocks`), and the rest packed in the row: a multi-turn episode's growing prompt, or a
+  (`split_blocks`; readers join them back in SQL, core/tables.py `PROMPT_IDS_SQL`), and the rest
+  packed in the row: a multi-turn episode's growing prompt, or a
   system prompt every episode shares, is stored once;
 - a message: its 16-byte BLAKE2b digest of sorted-key JSON (`message_digest`);
 - `PackedDigests`: a whole `bytea[]` of digests; `PackedUuid`: a uuid's 16 bytes.
@@ -60,15 +61,6 @@ def split_blocks(packed: bytes | None) -> tuple[list[bytes], list[bytes], bytes 
     blocks = [bytes(view[i : i + _BLOCK_BYTES]) for i in range(0, whole, _BLOCK_BYTES)]
     digests = [hashlib.blake2b(b, digest_size=16).digest() for b in blocks]
     return digests, blocks, packed[whole:]
-
-
-def join_blocks(
-    digests: list[bytes] | None, blocks: dict[bytes, bytes], rest: bytes | None
-) -> bytes | None:
-    """A packed prompt from its blocks' digests (NULL: none), the blocks, and the packed rest."""
-    if not digests:
-        return rest
-    return b"".join(blocks[d] for d in digests) + (rest or b"")
 
 
 # --- messages, by digest ----------------------------------------------------------------------

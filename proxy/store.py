@@ -22,7 +22,7 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from core.codecs import PackedDigests, message_digest, pack, pack_digests, split_blocks
 from core.pgcopy import copy_insert
 from core.record import TRANSITION_COLUMNS, TransitionRecord, copy_row
-from core.tables import Episode, Message, Reward, TokenBlock, Transition
+from core.tables import PROMPT_IDS_SQL, Episode, Message, Reward, Transition
 from proxy.credit import Step, assign_returns
 from proxy.schemas import RewardIn
 
@@ -422,7 +422,12 @@ class EpisodeRows:
     transitions: list[Transition]  # in call order
     messages: dict[bytes, Any]  # digest -> body, for every prompt message of the transitions
     rewards: list[Reward]  # as posted
-    blocks: dict[bytes, bytes]  # digest -> packed ids, for every prompt's token id blocks
+    # Transition id -> its whole packed prompt ids, for the transitions stored in blocks (the
+    # others' are their `prompt_token_ids`): `prompt_ids()` picks.
+    prompts: dict[uuid.UUID, bytes]
+
+    def prompt_ids(self, t: Transition) -> bytes | None:
+        return self.prompts.get(t.id, t.prompt_token_ids)
 
 
 async def get_episode(episode_id: str, *, session: AsyncSession) -> EpisodeRows | None:
@@ -443,16 +448,17 @@ async def get_episode(episode_id: str, *, session: AsyncSession) -> EpisodeRows 
             select(Message.digest, Message.body).where(Message.digest.in_(digests))
         )
         bodies = {digest: body for digest, body in rows}
-    named = {d for t in transitions for d in t.prompt_blocks or ()}
-    blocks: dict[bytes, bytes] = {}
-    if named:
+    prompts: dict[uuid.UUID, bytes] = {}
+    if any(t.prompt_blocks for t in transitions):
         rows = await session.execute(
-            select(TokenBlock.digest, TokenBlock.ids).where(TokenBlock.digest.in_(named))
-        )
-        blocks = {digest: ids for digest, ids in rows}
+            text(f"SELECT t.id, {PROMPT_IDS_SQL.format(row='t')} FROM transition t "
+                 "WHERE t.episode_id = :e AND t.prompt_blocks IS NOT NULL"),
+            {"e": episode_id},
+        )  # fmt: skip
+        prompts = {tid: ids for tid, ids in rows}
     rewards = (
         await session.scalars(
             select(Reward).where(Reward.episode_id == episode_id).order_by(Reward.id)
         )
     ).all()
-    return EpisodeRows(episode, list(transitions), bodies, list(rewards), blocks)
+    return EpisodeRows(episode, list(transitions), bodies, list(rewards), prompts)

@@ -25,9 +25,7 @@ def stored(rows: store.EpisodeRows | None) -> dict[str, dict[str, Any]]:
     return {
         str(t.id): {
             "messages": [rows.messages.get(d) for d in t.message_digests],
-            "prompt_token_ids": codecs.unpack(
-                codecs.join_blocks(t.prompt_blocks, rows.blocks, t.prompt_token_ids), "i"
-            ),
+            "prompt_token_ids": codecs.unpack(rows.prompt_ids(t), "i"),
             "completion_token_ids": codecs.unpack(t.completion_token_ids, "i"),
             "logprobs": codecs.unpack(t.logprobs, "f"),
             "params": t.params,

@@ -10,7 +10,7 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from core.codecs import join_blocks, unpack
+from core.codecs import unpack
 from core.tables import Reward, Transition
 from core.tenants import Principal
 from proxy import store
@@ -99,8 +99,7 @@ def _transition(
         "trained_version": t.trained_version,
     }
     if tokens:
-        prompt = join_blocks(t.prompt_blocks, rows.blocks, t.prompt_token_ids)
-        out["prompt_token_ids"] = unpack(prompt, "i")
+        out["prompt_token_ids"] = unpack(rows.prompt_ids(t), "i")
         out["completion_token_ids"] = unpack(t.completion_token_ids, "i")
         out["logprobs"] = unpack(t.logprobs, "f")
     return out
