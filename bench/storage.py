@@ -71,7 +71,7 @@ def episode(rng: random.Random, start: int = START) -> list[TransitionRecord]:
     return records
 
 
-def whole(packed: bytes | None) -> tuple[list[bytes], list[bytes], bytes | None]:
+def whole(packed: bytes | None, known: Any = None) -> tuple[list[bytes], list[bytes], bytes | None]:
     """The store before blocks: the whole prompt in its row."""
     return [], [], packed
 
@@ -103,6 +103,7 @@ async def write(url: str, episodes: list[list[TransitionRecord]]) -> float:
     """Every episode's turn t in one batch, turn by turn, as a writer would: CPU seconds."""
     engine, sessionmaker = database.create_async_sessions(url)
     known: set[bytes] = set()
+    memo = codecs.PromptMemo()  # as the writer keeps them: what it sent, each episode's prompt
     cpu = 0.0
     try:
         for turn in range(len(episodes[0])):
@@ -110,7 +111,7 @@ async def write(url: str, episodes: list[list[TransitionRecord]]) -> float:
             started = time.process_time()
             async with sessionmaker.begin() as session:
                 sent = await store.insert_transitions(
-                    batch, session=session, gamma=None, stored=known
+                    batch, session=session, gamma=None, stored=known, memo=memo
                 )
             known.update(sent)
             cpu += time.process_time() - started

@@ -17,6 +17,7 @@ import hashlib
 import struct
 import sys
 from array import array
+from collections import OrderedDict
 from typing import Any
 
 import orjson
@@ -50,17 +51,88 @@ BLOCK_TOKENS = 256
 _BLOCK_BYTES = 4 * BLOCK_TOKENS
 
 
-def split_blocks(packed: bytes | None) -> tuple[list[bytes], list[bytes], bytes | None]:
+def split_blocks(
+    packed: bytes | None, known: tuple[bytes, list[bytes]] = (b"", [])
+) -> tuple[list[bytes], list[bytes], bytes | None]:
     """A packed prompt as (digests of its whole blocks, those blocks, the packed rest). Blocks
     are cut at fixed offsets from the start, so a prompt that extends another (the next call of
-    a conversation) shares all of the other's whole blocks."""
+    a conversation) shares all of the other's whole blocks. `known`: whole blocks of packed ids
+    and their digests (the episode's previous prompt, `PromptMemo`): if the prompt starts with
+    them, their digests are reused and only the blocks after them are hashed."""
     if packed is None or len(packed) < _BLOCK_BYTES:
         return [], [], packed
     whole = len(packed) - len(packed) % _BLOCK_BYTES
     view = memoryview(packed)
     blocks = [bytes(view[i : i + _BLOCK_BYTES]) for i in range(0, whole, _BLOCK_BYTES)]
-    digests = [hashlib.blake2b(b, digest_size=16).digest() for b in blocks]
+    prefix, digests = known
+    if not (prefix and len(prefix) <= whole and packed.startswith(prefix)):
+        prefix, digests = b"", []
+    digests = digests[:]  # (the memo keeps its own list)
+    digests += [hashlib.blake2b(b, digest_size=16).digest() for b in blocks[len(digests) :]]
     return digests, blocks, packed[whole:]
+
+
+class PromptMemo:
+    """Each episode's last prompt with its digests: the next call of a conversation repeats
+    that prompt and adds to it, so only its new messages and token blocks need hashing (a
+    20-turn episode would otherwise hash its history 20 times). Bounded by the bytes it holds,
+    the least recently used episodes forgotten first. Pure content: never stale."""
+
+    def __init__(self, max_bytes: int = 64 * 2**20) -> None:
+        self._max_bytes = max_bytes
+        self._bytes = 0
+        # episode -> (about the bytes held, messages, their digests, the prompt's whole blocks
+        # of ids, their digests)
+        self._last: OrderedDict[str, tuple[int, list[Any], list[bytes], bytes, list[bytes]]]
+        self._last = OrderedDict()
+
+    def message_digests(self, episode_id: str, messages: list[Any]) -> list[bytes]:
+        last = self._last.get(episode_id)
+        same = 0
+        if last is not None:
+            for before, now in zip(last[1], messages, strict=False):
+                if not _same_chat_message(before, now):
+                    break
+                same += 1
+        known = last[2][:same] if last is not None else []
+        return known + [message_digest(m) for m in messages[same:]]
+
+    def known_blocks(self, episode_id: str) -> tuple[bytes, list[bytes]]:
+        last = self._last.get(episode_id)
+        return (last[3], last[4]) if last is not None else (b"", [])
+
+    def remember(
+        self,
+        episode_id: str,
+        messages: list[Any],
+        digests: list[bytes],
+        packed: bytes | None,
+        block_digests: list[bytes],
+    ) -> None:
+        whole = packed[: _BLOCK_BYTES * len(block_digests)] if packed else b""
+        size = len(whole) + sum(len(m["content"]) for m in messages if type(m) is dict
+                                and type(m.get("content")) is str)  # fmt: skip
+        old = self._last.pop(episode_id, None)
+        if old is not None:
+            self._bytes -= old[0]
+        self._last[episode_id] = (size, messages, digests, whole, block_digests)
+        self._bytes += size
+        while self._bytes > self._max_bytes:
+            _, dropped = self._last.popitem(last=False)
+            self._bytes -= dropped[0]
+
+
+def _same_chat_message(before: Any, now: Any) -> bool:
+    """Equal as JSON, checked cheaply: only {role, content} strings (Python's == says
+    1 == 1.0 == True, which JSON does not)."""
+    return (
+        type(before) is dict
+        and type(now) is dict
+        and len(before) == len(now) == 2
+        and type(now.get("content")) is str
+        and type(now.get("role")) is str
+        and before == now
+    )
 
 
 # --- messages, by digest ----------------------------------------------------------------------

@@ -149,6 +149,14 @@ class ProxySettings(DatabaseSettings):
         "(core/partitions.py) and applies FLYWHEEL_RETENTION_DAYS; also once at start-up.",
     )
     writer_batch_size: int = Field(500, ge=1, description="Most transitions per database write.")
+    writer_linger_s: float = Field(
+        0.05,
+        ge=0,
+        le=5,
+        description="At low load, how long a recorded transition may wait for others to share "
+        "its database write (one write costs about the same for 1 as for 10). Rewards, episode "
+        "reads, durable mode and shutdown write at once; 0 writes every call on its own.",
+    )
     journal_retry_s: float = Field(
         1.0, gt=0, description="While Postgres is unreachable, how often a journal replay is tried."
     )

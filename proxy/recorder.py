@@ -1,8 +1,10 @@
 """The background writer: recorded transitions reach Postgres in batches, never on a request's path.
 
 - `submit()` is synchronous and cheap; writer tasks (`WRITERS`, two) drain the queue. While
-  batches are written, the next accumulate, so batches grow with load without an artificial
-  delay.
+  batches are written, the next accumulate, so batches grow with load. At low load a writer
+  lingers up to `linger_s` after the oldest queued record for more to join it (a write costs
+  about the same CPU for one transition as for ten); it writes at once when the batch is full,
+  or when someone waits for the records: a reward, an episode read, durable mode, shutdown.
 - Postgres unreachable (or a write hanging): the batch goes to the disk journal, later batches
   follow it there, and the journal is replayed once Postgres answers again.
 - Postgres refusing a row as data (a bug, not an outage) isolates that row into the journal's
@@ -28,6 +30,7 @@ import orjson
 import psycopg
 from sqlalchemy import exc as sa_exc
 
+from core.codecs import PromptMemo
 from core.database import AsyncSessions
 from core.record import TransitionRecord
 from proxy import metrics, store
@@ -67,6 +70,7 @@ class Recorder:
         journal: Journal,
         *,
         batch_size: int,
+        linger_s: float = 0.0,
         queue_max_bytes: int,
         retry_s: float,
         gamma: float | None,
@@ -77,6 +81,7 @@ class Recorder:
         self._spans = spans  # every record accepted is also a span (FLYWHEEL_OTEL_ENDPOINT)
         self.journal = journal
         self._batch_size = batch_size
+        self._linger_s = linger_s
         self._queue_max_bytes = queue_max_bytes
         self._retry_s = retry_s
         self._gamma = gamma
@@ -85,10 +90,14 @@ class Recorder:
         self._inflight: dict[int, list[TransitionRecord]] = {}  # writer -> its batch
         self._replaying = False
         self._unstored: dict[str, set[str]] = {}  # episode id -> transition ids not in Postgres
+        self._unstored_ids: set[str] = set()  # the same ids, all episodes together
         self._watched: dict[str, asyncio.Future[None]] = {}  # durable mode: id -> "it is safe"
         self._known: set[bytes] = set()  # digests known committed (STORED_MAX)
+        self._memo = PromptMemo()  # each episode's last prompt, hashed (core/codecs.py)
         self._stored_day = date.min  # the UTC day the cache above holds for
         self._wake = asyncio.Event()
+        self._hurry = asyncio.Event()  # "write now": see _urgent()
+        self._waiters = 0  # wait_stored() calls in progress
         self._stored = asyncio.Event()  # set and replaced after every write: "look again"
         self._stopping = False
         self._next_replay = 0.0
@@ -130,6 +139,7 @@ class Recorder:
         loop = asyncio.get_running_loop()
         futures = [loop.create_future() for _ in transition_ids]
         self._watched.update(zip(transition_ids, futures, strict=True))
+        self._hurry.set()
         return futures
 
     def submit(self, records: list[TransitionRecord]) -> None:
@@ -144,31 +154,39 @@ class Recorder:
             self._journal(self._queue.take_all())  # on failure they are back in the queue
         self._queue.report()
         self._wake.set()
+        if len(self._queue) >= self._batch_size:
+            self._hurry.set()
 
     async def wait_stored(
         self, episode_id: str, transition_ids: list[str] | None = None, *, timeout: float
     ) -> bool:
-        """Wait until this episode's (or these) transitions recorded here are in Postgres."""
+        """Wait until this episode's transitions recorded here are in Postgres, or only these
+        (`transition_ids`, which may be another episode's: the reward route says so then)."""
 
         def done() -> bool:
-            pending = self._unstored.get(episode_id)
-            if not pending:
-                return True
-            return transition_ids is not None and pending.isdisjoint(transition_ids)
+            if transition_ids is not None:
+                return self._unstored_ids.isdisjoint(transition_ids)
+            return not self._unstored.get(episode_id)
 
         deadline = time.monotonic() + timeout
-        while not done():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                return False
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._stored.wait(), remaining)
-        return True
+        self._waiters += 1
+        self._hurry.set()
+        try:
+            while not done():
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._stored.wait(), remaining)
+            return True
+        finally:
+            self._waiters -= 1
 
     async def stop(self, timeout: float = 30.0) -> None:
         """Flush everything to Postgres, or to the journal if Postgres can't take it in time."""
         self._stopping = True
         self._wake.set()
+        self._hurry.set()
         if self._task is None:
             return
         try:
@@ -214,6 +232,7 @@ class Recorder:
             self._wake.clear()
         if self.journal.pending and time.monotonic() >= self._next_replay:
             await self._replay()
+        await self._linger()
         batch = self._queue.take(self._batch_size)
         self._queue.report()
         if self._queue:
@@ -228,6 +247,25 @@ class Recorder:
             if not kept:
                 await asyncio.sleep(self._retry_s)  # neither works: try Postgres again then
         return self._stopping and not self._queue
+
+    def _urgent(self) -> bool:
+        return (
+            self._stopping
+            or self._waiters > 0
+            or bool(self._watched)
+            or len(self._queue) >= self._batch_size
+        )
+
+    async def _linger(self) -> None:
+        """Wait for more records to share this write, until `linger_s` after the oldest one
+        queued, unless the batch is full or someone waits for it (_urgent)."""
+        while self._queue and not self._urgent():
+            remaining = self._queue.since + self._linger_s - time.monotonic()
+            if remaining <= 0:
+                return
+            self._hurry.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._hurry.wait(), remaining)
 
     async def _write(self, batch: list[TransitionRecord]) -> bool:
         """Into Postgres, else the journal; False: neither, the batch is back in the queue."""
@@ -264,6 +302,7 @@ class Recorder:
                     air_penalty=self._air_penalty,
                     stored=self._known,
                     today=today,
+                    memo=self._memo,
                 )
         except OUTAGE_ERRORS:
             self._known.clear()
@@ -364,6 +403,7 @@ class Recorder:
     def _track(self, records: list[TransitionRecord]) -> None:
         for r in records:
             self._unstored.setdefault(r.episode_id, set()).add(r.id)
+            self._unstored_ids.add(r.id)
 
     def _settle(self, records: list[TransitionRecord]) -> None:
         if self._watched:
@@ -375,6 +415,7 @@ class Recorder:
     def _mark_stored(self, records: list[TransitionRecord]) -> None:
         self._settle(records)
         for r in records:
+            self._unstored_ids.discard(r.id)
             pending = self._unstored.get(r.episode_id)
             if pending is not None:
                 pending.discard(r.id)
@@ -391,16 +432,21 @@ class RecordQueue:
     def __init__(self) -> None:
         self._items: deque[TransitionRecord] = deque()
         self.nbytes = 0
+        self.since = 0.0  # monotonic time the oldest record in the queue arrived (about)
 
     def __len__(self) -> int:
         return len(self._items)
 
     def extend(self, records: list[TransitionRecord]) -> None:
+        if not self._items:
+            self.since = time.monotonic()
         self._items.extend(records)
         self.nbytes += sum(map(record_bytes, records))
 
     def put_back(self, records: list[TransitionRecord]) -> None:
         """At the front, in their order: they were taken first."""
+        if not self._items:
+            self.since = time.monotonic()
         self._items.extendleft(reversed(records))
         self.nbytes += sum(map(record_bytes, records))
 

@@ -77,6 +77,7 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
         sessionmaker,
         Journal(settings.journal_dir),
         batch_size=settings.writer_batch_size,
+        linger_s=settings.writer_linger_s,
         queue_max_bytes=settings.writer_queue_max_bytes,
         retry_s=settings.journal_retry_s,
         gamma=settings.credit_gamma,

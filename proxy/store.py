@@ -19,7 +19,7 @@ from sqlalchemy import ARRAY, Text, Uuid, any_, bindparam, func, select, text
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from core.codecs import PackedDigests, message_digest, pack, pack_digests, split_blocks
+from core.codecs import PackedDigests, PromptMemo, pack, pack_digests, split_blocks
 from core.pgcopy import copy_insert
 from core.record import TRANSITION_COLUMNS, TransitionRecord, copy_row
 from core.tables import PROMPT_IDS_SQL, Episode, Message, Reward, Transition
@@ -78,6 +78,7 @@ async def insert_transitions(
     air_penalty: float | None = None,
     stored: Container[bytes] = frozenset(),
     today: date | None = None,
+    memo: PromptMemo | None = None,
 ) -> list[bytes]:
     """Write recorded transitions (idempotent by id: journal replays may repeat some), with an
     `air` reward of -air_penalty for each one whose tool calls AIR found wrong (proxy/air.py).
@@ -86,7 +87,9 @@ async def insert_transitions(
     blocks once (`token_block`, core/codecs.py). Those whose digest is in `stored` (known to be
     committed already, with a `last_used` of `today` or later) are not sent again; the ones sent
     are marked used until at least `today` (UTC, by default now) and the day of every record.
-    Returns the digests it sent: stored once the caller commits.
+    `memo`: the writer's digests of each episode's previous prompt, so that only what is new in
+    a prompt is hashed (core/codecs.py). Returns the digests it sent: stored once the caller
+    commits.
     """
     episodes: dict[str, str | None] = {}
     last_calls: dict[str, float] = {}
@@ -101,28 +104,32 @@ async def insert_transitions(
     blocks: dict[bytes, bytes] = {}
     # The n choices of one request share one prompt list and (chat) one list of prompt token
     # ids: hash and pack those once (the records hold the lists alive, so ids stay unique here).
-    packed_by_prompt: dict[int, PackedDigests] = {}
+    packed_by_prompt: dict[int, tuple[list[bytes], PackedDigests]] = {}
     packed_prompt_ids: dict[int, tuple[PackedDigests | None, bytes | None]] = {}
     rows = []
+    memo = memo if memo is not None else PromptMemo()
     for r in records:
         prompt = r.messages
-        packed = packed_by_prompt.get(id(prompt))
-        if packed is None:
-            digests = []
-            for body in prompt:
-                digest = message_digest(body)
+        named_messages = packed_by_prompt.get(id(prompt))
+        if named_messages is None:
+            digests = memo.message_digests(r.episode_id, prompt)
+            for body, digest in zip(prompt, digests, strict=True):
                 if digest not in stored:
                     # JSON null (a client sent `null` for a message) is a value, not SQL NULL.
                     messages[digest] = Jsonb(None) if body is None else body
-                digests.append(digest)
-            packed = packed_by_prompt[id(prompt)] = pack_digests(digests)
+            named_messages = packed_by_prompt[id(prompt)] = (digests, pack_digests(digests))
+        digests, packed = named_messages
         prompt_ids = r.prompt_token_ids
         split = packed_prompt_ids.get(id(prompt_ids))
         if split is None:
-            block_digests, block_ids, rest = split_blocks(pack(prompt_ids, "i"))
+            packed_ids = pack(prompt_ids, "i")
+            block_digests, block_ids, rest = split_blocks(
+                packed_ids, known=memo.known_blocks(r.episode_id)
+            )
             for digest, ids in zip(block_digests, block_ids, strict=True):
                 if digest not in stored:
                     blocks[digest] = ids
+            memo.remember(r.episode_id, prompt, digests, packed_ids, block_digests)
             named = pack_digests(block_digests) if block_digests else None
             split = packed_prompt_ids[id(prompt_ids)] = (named, rest)
         rows.append(copy_row(r, packed, *split))
