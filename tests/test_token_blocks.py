@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import random
 from pathlib import Path
+from unittest import mock
 
 import orjson
 import pytest
@@ -38,6 +39,52 @@ def test_a_longer_prompt_shares_the_shorter_ones_whole_blocks() -> None:
     assert len(a) == 2 and len(b) == 3 and b[:2] == a
 
 
+def plain(messages: list[object], ids: list[int]) -> tuple[list[bytes], list[bytes]]:
+    digests, _, _ = codecs.split_blocks(codecs.pack(ids, "i"))
+    return [codecs.message_digest(m) for m in messages], digests
+
+
+def test_the_prompt_memo_gives_the_plain_digests_whatever_the_next_prompt_is() -> None:
+    """Grown, rewritten (an earlier message or token changed), shortened, other message shapes
+    (1 == 1.0 == True in Python, not in JSON), several episodes, and more than it may hold."""
+    rng = random.Random(7)
+    history: list[object] = [{"role": "system", "content": "x" * 3000}]  # over the str memo
+    ids = [rng.randrange(50_000) for _ in range(700)]
+    steps: list[tuple[str, list[object], list[int]]] = []
+    for turn in range(6):
+        history = [*history, {"role": "user", "content": f"turn {turn} " * 50}]
+        ids = ids + [rng.randrange(50_000) for _ in range(300)]
+        steps.append(("e1", history, ids))
+    steps.append(("e1", [{"role": "system", "content": "y" * 3000}, *history[1:]], ids))
+    steps.append(("e1", history, [ids[0] + 1, *ids[1:]]))  # the first block differs
+    steps.append(("e1", history[:2], ids[:300]))  # a new conversation on the same episode
+    steps.append(("e2", [{"role": "user", "content": 1}], ids))
+    steps.append(("e2", [{"role": "user", "content": 1.0}], ids))
+    steps.append(("e2", [{"role": "user", "content": True}, None], ids))
+    steps.append(("e2", [{"role": "user", "content": [{"type": "text", "text": "a"}]}], ids))
+    steps.append(("e3", history, ids + ids))
+    memo = codecs.PromptMemo(max_bytes=20_000)  # forgets e1 while e2 runs
+    for episode, messages, prompt_ids in steps:
+        packed = codecs.pack(prompt_ids, "i")
+        digests = memo.message_digests(episode, messages)
+        blocks, _, _ = codecs.split_blocks(packed, known=memo.known_blocks(episode))
+        memo.remember(episode, messages, digests, packed, blocks)
+        assert (digests, blocks) == plain(messages, prompt_ids)
+    assert memo.known_blocks("e1") == (b"", [])  # forgotten: over max_bytes
+
+
+def test_the_next_call_of_a_conversation_hashes_only_its_new_blocks() -> None:
+    memo, ids = codecs.PromptMemo(), list(range(1000))
+    for n in (1000, 1600):
+        ids = ids + list(range(n, n + 600))
+        packed = codecs.pack(ids, "i")
+        with mock.patch.object(codecs.hashlib, "blake2b", wraps=hashlib.blake2b) as hashed:
+            blocks, _, _ = codecs.split_blocks(packed, known=memo.known_blocks("e"))
+        memo.remember("e", [], [], packed, blocks)
+        assert len(blocks) == len(ids) // codecs.BLOCK_TOKENS
+    assert hashed.call_count == 2200 // 256 - 1600 // 256  # 8 blocks, 6 of them known
+
+
 async def test_a_multi_turn_episode_is_stored_once_and_read_back_whole(
     database_url: str, tmp_path: Path
 ) -> None:
@@ -47,11 +94,12 @@ async def test_a_multi_turn_episode_is_stored_once_and_read_back_whole(
     engine, sessionmaker = database.create_async_sessions(database_url)
     records = episode_records(random.Random(5), turns=20)
     known: set[bytes] = set()
+    memo = codecs.PromptMemo()
     for r in records:
         r.lineage = "policy"  # a policy's calls: the trainer's to claim
         async with sessionmaker.begin() as session:
             known.update(await store.insert_transitions([r], session=session, gamma=None,
-                                                        stored=known))  # fmt: skip
+                                                        stored=known, memo=memo))  # fmt: skip
     episode_id = records[0].episode_id
     async with sessionmaker.begin() as session:
         await session.execute(
