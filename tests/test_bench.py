@@ -77,7 +77,8 @@ def test_proxy_overhead_smoke(postgres_url: str, tmp_path: Path, route: str) -> 
         assert figures[8] > 0  # req/s
     assert [(r[0], r[1]) for r in ratios] == [(r[0], r[1]) for r in rows[::2]]
     assert all(_number(r[2]) > 0 and r[3] == "-" for r in ratios)  # no LiteLLM: no ratio
-    assert "1 client, added p50" in run.stdout
+    assert "non-streaming, 1 client: added p50" in run.stdout
+    assert "streaming, 1 client: added TTFT p50" in run.stdout
     recorded, calls = (
         run.stdout.split("recorded by the proxy: ")[1].split(" calls")[0].split(" of ")
     )
