@@ -125,12 +125,20 @@ def run(
 
         corrupter = threading.Thread(target=corrupt_whenever_none_is_open, daemon=True)
         try:
-            r = 0
+            r, bad_started = 0, time.monotonic()
+            # Past the bad rounds, go on until a corrupted candidate is decided: for up to as
+            # many rounds again, and at least 2 x max_s (a good candidate the evidence left
+            # undecided holds the lineage's canary until its fallback at max_s).
             while r < good_rounds + bad_rounds or (
-                r < good_rounds + 2 * bad_rounds and not _any_decided(url, corrupted)
+                not _any_decided(url, corrupted)
+                and (
+                    r < good_rounds + 2 * bad_rounds
+                    or time.monotonic() - bad_started < 2 * rule.max_s
+                )
             ):
                 if r == good_rounds:
                     corrupter.start()
+                    bad_started = time.monotonic()
                 episodes += _round(agent, r)
                 r += 1
         finally:
