@@ -40,8 +40,9 @@ import orjson
 import psycopg
 from prometheus_client import REGISTRY
 
+from bench import storage
 from bench.common import bench_database
-from core import database, retention
+from core import database
 from core.record import TransitionRecord
 from proxy.journal import Journal
 from proxy.recorder import Recorder
@@ -254,12 +255,7 @@ def one_run(base: str, records: list[TransitionRecord], args: Any) -> Run:
         run = asyncio.run(measure(url, records, args.batch_size))
         with psycopg.connect(url) as conn:
             stored = conn.execute("SELECT count(*) FROM transition").fetchone()[0]  # type: ignore[index]
-        engine, _ = database.create_sessions(url)
-        try:  # every partition of `transition`, with the messages and token blocks it names
-            grown = retention.sizes(engine)
-        finally:
-            engine.dispose()
-        size = grown["transition"] + grown["message"] + grown["token_block"]
+        size = sum(storage.sizes(url).values())  # every partition, messages, token blocks
 
     n = len(records)
     rate = n / run.elapsed_s

@@ -91,6 +91,7 @@ class Result:
 
 
 def sizes(url: str) -> dict[str, int]:
+    """Bytes on disk of each of TABLES (`transition`: every partition), indexes included."""
     engine, _ = database.create_sessions(url)
     try:
         grown = retention.sizes(engine)

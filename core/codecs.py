@@ -18,7 +18,7 @@ import struct
 import sys
 from array import array
 from collections import OrderedDict
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 
@@ -72,6 +72,14 @@ def split_blocks(
     return digests, blocks, packed[whole:]
 
 
+class _LastPrompt(NamedTuple):
+    size: int  # about the bytes it holds: the blocks' ids and the messages' text
+    messages: list[Any]
+    digests: list[bytes]
+    blocks: bytes  # the prompt's whole blocks of packed ids
+    block_digests: list[bytes]
+
+
 class PromptMemo:
     """Each episode's last prompt with its digests: the next call of a conversation repeats
     that prompt and adds to it, so only its new messages and token blocks need hashing (a
@@ -81,25 +89,22 @@ class PromptMemo:
     def __init__(self, max_bytes: int = 64 * 2**20) -> None:
         self._max_bytes = max_bytes
         self._bytes = 0
-        # episode -> (about the bytes held, messages, their digests, the prompt's whole blocks
-        # of ids, their digests)
-        self._last: OrderedDict[str, tuple[int, list[Any], list[bytes], bytes, list[bytes]]]
-        self._last = OrderedDict()
+        self._last: OrderedDict[str, _LastPrompt] = OrderedDict()
 
     def message_digests(self, episode_id: str, messages: list[Any]) -> list[bytes]:
         last = self._last.get(episode_id)
+        if last is None:
+            return [message_digest(m) for m in messages]
         same = 0
-        if last is not None:
-            for before, now in zip(last[1], messages, strict=False):
-                if not _same_chat_message(before, now):
-                    break
-                same += 1
-        known = last[2][:same] if last is not None else []
-        return known + [message_digest(m) for m in messages[same:]]
+        for before, now in zip(last.messages, messages, strict=False):
+            if not _same_chat_message(before, now):
+                break
+            same += 1
+        return last.digests[:same] + [message_digest(m) for m in messages[same:]]
 
     def known_blocks(self, episode_id: str) -> tuple[bytes, list[bytes]]:
         last = self._last.get(episode_id)
-        return (last[3], last[4]) if last is not None else (b"", [])
+        return (last.blocks, last.block_digests) if last is not None else (b"", [])
 
     def remember(
         self,
@@ -109,17 +114,17 @@ class PromptMemo:
         packed: bytes | None,
         block_digests: list[bytes],
     ) -> None:
-        whole = packed[: _BLOCK_BYTES * len(block_digests)] if packed else b""
-        size = len(whole) + sum(len(m["content"]) for m in messages if type(m) is dict
-                                and type(m.get("content")) is str)  # fmt: skip
+        blocks = packed[: _BLOCK_BYTES * len(block_digests)] if packed else b""
+        size = len(blocks) + sum(len(m["content"]) for m in messages if type(m) is dict
+                                 and type(m.get("content")) is str)  # fmt: skip
         old = self._last.pop(episode_id, None)
         if old is not None:
-            self._bytes -= old[0]
-        self._last[episode_id] = (size, messages, digests, whole, block_digests)
+            self._bytes -= old.size
+        self._last[episode_id] = _LastPrompt(size, messages, digests, blocks, block_digests)
         self._bytes += size
         while self._bytes > self._max_bytes:
             _, dropped = self._last.popitem(last=False)
-            self._bytes -= dropped[0]
+            self._bytes -= dropped.size
 
 
 def _same_chat_message(before: Any, now: Any) -> bool:

@@ -124,7 +124,8 @@ def retain(
         result.rewards = rewards + sum(d.rewards for d in result.decisions)
         result.seconds["episodes"] = time.perf_counter() - started
         started = time.perf_counter()
-        result.messages, result.blocks = (_prune_content(engine, today, t) for t in CONTENT)
+        keep_from = _content_kept_from(engine, today)
+        result.messages, result.blocks = (_prune_content(engine, t, keep_from) for t in CONTENT)
         result.seconds["messages"] = time.perf_counter() - started
     result.bytes_after = sizes(engine)
     return result
@@ -213,10 +214,15 @@ def _prune_episodes(engine: Engine, cutoff: datetime) -> tuple[int, int]:
     return episodes, rewards
 
 
-def _prune_content(engine: Engine, today: date, table: str) -> int:
+def _content_kept_from(engine: Engine, today: date) -> date:
+    """Messages and blocks last used before this day go: a day before the oldest transition
+    kept (clocks that disagree), or before today."""
     with engine.begin() as conn:
         oldest = conn.exec_driver_sql(f"SELECT min(requested_at) FROM {PARENT}").scalar()
-    keep_from = min(today, oldest.astimezone(UTC).date() if oldest else today) - DAY
+    return min(today, oldest.astimezone(UTC).date() if oldest else today) - DAY
+
+
+def _prune_content(engine: Engine, table: str, keep_from: date) -> int:
     deleted = 0
     while True:
         with engine.begin() as conn:

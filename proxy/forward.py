@@ -457,7 +457,6 @@ class RelayResponse(Response):
         self, relay: AsyncGenerator[bytes], headers: dict[str, str], after: Callable[[], None]
     ) -> None:
         self.status_code = 200
-        self.background = None
         self.init_headers(headers)
         self._relay, self._after = relay, after
 
@@ -475,7 +474,8 @@ class RelayResponse(Response):
 
         watcher = asyncio.create_task(watch())
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            start = {"type": "http.response.start", "status": self.status_code}
+            await send({**start, "headers": self.raw_headers})
             async for chunk in self._relay:
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
