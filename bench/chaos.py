@@ -69,10 +69,18 @@ JSON = {"Content-Type": "application/json"}
 RETRY_S = 10.0  # how long a client keeps retrying a reward the proxy answered 503
 BURST = 10_000
 FAULTS = (
-    "pg-stop", "pg-kill", "journal-full", "journal-ro", "proxy-term", "proxy-kill",
-    "proxy-kill-durable", "vllm-kill", "reward-burst", "trainer-kill-step",
+    "pg-stop",
+    "pg-kill",
+    "journal-full",
+    "journal-ro",
+    "proxy-term",
+    "proxy-kill",
+    "proxy-kill-durable",
+    "vllm-kill",
+    "reward-burst",
+    "trainer-kill-step",
     "trainer-kill-publish",
-)  # fmt: skip
+)
 NEEDS_ROOT = ("journal-full", "journal-ro")
 TRAINER_FAULTS = ("trainer-kill-step", "trainer-kill-publish")
 TRAINER_SETTINGS = {  # small steps, a short lease and frequent reconciles: the fault's effects
@@ -116,9 +124,13 @@ class Stack:
     def start_trainer(self) -> None:
         model = build_demo_model(common.WORK / "models" / "demo")
         self.trainer = common.start_trainer(
-            model, [f.url for f in self.fakes], self.pg.url, home=self.home,
-            settings=TRAINER_SETTINGS, log_name="chaos_trainer",
-        )  # fmt: skip
+            model,
+            [f.url for f in self.fakes],
+            self.pg.url,
+            home=self.home,
+            settings=TRAINER_SETTINGS,
+            log_name="chaos_trainer",
+        )
 
     @property
     def trainer_id(self) -> str:
@@ -146,8 +158,9 @@ def stack(
     journal = home / "journal"
     journal.mkdir()
     if journal_tmpfs:
-        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(journal)],
-                       check=True)  # fmt: skip
+        subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(journal)], check=True
+        )
     pg = OwnPostgres(work)
     delay = LOAD_DELAY_S if trainer else 0.0
     fakes = [common.start_fake(0.005, always_detail=False, load_delay_s=delay) for _ in range(2)]
@@ -325,8 +338,16 @@ def run_fault(fault: str, args: argparse.Namespace, work: Path) -> Outcome:
         traffic.stop()
         seconds = time.monotonic() - started
         t_lost, r_lost = lost(s.pg.url, traffic, extra)
-        return Outcome(fault, seconds, len(traffic.transitions), t_lost,
-                       len(traffic.rewards | extra), r_lost, traffic.errors, note)  # fmt: skip
+        return Outcome(
+            fault,
+            seconds,
+            len(traffic.transitions),
+            t_lost,
+            len(traffic.rewards | extra),
+            r_lost,
+            traffic.errors,
+            note,
+        )
 
 
 def inject(fault: str, s: Stack, outage_s: float, extra_rewards: set[str]) -> str:
@@ -366,8 +387,7 @@ def inject(fault: str, s: Stack, outage_s: float, extra_rewards: set[str]) -> st
         episodes = [f"burst-{uuid.uuid4().hex[:8]}-{i}" for i in range(BURST)]
         body = [{"episode_id": e, "reward": 0.5, "idempotency_key": "burst"} for e in episodes]
         started = time.monotonic()
-        r = httpx.post(s.url + "/v1/rewards", content=orjson.dumps(body), headers=JSON,
-                       timeout=300)  # fmt: skip
+        r = httpx.post(s.url + "/v1/rewards", content=orjson.dumps(body), headers=JSON, timeout=300)
         took = time.monotonic() - started
         if r.status_code == 200:
             extra_rewards.update(episodes)
@@ -492,8 +512,9 @@ HEADER = [
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--faults", default=",".join(FAULTS),
-                        type=lambda s: [f for f in s.split(",") if f])  # fmt: skip
+    parser.add_argument(
+        "--faults", default=",".join(FAULTS), type=lambda s: [f for f in s.split(",") if f]
+    )
     parser.add_argument("--outage-s", type=float, default=60.0)
     parser.add_argument("--warm-s", type=float, default=3.0)
     parser.add_argument("--clients", type=int, default=8)

@@ -100,8 +100,9 @@ def kill_once(mode: str, upstream: str, db: str, clients: int) -> tuple[int, int
     acknowledged: set[str] = set()
 
     async def run() -> None:
-        driver = asyncio.create_task(_drive(proxy.url + "/v1/chat/completions", clients,
-                                            acknowledged))  # fmt: skip
+        driver = asyncio.create_task(
+            _drive(proxy.url + "/v1/chat/completions", clients, acknowledged)
+        )
         await asyncio.sleep(2.0)
         proxy.process.send_signal(signal.SIGKILL)
         await driver
@@ -141,8 +142,9 @@ def kills(args: argparse.Namespace, upstream: str, db: str) -> list[str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--concurrency", default="1,16,64",
-                        type=lambda s: [int(x) for x in s.split(",")])  # fmt: skip
+    parser.add_argument(
+        "--concurrency", default="1,16,64", type=lambda s: [int(x) for x in s.split(",")]
+    )
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--kills", type=int, default=3)

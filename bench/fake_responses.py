@@ -78,21 +78,36 @@ def validate(body: Json, served: list[str], stored: set[str]) -> web.Response | 
 
 
 def tool_echo(tool: Json) -> Json:
-    return {"name": tool.get("name"), "parameters": tool.get("parameters"), "strict": None,
-            "type": "function", "allowed_callers": None, "defer_loading": None,
-            "description": tool.get("description"), "output_schema": None}  # fmt: skip
+    return {
+        "name": tool.get("name"),
+        "parameters": tool.get("parameters"),
+        "strict": None,
+        "type": "function",
+        "allowed_callers": None,
+        "defer_loading": None,
+        "description": tool.get("description"),
+        "output_schema": None,
+    }
 
 
 def usage(prompt_tokens: int, output_tokens: int) -> Json:
     return {
         "input_tokens": prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0,
-                                 "input_tokens_per_turn": [], "cached_tokens_per_turn": []},
+        "input_tokens_details": {
+            "cached_tokens": 0,
+            "cache_write_tokens": 0,
+            "input_tokens_per_turn": [],
+            "cached_tokens_per_turn": [],
+        },
         "output_tokens": output_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0, "tool_output_tokens": 0,
-                                  "output_tokens_per_turn": [], "tool_output_tokens_per_turn": []},
+        "output_tokens_details": {
+            "reasoning_tokens": 0,
+            "tool_output_tokens": 0,
+            "output_tokens_per_turn": [],
+            "tool_output_tokens_per_turn": [],
+        },
         "total_tokens": prompt_tokens + output_tokens,
-    }  # fmt: skip
+    }
 
 
 def logprob_entries(tokens: list[fv.Token], *, final: bool) -> list[Json]:
@@ -110,47 +125,95 @@ def logprob_entries(tokens: list[fv.Token], *, final: bool) -> list[Json]:
 def output_items(choice: fv.Choice, item_id: str, want_logprobs: bool) -> list[Json]:
     if choice.tool_call:
         call = choice.tool_call
-        return [{"arguments": call["arguments"], "call_id": call["id"], "name": call["name"],
-                 "type": "function_call", "id": item_id, "caller": None, "namespace": None,
-                 "status": "completed"}]  # fmt: skip
+        return [
+            {
+                "arguments": call["arguments"],
+                "call_id": call["id"],
+                "name": call["name"],
+                "type": "function_call",
+                "id": item_id,
+                "caller": None,
+                "namespace": None,
+                "status": "completed",
+            }
+        ]
     text = "".join(t.text for t in choice.tokens)
     logprobs = logprob_entries(choice.tokens, final=True) if want_logprobs else None
     part = {"annotations": [], "text": text, "type": "output_text", "logprobs": logprobs}
-    return [{"id": item_id, "content": [part], "role": "assistant", "status": "completed",
-             "type": "message", "phase": None}]  # fmt: skip
+    return [
+        {
+            "id": item_id,
+            "content": [part],
+            "role": "assistant",
+            "status": "completed",
+            "type": "message",
+            "phase": None,
+        }
+    ]
 
 
 def response_object(
-    body: Json, model: str, *, status: str, output: list[Json], choice: fv.Choice | None,
-    prompt_ids: list[int], response_id: str, created: int,
-) -> Json:  # fmt: skip
+    body: Json,
+    model: str,
+    *,
+    status: str,
+    output: list[Json],
+    choice: fv.Choice | None,
+    prompt_ids: list[int],
+    response_id: str,
+    created: int,
+) -> Json:
     want_ids, want_logprobs = bool(body.get("enable_response_messages")), wants_logprobs(body)
     tokens = choice.tokens if choice is not None else []  # none yet: the stream's first events
     incomplete = choice is not None and choice.finish_reason == "length"
     tool_choice = body.get("tool_choice") or ("auto" if body.get("tools") else "none")
     raw = want_ids and choice is not None
     return {
-        "id": response_id, "created_at": created,
+        "id": response_id,
+        "created_at": created,
         "incomplete_details": {"reason": "max_output_tokens"} if incomplete else None,
-        "instructions": body.get("instructions"), "metadata": None, "model": model,
-        "object": "response", "output": output, "parallel_tool_calls": True,
-        "temperature": body.get("temperature", 1.0), "tool_choice": tool_choice,
-        "tools": [tool_echo(t) for t in body.get("tools") or ()], "top_p": 1.0,
-        "background": False, "max_output_tokens": body.get("max_output_tokens"),
-        "max_tool_calls": None, "previous_response_id": None, "prompt": None, "reasoning": None,
+        "instructions": body.get("instructions"),
+        "metadata": None,
+        "model": model,
+        "object": "response",
+        "output": output,
+        "parallel_tool_calls": True,
+        "temperature": body.get("temperature", 1.0),
+        "tool_choice": tool_choice,
+        "tools": [tool_echo(t) for t in body.get("tools") or ()],
+        "top_p": 1.0,
+        "background": False,
+        "max_output_tokens": body.get("max_output_tokens"),
+        "max_tool_calls": None,
+        "previous_response_id": None,
+        "prompt": None,
+        "reasoning": None,
         "service_tier": "auto",
-        "status": "incomplete" if incomplete else status, "text": None,
+        "status": "incomplete" if incomplete else status,
+        "text": None,
         "top_logprobs": body.get("top_logprobs", 0) if want_logprobs else None,
         "truncation": "disabled",
         "usage": usage(len(prompt_ids), len(tokens)) if choice is not None else None,
-        "user": None, "presence_penalty": 0.0, "frequency_penalty": 0.0,
-        "kv_transfer_params": None, "ec_transfer_params": None,
-        "input_messages": [{"message": rendered(body), "tokens": prompt_ids,
-                            "type": "raw_message_tokens"}] if raw else None,
-        "output_messages": [{"message": "".join(t.text for t in tokens),
-                             "tokens": [t.id for t in tokens],
-                             "type": "raw_message_tokens"}] if raw else None,
-    }  # fmt: skip
+        "user": None,
+        "presence_penalty": 0.0,
+        "frequency_penalty": 0.0,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+        "input_messages": [
+            {"message": rendered(body), "tokens": prompt_ids, "type": "raw_message_tokens"}
+        ]
+        if raw
+        else None,
+        "output_messages": [
+            {
+                "message": "".join(t.text for t in tokens),
+                "tokens": [t.id for t in tokens],
+                "type": "raw_message_tokens",
+            }
+        ]
+        if raw
+        else None,
+    }
 
 
 def wants_logprobs(body: Json) -> bool:
@@ -191,11 +254,14 @@ async def responses(state: fv.FakeState, body: Json, request: web.Request) -> An
     events: list[Json] = [
         {"response": start, "type": "response.created"},
         {"response": start, "type": "response.in_progress"},
-        *(call_events(choice, output[0]) if choice.tool_call else
-          text_events(choice, output[0], wants_logprobs(body))),
+        *(
+            call_events(choice, output[0])
+            if choice.tool_call
+            else text_events(choice, output[0], wants_logprobs(body))
+        ),
         {"item": output[0], "output_index": 0, "type": "response.output_item.done"},
         {"response": final, "type": "response.completed"},
-    ]  # fmt: skip
+    ]
     response = web.StreamResponse(headers={"content-type": "text/event-stream; charset=utf-8"})
     await response.prepare(request)
     for number, event in enumerate(events):
@@ -213,14 +279,24 @@ def text_events(choice: fv.Choice, item: Json, want_logprobs: bool) -> list[Json
     added = {**item, "content": [], "status": "in_progress"}
     events: list[Json] = [
         {"item": added, "output_index": 0, "type": "response.output_item.added"},
-        {**where, "part": {"annotations": [], "text": "", "type": "output_text", "logprobs": []},
-         "type": "response.content_part.added"},
-    ]  # fmt: skip
+        {
+            **where,
+            "part": {"annotations": [], "text": "", "type": "output_text", "logprobs": []},
+            "type": "response.content_part.added",
+        },
+    ]
     for token in (t for t in choice.tokens if t.text):
         logprobs = logprob_entries([token], final=False) if want_logprobs else []
-        events.append({"content_index": 0, "delta": token.text, "item_id": item["id"],
-                       "logprobs": logprobs, "output_index": 0,
-                       "type": "response.output_text.delta"})  # fmt: skip
+        events.append(
+            {
+                "content_index": 0,
+                "delta": token.text,
+                "item_id": item["id"],
+                "logprobs": logprobs,
+                "output_index": 0,
+                "type": "response.output_text.delta",
+            }
+        )
     events.append({**where, "logprobs": [], "text": text, "type": "response.output_text.done"})
     events.append({**where, "part": item["content"][0], "type": "response.content_part.done"})
     return events
@@ -231,8 +307,21 @@ def call_events(choice: fv.Choice, item: Json) -> list[Json]:
     added = {**item, "arguments": "", "status": "in_progress"}
     events: list[Json] = [{"item": added, "output_index": 0, "type": "response.output_item.added"}]
     for piece in (arguments[: len(arguments) // 2], arguments[len(arguments) // 2 :]):
-        events.append({"delta": piece, "item_id": item["id"], "output_index": 0,
-                       "type": "response.function_call_arguments.delta"})  # fmt: skip
-    events.append({"arguments": arguments, "item_id": item["id"], "name": item["name"],
-                   "output_index": 0, "type": "response.function_call_arguments.done"})  # fmt: skip
+        events.append(
+            {
+                "delta": piece,
+                "item_id": item["id"],
+                "output_index": 0,
+                "type": "response.function_call_arguments.delta",
+            }
+        )
+    events.append(
+        {
+            "arguments": arguments,
+            "item_id": item["id"],
+            "name": item["name"],
+            "output_index": 0,
+            "type": "response.function_call_arguments.done",
+        }
+    )
     return events

@@ -262,8 +262,14 @@ class FakeState:
 
     def fail_next(self, n: int = 1, status: int = 500, body: Json | None = None) -> None:
         """Answer the next n requests (of any kind) with this status and error body."""
-        body = body or {"error": {"message": "injected failure", "type": "InternalServerError",
-                                  "param": None, "code": status}}  # fmt: skip
+        body = body or {
+            "error": {
+                "message": "injected failure",
+                "type": "InternalServerError",
+                "param": None,
+                "code": status,
+            }
+        }
         self.failures.extend([(status, body)] * n)
 
 
@@ -354,8 +360,14 @@ def wrap(
             body = json.loads(raw) if request.method == "POST" else {}
         except ValueError:
             body = None
-        state.requests.append({"method": request.method, "path": request.path,
-                               "headers": dict(request.headers), "body": body})  # fmt: skip
+        state.requests.append(
+            {
+                "method": request.method,
+                "path": request.path,
+                "headers": dict(request.headers),
+                "body": body,
+            }
+        )
         if state.log_path:
             model = body.get("model") if isinstance(body, dict) else None
             with open(state.log_path, "a") as log:
@@ -389,14 +401,29 @@ async def models(state: FakeState, _body: Json, _request: web.Request) -> web.Re
 
     def card(name: str, root: str, parent: str | None, max_len: int | None) -> Json:
         permission = {
-            "id": new_id("modelperm"), "object": "model_permission", "created": created,
-            "allow_create_engine": False, "allow_sampling": True, "allow_logprobs": True,
-            "allow_search_indices": False, "allow_view": True, "allow_fine_tuning": False,
-            "organization": "*", "group": None, "is_blocking": False,
-        }  # fmt: skip
-        return {"id": name, "object": "model", "created": created, "owned_by": "vllm",
-                "root": root, "parent": parent, "max_model_len": max_len,
-                "permission": [permission]}  # fmt: skip
+            "id": new_id("modelperm"),
+            "object": "model_permission",
+            "created": created,
+            "allow_create_engine": False,
+            "allow_sampling": True,
+            "allow_logprobs": True,
+            "allow_search_indices": False,
+            "allow_view": True,
+            "allow_fine_tuning": False,
+            "organization": "*",
+            "group": None,
+            "is_blocking": False,
+        }
+        return {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "vllm",
+            "root": root,
+            "parent": parent,
+            "max_model_len": max_len,
+            "permission": [permission],
+        }
 
     data = [card(state.model, f"/models/{state.model}", None, MAX_MODEL_LEN)]
     data += [card(name, path, state.model, None) for name, path in state.loras.items()]
@@ -466,8 +493,12 @@ async def chat_completions(state: FakeState, body: Json, request: web.Request) -
     want_logprobs = bool(body.get("logprobs"))
     if state.always_detail:
         want_ids = want_logprobs = True
-    head = {"id": new_id("chatcmpl"), "object": "chat.completion", "created": int(time.time()),
-            "model": body.get("model") or state.model}  # fmt: skip
+    head = {
+        "id": new_id("chatcmpl"),
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": body.get("model") or state.model,
+    }
     n_completion = sum(len(c.tokens) for c in choices)
     if body.get("stream"):
         return await stream_chat(state, body, request, head, prompt_ids, choices, n_completion)
@@ -481,19 +512,39 @@ async def chat_completions(state: FakeState, body: Json, request: web.Request) -
         message.update(CHAT_NULLS)
         if c.tool_call:
             message["content"] = c.tool_call["content"]
-            message["tool_calls"] = [{"id": c.tool_call["id"], "type": "function", "function": {
-                "name": c.tool_call["name"], "arguments": c.tool_call["arguments"]}}]  # fmt: skip
+            message["tool_calls"] = [
+                {
+                    "id": c.tool_call["id"],
+                    "type": "function",
+                    "function": {
+                        "name": c.tool_call["name"],
+                        "arguments": c.tool_call["arguments"],
+                    },
+                }
+            ]
         message["reasoning"] = None
-        out.append({
-            "index": i, "message": message,
-            "logprobs": chat_logprobs(c.tokens, top) if want_logprobs else None,
-            "finish_reason": c.finish_reason, "stop_reason": None,
-            "token_ids": [t.id for t in c.tokens] if want_ids else None, "routed_experts": None,
-        })  # fmt: skip
-    response = {**head, "choices": out, "service_tier": None, "system_fingerprint": FINGERPRINT,
-                "usage": usage(len(prompt_ids), n_completion, details=True),
-                "prompt_logprobs": None, "prompt_token_ids": prompt_ids if want_ids else None,
-                "prompt_text": None, **RESPONSE_TAIL}  # fmt: skip
+        out.append(
+            {
+                "index": i,
+                "message": message,
+                "logprobs": chat_logprobs(c.tokens, top) if want_logprobs else None,
+                "finish_reason": c.finish_reason,
+                "stop_reason": None,
+                "token_ids": [t.id for t in c.tokens] if want_ids else None,
+                "routed_experts": None,
+            }
+        )
+    response = {
+        **head,
+        "choices": out,
+        "service_tier": None,
+        "system_fingerprint": FINGERPRINT,
+        "usage": usage(len(prompt_ids), n_completion, details=True),
+        "prompt_logprobs": None,
+        "prompt_token_ids": prompt_ids if want_ids else None,
+        "prompt_text": None,
+        **RESPONSE_TAIL,
+    }
     return web.json_response(response, dumps=compact)
 
 
@@ -502,8 +553,12 @@ def chat_deltas(c: Choice) -> list[Json]:
     if not c.tool_call:
         return [{"content": t.text} if t.text else {} for t in c.tokens]
     deltas: list[Json] = [{} for _ in c.tokens]
-    name = {"id": c.tool_call["id"], "type": "function", "index": 0,
-            "function": {"name": c.tool_call["name"]}}  # fmt: skip
+    name = {
+        "id": c.tool_call["id"],
+        "type": "function",
+        "index": 0,
+        "function": {"name": c.tool_call["name"]},
+    }
     start = len(deltas) // 3
     deltas[start] = {"content": None, "tool_calls": [name]}
     args = c.tool_call["arguments"]
@@ -518,9 +573,14 @@ def chat_deltas(c: Choice) -> list[Json]:
 
 
 async def stream_chat(
-    state: FakeState, body: Json, request: web.Request, head: Json, prompt_ids: list[int],
-    choices: list[Choice], n_completion: int,
-) -> web.StreamResponse:  # fmt: skip
+    state: FakeState,
+    body: Json,
+    request: web.Request,
+    head: Json,
+    prompt_ids: list[int],
+    choices: list[Choice],
+    n_completion: int,
+) -> web.StreamResponse:
     head = {**head, "object": "chat.completion.chunk"}
     want_ids, top = bool(body.get("return_token_ids")), body.get("top_logprobs") or 0
     want_logprobs, include_usage = bool(body.get("logprobs")), wants_usage(body)
@@ -528,8 +588,12 @@ async def stream_chat(
         want_ids = want_logprobs = True
     chunks = []
     for i in range(len(choices)):
-        first = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                 "finish_reason": None}  # fmt: skip
+        first = {
+            "index": i,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
         chunks.append(
             {
                 **head,
@@ -543,9 +607,12 @@ async def stream_chat(
         items = []
         for k, (t, delta) in enumerate(zip(c.tokens, chat_deltas(c), strict=True)):
             last = k == len(c.tokens) - 1
-            item: Json = {"index": i, "delta": delta,
-                          "logprobs": chat_logprobs([t], top) if want_logprobs else None,
-                          "finish_reason": c.finish_reason if last else None}  # fmt: skip
+            item: Json = {
+                "index": i,
+                "delta": delta,
+                "logprobs": chat_logprobs([t], top) if want_logprobs else None,
+                "finish_reason": c.finish_reason if last else None,
+            }
             if last:
                 item["stop_reason"] = None
             item["token_ids"] = [t.id] if want_ids else None
@@ -556,8 +623,14 @@ async def stream_chat(
         per_choice.append(items)
     chunks += interleave(per_choice)
     if include_usage:
-        chunks.append({**head, "choices": [], "usage": usage(len(prompt_ids), n_completion,
-                       details=False), "system_fingerprint": FINGERPRINT})  # fmt: skip
+        chunks.append(
+            {
+                **head,
+                "choices": [],
+                "usage": usage(len(prompt_ids), n_completion, details=False),
+                "system_fingerprint": FINGERPRINT,
+            }
+        )
     return await send_sse(state, request, chunks)
 
 
@@ -613,8 +686,12 @@ async def completions(state: FakeState, body: Json, request: web.Request) -> Any
     want_ids, top = bool(body.get("return_token_ids")), body.get("logprobs")
     if state.always_detail:
         want_ids, top = True, 0 if top is None else top
-    head = {"id": new_id("cmpl"), "object": "text_completion", "created": int(time.time()),
-            "model": body.get("model") or state.model}  # fmt: skip
+    head = {
+        "id": new_id("cmpl"),
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.get("model") or state.model,
+    }
     n_prompt, n_completion = sum(map(len, prompts)), sum(len(c.tokens) for c in choices)
     if body.get("stream"):
         per_choice = []
@@ -622,12 +699,15 @@ async def completions(state: FakeState, body: Json, request: web.Request) -> Any
             items, offset = [], 0
             for k, t in enumerate(c.tokens):
                 last = k == len(c.tokens) - 1
-                item = {"index": i, "text": t.text,
-                        "logprobs": completion_logprobs([t], top, offset) if top is not None
-                        else None,
-                        "finish_reason": c.finish_reason if last else None, "stop_reason": None,
-                        "prompt_token_ids": prompts[i // n] if want_ids and k == 0 else None,
-                        "token_ids": [t.id] if want_ids else None}  # fmt: skip
+                item = {
+                    "index": i,
+                    "text": t.text,
+                    "logprobs": completion_logprobs([t], top, offset) if top is not None else None,
+                    "finish_reason": c.finish_reason if last else None,
+                    "stop_reason": None,
+                    "prompt_token_ids": prompts[i // n] if want_ids and k == 0 else None,
+                    "token_ids": [t.id] if want_ids else None,
+                }
                 offset += len(t.text)
                 chunk = {**head, "choices": [item]}
                 if last and not wants_usage(body):
@@ -636,21 +716,38 @@ async def completions(state: FakeState, body: Json, request: web.Request) -> Any
             per_choice.append(items)
         chunks = interleave(per_choice)
         if wants_usage(body):
-            chunks.append({**head, "choices": [], "usage": usage(n_prompt, n_completion,
-                           details=False), "system_fingerprint": FINGERPRINT})  # fmt: skip
+            chunks.append(
+                {
+                    **head,
+                    "choices": [],
+                    "usage": usage(n_prompt, n_completion, details=False),
+                    "system_fingerprint": FINGERPRINT,
+                }
+            )
         return await send_sse(state, request, chunks)
     scores = body.get("prompt_logprobs") is not None
     out = [
-        {"index": i, "text": "".join(t.text for t in c.tokens),
-         "logprobs": completion_logprobs(c.tokens, top) if top is not None else None,
-         "finish_reason": c.finish_reason, "stop_reason": None,
-         "token_ids": [t.id for t in c.tokens] if want_ids else None,
-         "prompt_logprobs": prompt_logprobs(state, prompts[i // n]) if scores else None,
-         "prompt_token_ids": prompts[i // n] if want_ids else None, "routed_experts": None}
+        {
+            "index": i,
+            "text": "".join(t.text for t in c.tokens),
+            "logprobs": completion_logprobs(c.tokens, top) if top is not None else None,
+            "finish_reason": c.finish_reason,
+            "stop_reason": None,
+            "token_ids": [t.id for t in c.tokens] if want_ids else None,
+            "prompt_logprobs": prompt_logprobs(state, prompts[i // n]) if scores else None,
+            "prompt_token_ids": prompts[i // n] if want_ids else None,
+            "routed_experts": None,
+        }
         for i, c in enumerate(choices)
-    ]  # fmt: skip
-    response = {**head, "choices": out, "service_tier": None, "system_fingerprint": FINGERPRINT,
-                "usage": usage(n_prompt, n_completion, details=True), **RESPONSE_TAIL}  # fmt: skip
+    ]
+    response = {
+        **head,
+        "choices": out,
+        "service_tier": None,
+        "system_fingerprint": FINGERPRINT,
+        "usage": usage(n_prompt, n_completion, details=True),
+        **RESPONSE_TAIL,
+    }
     return web.json_response(response, dumps=compact)
 
 

@@ -96,8 +96,9 @@ def _fuzz_operation(
     examples: int,
     tally: Tally,
 ) -> None:
-    @settings(max_examples=examples, deadline=None, database=None,
-              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @settings(
+        max_examples=examples, deadline=None, database=None, suppress_health_check=list(HealthCheck)
+    )
     @given(case=operation.as_strategy(generation_mode=mode))
     def call(case: Any) -> None:
         kwargs = case.as_transport_kwargs(base_url=base_url)
@@ -157,11 +158,13 @@ _bodies = (
     | st.binary(max_size=64)
 )
 _PROMPTS = {
-    "/v1/chat/completions": ("messages", st.builds(lambda t: [{"role": "user", "content": t}],
-                                                   st.text(max_size=30))),
+    "/v1/chat/completions": (
+        "messages",
+        st.builds(lambda t: [{"role": "user", "content": t}], st.text(max_size=30)),
+    ),
     "/v1/completions": ("prompt", st.text(min_size=1, max_size=30)),
     "/v1/responses": ("input", st.text(min_size=1, max_size=30)),
-}  # fmt: skip
+}
 
 
 def _near_valid(path: str) -> st.SearchStrategy[bytes]:
@@ -193,8 +196,12 @@ _prefix = st.lists(
 def fuzz_completions(base_url: str, examples: int, tally: Tally) -> None:
     with httpx.Client(base_url=base_url) as client:
 
-        @settings(max_examples=examples, deadline=None, database=None,
-                  suppress_health_check=list(HealthCheck))  # fmt: skip
+        @settings(
+            max_examples=examples,
+            deadline=None,
+            database=None,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(request=_calls, headers=_headers, prefix=_prefix)
         def call(request: tuple[str, bytes], headers: dict[str, str], prefix: list[Any]) -> None:
             path, body = request

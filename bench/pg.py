@@ -35,10 +35,18 @@ class OwnPostgres:
         while True:  # after a kill -9 its old backends may hold shared memory for a moment
             try:
                 _pg_ctl(
-                    ["-w", "-o", '-h ""', "-o", f"-k {self.pgdata}", "-l",
-                     str(self.pgdata / "log"), "start"],
+                    [
+                        "-w",
+                        "-o",
+                        '-h ""',
+                        "-o",
+                        f"-k {self.pgdata}",
+                        "-l",
+                        str(self.pgdata / "log"),
+                        "start",
+                    ],
                     self.pgdata,
-                )  # fmt: skip
+                )
                 return
             except Exception:
                 if time.monotonic() > deadline:

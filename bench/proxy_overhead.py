@@ -146,11 +146,16 @@ def tables(cells: list[Cell]) -> str:
     for c in cells:
         d = direct[(c.mode, c.clients)]
         stream = c.mode == "streaming"
-        added = [None] * 4 if c.target == "direct" else [
-            c.p(0.5) - d.p(0.5), c.p(0.99) - d.p(0.99),
-            c.p(0.5, True) - d.p(0.5, True) if stream else None,
-            c.p(0.99, True) - d.p(0.99, True) if stream else None,
-        ]  # fmt: skip
+        added = (
+            [None] * 4
+            if c.target == "direct"
+            else [
+                c.p(0.5) - d.p(0.5),
+                c.p(0.99) - d.p(0.99),
+                c.p(0.5, True) - d.p(0.5, True) if stream else None,
+                c.p(0.99, True) - d.p(0.99, True) if stream else None,
+            ]
+        )
         ttft = [c.p(0.5, True), c.p(0.99, True)] if stream else [None, None]
         out.append(
             f"| {c.mode} | {c.clients} | {c.target} | {_f(c.p(0.5))} | {_f(c.p(0.99))} | "
@@ -239,18 +244,28 @@ def plot(cells: list[Cell], img_dir: Path, route: str = "chat") -> list[Path]:
     }
     return [
         plots.lines(
-            img_dir / f"proxy_overhead_latency{suffix}.png", clients, latency_panels,
-            xlabel="concurrent clients", ylabel="ms added vs direct (log)",
-            title=f"Latency added by the proxy, {PATHS[route]} (fake vLLM upstream)", log_y=True,
-            hlines={"goal p50, 1 client, 5 ms upstream": GOAL_P50_5MS_MS,
-                    "goal p99, 1 client, 5 ms upstream": GOAL_P99_5MS_MS},
+            img_dir / f"proxy_overhead_latency{suffix}.png",
+            clients,
+            latency_panels,
+            xlabel="concurrent clients",
+            ylabel="ms added vs direct (log)",
+            title=f"Latency added by the proxy, {PATHS[route]} (fake vLLM upstream)",
+            log_y=True,
+            hlines={
+                "goal p50, 1 client, 5 ms upstream": GOAL_P50_5MS_MS,
+                "goal p99, 1 client, 5 ms upstream": GOAL_P99_5MS_MS,
+            },
         ),
         plots.lines(
-            img_dir / f"proxy_overhead_throughput{suffix}.png", clients, throughput_panels,
-            xlabel="concurrent clients", ylabel="requests/s (log)",
-            title="Throughput per target (same run, interleaved)", log_y=True,
+            img_dir / f"proxy_overhead_throughput{suffix}.png",
+            clients,
+            throughput_panels,
+            xlabel="concurrent clients",
+            ylabel="requests/s (log)",
+            title="Throughput per target (same run, interleaved)",
+            log_y=True,
         ),
-    ]  # fmt: skip
+    ]
 
 
 def main() -> None:

@@ -150,10 +150,20 @@ def measure(
     stored = common.count_transitions(db_url)
     tokens, request_kb, upstream_kb = sizes(fake.url, prompt)
     return Row(
-        prompt, clients, tokens, request_kb, upstream_kb, direct, through, proxy_cpu,
-        postgres_cpu if postgres else None, proxy.peak_rss / 2**20, stored - recorded, drain,
+        prompt,
+        clients,
+        tokens,
+        request_kb,
+        upstream_kb,
+        direct,
+        through,
+        proxy_cpu,
+        postgres_cpu if postgres else None,
+        proxy.peak_rss / 2**20,
+        stored - recorded,
+        drain,
         max(0, expected - stored),
-    )  # fmt: skip
+    )
 
 
 def _merge(into: common.Run, run: common.Run) -> None:
@@ -202,9 +212,13 @@ def plot(rows: list[Row], img_dir: Path) -> Path:
         "flywheel / direct throughput": series(lambda r: r.rps(r.flywheel) / r.rps(r.direct)),
     }
     return plots.lines(
-        img_dir / "scaling.png", clients, panels, xlabel="concurrent clients", ylabel="",
+        img_dir / "scaling.png",
+        clients,
+        panels,
+        xlabel="concurrent clients",
+        ylabel="",
         title="Flywheel proxy vs direct, by clients and prompt length (~20 vs ~4,000 tokens)",
-    )  # fmt: skip
+    )
 
 
 def profile(flywheel: common.Server, seconds: float) -> list[str]:
@@ -288,9 +302,16 @@ def main() -> None:
             for prompt in prompts:
                 for clients in concurrencies:
                     row = measure(
-                        fake, flywheel, db_url, postgres, prompt, clients, args.seconds,
-                        args.rounds, proxy,
-                    )  # fmt: skip
+                        fake,
+                        flywheel,
+                        db_url,
+                        postgres,
+                        prompt,
+                        clients,
+                        args.seconds,
+                        args.rounds,
+                        proxy,
+                    )
                     rows.append(row)
                     print(
                         f"{prompt:>5} {clients:>4} clients: added p50 {row.added(0.5):7.2f} ms, "

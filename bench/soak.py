@@ -57,8 +57,11 @@ def main() -> None:
             time.sleep(args.sample_s)
             rss, fds, tcp, pg = sample(s.proxy.process.pid, s.pg.url)
             samples.append((elapsed + args.sample_s, rss, fds, tcp, pg, traffic.calls))
-            print(f"{samples[-1][0]:6.0f} s  RSS {rss:6.1f} MiB  fds {fds:4d}  tcp {tcp:4d}  "
-                  f"postgres {pg:3d}  calls {traffic.calls}", flush=True)  # fmt: skip
+            print(
+                f"{samples[-1][0]:6.0f} s  RSS {rss:6.1f} MiB  fds {fds:4d}  tcp {tcp:4d}  "
+                f"postgres {pg:3d}  calls {traffic.calls}",
+                flush=True,
+            )
         traffic.stop()
         missing_t, missing_r = lost(s.pg.url, traffic, set())
     seconds = samples[-1][0]

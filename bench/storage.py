@@ -55,17 +55,32 @@ def episode(rng: random.Random, start: int = START) -> list[TransitionRecord]:
         answer = [rng.randrange(150_000) for _ in range(ANSWER)]
         records.append(
             TransitionRecord(
-                id=str(uuid.uuid4()), episode_id=episode_id, request_id=str(uuid.uuid4()),
-                choice_index=0, task_id="doc", agent_name="reader", requested_at=time.time(),
-                route="chat", status="ok", http_status=200, model_requested="policy",
-                model_used="policy-v1", policy_version=1, lineage="policy",
-                messages=list(messages), params={"model": "policy", "max_tokens": ANSWER},
-                prompt_token_ids=list(prompt), completion_token_ids=answer,
-                logprobs=[-rng.random() for _ in answer], text="answer " * 30,
-                finish_reason="stop", latency_ms=40.0, prompt_tokens=len(prompt),
+                id=str(uuid.uuid4()),
+                episode_id=episode_id,
+                request_id=str(uuid.uuid4()),
+                choice_index=0,
+                task_id="doc",
+                agent_name="reader",
+                requested_at=time.time(),
+                route="chat",
+                status="ok",
+                http_status=200,
+                model_requested="policy",
+                model_used="policy-v1",
+                policy_version=1,
+                lineage="policy",
+                messages=list(messages),
+                params={"model": "policy", "max_tokens": ANSWER},
+                prompt_token_ids=list(prompt),
+                completion_token_ids=answer,
+                logprobs=[-rng.random() for _ in answer],
+                text="answer " * 30,
+                finish_reason="stop",
+                latency_ms=40.0,
+                prompt_tokens=len(prompt),
                 completion_tokens=len(answer),
             )
-        )  # fmt: skip
+        )
         messages = [*messages, {"role": "assistant", "content": "answer " * 30}]
         prompt = [*prompt, *answer, *(rng.randrange(150_000) for _ in range(NEXT))]
     return records

@@ -115,8 +115,9 @@ class PromptMemo:
         block_digests: list[bytes],
     ) -> None:
         blocks = packed[: _BLOCK_BYTES * len(block_digests)] if packed else b""
-        size = len(blocks) + sum(len(m["content"]) for m in messages if type(m) is dict
-                                 and type(m.get("content")) is str)  # fmt: skip
+        size = len(blocks) + sum(
+            len(m["content"]) for m in messages if type(m) is dict and type(m.get("content")) is str
+        )
         old = self._last.pop(episode_id, None)
         if old is not None:
             self._bytes -= old.size

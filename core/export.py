@@ -322,21 +322,58 @@ def columns(kind: str, tokens: bool = False) -> list[str]:
 
 
 _TRANSITION_FIELDS = [
-    "id", "episode_id", "task_id", "agent_name", "requested_at", "route", "status",
-    "model_used", "policy_version", "lineage", "messages", "params", "text", "tool_calls",
-    "tool_errors", "finish_reason", "latency_ms", "prompt_tokens", "completion_tokens", "provider",
-    "cost_usd", "return", "step_rewards", "final_reward", "credited_at", "trained_at",
+    "id",
+    "episode_id",
+    "task_id",
+    "agent_name",
+    "requested_at",
+    "route",
+    "status",
+    "model_used",
+    "policy_version",
+    "lineage",
+    "messages",
+    "params",
+    "text",
+    "tool_calls",
+    "tool_errors",
+    "finish_reason",
+    "latency_ms",
+    "prompt_tokens",
+    "completion_tokens",
+    "provider",
+    "cost_usd",
+    "return",
+    "step_rewards",
+    "final_reward",
+    "credited_at",
+    "trained_at",
     "trained_version",
-]  # fmt: skip
+]
 _TOKEN_FIELDS = ["prompt_token_ids", "completion_token_ids", "logprobs"]
 _SFT_FIELDS = [
-    "messages", "tools", "id", "episode_id", "task_id", "agent_name", "policy_version", "return",
+    "messages",
+    "tools",
+    "id",
+    "episode_id",
+    "task_id",
+    "agent_name",
+    "policy_version",
+    "return",
     "final_reward",
-]  # fmt: skip
+]
 _PAIR_FIELDS = [
-    "prompt", "chosen", "rejected", "tools", "task_id", "agent_name", "chosen_return",
-    "rejected_return", "chosen_id", "rejected_id",
-]  # fmt: skip
+    "prompt",
+    "chosen",
+    "rejected",
+    "tools",
+    "task_id",
+    "agent_name",
+    "chosen_return",
+    "rejected_return",
+    "chosen_id",
+    "rejected_id",
+]
 
 
 def write_jsonl(produced: Iterator[dict[str, Any]], path: Path) -> int:

@@ -19,8 +19,13 @@ from typing import Any
 from core.codecs import PackedDigests, pack, packed_uuid
 
 
-def _column(pg_type: str, *, column: str | None = None, encode: Callable[[Any], Any] | None = None,
-            **kwargs: Any) -> Any:  # fmt: skip
+def _column(
+    pg_type: str,
+    *,
+    column: str | None = None,
+    encode: Callable[[Any], Any] | None = None,
+    **kwargs: Any,
+) -> Any:
     return dataclasses.field(
         metadata={"pg_type": pg_type, "column": column, "encode": encode}, **kwargs
     )

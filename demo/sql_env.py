@@ -30,6 +30,7 @@ from pathlib import Path
 
 DEPTS = (("sales", 1), ("ops", 2), ("lab", 3), ("hr", 4))
 CITIES = ("oslo", "rome", "lima", "kyiv")
+# A table, twelve short names a row (fmt: skip keeps its rows).
 NAMES = (
     "ada", "bo", "cy", "di", "ed", "fay", "gus", "hal", "ivy", "jo", "kai", "lu",
     "max", "ned", "oz", "pia", "quin", "ray", "sol", "tam", "uma", "vic", "wes", "zoe",
@@ -43,6 +44,7 @@ MAX_ROWS = 50
 MAX_STEPS = 200_000  # SQLite VM instructions: ample for these tables, fatal to a runaway query
 
 # (name, question, gold SQL): {city}, {dept}, {pay} and {floor} are filled in by `questions`.
+# A table (fmt: skip keeps each question above its gold SQL).
 TEMPLATES = (
     ("count_city", "How many employees live in {city}?",
      "SELECT COUNT(*) FROM emp WHERE city = '{city}'"),

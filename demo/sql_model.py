@@ -129,9 +129,9 @@ class _Texts:
         return prompt + completion, [0.0] * len(prompt) + [1.0] * len(completion)
 
 
-def _draw(agent: str, q: sql_env.Question, texts: _Texts, rng: random.Random) -> tuple[
-    list[int], str
-]:  # fmt: skip
+def _draw(
+    agent: str, q: sql_env.Question, texts: _Texts, rng: random.Random
+) -> tuple[list[int], str]:
     """(prompt, label) of one supervised example for `agent` on `q`."""
     wrong = mistakes(q)
     if agent == "writer":

@@ -178,10 +178,15 @@ class ToolAgent:
 
     async def _post_rewards(self, state: EpisodeState, score: float) -> str | None:
         rewards: list[dict[str, Any]] = [
-            {"episode_id": state.episode_id, "tool_call_id": call_id, "reward": FAILED_TOOL_RUN,
-             "source": "tool", "idempotency_key": f"{state.episode_id}:{call_id}"}
+            {
+                "episode_id": state.episode_id,
+                "tool_call_id": call_id,
+                "reward": FAILED_TOOL_RUN,
+                "source": "tool",
+                "idempotency_key": f"{state.episode_id}:{call_id}",
+            }
             for call_id in state.failed_calls
-        ]  # fmt: skip
+        ]
         rewards.append(
             {"episode_id": state.episode_id, "reward": score, "idempotency_key": state.episode_id}
         )

@@ -40,23 +40,35 @@ def vllm_command(
     log_requests: bool = False,
 ) -> list[str]:
     cmd = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(model_dir),
-        "--served-model-name", served_model_name,
-        "--host", host,
-        "--port", str(port),
-        "--dtype", "float32",
-        "--max-model-len", str(max_model_len),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        served_model_name,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(max_model_len),
         # Behaviour-policy logprobs for the trainer must be those of the distribution actually
         # sampled from (after temperature/top-p), not vLLM's default raw logits.
-        "--logprobs-mode", "processed_logprobs",
+        "--logprobs-mode",
+        "processed_logprobs",
         # Sampling is what each request says, and that is what the proxy records (params): a
         # model's generation_config.json defaults (Qwen's temperature 0.7, top_p 0.8) would make
         # calls that set nothing sample differently from what the trainer assumes.
-        "--generation-config", "vllm",
+        "--generation-config",
+        "vllm",
         # Tool calls come back parsed (`message.tool_calls`) for Qwen2-style <tool_call> output.
-        "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-    ]  # fmt: skip
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+    ]
     # The model runs inside the engine-core process (with VLLM_ENABLE_V1_MULTIPROCESSING=0, see
     # vllm_env), not in a third "worker" process: vLLM's processes busy-wait on each other for a
     # second after every message, and on two shared cores one spinner fewer cut the learning

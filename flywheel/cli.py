@@ -223,9 +223,11 @@ def _keys(args: argparse.Namespace, settings: DatabaseSettings) -> None:
                     session=session, tenant=args.tenant, scopes=scopes, name=args.name
                 )
                 print(key)  # stdout: the key alone, for scripts; it is not stored anywhere
-                print(f"key {kid} for tenant {args.tenant} ({', '.join(sorted(scopes))}): "
-                      "shown once; proxies accept it within FLYWHEEL_KEYS_REFRESH_S",
-                      file=sys.stderr)  # fmt: skip
+                print(
+                    f"key {kid} for tenant {args.tenant} ({', '.join(sorted(scopes))}): "
+                    "shown once; proxies accept it within FLYWHEEL_KEYS_REFRESH_S",
+                    file=sys.stderr,
+                )
             elif args.action == "revoke":
                 if not args.id:
                     sys.exit("flywheel keys revoke ID")
@@ -235,8 +237,10 @@ def _keys(args: argparse.Namespace, settings: DatabaseSettings) -> None:
             else:
                 for k in tenants.keys(session=session):
                     state = f"revoked {k.revoked_at:%Y-%m-%d %H:%M}" if k.revoked_at else "active"
-                    print(f"{k.id}  {k.tenant:<16} {','.join(k.scopes):<18} "
-                          f"{k.created_at:%Y-%m-%d %H:%M}  {state}  {k.name or ''}")  # fmt: skip
+                    print(
+                        f"{k.id}  {k.tenant:<16} {','.join(k.scopes):<18} "
+                        f"{k.created_at:%Y-%m-%d %H:%M}  {state}  {k.name or ''}"
+                    )
     except tenants.BadKeyRequest as e:
         sys.exit(f"flywheel keys: {e}")
     finally:

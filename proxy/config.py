@@ -257,8 +257,10 @@ class ProxySettings(DatabaseSettings):
             if not name or len(name) > 200:
                 raise ValueError(f"{name!r} is not a model name")
             if route.api_key_env is not None and not os.environ.get(route.api_key_env):
-                raise ValueError(f"route {name!r}: the environment variable "
-                                 f"{route.api_key_env} (its api_key_env) is not set")  # fmt: skip
+                raise ValueError(
+                    f"route {name!r}: the environment variable "
+                    f"{route.api_key_env} (its api_key_env) is not set"
+                )
         return routes
 
     @field_validator("upstream")
@@ -273,8 +275,10 @@ class ProxySettings(DatabaseSettings):
     @model_validator(mode="after")
     def _routes_leave_the_alias_alone(self) -> ProxySettings:
         if self.policy_alias in self.routes:
-            raise ValueError(f"FLYWHEEL_ROUTES routes {self.policy_alias!r}, the policy alias: "
-                             "the trained policy would never be served")  # fmt: skip
+            raise ValueError(
+                f"FLYWHEEL_ROUTES routes {self.policy_alias!r}, the policy alias: "
+                "the trained policy would never be served"
+            )
         return self
 
     @model_validator(mode="after")

@@ -86,8 +86,12 @@ class Forwarder:
         routed = self._providers.get(model) if self._providers is not None else None
         if routed is not None:
             if route is not wire.CHAT:
-                raise ApiError(400, f"model {model!r} is served by a provider (FLYWHEEL_ROUTES), "
-                               "through /v1/chat/completions only", param="model")  # fmt: skip
+                raise ApiError(
+                    400,
+                    f"model {model!r} is served by a provider (FLYWHEEL_ROUTES), "
+                    "through /v1/chat/completions only",
+                    param="model",
+                )
             return await self._route(routed, body, tags, stream=bool(stream), scrub=scrub)
         choices = 1
         if route is wire.RESPONSES:
@@ -305,8 +309,12 @@ class Forwarder:
             self._submit(
                 call, self._provided(routed, failure(call, e.status, orjson.dumps(e.body)))
             )
-            return Response(orjson.dumps(e.body), status_code=e.status,
-                            media_type="application/json", headers=call.headers())  # fmt: skip
+            return Response(
+                orjson.dumps(e.body),
+                status_code=e.status,
+                media_type="application/json",
+                headers=call.headers(),
+            )
         if stream:
             return RelayResponse(
                 self._relay_routed(call, routed, chunks, sent),
@@ -410,8 +418,11 @@ class Forwarder:
             return
         _, waiting = await asyncio.wait(call.watched, timeout=self._durable_wait_s)
         if waiting:
-            log.warning("released a response before its transitions were safe (%d waiting): "
-                        "Postgres and the journal both fail", len(waiting))  # fmt: skip
+            log.warning(
+                "released a response before its transitions were safe (%d waiting): "
+                "Postgres and the journal both fail",
+                len(waiting),
+            )
             metrics.durable_timeouts.inc()
 
     def _submit(self, call: Call, records: list[TransitionRecord]) -> None:

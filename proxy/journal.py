@@ -74,8 +74,11 @@ class Journal:
         metrics.journal_quarantined.inc(bad)
         log.error(
             "journal segment %s: %d line(s) unreadable, copied to %s; replaying its %d good ones",
-            segment.name, bad, self.quarantine_dir, len(good),
-        )  # fmt: skip
+            segment.name,
+            bad,
+            self.quarantine_dir,
+            len(good),
+        )
 
     def quarantined(self) -> int:
         """Segments kept aside for a person to look at."""

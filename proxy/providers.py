@@ -25,13 +25,40 @@ _OURS = ("model", "messages", "stream", "stream_options")
 # OpenAI's chat parameters, which litellm maps for each provider. Anything else a client sends
 # goes to the provider as it is (`extra_body`), never to litellm as an argument: a body saying
 # `base_url` or `api_key` must not steer the call, with the route's key, somewhere else.
-OPENAI_PARAMS = frozenset({
-    "audio", "frequency_penalty", "function_call", "functions", "logit_bias", "logprobs",
-    "max_completion_tokens", "max_tokens", "metadata", "modalities", "n", "parallel_tool_calls",
-    "prediction", "presence_penalty", "prompt_cache_key", "reasoning_effort", "response_format",
-    "safety_identifier", "seed", "service_tier", "stop", "store", "temperature", "tool_choice",
-    "tools", "top_logprobs", "top_p", "user", "verbosity", "web_search_options",
-})  # fmt: skip
+OPENAI_PARAMS = frozenset(
+    {
+        "audio",
+        "frequency_penalty",
+        "function_call",
+        "functions",
+        "logit_bias",
+        "logprobs",
+        "max_completion_tokens",
+        "max_tokens",
+        "metadata",
+        "modalities",
+        "n",
+        "parallel_tool_calls",
+        "prediction",
+        "presence_penalty",
+        "prompt_cache_key",
+        "reasoning_effort",
+        "response_format",
+        "safety_identifier",
+        "seed",
+        "service_tier",
+        "stop",
+        "store",
+        "temperature",
+        "tool_choice",
+        "tools",
+        "top_logprobs",
+        "top_p",
+        "user",
+        "verbosity",
+        "web_search_options",
+    }
+)
 
 
 class ProviderFailed(Exception):

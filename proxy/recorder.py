@@ -205,8 +205,10 @@ class Recorder:
         if leftover and not self._journal(leftover):
             log.critical(
                 "%d recorded transitions could be written neither to Postgres nor to the journal "
-                "(%s) and are lost with this process", len(leftover), self.journal_error,
-            )  # fmt: skip
+                "(%s) and are lost with this process",
+                len(leftover),
+                self.journal_error,
+            )
 
     # --- the writer task ------------------------------------------------------------------
 

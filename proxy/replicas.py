@@ -57,10 +57,12 @@ class ReplicaKeeper:
         )
         if missing != replica.missing:
             log.warning(
-                "replica %s: %s", replica.base_url,
+                "replica %s: %s",
+                replica.base_url,
                 f"could not load {', '.join(sorted(missing))}: their calls go elsewhere"
-                if missing else "has every current adapter again",
-            )  # fmt: skip
+                if missing
+                else "has every current adapter again",
+            )
             replica.missing = missing
         if missing and missing == frozenset(currents):
             self._upstream.failed(

@@ -32,8 +32,12 @@ from proxy.upstream import Upstream
 
 log = logging.getLogger(__name__)
 
-NEUTRAL = {"temperature": (None, 1, 1.0), "top_p": (None, 1, 1.0), "top_k": (None, -1, 0),
-           "min_p": (None, 0, 0.0)}  # fmt: skip
+NEUTRAL = {
+    "temperature": (None, 1, 1.0),
+    "top_p": (None, 1, 1.0),
+    "top_k": (None, -1, 0),
+    "min_p": (None, 0, 0.0),
+}
 
 
 def needs_scoring(record: TransitionRecord) -> bool:
@@ -85,8 +89,13 @@ class Scorer:
 
     async def _score(self, replica_url: str, record: TransitionRecord) -> list[float] | None:
         prompt, completion = record.prompt_token_ids or [], record.completion_token_ids or []
-        body = {"model": record.model_used, "prompt": [*prompt, *completion], "max_tokens": 1,
-                "prompt_logprobs": 0, "temperature": 1.0}  # fmt: skip
+        body = {
+            "model": record.model_used,
+            "prompt": [*prompt, *completion],
+            "max_tokens": 1,
+            "prompt_logprobs": 0,
+            "temperature": 1.0,
+        }
         replica = self._upstream.replica(replica_url)
         response = await self._upstream.post(replica, "/v1/completions", orjson.dumps(body))
         try:
@@ -94,8 +103,12 @@ class Scorer:
         finally:
             response.release()
         if response.status != 200:
-            log.warning("scoring transition %s: vLLM answered %s %s", record.id,
-                        response.status, payload[:300])  # fmt: skip
+            log.warning(
+                "scoring transition %s: vLLM answered %s %s",
+                record.id,
+                response.status,
+                payload[:300],
+            )
             return None
         return sampled_logprobs(orjson.loads(payload), len(prompt), completion)
 

@@ -110,15 +110,23 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
     check = None if settings.air_penalty is None else ToolCheck(settings.air_tool_call_marker)
     try:
         yield Services(
-            settings, sessionmaker, recorder, upstream, alias,
+            settings,
+            sessionmaker,
+            recorder,
+            upstream,
+            alias,
             Forwarder(
-                upstream, alias, recorder, scorer, check,
+                upstream,
+                alias,
+                recorder,
+                scorer,
+                check,
                 settings.durable_wait_s if settings.durable else None,
                 providers,
             ),
             keys,
             spans,
-        )  # fmt: skip
+        )
     finally:
         await maintenance.stop()
         await keys.stop()

@@ -295,9 +295,15 @@ async def add_rewards(
                 )
             out.append(("duplicate", None))
             continue
-        row: dict[str, Any] = {"episode_id": r.episode_id, "value": r.reward, "source": r.source,
-               "idempotency_key": r.idempotency_key, "transition_id": None,
-               "pending_transition_id": None, "pending_tool_call_id": None}  # fmt: skip
+        row: dict[str, Any] = {
+            "episode_id": r.episode_id,
+            "value": r.reward,
+            "source": r.source,
+            "idempotency_key": r.idempotency_key,
+            "transition_id": None,
+            "pending_transition_id": None,
+            "pending_tool_call_id": None,
+        }
         status, target = "accepted", r.transition_id
         if r.tool_call_id is not None:
             try:
@@ -332,8 +338,9 @@ async def add_rewards(
             insert(Reward).on_conflict_do_nothing(index_elements=["episode_id", "idempotency_key"]),
             rows,
         )
-    touched = sorted({r.episode_id for r, (status, _) in zip(rewards, out, strict=True)
-                      if status == "accepted"})  # fmt: skip
+    touched = sorted(
+        {r.episode_id for r, (status, _) in zip(rewards, out, strict=True) if status == "accepted"}
+    )
     credited = await credit_episodes(touched, session=session, gamma=gamma, strict=True)
     return [
         Stored(status, tid, credited.get(r.episode_id, 0) if status == "accepted" else 0)
@@ -375,8 +382,12 @@ async def attach_pending_rewards(records: list[TransitionRecord], *, session: As
     """Step rewards that arrived before these transitions were stored now name them (by id, or
     by a tool call they made). Runs after the episode rows are locked: a reward transaction that
     saw no transition either committed its pending row before, or sees the transitions after."""
-    calls = [(r.episode_id, str(c["id"]), r.id) for r in records for c in r.tool_calls or ()
-             if isinstance(c, dict) and c.get("id")]  # fmt: skip
+    calls = [
+        (r.episode_id, str(c["id"]), r.id)
+        for r in records
+        for c in r.tool_calls or ()
+        if isinstance(c, dict) and c.get("id")
+    ]
     await session.execute(
         text(
             "UPDATE reward AS r SET transition_id = u.t, pending_transition_id = NULL, "
@@ -458,10 +469,12 @@ async def get_episode(episode_id: str, *, session: AsyncSession) -> EpisodeRows 
     prompts: dict[uuid.UUID, bytes] = {}
     if any(t.prompt_blocks for t in transitions):
         rows = await session.execute(
-            text(f"SELECT t.id, {PROMPT_IDS_SQL.format(row='t')} FROM transition t "
-                 "WHERE t.episode_id = :e AND t.prompt_blocks IS NOT NULL"),
+            text(
+                f"SELECT t.id, {PROMPT_IDS_SQL.format(row='t')} FROM transition t "
+                "WHERE t.episode_id = :e AND t.prompt_blocks IS NOT NULL"
+            ),
             {"e": episode_id},
-        )  # fmt: skip
+        )
         prompts = {tid: ids for tid, ids in rows}
     rewards = (
         await session.scalars(

@@ -222,9 +222,17 @@ def trainer_claims(database_url: str, *, min_groups: int = 0) -> list[trainer_st
     try:
         with sessions.begin() as session:
             return trainer_store.claim(
-                session=session, trainer_id="t", lease_s=60, lineage="policy", agents=[],
-                tenants=[], limit=100, min_episodes=1, min_groups=min_groups, max_attempts=3,
-            )  # fmt: skip
+                session=session,
+                trainer_id="t",
+                lease_s=60,
+                lineage="policy",
+                agents=[],
+                tenants=[],
+                limit=100,
+                min_episodes=1,
+                min_groups=min_groups,
+                max_attempts=3,
+            )
     finally:
         engine.dispose()
 

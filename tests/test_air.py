@@ -130,8 +130,12 @@ def test_a_bad_call_is_penalised_and_the_penalty_is_in_the_return(
         path, body = "/v1/chat/completions", ASK
     else:
         path = "/v1/responses"
-        body = {"model": "demo", "input": "Please call a tool.", "max_output_tokens": 40,
-                "tools": [{**CALCULATOR, "parameters": PARAMETERS}]}  # fmt: skip
+        body = {
+            "model": "demo",
+            "input": "Please call a tool.",
+            "max_output_tokens": 40,
+            "tools": [{**CALCULATOR, "parameters": PARAMETERS}],
+        }
     r = proxy.client(**{"X-Episode-Id": "air-1", "X-Task-Id": "t"}).post(path, json=body)
     assert r.status_code == 200, r.text
     [t] = episode(proxy, "air-1")["transitions"]
@@ -186,8 +190,12 @@ def test_a_client_reports_a_failed_tool_run_by_its_call_id(proxy: RunningProxy) 
         r = c.post("/v1/chat/completions", json=ASK)
         c.post("/v1/chat/completions", json={**ASK, "tools": None})
     [call] = r.json()["choices"][0]["message"]["tool_calls"]
-    report = {"episode_id": "tool-run", "tool_call_id": call["id"], "reward": -1.0,
-              "source": "tool"}  # fmt: skip
+    report = {
+        "episode_id": "tool-run",
+        "tool_call_id": call["id"],
+        "reward": -1.0,
+        "source": "tool",
+    }
     posted = proxy.client().post("/v1/rewards", json=report)
     assert posted.status_code == 200, posted.text
     assert posted.json()["transition_id"] == r.headers["x-transition-id"]

@@ -59,10 +59,23 @@ def _number(cell: str) -> float:
 def test_proxy_overhead_smoke(postgres_url: str, tmp_path: Path, route: str) -> None:
     report = tmp_path / "overhead.md"
     run = _bench(
-        "bench.proxy_overhead", "--concurrency", "1,2", "--seconds", "0.3", "--rounds", "1",
-        "--no-litellm", "--database-url", postgres_url, "--results", str(report),
-        "--img-dir", str(tmp_path), "--route", route,
-    )  # fmt: skip
+        "bench.proxy_overhead",
+        "--concurrency",
+        "1,2",
+        "--seconds",
+        "0.3",
+        "--rounds",
+        "1",
+        "--no-litellm",
+        "--database-url",
+        postgres_url,
+        "--results",
+        str(report),
+        "--img-dir",
+        str(tmp_path),
+        "--route",
+        route,
+    )
     both = _table(report, ("non-streaming", "streaming"))
     rows, ratios = [r for r in both if len(r) == 15], [r for r in both if len(r) == 4]
     assert [(r[0], r[1], r[2]) for r in rows] == [
@@ -94,13 +107,29 @@ def test_proxy_overhead_smoke(postgres_url: str, tmp_path: Path, route: str) -> 
 def test_scaling_smoke(postgres_url: str, tmp_path: Path) -> None:
     report = tmp_path / "scaling.md"
     _bench(
-        "bench.scaling", "--concurrency", "1,2", "--prompts", "short,long", "--seconds", "0.3",
-        "--rounds", "1", "--database-url", postgres_url, "--results", str(report),
-        "--img-dir", str(tmp_path),
-    )  # fmt: skip
+        "bench.scaling",
+        "--concurrency",
+        "1,2",
+        "--prompts",
+        "short,long",
+        "--seconds",
+        "0.3",
+        "--rounds",
+        "1",
+        "--database-url",
+        postgres_url,
+        "--results",
+        str(report),
+        "--img-dir",
+        str(tmp_path),
+    )
     rows = _table(report, ("short", "long"))
-    assert [(r[0], r[4]) for r in rows] == [("short", "1"), ("short", "2"), ("long", "1"),
-                                            ("long", "2")]  # fmt: skip
+    assert [(r[0], r[4]) for r in rows] == [
+        ("short", "1"),
+        ("short", "2"),
+        ("long", "1"),
+        ("long", "2"),
+    ]
     short_tokens, long_tokens = int(rows[0][1]), int(rows[2][1])
     assert short_tokens < 50 and 3000 < long_tokens < 5000
     for row in rows:
@@ -133,9 +162,18 @@ def test_profile_summary(tmp_path: Path) -> None:
 def test_cpu_split_smoke(postgres_url: str, tmp_path: Path) -> None:
     report = tmp_path / "split.md"
     _bench(
-        "bench.cpu_split", "--clients", "2", "--seconds", "0.3", "--rounds", "1",
-        "--database-url", postgres_url, "--results", str(report),
-    )  # fmt: skip
+        "bench.cpu_split",
+        "--clients",
+        "2",
+        "--seconds",
+        "0.3",
+        "--rounds",
+        "1",
+        "--database-url",
+        postgres_url,
+        "--results",
+        str(report),
+    )
     rows = _table(report, ("direct", "flywheel"))
     assert [row[0] for row in rows] == ["direct", "flywheel"]
     direct, flywheel = ([_number(c) for c in row[1:]] for row in rows)
@@ -146,9 +184,18 @@ def test_cpu_split_smoke(postgres_url: str, tmp_path: Path) -> None:
 def test_dashboard_smoke(postgres_url: str, tmp_path: Path) -> None:
     report = tmp_path / "dashboard.md"
     _bench(
-        "bench.dashboard", "--transitions", "4000", "--days", "28", "--repeat", "1",
-        "--database-url", postgres_url, "--results", str(report),
-    )  # fmt: skip
+        "bench.dashboard",
+        "--transitions",
+        "4000",
+        "--days",
+        "28",
+        "--repeat",
+        "1",
+        "--database-url",
+        postgres_url,
+        "--results",
+        str(report),
+    )
     rows = {row[0]: row for row in _table(report, tuple(_cells_of(report)))}
     assert len(rows) == 15, rows
     assert rows["overview, last 168 h, every tenant"][3] == "1,000 calls in window"  # 7 of 28 days
@@ -161,9 +208,14 @@ def test_dashboard_smoke(postgres_url: str, tmp_path: Path) -> None:
 def test_export_smoke(postgres_url: str, tmp_path: Path) -> None:
     report = tmp_path / "export.md"
     _bench(
-        "bench.export", "--transitions", "2000", "--database-url", postgres_url,
-        "--results", str(report),
-    )  # fmt: skip
+        "bench.export",
+        "--transitions",
+        "2000",
+        "--database-url",
+        postgres_url,
+        "--results",
+        str(report),
+    )
     rows = {row[0]: row for row in _table(report, tuple(_cells_of(report)))}
     assert len(rows) == 6, rows
     for name in ("transitions, JSON Lines", "transitions + tokens, Parquet", "sft, Parquet"):
@@ -175,9 +227,16 @@ def test_export_smoke(postgres_url: str, tmp_path: Path) -> None:
 def test_storage_smoke(postgres_url: str, tmp_path: Path) -> None:
     report = tmp_path / "storage.md"
     _bench(
-        "bench.storage", "--episodes", "3", "--cpu-episodes", "3",
-        "--database-url", postgres_url, "--results", str(report),
-    )  # fmt: skip
+        "bench.storage",
+        "--episodes",
+        "3",
+        "--cpu-episodes",
+        "3",
+        "--database-url",
+        postgres_url,
+        "--results",
+        str(report),
+    )
     rows = _table(report, ("whole", "blocks"))
     assert [row[0] for row in rows] == ["whole", "blocks", "whole"]
     per_episode = [_number(row[4].removesuffix(" KiB")) for row in rows]
@@ -189,9 +248,18 @@ def test_storage_smoke(postgres_url: str, tmp_path: Path) -> None:
 def test_retention_smoke(postgres_url: str, tmp_path: Path) -> None:
     report = tmp_path / "retention.md"
     _bench(
-        "bench.retention", "--transitions", "4000", "--clients", "2", "--settle-s", "1",
-        "--database-url", postgres_url, "--results", str(report),
-    )  # fmt: skip
+        "bench.retention",
+        "--transitions",
+        "4000",
+        "--clients",
+        "2",
+        "--settle-s",
+        "1",
+        "--database-url",
+        postgres_url,
+        "--results",
+        str(report),
+    )
     sizes = {row[0]: row for row in _table(report, ("transition", "message", "all"))}
     assert _number(sizes["transition"][2]) < _number(sizes["transition"][1])  # after < before
     text = report.read_text()
@@ -207,9 +275,20 @@ def test_judge_smoke(postgres_url: str, tmp_path: Path) -> None:
     venv = models.built("litellm-venv")  # (built in the background)
     report = tmp_path / "judge.md"
     _bench(
-        "bench.judge", "--episodes", "40", "--concurrency", "2", "--latency-s", "0",
-        "--database-url", postgres_url, "--results", str(report), "--venv", str(venv),
-    )  # fmt: skip
+        "bench.judge",
+        "--episodes",
+        "40",
+        "--concurrency",
+        "2",
+        "--latency-s",
+        "0",
+        "--database-url",
+        postgres_url,
+        "--results",
+        str(report),
+        "--venv",
+        str(venv),
+    )
     (row,) = _table(report, ("0",))
     assert row[1] == "2" and _number(row[2]) > 0 and row[5] == "40 of 40", row
 
@@ -252,20 +331,30 @@ def test_durable_smoke(postgres_url: str, tmp_path: Path) -> None:
         postgres_url,
         "--results",
         str(report),
-    )  # fmt: skip  (kill -9 in durable mode: tests/test_chaos.py)
+    )  # kill -9 in durable mode: tests/test_chaos.py
     cost = _table(report, ("2",))
     assert [(r[1], r[2]) for r in cost] == [
-        ("no", "default"), ("no", "durable"), ("yes", "default"), ("yes", "durable")
-    ]  # fmt: skip
+        ("no", "default"),
+        ("no", "durable"),
+        ("yes", "default"),
+        ("yes", "durable"),
+    ]
     assert all(r[6] == "0" and _number(r[5]) > 0 for r in cost), cost
 
 
 def test_soak_smoke(tmp_path: Path) -> None:
     report = tmp_path / "soak.md"
     run = _bench(
-        "bench.soak", "--minutes", "0.1", "--sample-s", "2", "--clients", "2",
-        "--results", str(report),
-    )  # fmt: skip
+        "bench.soak",
+        "--minutes",
+        "0.1",
+        "--sample-s",
+        "2",
+        "--clients",
+        "2",
+        "--results",
+        str(report),
+    )
     samples = [r for r in _table(report, tuple(str(s) for s in range(1, 100))) if len(r) == 6]
     assert len(samples) >= 2 and all(_number(r[1]) > 0 and int(r[2]) > 0 for r in samples)
     assert "missing from Postgres: 0 and 0" in run.stdout

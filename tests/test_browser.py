@@ -47,11 +47,19 @@ TOOLS = [
 
 
 def ask(proxy: RunningProxy, episode: str, content: str, *, tools: bool = False) -> str:
-    headers = {"X-Episode-Id": episode, "X-Task-Id": f"sum-{len(episode) % 3}",
-               "X-Agent-Name": "solver"}  # fmt: skip
-    body: dict[str, Any] = {"model": "policy", "max_tokens": 12,
-                            "messages": [{"role": "system", "content": "Answer with a number."},
-                                         {"role": "user", "content": content}]}  # fmt: skip
+    headers = {
+        "X-Episode-Id": episode,
+        "X-Task-Id": f"sum-{len(episode) % 3}",
+        "X-Agent-Name": "solver",
+    }
+    body: dict[str, Any] = {
+        "model": "policy",
+        "max_tokens": 12,
+        "messages": [
+            {"role": "system", "content": "Answer with a number."},
+            {"role": "user", "content": content},
+        ],
+    }
     if tools:
         body["tools"] = TOOLS
     with proxy.client(**headers) as c:

@@ -18,17 +18,33 @@ FAULTS = ("pg-kill", "journal-full", "proxy-kill-durable", "trainer-kill-publish
 def test_faults_under_traffic_lose_nothing_acknowledged(tmp_path: Path) -> None:
     report = tmp_path / "chaos.md"
     run = subprocess.run(
-        [sys.executable, "-m", "bench.chaos", "--faults", ",".join(FAULTS), "--outage-s", "4",
-         "--warm-s", "1", "--clients", "4", "--results", str(report)],
-        capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "bench.chaos",
+            "--faults",
+            ",".join(FAULTS),
+            "--outage-s",
+            "4",
+            "--warm-s",
+            "1",
+            "--clients",
+            "4",
+            "--results",
+            str(report),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = {
         cells[0]: cells
         for line in report.read_text().splitlines()
-        if line.startswith("| ") and (cells := [c.strip() for c in line.split("|")[1:-1]])
+        if line.startswith("| ")
+        and (cells := [c.strip() for c in line.split("|")[1:-1]])
         and cells[0] in FAULTS
-    }  # fmt: skip
+    }
     assert set(rows) == set(FAULTS)
     for fault, cells in rows.items():
         if cells[1] == "-":  # the journal faults need root (a tmpfs mount)

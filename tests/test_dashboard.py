@@ -205,8 +205,11 @@ def test_a_tenant_sees_its_own_episodes_and_the_admin_key_every_tenants(
     everyone = ui(proxy, "/ui/api/episodes").json()["data"]
     assert sorted(e["id"] for e in everyone) == ["acme/e1", "globex/e1"]
     assert ui(proxy, "/ui/api/whoami").json() == {
-        "tenant": "*", "admin": True, "admin_enabled": True, "auth": True
-    }  # fmt: skip
+        "tenant": "*",
+        "admin": True,
+        "admin_enabled": True,
+        "auth": True,
+    }
     assert ui(proxy, "/ui/api/episodes/acme/e1").json()["id"] == "acme/e1"
     assert ui(proxy, "/ui/api/episodes/acme/e1", key=globex).status_code == 404
 

@@ -277,10 +277,24 @@ def resolutions(
         (target,) = dockerfile(name)["installs"]
         report = tmp_path_factory.mktemp("resolve") / "report.json"
         process = subprocess.Popen(
-            [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed", "--quiet",
-             "--disable-pip-version-check", "--report", str(report), target],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "install",
+                "--dry-run",
+                "--ignore-installed",
+                "--quiet",
+                "--disable-pip-version-check",
+                "--report",
+                str(report),
+                target,
+            ],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         started[name] = (process, report)
     yield started
     for process, _ in started.values():

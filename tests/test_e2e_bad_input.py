@@ -31,9 +31,13 @@ BASE = {"model": "demo", "max_output_tokens": 4}
     ],
 )
 def test_vllm_refuses_and_the_client_gets_its_error_recorded_failed(
-    real_proxy: RunningProxy, vllm_url: str, name: str, change: dict[str, Any], param: str,
+    real_proxy: RunningProxy,
+    vllm_url: str,
+    name: str,
+    change: dict[str, Any],
+    param: str,
     stream: bool,
-) -> None:  # fmt: skip
+) -> None:
     body = {**BASE, **change, "stream": stream}
     episode = f"bad-{abs(hash((name, stream)))}"
     r = httpx.post(

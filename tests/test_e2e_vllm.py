@@ -94,9 +94,11 @@ def test_a_multi_turn_conversations_prompts_are_stored_in_blocks_and_read_back_w
     for question in ("What is 1 + 2?", "And 3 + 4?", "And 5 + 6?"):
         messages.append({"role": "user", "content": question})
         response = client.chat.completions.create(
-            model="policy", messages=messages, max_tokens=8,  # type: ignore[arg-type]
+            model="policy",
+            messages=messages,
+            max_tokens=8,  # type: ignore[arg-type]
             extra_body={"return_token_ids": True},
-        )  # fmt: skip
+        )
         vllm_prompts.append((response.model_extra or {})["prompt_token_ids"])
         # (a fixed answer: the random model's text can re-tokenize into many more tokens, and
         # the conversation must stay within the model's 1,024)

@@ -154,15 +154,21 @@ def test_filters_and_the_command_line(recorded: tuple[RunningProxy, str], tmp_pa
     cli = [sys.executable, "-m", "flywheel", "export"]
     done = subprocess.run(
         [*cli, str(out), "--tenant", "acme", "--min-reward", "0.5", "--tokens"],
-        env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("2 transitions rows to ") and "/s)" in done.stdout
     assert sorted(datasets.Dataset.from_parquet(str(out))["episode_id"]) == ["e0", "e2"]
     bad = subprocess.run(
         [*cli, str(tmp_path / "x.jsonl"), "--since", "yesterday"],
-        env=env, capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "--since" in bad.stderr
     assert not (tmp_path / "x.jsonl").exists()
     # An empty result is a valid Parquet file with the kind's columns and no rows (which

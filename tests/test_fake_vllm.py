@@ -170,10 +170,18 @@ def test_knobs_record_requests_and_inject_failures() -> None:
 
 
 def test_tool_call_when_asked() -> None:
-    tool = {"type": "function", "function": {"name": "add", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}}}}}  # fmt: skip
-    body = {"model": "demo", "tools": [tool],
-            "messages": [{"role": "user", "content": "Please call a tool."}]}  # fmt: skip
+    tool = {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}},
+        },
+    }
+    body = {
+        "model": "demo",
+        "tools": [tool],
+        "messages": [{"role": "user", "content": "Please call a tool."}],
+    }
     with FakeVLLM() as server, httpx.Client(base_url=server.url, timeout=10) as client:
         choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
     assert choice["finish_reason"] == "tool_calls"

@@ -257,9 +257,9 @@ def test_record_bytes_follows_what_records_hold_in_memory() -> None:
         made = records(20, seed=prompt_tokens)
         for r in made:
             r.prompt_token_ids = [rng.randrange(1000, 150_000) for _ in range(prompt_tokens)]
-            r.messages = orjson.loads(orjson.dumps(
-                [{"role": "user", "content": "x" * (4 * prompt_tokens)}]
-            ))  # fmt: skip
+            r.messages = orjson.loads(
+                orjson.dumps([{"role": "user", "content": "x" * (4 * prompt_tokens)}])
+            )
         held = (tracemalloc.get_traced_memory()[0] - before) / len(made)
         tracemalloc.stop()
         estimate = sum(map(record_bytes, made)) / len(made)
@@ -301,8 +301,9 @@ def test_durable_mode_answers_only_once_the_transition_is_safe(
             assert lines[-1] == "data: [DONE]"
             assert stored(proxy, s.headers["x-transition-id"]) is durable
         # The Responses API: its response.completed event is the one held.
-        with c.stream("POST", "/v1/responses", json={"model": "demo", "input": "hi",
-                                                     "stream": True}) as s:  # fmt: skip
+        with c.stream(
+            "POST", "/v1/responses", json={"model": "demo", "input": "hi", "stream": True}
+        ) as s:
             events = [line for line in s.iter_lines() if line.startswith("event: ")]
             assert events[-1] == "event: response.completed"
             assert stored(proxy, s.headers["x-transition-id"]) is durable

@@ -110,8 +110,10 @@ def test_rubrics_by_task_pattern_and_the_answer_schema() -> None:
 
 def test_the_answer_regex_admits_exactly_the_compact_answer() -> None:
     regex = re.compile(ruler.answer_regex(2, explanation_chars=20))
-    compact = '{"scores":[{"trajectory_id":"1","explanation":"right, 5.","score":0.25},' \
-        '{"trajectory_id":"2","explanation":"","score":1}]}'  # fmt: skip
+    compact = (
+        '{"scores":[{"trajectory_id":"1","explanation":"right, 5.","score":0.25},'
+        '{"trajectory_id":"2","explanation":"","score":1}]}'
+    )
     assert regex.fullmatch(compact)
     assert ruler.parse(compact, 2) == [ruler.Score(0.25, "right, 5."), ruler.Score(1.0, "")]
     for bad in (
@@ -133,9 +135,14 @@ def test_due_episodes_are_grouped_by_task_evenly_and_singles_wait(tmp_path: Path
     from judge.worker import Judge
 
     settings = JudgeSettings(
-        judge_model="openai/x", database_url="postgresql://nobody@/nothing", home=tmp_path,
-        judge_group_size=8, judge_min_group=2, judge_alone_after_s=3600, judge_grace_s=0,
-    )  # fmt: skip
+        judge_model="openai/x",
+        database_url="postgresql://nobody@/nothing",
+        home=tmp_path,
+        judge_group_size=8,
+        judge_min_group=2,
+        judge_alone_after_s=3600,
+        judge_grace_s=0,
+    )
     judge = Judge(settings)  # (no connection is made until a round)
     now = datetime.now(UTC)
     due = [Due(f"a{i}", "task-a", now) for i in range(9)]
@@ -159,9 +166,12 @@ def record(proxy: RunningProxy, episode: str, task: str | None, question: str) -
     with proxy.client(**headers) as client:
         r = client.post(
             "/v1/chat/completions",
-            json={"model": "policy", "messages": [{"role": "user", "content": question}],
-                  "max_tokens": 4},
-        )  # fmt: skip
+            json={
+                "model": "policy",
+                "messages": [{"role": "user", "content": question}],
+                "max_tokens": 4,
+            },
+        )
         assert r.status_code == 200, r.text
 
 
@@ -220,8 +230,10 @@ def test_the_judge_ranks_a_tasks_episodes_and_the_trainer_takes_its_rewards(
     failed = run_judge(proxy, fake_vllm, **calc)
     assert failed.returncode != 0 and "BadAnswer" in failed.stderr, failed.stderr
     assert rows(proxy, "SELECT episode_id, status, attempts FROM judgement ORDER BY 1") == [
-        ("ep-0", "failed", 1), ("ep-1", "failed", 1), ("ep-2", "failed", 1)
-    ]  # fmt: skip
+        ("ep-0", "failed", 1),
+        ("ep-1", "failed", 1),
+        ("ep-2", "failed", 1),
+    ]
     assert rows(proxy, "SELECT count(*) FROM reward WHERE source = 'judge'") == [(0,)]
 
     fake_vllm.requests.clear()
@@ -270,8 +282,12 @@ def test_the_judge_ranks_a_tasks_episodes_and_the_trainer_takes_its_rewards(
     # The trainer claims them like any rewarded call: the judge's score is their return.
     claimed = trainer_claims(proxy.database_url, min_groups=1)
     assert sorted((c.episode_id, c.ret) for c in claimed) == [
-        ("ep-0", 0.9), ("ep-1", 0.1), ("ep-2", 0.6), ("lonely", 0.5), ("rewarded", 1.0)
-    ]  # fmt: skip
+        ("ep-0", 0.9),
+        ("ep-1", 0.1),
+        ("ep-2", 0.6),
+        ("lonely", 0.5),
+        ("rewarded", 1.0),
+    ]
 
     # Nothing is due any more: another round asks the judge nothing.
     fake_vllm.requests.clear()
@@ -292,9 +308,14 @@ def test_the_judge_on_vllm_cpu_posts_rewards_the_trainer_uses(
     proxy: RunningProxy = make_proxy(upstream=[vllm_url])
     for i, question in enumerate(["What is 2 + 3?", "What is 4 + 1?"]):
         with proxy.client(**{"X-Episode-Id": f"v-{i}", "X-Task-Id": "add"}) as client:
-            r = client.post("/v1/chat/completions", json={
-                "model": "policy", "messages": [{"role": "user", "content": question}],
-                "max_tokens": 8})  # fmt: skip
+            r = client.post(
+                "/v1/chat/completions",
+                json={
+                    "model": "policy",
+                    "messages": [{"role": "user", "content": question}],
+                    "max_tokens": 8,
+                },
+            )
             assert r.status_code == 200, r.text
     proxy.wait_rows("SELECT 1 FROM transition", 2)
     rubrics = tmp_path / "rubrics.json"
@@ -309,14 +330,19 @@ def test_the_judge_on_vllm_cpu_posts_rewards_the_trainer_uses(
     )
     assert done.returncode == 0, done.stderr
     assert "judged 2 episodes in 1 groups" in done.stdout, done.stdout + done.stderr
-    judged = rows(proxy, "SELECT episode_id, status, score, model, prompt_tokens FROM judgement "
-                         "ORDER BY 1")  # fmt: skip
+    judged = rows(
+        proxy, "SELECT episode_id, status, score, model, prompt_tokens FROM judgement ORDER BY 1"
+    )
     assert [(j[0], j[1], j[3]) for j in judged] == [
-        ("v-0", "judged", "hosted_vllm/demo"), ("v-1", "judged", "hosted_vllm/demo")
-    ]  # fmt: skip
+        ("v-0", "judged", "hosted_vllm/demo"),
+        ("v-1", "judged", "hosted_vllm/demo"),
+    ]
     assert all(0 <= j[2] <= 1 and j[4] > 0 for j in judged)
-    finals = rows(proxy, "SELECT e.id, e.final_reward, t.\"return\" FROM episode e "
-                         "JOIN transition t ON t.episode_id = e.id ORDER BY 1")  # fmt: skip
+    finals = rows(
+        proxy,
+        'SELECT e.id, e.final_reward, t."return" FROM episode e '
+        "JOIN transition t ON t.episode_id = e.id ORDER BY 1",
+    )
     assert finals == [(j[0], j[2], j[2]) for j in judged]
     assert rows(proxy, "SELECT DISTINCT source FROM reward") == [("judge",)]
     claimed = trainer_claims(proxy.database_url, min_groups=1)

@@ -91,15 +91,19 @@ def test_policy_is_served_by_the_calling_agents_own_lineage(
     assert served(proxy, "rewriter")[0] == str(rewriter)
     r = admin.post("/admin/adapters/0/activate?lineage=rewriter")  # back on the base model
     assert r.status_code == 200 and r.json() == {
-        "version": 0, "lineage": "rewriter", "name": None, "is_current": True,
-    }  # fmt: skip
+        "version": 0,
+        "lineage": "rewriter",
+        "name": None,
+        "is_current": True,
+    }
     assert served(proxy, "rewriter") == ("0", "rewriter", "demo")
     assert served(proxy, "writer")[0] == str(writer)
     assert admin.post("/admin/adapters/0/activate?lineage=a/b").status_code == 400
     listed = admin.get("/admin/adapters?lineage=writer").json()["data"]
     assert [(a["name"], a["is_current"]) for a in listed] == [
-        (f"writer-v{writer}", True), (f"writer-v{newer}", False),
-    ]  # fmt: skip
+        (f"writer-v{writer}", True),
+        (f"writer-v{newer}", False),
+    ]
 
     # Each recorded transition names the lineage that served it, which is what a trainer claims.
     rows = proxy.wait_rows(

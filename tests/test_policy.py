@@ -122,8 +122,16 @@ def test_each_lineage_has_its_own_current_version_rollback_and_retirement(
         assert [a.version for a in policy.versions(session=session, lineage="writer")] == [1, 3, 4]
     # A compare-and-set on the writer's lineage ignores the rewriter's publishes, and the reverse.
     with sessions.begin() as session, pytest.raises(policy.PolicyMoved, match="writer moved"):
-        policy.publish(session=session, lineage="writer", parent=3, version=5, path="/x",
-                       base_model="demo", stats={}, trained_transitions=1)  # fmt: skip
+        policy.publish(
+            session=session,
+            lineage="writer",
+            parent=3,
+            version=5,
+            path="/x",
+            base_model="demo",
+            stats={},
+            trained_transitions=1,
+        )
     with sessions.begin() as session:
         policy.make_current(1, session=session)  # the writer rolls back; the rewriter stays
         policy.make_current(None, session=session, lineage="rewriter")  # the base model

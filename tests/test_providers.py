@@ -43,11 +43,17 @@ def test_routes_are_read_from_pairs_or_json() -> None:
     assert pairs.routes["claude"].provider == "anthropic"
     os.environ["FLYWHEEL_TEST_ROUTE_KEY"] = "sk-x"
     try:
-        routes = orjson.dumps({
-            "local": {"model": "hosted_vllm/qwen", "api_base": "http://gpu:8000/v1",
-                      "api_key_env": "FLYWHEEL_TEST_ROUTE_KEY", "input_cost_per_token": 1e-7},
-            "gpt": "openai/gpt-4.1",
-        }).decode()  # fmt: skip
+        routes = orjson.dumps(
+            {
+                "local": {
+                    "model": "hosted_vllm/qwen",
+                    "api_base": "http://gpu:8000/v1",
+                    "api_key_env": "FLYWHEEL_TEST_ROUTE_KEY",
+                    "input_cost_per_token": 1e-7,
+                },
+                "gpt": "openai/gpt-4.1",
+            }
+        ).decode()
         parsed = ProxySettings(routes=routes).routes
     finally:
         del os.environ["FLYWHEEL_TEST_ROUTE_KEY"]
@@ -81,8 +87,9 @@ class RoutedProxy:
         self.url, self.database_url = url, database_url
 
     def client(self, **headers: str) -> openai.OpenAI:
-        return openai.OpenAI(base_url=self.url + "/v1", api_key="unused", max_retries=0,
-                             default_headers=headers)  # fmt: skip
+        return openai.OpenAI(
+            base_url=self.url + "/v1", api_key="unused", max_retries=0, default_headers=headers
+        )
 
     def rows(self, sql: str, *params: Any) -> list[tuple[Any, ...]]:
         with psycopg.connect(self.database_url) as conn:
@@ -105,12 +112,19 @@ def routed(
     on."""
     venv = models.built("litellm-venv")
     routes = {
-        "frontier": {"model": "openai/demo", "api_base": fake_vllm_server.url + "/v1",
-                     "api_key_env": "FRONTIER_KEY", "input_cost_per_token": 1e-6,
-                     "output_cost_per_token": 2e-6},
-        "nowhere": {"model": "openai/demo", "api_base": f"http://127.0.0.1:{free_port()}/v1",
-                    "api_key_env": "FRONTIER_KEY"},
-    }  # fmt: skip
+        "frontier": {
+            "model": "openai/demo",
+            "api_base": fake_vllm_server.url + "/v1",
+            "api_key_env": "FRONTIER_KEY",
+            "input_cost_per_token": 1e-6,
+            "output_cost_per_token": 2e-6,
+        },
+        "nowhere": {
+            "model": "openai/demo",
+            "api_base": f"http://127.0.0.1:{free_port()}/v1",
+            "api_key_env": "FRONTIER_KEY",
+        },
+    }
     settings = {
         "FRONTIER_KEY": KEY,
         "FLYWHEEL_ROUTES": orjson.dumps(routes).decode(),
@@ -118,20 +132,32 @@ def routed(
     }
     with fresh_database(postgres_url) as url:
         server = start_flywheel(
-            fake_vllm_server.url, url, home=tmp_path_factory.mktemp("routed"),
-            settings=settings, python=str(venv / "bin" / "python"),
-        )  # fmt: skip
+            fake_vllm_server.url,
+            url,
+            home=tmp_path_factory.mktemp("routed"),
+            settings=settings,
+            python=str(venv / "bin" / "python"),
+        )
         try:
             yield RoutedProxy(server.url, url)
         finally:
             server.stop()
 
 
-TOOLS = [{"type": "function", "function": {
-    "name": "add", "description": "Add two numbers",
-    "parameters": {"type": "object", "properties": {"a": {"type": "number"},
-                                                    "b": {"type": "number"}},
-                   "required": ["a", "b"]}}}]  # fmt: skip
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "description": "Add two numbers",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "number"}, "b": {"type": "number"}},
+                "required": ["a", "b"],
+            },
+        },
+    }
+]
 
 
 @pytest.mark.models("litellm-venv")
@@ -144,9 +170,12 @@ def test_routed_calls_go_through_litellm_and_are_recorded_untrainable(
 
     # A frontier call with a tool: the provider's answer, as it sent it.
     raw = client.chat.completions.with_raw_response.create(
-        model="frontier", messages=ask, tools=TOOLS,
-        tool_choice={"type": "function", "function": {"name": "add"}}, max_tokens=16,
-    )  # fmt: skip
+        model="frontier",
+        messages=ask,
+        tools=TOOLS,
+        tool_choice={"type": "function", "function": {"name": "add"}},
+        max_tokens=16,
+    )
     answer = raw.parse()
     (tool_call,) = answer.choices[0].message.tool_calls or []
     assert tool_call.function.name == "add" and set(orjson.loads(tool_call.function.arguments))
@@ -158,11 +187,18 @@ def test_routed_calls_go_through_litellm_and_are_recorded_untrainable(
     assert sent["body"]["tools"] == TOOLS
 
     # Streaming: the chunks as they come; no usage chunk, as this client asked for none.
-    chunks = list(client.chat.completions.create(
-        model="frontier", messages=[*ask, {"role": "assistant", "content": "5"},
-                                     {"role": "user", "content": "And 4+4?"}],
-        max_tokens=8, stream=True,
-    ))  # fmt: skip
+    chunks = list(
+        client.chat.completions.create(
+            model="frontier",
+            messages=[
+                *ask,
+                {"role": "assistant", "content": "5"},
+                {"role": "user", "content": "And 4+4?"},
+            ],
+            max_tokens=8,
+            stream=True,
+        )
+    )
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed and all(c.usage is None for c in chunks)
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
@@ -173,11 +209,13 @@ def test_routed_calls_go_through_litellm_and_are_recorded_untrainable(
         "SELECT model_requested, model_used, provider, lineage, policy_version, "
         "prompt_token_ids IS NULL, logprobs IS NULL, text, tool_calls, prompt_tokens, "
         "completion_tokens, cost_usd, agent_name, task_id, status "
-        "FROM transition WHERE episode_id = %s ORDER BY requested_at", 3, episode)  # fmt: skip
+        "FROM transition WHERE episode_id = %s ORDER BY requested_at",
+        3,
+        episode,
+    )
     tool_row, stream_row, policy_row = recorded
     assert tool_row[:7] == ("frontier", "openai/demo", "openai", None, None, True, True)
-    assert tool_row[8][0]["function"] == {"name": "add",
-                                          "arguments": tool_call.function.arguments}  # fmt: skip
+    assert tool_row[8][0]["function"] == {"name": "add", "arguments": tool_call.function.arguments}
     assert tool_row[12:] == ("boss", "sum", "ok")
     usage = answer.usage
     assert usage is not None and tool_row[9:11] == (usage.prompt_tokens, usage.completion_tokens)
@@ -204,8 +242,10 @@ def test_routed_calls_go_through_litellm_and_are_recorded_untrainable(
     export.export(routed.database_url, out, where=export.ExportFilter(task="sum"))
     rows = [orjson.loads(line) for line in out.read_bytes().splitlines()]
     assert [(r["provider"], r["cost_usd"] is not None) for r in rows] == [
-        ("openai", True), ("openai", True), (None, False)
-    ]  # fmt: skip
+        ("openai", True),
+        ("openai", True),
+        (None, False),
+    ]
 
     # And the model list names them, owned by their provider.
     listed = {m.id: m.owned_by for m in client.models.list()}
@@ -218,10 +258,15 @@ def test_a_body_cannot_steer_litellm(routed: RoutedProxy, fake_vllm: FakeVLLM) -
     or a canned answer) go to the provider as unknown fields instead: the call still reaches
     the route's provider with the route's key."""
     body = {
-        "model": "frontier", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
-        "base_url": "http://127.0.0.1:9/v1", "api_base": "http://127.0.0.1:9/v1",
-        "api_key": "sk-stolen", "mock_response": "pwned", "custom_llm_provider": "x",
-    }  # fmt: skip
+        "model": "frontier",
+        "messages": [{"role": "user", "content": "Hi"}],
+        "max_tokens": 4,
+        "base_url": "http://127.0.0.1:9/v1",
+        "api_base": "http://127.0.0.1:9/v1",
+        "api_key": "sk-stolen",
+        "mock_response": "pwned",
+        "custom_llm_provider": "x",
+    }
     r = httpx.post(routed.url + "/v1/chat/completions", json=body, timeout=30)
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["message"]["content"] != "pwned"
@@ -237,8 +282,14 @@ def test_a_providers_refusal_reaches_the_client_and_is_recorded(
     episode = f"ep-{uuid.uuid4().hex[:8]}"
     client = routed.client(**{"X-Episode-Id": episode})
     ask = [{"role": "user", "content": "Hi"}]
-    slow_down = {"error": {"message": "Rate limit reached", "type": "rate_limit_error",
-                           "param": None, "code": "rate_limit_exceeded"}}  # fmt: skip
+    slow_down = {
+        "error": {
+            "message": "Rate limit reached",
+            "type": "rate_limit_error",
+            "param": None,
+            "code": "rate_limit_exceeded",
+        }
+    }
     fake_vllm.fail_next(1, 429, slow_down)
     with pytest.raises(openai.RateLimitError) as limited:
         client.chat.completions.create(model="frontier", messages=ask)
@@ -260,7 +311,10 @@ def test_a_providers_refusal_reaches_the_client_and_is_recorded(
 
     failed = routed.wait_rows(
         "SELECT model_requested, provider, status, http_status, error->'error'->>'message' "
-        "FROM transition WHERE episode_id = %s ORDER BY requested_at", 3, episode)  # fmt: skip
+        "FROM transition WHERE episode_id = %s ORDER BY requested_at",
+        3,
+        episode,
+    )
     assert [f[:4] for f in failed] == [
         ("frontier", "openai", "failed", 429),
         ("frontier", "openai", "failed", 400),
@@ -275,15 +329,25 @@ def test_a_client_that_leaves_a_routed_stream_is_recorded_as_aborted(
 ) -> None:
     episode = f"ep-{uuid.uuid4().hex[:8]}"
     fake_vllm.state.token_delay_s = 0.05
-    body = {"model": "frontier", "messages": [{"role": "user", "content": "Tell a story"}],
-            "max_tokens": 200, "stream": True}  # fmt: skip
-    with httpx.stream("POST", routed.url + "/v1/chat/completions", json=body,
-                      headers={"X-Episode-Id": episode}, timeout=30) as r:  # fmt: skip
+    body = {
+        "model": "frontier",
+        "messages": [{"role": "user", "content": "Tell a story"}],
+        "max_tokens": 200,
+        "stream": True,
+    }
+    with httpx.stream(
+        "POST",
+        routed.url + "/v1/chat/completions",
+        json=body,
+        headers={"X-Episode-Id": episode},
+        timeout=30,
+    ) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(6)]
     assert any(line.startswith("data: {") for line in got)
     (row,) = routed.wait_rows(
         "SELECT status, provider, length(text) > 0 FROM transition WHERE episode_id = %s",
-        1, episode,
-    )  # fmt: skip
+        1,
+        episode,
+    )
     assert row == ("aborted", "openai", True)

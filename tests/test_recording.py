@@ -142,8 +142,9 @@ def test_a_failed_call_of_n_choices_stores_every_id_it_answered_with(
     ids = r.headers["x-transition-id"].split(",")
     rows = proxy.wait_rows(
         "SELECT id::text, status, choice_index FROM transition WHERE episode_id = 'n-failed' "
-        "ORDER BY choice_index", 3
-    )  # fmt: skip
+        "ORDER BY choice_index",
+        3,
+    )
     assert rows == [(i, "failed", n) for n, i in enumerate(ids)]
 
 

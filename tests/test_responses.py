@@ -59,8 +59,11 @@ def test_response_is_recorded_and_the_client_sees_what_vllm_would_send(
     [t] = episode(proxy, "r1")
     assert t["id"] == r.headers["x-transition-id"]
     assert (t["route"], t["status"], t["task_id"], t["agent_name"]) == (
-        "responses", "ok", "t1", "solver"
-    )  # fmt: skip
+        "responses",
+        "ok",
+        "t1",
+        "solver",
+    )
     assert t["messages"] == [
         {"role": "system", "content": "Answer with a number."},
         {"role": "user", "content": "What is 3 + 4?"},

@@ -146,8 +146,11 @@ def scenario(database_url: str, engine: Any) -> dict[str, Any]:
     ]
     day9 = [record("waiting", 9, SYSTEM)]
     day8 = [record("unrewarded", 8, only8)]
-    today = [record("long", 0, SYSTEM, {"role": "user", "content": "today"},
-                    prompt=[*SHARED_BLOCK, 8, 9])]  # fmt: skip
+    today = [
+        record(
+            "long", 0, SYSTEM, {"role": "user", "content": "today"}, prompt=[*SHARED_BLOCK, 8, 9]
+        )
+    ]
     seed(database_url, [(20, day20), (9, day9), (8, day8), (0, today)])
     partitions.ensure(engine, today=TODAY, ahead=1)
     with psycopg.connect(database_url) as conn:

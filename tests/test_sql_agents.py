@@ -28,8 +28,11 @@ def test_the_three_agents_play_through_the_proxy_each_under_its_own_lineage(
     for e in episodes:
         # The fake answers nonsense: the checker never says ok, so the rewriter always runs.
         assert e.rewritten and not sql_env.approves(e.verdict)
-        assert e.served == {"writer": ("0", "writer"), "checker": ("0", "policy"),
-                            "rewriter": ("0", "rewriter")}  # fmt: skip
+        assert e.served == {
+            "writer": ("0", "writer"),
+            "checker": ("0", "policy"),
+            "rewriter": ("0", "rewriter"),
+        }
         assert e.reward == sql_env.reward(db, e.question, e.final_sql) == 0.0
     rows = proxy.wait_rows(
         "SELECT agent_name, lineage, task_id, credited_at IS NOT NULL FROM transition "
@@ -37,8 +40,10 @@ def test_the_three_agents_play_through_the_proxy_each_under_its_own_lineage(
         expected=12,
     )
     assert sorted({(a, lineage) for a, lineage, _, _ in rows}) == [
-        ("checker", "policy"), ("rewriter", "rewriter"), ("writer", "writer"),
-    ]  # fmt: skip
+        ("checker", "policy"),
+        ("rewriter", "rewriter"),
+        ("writer", "writer"),
+    ]
     assert {task for _, _, task, _ in rows} == {e.question.task_id for e in episodes}
     assert all(credited for *_, credited in rows)  # the posted final rewards reached every call
     prompts = proxy.query("SELECT count(DISTINCT message_digests) FROM transition")

@@ -147,8 +147,11 @@ def test_the_keys_cli_creates_lists_and_revokes(database_url: str) -> None:
     def flywheel(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
             [sys.executable, "-m", "flywheel", "keys", *args],
-            env=env, capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
 
     created = flywheel("create", "--tenant", "acme", "--scopes", "infer,reward", "--name", "ci")
     assert created.returncode == 0, created.stderr

@@ -98,8 +98,11 @@ async def test_a_multi_turn_episode_is_stored_once_and_read_back_whole(
     for r in records:
         r.lineage = "policy"  # a policy's calls: the trainer's to claim
         async with sessionmaker.begin() as session:
-            known.update(await store.insert_transitions([r], session=session, gamma=None,
-                                                        stored=known, memo=memo))  # fmt: skip
+            known.update(
+                await store.insert_transitions(
+                    [r], session=session, gamma=None, stored=known, memo=memo
+                )
+            )
     episode_id = records[0].episode_id
     async with sessionmaker.begin() as session:
         await session.execute(
@@ -110,11 +113,13 @@ async def test_a_multi_turn_episode_is_stored_once_and_read_back_whole(
         rows = await store.get_episode(episode_id, session=session)
         blocks, block_bytes, rest_bytes = (
             await session.execute(
-                text("SELECT (SELECT count(*) FROM token_block), "
-                     "(SELECT sum(length(ids)) FROM token_block), "
-                     "(SELECT sum(length(prompt_token_ids)) FROM transition)")
+                text(
+                    "SELECT (SELECT count(*) FROM token_block), "
+                    "(SELECT sum(length(ids)) FROM token_block), "
+                    "(SELECT sum(length(prompt_token_ids)) FROM transition)"
+                )
             )
-        ).one()  # fmt: skip
+        ).one()
     await engine.dispose()
 
     prompts = {r.id: r.prompt_token_ids for r in records}

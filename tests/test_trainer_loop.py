@@ -165,8 +165,11 @@ def test_a_trainer_per_lineage_trains_and_publishes_only_its_own(
         "SELECT agent_name, lineage, trained_version, count(*) FROM transition "
         "GROUP BY 1, 2, 3 ORDER BY 1"
     )
-    assert rows == [("checker", "policy", None, 8), ("rewriter", "rewriter", 2, 8),
-                    ("writer", "writer", 1, 8)]  # fmt: skip
+    assert rows == [
+        ("checker", "policy", None, 8),
+        ("rewriter", "rewriter", 2, 8),
+        ("writer", "writer", 1, 8),
+    ]
     # Its own only: the rewriter's reconcile (once anything unrecorded of its own would be an
     # orphan, past its short lease) leaves the writer's adapter loaded and on disk.
     time.sleep(0.6)
@@ -379,10 +382,16 @@ def trainer_process(
     """`flywheel trainer` on the proxy's database and the fake vLLM, its output piped."""
     return subprocess.Popen(
         [
-            sys.executable, "-m", "flywheel", "trainer",
-            "--model", str(build_demo_model(TEST_HOME / "models" / "demo")),
-            "--vllm", fake.url,
-            "--adapters-dir", str(tmp_path / "adapters"),
+            sys.executable,
+            "-m",
+            "flywheel",
+            "trainer",
+            "--model",
+            str(build_demo_model(TEST_HOME / "models" / "demo")),
+            "--vllm",
+            fake.url,
+            "--adapters-dir",
+            str(tmp_path / "adapters"),
             *args,
         ],
         env={
@@ -396,7 +405,7 @@ def trainer_process(
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-    )  # fmt: skip
+    )
 
 
 def test_flywheel_trainer_process_prints_progress_and_serves_metrics(
@@ -531,9 +540,12 @@ def test_a_rollback_sticks_the_next_step_trains_from_the_version_rolled_back_to(
 
 
 def test_a_rollback_during_a_step_makes_the_trainer_train_its_batch_again_from_there(
-    proxy: RunningProxy, fake_vllm: FakeVLLM, make_trainer: Any, sessions: Sessions,
+    proxy: RunningProxy,
+    fake_vllm: FakeVLLM,
+    make_trainer: Any,
+    sessions: Sessions,
     monkeypatch: Any,
-) -> None:  # fmt: skip
+) -> None:
     trainer = make_trainer()
     play(proxy, agent="a")
     assert trainer.step()  # v1

@@ -44,8 +44,14 @@ async def models(services: ServicesDep) -> Response:
 
 
 def _model(name: str, created: int, owner: str) -> dict[str, object]:
-    return {"id": name, "object": "model", "created": created, "owned_by": owner,
-            "root": None, "parent": None}  # fmt: skip
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": owner,
+        "root": None,
+        "parent": None,
+    }
 
 
 @router.get("/healthz")

@@ -106,102 +106,164 @@ def main(base_url: str, model_dir: str) -> None:
     save(client, "chat_n2", CHAT, chat(**IDS, n=2, temperature=1.0))
     save(client, "chat_stream", CHAT, chat(stream=True))
     save(client, "chat_stream_usage", CHAT, chat(stream=True, **USAGE))
-    save(client, "chat_stream_ids_logprobs", CHAT,
-         chat(stream=True, **USAGE, **IDS))  # fmt: skip
-    save(client, "chat_stream_n2", CHAT,
-         chat(stream=True, **USAGE, **IDS, n=2, max_tokens=2))  # fmt: skip
+    save(client, "chat_stream_ids_logprobs", CHAT, chat(stream=True, **USAGE, **IDS))
+    save(client, "chat_stream_n2", CHAT, chat(stream=True, **USAGE, **IDS, n=2, max_tokens=2))
 
-    save(client, "chat_tools_auto", CHAT,
-         chat(**IDS, tools=TOOLS, tool_choice="auto", max_tokens=8))  # fmt: skip
+    save(
+        client, "chat_tools_auto", CHAT, chat(**IDS, tools=TOOLS, tool_choice="auto", max_tokens=8)
+    )
     named = {"tools": TOOLS, "tool_choice": NAMED_TOOL, "max_tokens": 100}
-    save(client, "chat_tools_named", CHAT,
-         chat(**IDS, **named))  # fmt: skip
-    save(client, "chat_tools_required", CHAT,
-         chat(**IDS, tools=TOOLS, tool_choice="required", max_tokens=100))  # fmt: skip
-    save(client, "chat_stream_tools_named", CHAT,
-         chat(stream=True, **USAGE, **IDS, **named))  # fmt: skip
-    save(client, "chat_stream_tools_required", CHAT,
-         chat(stream=True, tools=TOOLS, tool_choice="required", max_tokens=100))  # fmt: skip
+    save(client, "chat_tools_named", CHAT, chat(**IDS, **named))
+    save(
+        client,
+        "chat_tools_required",
+        CHAT,
+        chat(**IDS, tools=TOOLS, tool_choice="required", max_tokens=100),
+    )
+    save(client, "chat_stream_tools_named", CHAT, chat(stream=True, **USAGE, **IDS, **named))
+    save(
+        client,
+        "chat_stream_tools_required",
+        CHAT,
+        chat(stream=True, tools=TOOLS, tool_choice="required", max_tokens=100),
+    )
     # The random model never writes <tool_call> by itself: a regex makes it, and the hermes parser
     # (tool_choice "auto") turns the text into message.tool_calls.
     call = '\\{"name": "get_weather", "arguments": \\{"city": "Paris"\\}\\}'
     forced = {"regex": f"<tool_call>\n{call}\n</tool_call>"}
     auto = {"tools": TOOLS, "structured_outputs": forced, "max_tokens": 60}
-    save(client, "chat_tools_auto_parsed", CHAT,
-         chat(**IDS, **auto, tool_choice="auto"))  # fmt: skip
-    save(client, "chat_stream_tools_auto_parsed", CHAT,
-         chat(stream=True, **IDS, **auto))  # fmt: skip
+    save(client, "chat_tools_auto_parsed", CHAT, chat(**IDS, **auto, tool_choice="auto"))
+    save(client, "chat_stream_tools_auto_parsed", CHAT, chat(stream=True, **IDS, **auto))
     history = [
         *MESSAGES,
-        {"role": "assistant", "content": None, "tool_calls": [{
-            "id": "call_1", "type": "function",
-            "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": '{"sky": "clear"}'},
-    ]  # fmt: skip
-    save(client, "chat_tool_history", CHAT,
-         chat(messages=history, tools=TOOLS, return_token_ids=True))  # fmt: skip
+    ]
+    save(
+        client,
+        "chat_tool_history",
+        CHAT,
+        chat(messages=history, tools=TOOLS, return_token_ids=True),
+    )
 
     save(client, "completions_plain", COMPLETIONS, completion())
-    save(client, "completions_ids_logprobs", COMPLETIONS,
-         completion(return_token_ids=True, logprobs=2))  # fmt: skip
-    save(client, "completions_two_prompts", COMPLETIONS,
-         completion(prompt=["What is 1 + 1?", "Hello"], n=2, return_token_ids=True, logprobs=0,
-                    max_tokens=2))  # fmt: skip
+    save(
+        client,
+        "completions_ids_logprobs",
+        COMPLETIONS,
+        completion(return_token_ids=True, logprobs=2),
+    )
+    save(
+        client,
+        "completions_two_prompts",
+        COMPLETIONS,
+        completion(
+            prompt=["What is 1 + 1?", "Hello"], n=2, return_token_ids=True, logprobs=0, max_tokens=2
+        ),
+    )
     save(client, "completions_stream", COMPLETIONS, completion(stream=True))
-    save(client, "completions_stream_ids_logprobs", COMPLETIONS,
-         completion(stream=True, **USAGE, return_token_ids=True, logprobs=1))  # fmt: skip
-    save(client, "completions_token_prompt", COMPLETIONS,
-         completion(prompt=[263, 260, 223, 21], return_token_ids=True))  # fmt: skip
+    save(
+        client,
+        "completions_stream_ids_logprobs",
+        COMPLETIONS,
+        completion(stream=True, **USAGE, return_token_ids=True, logprobs=1),
+    )
+    save(
+        client,
+        "completions_token_prompt",
+        COMPLETIONS,
+        completion(prompt=[263, 260, 223, 21], return_token_ids=True),
+    )
     # proxy/scoring.py: the logprob of each given token (the first position has none)
-    save(client, "completions_prompt_logprobs", COMPLETIONS,
-         completion(prompt=[263, 260, 223, 21], max_tokens=1, prompt_logprobs=0,
-                    temperature=1.0))  # fmt: skip
+    save(
+        client,
+        "completions_prompt_logprobs",
+        COMPLETIONS,
+        completion(prompt=[263, 260, 223, 21], max_tokens=1, prompt_logprobs=0, temperature=1.0),
+    )
 
     save(client, "responses_plain", RESPONSES, response())
     save(client, "responses_ids_logprobs", RESPONSES, response(**RAW))
-    save(client, "responses_stop", RESPONSES,
-         response(**RAW, structured_outputs={"regex": "7"}, max_output_tokens=8))  # fmt: skip
+    save(
+        client,
+        "responses_stop",
+        RESPONSES,
+        response(**RAW, structured_outputs={"regex": "7"}, max_output_tokens=8),
+    )
     save(client, "responses_stream", RESPONSES, response(stream=True, max_output_tokens=2))
-    save(client, "responses_stream_ids_logprobs", RESPONSES,
-         response(stream=True, **RAW, max_output_tokens=3))  # fmt: skip
-    save(client, "responses_tools_auto_parsed", RESPONSES,
-         response(**RAW, tools=RESPONSE_TOOLS, structured_outputs=forced,
-                  max_output_tokens=60))  # fmt: skip
-    save(client, "responses_stream_tools_auto_parsed", RESPONSES,
-         response(stream=True, **RAW, tools=RESPONSE_TOOLS, structured_outputs=forced,
-                  max_output_tokens=60))  # fmt: skip
-    save(client, "responses_tools_required", RESPONSES,
-         response(**RAW, tools=RESPONSE_TOOLS, tool_choice="required",
-                  max_output_tokens=100))  # fmt: skip
+    save(
+        client,
+        "responses_stream_ids_logprobs",
+        RESPONSES,
+        response(stream=True, **RAW, max_output_tokens=3),
+    )
+    save(
+        client,
+        "responses_tools_auto_parsed",
+        RESPONSES,
+        response(**RAW, tools=RESPONSE_TOOLS, structured_outputs=forced, max_output_tokens=60),
+    )
+    save(
+        client,
+        "responses_stream_tools_auto_parsed",
+        RESPONSES,
+        response(
+            stream=True,
+            **RAW,
+            tools=RESPONSE_TOOLS,
+            structured_outputs=forced,
+            max_output_tokens=60,
+        ),
+    )
+    save(
+        client,
+        "responses_tools_required",
+        RESPONSES,
+        response(**RAW, tools=RESPONSE_TOOLS, tool_choice="required", max_output_tokens=100),
+    )
     items = [
         {"role": "user", "content": "What is the weather in Paris?"},
-        {"type": "function_call", "call_id": "call_1", "name": "get_weather",
-         "arguments": '{"city": "Paris"}'},
+        {
+            "type": "function_call",
+            "call_id": "call_1",
+            "name": "get_weather",
+            "arguments": '{"city": "Paris"}',
+        },
         {"type": "function_call_output", "call_id": "call_1", "output": '{"sky": "clear"}'},
-    ]  # fmt: skip
-    save(client, "responses_tool_history", RESPONSES,
-         response(**RAW, input=items, instructions="Be brief.", tools=RESPONSE_TOOLS))  # fmt: skip
+    ]
+    save(
+        client,
+        "responses_tool_history",
+        RESPONSES,
+        response(**RAW, input=items, instructions="Be brief.", tools=RESPONSE_TOOLS),
+    )
     save(client, "error_responses_unknown_model", RESPONSES, response(model="nope"))
-    save(client, "error_responses_previous_id", RESPONSES,
-         response(previous_response_id="resp_nope"))  # fmt: skip
+    save(
+        client, "error_responses_previous_id", RESPONSES, response(previous_response_id="resp_nope")
+    )
     save(client, "error_responses_background", RESPONSES, response(background=True))
     save(client, "error_responses_bad_input", RESPONSES, response(input=5))
 
     save(client, "error_unknown_model", CHAT, chat(model="nope"))
-    save(client, "error_unknown_model_stream", CHAT,
-         chat(model="nope", stream=True))  # fmt: skip
-    save(client, "error_unknown_model_completions", COMPLETIONS,
-         completion(model="nope"))  # fmt: skip
+    save(client, "error_unknown_model_stream", CHAT, chat(model="nope", stream=True))
+    save(client, "error_unknown_model_completions", COMPLETIONS, completion(model="nope"))
     save(client, "error_bad_temperature", CHAT, chat(temperature="x"))
     save(client, "error_max_tokens", CHAT, chat(max_tokens=100000))
-    save(client, "error_max_tokens_completions", COMPLETIONS,
-         completion(max_tokens=100000))  # fmt: skip
-    save(client, "error_prompt_too_long", COMPLETIONS,
-         completion(prompt="What is 3 + 4? " * 60))  # fmt: skip
+    save(client, "error_max_tokens_completions", COMPLETIONS, completion(max_tokens=100000))
+    save(client, "error_prompt_too_long", COMPLETIONS, completion(prompt="What is 3 + 4? " * 60))
     save(client, "error_n_zero", CHAT, chat(n=0))
     save(client, "error_missing_messages", CHAT, {"model": MODEL})
-    save(client, "error_top_logprobs", CHAT,
-         chat(logprobs=True, top_logprobs=100))  # fmt: skip
+    save(client, "error_top_logprobs", CHAT, chat(logprobs=True, top_logprobs=100))
 
     with tempfile.TemporaryDirectory() as tmp:
         lora = str(make_lora(model_dir, Path(tmp) / "lora-v1"))
@@ -209,13 +271,16 @@ def main(base_url: str, model_dir: str) -> None:
         client.post("/v1/unload_lora_adapter", json={"lora_name": "lora-v1"})  # from a rerun
         save(client, "lora_load", "/v1/load_lora_adapter", load)
         save(client, "lora_load_duplicate", "/v1/load_lora_adapter", load)
-        save(client, "lora_load_bad_path", "/v1/load_lora_adapter",
-             {"lora_name": "lora-bad", "lora_path": str(Path(tmp) / "missing")})  # fmt: skip
+        save(
+            client,
+            "lora_load_bad_path",
+            "/v1/load_lora_adapter",
+            {"lora_name": "lora-bad", "lora_path": str(Path(tmp) / "missing")},
+        )
         save(client, "models_with_lora", "/v1/models")
         save(client, "chat_lora", CHAT, chat(model="lora-v1", **IDS))
         save(client, "lora_unload", "/v1/unload_lora_adapter", {"lora_name": "lora-v1"})
-        save(client, "lora_unload_unknown", "/v1/unload_lora_adapter",
-             {"lora_name": "lora-v1"})  # fmt: skip
+        save(client, "lora_unload_unknown", "/v1/unload_lora_adapter", {"lora_name": "lora-v1"})
 
 
 if __name__ == "__main__":
