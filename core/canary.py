@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import asdict, dataclass
 from datetime import datetime
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 from sqlalchemy import select, text, update
 from sqlalchemy.orm import Session
@@ -62,8 +62,12 @@ class Canary:
     age_s: float  # by the database's clock, when read
 
 
-# One rewarded episode of an arm: (when its first call was made, epoch seconds; task; reward).
-Scored = tuple[float, str | None, float]
+class ArmEpisode(NamedTuple):
+    """One rewarded episode of an arm."""
+
+    started: float  # when its first call was made, epoch seconds
+    task: str | None
+    reward: float
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,7 @@ def decide(evidence: Evidence, rule: Rule, age_s: float) -> Decision | None:
     return None
 
 
-def weigh(candidate: list[Scored], baseline: list[Scored], rule: Rule) -> Evidence:
+def weigh(candidate: list[ArmEpisode], baseline: list[ArmEpisode], rule: Rule) -> Evidence:
     """Each arm's rewarded episodes -> their means, and the two tests at the newest look.
 
     The trainer looks every few seconds, and a test repeated on growing data until it says yes
@@ -122,23 +126,23 @@ def weigh(candidate: list[Scored], baseline: list[Scored], rule: Rule) -> Eviden
     `alpha` (Bonferroni over looks; conservative, and simple enough to check by hand).
     """
 
-    def mean(rows: list[Scored]) -> float | None:
-        return sum(r for _, _, r in rows) / len(rows) if rows else None
+    def mean(rows: list[ArmEpisode]) -> float | None:
+        return sum(e.reward for e in rows) / len(rows) if rows else None
 
     counts = (len(candidate), len(baseline), mean(candidate), mean(baseline))
     look, cut = _newest_look(candidate, baseline, rule.min_episodes)
     if look is None:
         return Evidence(*counts)
-    c = [row for row in candidate if row[0] <= cut]
-    b = [row for row in baseline if row[0] <= cut]
+    c = [e for e in candidate if e.started <= cut]
+    b = [e for e in baseline if e.started <= cut]
     # Centred per task, over the tasks both arms have (all of them when nobody sets task ids).
-    tasks = {t for _, t, _ in c} & {t for _, t, _ in b}
+    tasks = {e.task for e in c} & {e.task for e in b}
     task_mean: dict[str | None, float] = {}
     for t in tasks:
-        rewards = [r for _, task, r in c + b if task == t]
+        rewards = [e.reward for e in c + b if e.task == t]
         task_mean[t] = sum(rewards) / len(rewards)
-    centred_c = [r - task_mean[t] for _, t, r in c if t in task_mean]
-    centred_b = [r - task_mean[t] for _, t, r in b if t in task_mean]
+    centred_c = [e.reward - task_mean[e.task] for e in c if e.task in task_mean]
+    centred_b = [e.reward - task_mean[e.task] for e in b if e.task in task_mean]
     p_worse = p_not_worse = None
     if len(centred_c) >= 2 and len(centred_b) >= 2:
         w = welch(centred_c, centred_b)
@@ -148,11 +152,11 @@ def weigh(candidate: list[Scored], baseline: list[Scored], rule: Rule) -> Eviden
 
 
 def _newest_look(
-    candidate: list[Scored], baseline: list[Scored], min_episodes: int
+    candidate: list[ArmEpisode], baseline: list[ArmEpisode], min_episodes: int
 ) -> tuple[int | None, float]:
     """(k, the moment both arms had min_episodes * 2**k episodes), for the largest such k."""
-    starts_c = sorted(t for t, _, _ in candidate)
-    starts_b = sorted(t for t, _, _ in baseline)
+    starts_c = sorted(e.started for e in candidate)
+    starts_b = sorted(e.started for e in baseline)
     look, cut, k = None, 0.0, 0
     while min(len(starts_c), len(starts_b)) >= min_episodes * 2**k:
         n = min_episodes * 2**k
@@ -205,7 +209,7 @@ def opened(*, session: Session, lineage: str | None = None) -> dict[str, Canary]
     }
 
 
-def evidence_rows(canary: Canary, *, session: Session) -> tuple[list[Scored], list[Scored]]:
+def evidence_rows(canary: Canary, *, session: Session) -> tuple[list[ArmEpisode], list[ArmEpisode]]:
     """The rewarded episodes each arm served since the canary opened. An episode with calls
     from both (a pin, say) counts for neither."""
     rows = session.execute(
@@ -225,9 +229,9 @@ def evidence_rows(canary: Canary, *, session: Session) -> tuple[list[Scored], li
             "lineage": canary.lineage,
         },
     ).all()
-    arms: dict[int, list[Scored]] = {canary.candidate: [], canary.baseline: []}
+    arms: dict[int, list[ArmEpisode]] = {canary.candidate: [], canary.baseline: []}
     for version, started, task, reward in rows:
-        arms[version].append((float(started), task, float(reward)))
+        arms[version].append(ArmEpisode(float(started), task, float(reward)))
     return arms[canary.candidate], arms[canary.baseline]
 
 

@@ -28,13 +28,20 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-import orjson
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from core import database
-from core.codecs import unpack
-from core.tables import PROMPT_IDS_SQL
+from core.export_files import write_jsonl, write_parquet
+from core.export_kinds import (
+    PAIRS_SQL,
+    TOKEN_COLUMNS,
+    TRANSITIONS_SQL,
+    Pairer,
+    columns,
+    sft_row,
+    transition_row,
+)
 from core.tenants import OPERATOR, Principal
 
 KINDS = ("transitions", "sft", "pairs")
@@ -121,16 +128,16 @@ def query(kind: str, where: ExportFilter, *, tokens: bool = False) -> Query:
     conditions, params = _conditions(where)
     public = where.principal.public
     if kind == "transitions":
-        sql = _TRANSITIONS.format(
-            tokens=_TOKEN_COLUMNS if tokens else "", where=" AND ".join(conditions)
+        sql = TRANSITIONS_SQL.format(
+            tokens=TOKEN_COLUMNS if tokens else "", where=" AND ".join(conditions)
         )
-        return Query(sql, params, functools.partial(_transition, public=public))
+        return Query(sql, params, functools.partial(transition_row, public=public))
     if kind == "sft":
         conditions += ["t.status = 'ok'", "t.route = 'chat'"]
-        sql = _TRANSITIONS.format(tokens="", where=" AND ".join(conditions))
-        return Query(sql, params, functools.partial(_sft, public=public))
+        sql = TRANSITIONS_SQL.format(tokens="", where=" AND ".join(conditions))
+        return Query(sql, params, functools.partial(sft_row, public=public))
     conditions += ["t.status = 'ok'", "t.route = 'chat'", 't."return" IS NOT NULL']
-    return Query(_PAIRS.format(where=" AND ".join(conditions)), params, _Pairer(public))
+    return Query(PAIRS_SQL.format(where=" AND ".join(conditions)), params, Pairer(public))
 
 
 def rows(q: Query, *, batch: int = BATCH, session: Session) -> Iterator[dict[str, Any]]:
@@ -163,284 +170,3 @@ def _conditions(where: ExportFilter) -> tuple[list[str], dict[str, Any]]:
     if where.trained is not None:
         conditions.append(f"t.trained_at IS {'NOT ' if where.trained else ''}NULL")
     return conditions, params
-
-
-# A call's prompt messages from its digests, in order (a digest not found is a JSON null), for
-# the row aliased `{row}`.
-MESSAGES_SQL = """LEFT JOIN LATERAL (
-    SELECT coalesce(jsonb_agg(m.body ORDER BY d.ord), '[]') AS messages
-    FROM unnest({row}.message_digests) WITH ORDINALITY AS d(digest, ord)
-    LEFT JOIN message m ON m.digest = d.digest
-) msg"""
-
-# The calls, their messages and the step rewards given to them.
-_TRANSITIONS = """
-SELECT t.id, t.episode_id, t.task_id, t.agent_name, t.requested_at, t.route, t.status,
-       t.model_used, t.policy_version, t.lineage, msg.messages, t.params, t.text, t.tool_calls,
-       t.tool_errors, t.finish_reason, t.latency_ms, t.prompt_tokens, t.completion_tokens,
-       t.provider, t.cost_usd, t."return", t.credited_at, t.trained_at, t.trained_version,
-       e.final_reward, st.step_rewards{tokens}
-FROM transition t
-JOIN episode e ON e.id = t.episode_id
-{messages} ON TRUE
-LEFT JOIN LATERAL (
-    SELECT jsonb_agg(jsonb_build_object('reward', r.value, 'source', r.source) ORDER BY r.id)
-        AS step_rewards
-    FROM reward r WHERE r.transition_id = t.id
-) st ON TRUE
-WHERE {where}
-ORDER BY t.requested_at, t.id""".replace("{messages}", MESSAGES_SQL.format(row="t"))
-_TOKEN_COLUMNS = (
-    f", {PROMPT_IDS_SQL.format(row='t')} AS prompt_token_ids, t.completion_token_ids, t.logprobs"
-)
-
-
-def _transition(r: dict[str, Any], public: Callable[[str], str]) -> dict[str, Any]:
-    out = {
-        "id": str(r["id"]),
-        "episode_id": public(r["episode_id"]),
-        "task_id": public(r["task_id"]) if r["task_id"] else None,
-        "agent_name": r["agent_name"],
-        "requested_at": r["requested_at"].isoformat(),
-        "route": r["route"],
-        "status": r["status"],
-        "model_used": r["model_used"],
-        "policy_version": r["policy_version"],
-        "lineage": r["lineage"],
-        "messages": r["messages"],
-        "params": r["params"],
-        "text": r["text"],
-        "tool_calls": r["tool_calls"],
-        "tool_errors": r["tool_errors"],
-        "finish_reason": r["finish_reason"],
-        "latency_ms": r["latency_ms"],
-        "prompt_tokens": r["prompt_tokens"],
-        "completion_tokens": r["completion_tokens"],
-        "provider": r["provider"],  # a call routed through litellm (no token ids); None: vLLM
-        "cost_usd": r["cost_usd"],
-        "return": r["return"],
-        "step_rewards": r["step_rewards"] or [],
-        "final_reward": r["final_reward"],
-        "credited_at": r["credited_at"].isoformat() if r["credited_at"] else None,
-        "trained_at": r["trained_at"].isoformat() if r["trained_at"] else None,
-        "trained_version": r["trained_version"],
-    }
-    if "logprobs" in r:
-        out["prompt_token_ids"] = unpack(r["prompt_token_ids"], "i")
-        out["completion_token_ids"] = unpack(r["completion_token_ids"], "i")
-        out["logprobs"] = unpack(r["logprobs"], "f")
-    return out
-
-
-def _assistant(text: str | None, tool_calls: list[Any] | None) -> dict[str, Any]:
-    message: dict[str, Any] = {"role": "assistant", "content": text or ""}
-    if tool_calls:
-        message["tool_calls"] = tool_calls
-    return message
-
-
-def _meta(r: dict[str, Any], public: Callable[[str], str]) -> dict[str, Any]:
-    return {
-        "id": str(r["id"]),
-        "episode_id": public(r["episode_id"]),
-        "task_id": public(r["task_id"]) if r["task_id"] else None,
-        "agent_name": r["agent_name"],
-        "policy_version": r["policy_version"],
-    }
-
-
-def _sft(r: dict[str, Any], public: Callable[[str], str]) -> dict[str, Any]:
-    return {
-        "messages": [*r["messages"], _assistant(r["text"], r["tool_calls"])],
-        "tools": (r["params"] or {}).get("tools"),
-        **_meta(r, public),
-        "return": r["return"],
-        "final_reward": r["final_reward"],
-    }
-
-
-# Each group's best and worst completion by return (ties: the earlier call), groups whose
-# returns differ; the two rows of a pair come out next to each other, best first.
-_PAIRS = """
-WITH ranked AS (
-    SELECT t.id, t.episode_id, t.task_id, t.agent_name, t.policy_version, t.message_digests,
-           t.text, t.tool_calls, t.params, t."return", e.final_reward,
-           row_number() OVER (PARTITION BY t.task_id, t.agent_name, t.message_digests
-                              ORDER BY t."return" DESC, t.requested_at, t.id) AS best,
-           row_number() OVER (PARTITION BY t.task_id, t.agent_name, t.message_digests
-                              ORDER BY t."return", t.requested_at, t.id) AS worst,
-           max(t."return") OVER g - min(t."return") OVER g AS spread
-    FROM transition t JOIN episode e ON e.id = t.episode_id
-    WHERE {where}
-    WINDOW g AS (PARTITION BY t.task_id, t.agent_name, t.message_digests)
-)
-SELECT r.*, msg.messages
-FROM ranked r
-{messages} ON r.best = 1
-WHERE (r.best = 1 OR r.worst = 1) AND r.spread > 0
-ORDER BY r.task_id, r.agent_name, r.message_digests, r.best""".replace(
-    "{messages}", MESSAGES_SQL.format(row="r")
-)
-
-
-class _Pairer:
-    """Rows of `_PAIRS` in, pairs out: a group's best row is held until its worst comes."""
-
-    def __init__(self, public: Callable[[str], str]) -> None:
-        self._public = public
-        self._best: dict[str, Any] | None = None
-
-    def __call__(self, row: dict[str, Any]) -> dict[str, Any] | None:
-        if row["best"] == 1:
-            self._best = row
-            return None
-        best = self._best
-        if best is None or best["message_digests"] != row["message_digests"]:
-            raise RuntimeError("pairs out of order: a group's worst row came without its best")
-        return {
-            "prompt": best["messages"],
-            "chosen": [_assistant(best["text"], best["tool_calls"])],
-            "rejected": [_assistant(row["text"], row["tool_calls"])],
-            "tools": (best["params"] or {}).get("tools"),
-            "task_id": self._public(best["task_id"]) if best["task_id"] else None,
-            "agent_name": best["agent_name"],
-            "chosen_return": best["return"],
-            "rejected_return": row["return"],
-            "chosen_id": str(best["id"]),
-            "rejected_id": str(row["id"]),
-        }
-
-
-# --- the files ---------------------------------------------------------------------------------
-
-
-def columns(kind: str, tokens: bool = False) -> list[str]:
-    """Each kind's fields, in order (a Parquet file has them even with no rows)."""
-    if kind == "transitions":
-        return [*_TRANSITION_FIELDS, *(_TOKEN_FIELDS if tokens else ())]
-    return _SFT_FIELDS if kind == "sft" else _PAIR_FIELDS
-
-
-_TRANSITION_FIELDS = [
-    "id",
-    "episode_id",
-    "task_id",
-    "agent_name",
-    "requested_at",
-    "route",
-    "status",
-    "model_used",
-    "policy_version",
-    "lineage",
-    "messages",
-    "params",
-    "text",
-    "tool_calls",
-    "tool_errors",
-    "finish_reason",
-    "latency_ms",
-    "prompt_tokens",
-    "completion_tokens",
-    "provider",
-    "cost_usd",
-    "return",
-    "step_rewards",
-    "final_reward",
-    "credited_at",
-    "trained_at",
-    "trained_version",
-]
-_TOKEN_FIELDS = ["prompt_token_ids", "completion_token_ids", "logprobs"]
-_SFT_FIELDS = [
-    "messages",
-    "tools",
-    "id",
-    "episode_id",
-    "task_id",
-    "agent_name",
-    "policy_version",
-    "return",
-    "final_reward",
-]
-_PAIR_FIELDS = [
-    "prompt",
-    "chosen",
-    "rejected",
-    "tools",
-    "task_id",
-    "agent_name",
-    "chosen_return",
-    "rejected_return",
-    "chosen_id",
-    "rejected_id",
-]
-
-
-def write_jsonl(produced: Iterator[dict[str, Any]], path: Path) -> int:
-    count = 0
-    with open(path, "wb") as out:
-        for row in produced:
-            out.write(orjson.dumps(row, option=orjson.OPT_APPEND_NEWLINE))
-            count += 1
-    return count
-
-
-# Lists of numbers stay lists in Parquet; every other non-scalar value is written as JSON text.
-_LIST_COLUMNS = {
-    "prompt_token_ids": "int32",
-    "completion_token_ids": "int32",
-    "logprobs": "float32",
-}
-
-
-def write_parquet(
-    produced: Iterator[dict[str, Any]], path: Path, names: list[str], batch: int = BATCH
-) -> int:
-    import pyarrow as pa  # (here: the CLI's other commands need not load it)
-    import pyarrow.parquet as pq
-
-    schema = pa.schema([(name, _parquet_type(pa, name)) for name in names])
-    count = 0
-    chunk: list[dict[str, Any]] = []
-    with open(path, "wb") as out, pq.ParquetWriter(out, schema) as writer:
-
-        def flush() -> None:
-            values = {name: [_parquet_value(name, row[name]) for row in chunk] for name in names}
-            writer.write_table(pa.Table.from_pydict(values, schema=schema))
-            chunk.clear()
-
-        for row in produced:
-            chunk.append(row)
-            count += 1
-            if len(chunk) >= batch:
-                flush()
-        if chunk or not count:  # no rows: one empty row group, so the file has the columns
-            flush()
-    return count
-
-
-def _parquet_value(name: str, value: Any) -> Any:
-    if name in _LIST_COLUMNS or value is None or isinstance(value, str | int | float | bool):
-        return value
-    return orjson.dumps(value).decode()
-
-
-def _parquet_type(pa: Any, name: str) -> Any:
-    """One type per column, the same in every row group (not guessed from the values)."""
-    if name in _LIST_COLUMNS:
-        return pa.list_(getattr(pa, _LIST_COLUMNS[name])())
-    return _SCALAR_TYPES[name](pa) if name in _SCALAR_TYPES else pa.string()
-
-
-_SCALAR_TYPES: dict[str, Callable[[Any], Any]] = {
-    "policy_version": lambda pa: pa.int32(),
-    "trained_version": lambda pa: pa.int32(),
-    "prompt_tokens": lambda pa: pa.int32(),
-    "completion_tokens": lambda pa: pa.int32(),
-    "latency_ms": lambda pa: pa.float64(),
-    "cost_usd": lambda pa: pa.float64(),
-    "return": lambda pa: pa.float64(),
-    "final_reward": lambda pa: pa.float64(),
-    "chosen_return": lambda pa: pa.float64(),
-    "rejected_return": lambda pa: pa.float64(),
-}

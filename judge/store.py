@@ -18,7 +18,7 @@ from typing import Any
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from core.export import MESSAGES_SQL
+from core.export_kinds import MESSAGES_SQL
 from core.tenants import Principal
 from judge.ruler import Call
 

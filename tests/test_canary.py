@@ -44,12 +44,10 @@ def test_student_t_tail_and_welch_match_scipys_figures() -> None:
         welch([1.0], [1.0, 2.0])
 
 
-def rewards(
-    mean: float, n: int, seed: int, task: str | None = None
-) -> list[tuple[float, str | None, float]]:
+def rewards(mean: float, n: int, seed: int, task: str | None = None) -> list[canary.ArmEpisode]:
     """n episodes one second apart, each rewarded 1 with probability `mean`."""
     rng = random.Random(seed)
-    return [(float(i), task, float(rng.random() < mean)) for i in range(n)]
+    return [canary.ArmEpisode(float(i), task, float(rng.random() < mean)) for i in range(n)]
 
 
 def test_a_clearly_worse_candidate_is_rolled_back_a_clearly_better_one_promoted() -> None:
@@ -94,8 +92,8 @@ def test_checking_again_and_again_rolls_back_an_equal_candidate_no_more_than_alp
     rng = random.Random(11)
     looks_wrong = naive_wrong = 0
     for _ in range(400):
-        c = [(float(i), None, float(rng.random() < 0.5)) for i in range(256)]
-        b = [(float(i), None, float(rng.random() < 0.5)) for i in range(256)]
+        c = [canary.ArmEpisode(float(i), None, float(rng.random() < 0.5)) for i in range(256)]
+        b = [canary.ArmEpisode(float(i), None, float(rng.random() < 0.5)) for i in range(256)]
         looked = naive = False
         for n in range(16, 257, 4):
             evidence = canary.weigh(c[:n], b[:n], rule)
@@ -114,8 +112,12 @@ PASS = canary.Decision("promote", "", Evidence(0, 0, None, None))
 def test_a_task_mix_that_differs_between_the_arms_does_not_decide() -> None:
     """Same policy, but the candidate drew mostly the hard task: raw means say 'worse'."""
     hard, easy = ("hard", 0.0), ("easy", 1.0)
-    candidate = [(float(i), *row) for i, row in enumerate([hard, easy] * 5 + [hard] * 30)]
-    baseline = [(float(i), *row) for i, row in enumerate([hard, easy] * 5 + [easy] * 30)]
+    candidate = [
+        canary.ArmEpisode(float(i), *row) for i, row in enumerate([hard, easy] * 5 + [hard] * 30)
+    ]
+    baseline = [
+        canary.ArmEpisode(float(i), *row) for i, row in enumerate([hard, easy] * 5 + [easy] * 30)
+    ]
     evidence = canary.weigh(candidate, baseline, RULE)
     assert evidence.candidate_mean == 0.125 and evidence.baseline_mean == 0.875
     assert evidence.tested == (32, 32)

@@ -18,7 +18,8 @@ import pyarrow.parquet
 import pytest
 
 from core.database import Sessions
-from core.export import ExportFilter, columns, export
+from core.export import ExportFilter, export
+from core.export_kinds import columns
 from core.tenants import Principal
 from proxy.services import MAX_EXPORTS
 from tests.conftest import RunningProxy

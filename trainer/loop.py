@@ -21,23 +21,23 @@ from __future__ import annotations
 import gc
 import logging
 import os
-import re
 import shutil
 import signal
 import time
-from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 from prometheus_client import start_http_server
 
-from core import canary, database, policy
+from core import database, policy
 from core.database import Sessions
 from core.vllm import VLLMError
-from trainer import metrics, store
+from trainer import metrics, report, store
 from trainer.advantages import RunningBaseline
 from trainer.batch import Batch, build_batch, staleness_in
+from trainer.canary_watch import CanaryWatch
 from trainer.config import TrainerSettings
 from trainer.engine import Engine, Snapshot, StepStats
+from trainer.housekeeping import Housekeeper
 from trainer.vllm import Replicas
 
 log = logging.getLogger("flywheel.trainer")
@@ -77,13 +77,10 @@ def run(settings: TrainerSettings) -> None:
 class Trainer:
     def __init__(self, settings: TrainerSettings, sessions: Sessions, vllm: Replicas) -> None:
         self.settings, self.sessions, self.vllm = settings, sessions, vllm
-        settings.adapters_dir.mkdir(parents=True, exist_ok=True)
-        for partial in settings.adapters_dir.glob(".*.tmp"):  # a save cut short by a crash
-            shutil.rmtree(partial, ignore_errors=True)
         self.lineage = settings.lineage
         self.metrics = metrics.LineageMetrics(self.lineage)
-        # This lineage's adapters, and nothing else (a lineage name may prefix another's).
-        self._mine = re.compile(re.escape(self.lineage) + r"-v\d+")
+        self.housekeeper = Housekeeper(settings, sessions, vllm)
+        self.canary = CanaryWatch(settings, sessions, self.metrics, self.housekeeper)
         with sessions.begin() as session:
             current = policy.current(session=session, lineage=self.lineage)
         resume = Path(current.path) if current and Path(current.path).exists() else None
@@ -102,16 +99,13 @@ class Trainer:
             else None
         )
         self.steps = 0
-        self._next_reconcile = 0.0
-        self._next_canary_check = 0.0
         self._was_pinned = False
 
     def run(self) -> None:
         """Steps until max_steps, or until SIGTERM/SIGINT (Stopping): then the claims go back."""
         try:
             while self.settings.max_steps is None or self.steps < self.settings.max_steps:
-                if time.monotonic() >= self._next_reconcile:
-                    self.reconcile()
+                self.housekeeper.reconcile_if_due()
                 if not self.step():
                     time.sleep(self.settings.poll_s)
         finally:
@@ -122,7 +116,7 @@ class Trainer:
     def step(self) -> bool:
         """Train and publish one batch if there is one. True when a new version was published."""
         s = self.settings
-        if self._pinned() or self._under_canary():
+        if self._pinned() or self.canary.holds():
             return False
         with self.sessions.begin() as session:
             current = policy.current(session=session, lineage=self.lineage)
@@ -175,52 +169,6 @@ class Trainer:
         self._was_pinned = held is not None
         self.metrics.pinned.set(self._was_pinned)
         return self._was_pinned
-
-    def _under_canary(self) -> bool:
-        """While the lineage's candidate is under canary test the trainer waits, its claims
-        free: a step from the candidate would build on what may be rolled back, a step from the
-        current version would be a sibling queued behind it. It tests the canary every
-        canary_check_s and carries out the decision (core/canary.py)."""
-        with self.sessions.begin() as session:
-            test = canary.opened(session=session, lineage=self.lineage).get(self.lineage)
-        if test is None:
-            return False
-        self.metrics.canary_candidate.set(test.candidate)
-        if time.monotonic() < self._next_canary_check:
-            return True
-        self._next_canary_check = time.monotonic() + self.settings.canary_check_s
-        with self.sessions.begin() as session:
-            arms = canary.evidence_rows(test, session=session)
-        evidence = canary.weigh(*arms, test.rule)
-        self.metrics.canary(evidence)
-        decision = canary.decide(evidence, test.rule, test.age_s)
-        if decision is None:
-            return True
-        with self.sessions.begin() as session:
-            if not policy.decide_canary(test, decision, session=session):
-                return True  # closed meanwhile (by hand, or another trainer): look again
-        self.metrics.canary_decided(decision.action, decision.reason)
-        log.info(
-            "%s canary %s: %s (%s) after %.0fs | candidate %d episodes, reward %s"
-            " | baseline v%d %d episodes, reward %s | p(worse) %s p(not worse) %s",
-            self.lineage,
-            test.candidate_name,
-            decision.action,
-            decision.reason,
-            test.age_s,
-            evidence.candidate_episodes,
-            _fmt(evidence.candidate_mean),
-            test.baseline,
-            evidence.baseline_episodes,
-            _fmt(evidence.baseline_mean),
-            _fmt(evidence.p_worse),
-            _fmt(evidence.p_not_worse),
-        )
-        if decision.action == "promote":
-            self.metrics.current_version.set(test.candidate)
-        else:
-            self._retire_old_versions()  # the rolled-back candidate: unloaded, deleted
-        return False
 
     def _train(self, claimed: list[store.Claimed]) -> bool:
         """One update on the claimed rows from the engine's current weights, then publish."""
@@ -308,7 +256,7 @@ class Trainer:
                     parent=self.parent,
                     path=str(final),
                     base_model=str(s.model),
-                    stats=_stats_json(batch, stats, swap_s, self.parent),
+                    stats=report.stats_json(batch, stats, swap_s, self.parent),
                     canary_rule=s.canary_rule,
                 )
         except (store.LostClaim, policy.PolicyMoved, policy.CanaryOpen, policy.Pinned) as e:
@@ -335,8 +283,16 @@ class Trainer:
             return False
 
         self.parent = version
-        self._report(version, batch, stats, swap_s)
-        self._retire_old_versions()
+        report.report_step(
+            self.metrics,
+            step=self.steps + 1,
+            version=version,
+            batch=batch,
+            stats=stats,
+            swap_s=swap_s,
+            canary_rule=s.canary_rule,
+        )
+        self.housekeeper.retire_old_versions()
         return True
 
     def _abandon(
@@ -362,6 +318,9 @@ class Trainer:
             )
         self.metrics.step_failure(reason)
 
+    def reconcile(self) -> None:
+        self.housekeeper.reconcile()
+
     def release_claims(self) -> None:
         """At shutdown: whatever we still hold goes back to the queue at once, not after the
         lease (and it does not count as an attempt)."""
@@ -369,138 +328,3 @@ class Trainer:
             n = store.release_all(session=session, trainer_id=self.settings.trainer_id)
         if n:
             log.info("gave back %d claimed transitions", n)
-
-    # --- keeping vLLM and the disk in step with Postgres -------------------------------------
-
-    def reconcile(self) -> None:
-        """Every vLLM has the lineage's retained versions (the current one first); nothing
-        unrecorded of the lineage is loaded or on disk; retired versions past their grace are
-        unloaded and deleted."""
-        s = self.settings
-        self._next_reconcile = time.monotonic() + s.reconcile_s
-        self._retire_old_versions()
-        with self.sessions.begin() as session:
-            adapters = policy.versions(session=session, lineage=self.lineage)
-        retained = [a for a in adapters if a.retired_at is None]
-        recorded = {a.name for a in adapters}
-        for url in self.vllm.urls:
-            try:
-                loaded = self.vllm.loaded(url)
-                for a in sorted(retained, key=lambda a: not a.is_current):
-                    if a.name not in loaded and Path(a.path).exists():
-                        log.info("loading %s into %s (it was missing)", a.name, url)
-                        self.vllm.load(url, a.name, a.path)
-                for name in loaded - recorded:
-                    if self._mine.fullmatch(name) and _is_orphan(s, name):
-                        self.vllm.unload(url, name)
-            except VLLMError as e:
-                log.warning("could not reconcile %s: %s", url, e)
-        for path in s.adapters_dir.glob(f"{self.lineage}-v*"):
-            if (
-                self._mine.fullmatch(path.name)
-                and path.name not in recorded
-                and _is_orphan(s, path.name)
-            ):
-                shutil.rmtree(path, ignore_errors=True)
-
-    def _retire_old_versions(self) -> None:
-        """Retire all but the newest `retain_versions` and the current one: marked first (so no
-        rollback can pick them any more), then, `retire_grace_s` later (calls routed to a version
-        just before it was retired may still be queued in vLLM), unloaded everywhere, then
-        deleted."""
-        with self.sessions.begin() as session:
-            policy.mark_retired(
-                session=session, lineage=self.lineage, keep=self.settings.retain_versions
-            )
-            retired = [
-                a
-                for a in policy.versions(session=session, lineage=self.lineage)
-                if a.retired_at is not None
-            ]
-        root = self.settings.adapters_dir.resolve()
-        graced = datetime.now(UTC) - timedelta(seconds=self.settings.retire_grace_s)
-        for a in retired:
-            if not Path(a.path).exists():
-                continue  # done already
-            if a.retired_at is not None and a.retired_at > graced:
-                continue  # next time (the reconcile comes every reconcile_s)
-            if not Path(a.path).resolve().is_relative_to(root):  # a row edited by hand, or worse
-                log.error("not deleting %s (%s): it is outside %s", a.name, a.path, root)
-                continue
-            try:
-                self.vllm.unload_everywhere(a.name)
-            except VLLMError as e:
-                log.warning(
-                    "could not unload %s yet (tried again after the next step): %s", a.name, e
-                )
-                continue
-            shutil.rmtree(a.path, ignore_errors=True)  # only once no vLLM can read it
-
-    def _report(self, version: int, batch: Batch, stats: StepStats, swap_s: float) -> None:
-        m = self.metrics
-        m.steps.inc()
-        m.trained.inc(len(batch.trained))
-        m.reward_mean.set(batch.reward_mean)
-        m.loss.set(stats.loss)
-        m.clip_fraction.set(stats.clip_fraction)
-        for stat in ("mean", "min", "max"):
-            m.is_ratio(stat, getattr(stats, f"is_ratio_{stat}"))
-        canary_rule = self.settings.canary_rule
-        if canary_rule is None:
-            m.current_version.set(version)
-        else:
-            m.canary_candidate.set(version)
-        m.step_seconds.observe(stats.seconds)
-        m.swap_seconds.observe(swap_s)
-        skipped = ", ".join(f"{k} {v}" for k, v in sorted(batch.skip_counts.items())) or "none"
-        log.info(
-            "%s step %d -> v%d | %d samples, reward %.3f | loss %.4f clip %.3f"
-            " | IS %.3f [%.2f, %.2f] | train %.2fs swap %.0fms | skipped: %s",
-            self.lineage,
-            self.steps + 1,
-            version,
-            len(batch.samples),
-            batch.reward_mean,
-            stats.loss,
-            stats.clip_fraction,
-            stats.is_ratio_mean,
-            stats.is_ratio_min,
-            stats.is_ratio_max,
-            stats.seconds,
-            swap_s * 1000,
-            skipped,
-        )
-        if canary_rule is not None:
-            log.info(
-                "%s v%d is a canary: %.0f%% of the lineage's episodes until the reward decides",
-                self.lineage,
-                version,
-                canary_rule.fraction * 100,
-            )
-
-
-def _fmt(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3g}"
-
-
-def _is_orphan(settings: TrainerSettings, name: str) -> bool:
-    """Unrecorded for longer than a lease: no trainer can still be publishing it."""
-    path = settings.adapters_dir / name
-    age = time.time() - path.stat().st_mtime if path.exists() else float("inf")
-    return age > settings.lease_s
-
-
-def _stats_json(
-    batch: Batch, stats: StepStats, swap_s: float, parent: int | None
-) -> dict[str, object]:
-    return {
-        "parent": parent,  # the version it was trained from (None: the base model)
-        "samples": len(batch.samples),
-        "reward_mean": batch.reward_mean,
-        "loss": stats.loss,
-        "clip_fraction": stats.clip_fraction,
-        "is_ratio": [stats.is_ratio_min, stats.is_ratio_mean, stats.is_ratio_max],
-        "train_s": stats.seconds,
-        "swap_s": swap_s,
-        "skipped": dict(batch.skip_counts),
-    }

@@ -52,9 +52,9 @@ _QUEUED = f"""
 """
 
 _CANDIDATES = f"""
-SELECT id::text, episode_id, task_id, agent_name, policy_version, "return",
-       {PROMPT_IDS_SQL.format(row="transition")}, completion_token_ids, logprobs, params,
-       train_attempts
+SELECT id::text AS id, episode_id, task_id, agent_name, policy_version, "return" AS ret,
+       {PROMPT_IDS_SQL.format(row="transition")} AS prompt_token_ids, completion_token_ids,
+       logprobs, params, train_attempts
 FROM transition
 WHERE {_QUEUED} AND (claim_expires_at IS NULL OR claim_expires_at < now())
 ORDER BY credited_at
@@ -81,11 +81,20 @@ def claim(
     Too few: nothing is claimed (the row locks go with the transaction); rows that have used up
     their attempts are set aside all the same.
     """
-    rows = session.execute(
-        text(_CANDIDATES),
-        {"lineage": lineage, "agents": agents or None, "tenants": tenants or None, "limit": limit},
-    ).all()
-    failed = [r[0] for r in rows if r[10] >= max_attempts]
+    rows = (
+        session.execute(
+            text(_CANDIDATES),
+            {
+                "lineage": lineage,
+                "agents": agents or None,
+                "tenants": tenants or None,
+                "limit": limit,
+            },
+        )
+        .mappings()
+        .all()
+    )
+    failed = [r["id"] for r in rows if r["train_attempts"] >= max_attempts]
     if failed:  # locked by this transaction; any claim on them has expired (a crashed trainer's)
         session.execute(
             text(
@@ -94,19 +103,19 @@ def claim(
             ),
             {"ids": failed},
         )
-        rows = [r for r in rows if r[10] < max_attempts]
+        rows = [r for r in rows if r["train_attempts"] < max_attempts]
     claimed = [
         Claimed(
-            r[0],
-            r[1],
-            r[2],
-            r[3],
-            r[4],
-            r[5],
-            unpack(r[6], "i"),
-            unpack(r[7], "i"),
-            unpack(r[8], "f"),
-            r[9] or {},
+            id=r["id"],
+            episode_id=r["episode_id"],
+            task_id=r["task_id"],
+            agent_name=r["agent_name"],
+            policy_version=r["policy_version"],
+            ret=r["ret"],
+            prompt_token_ids=unpack(r["prompt_token_ids"], "i"),
+            completion_token_ids=unpack(r["completion_token_ids"], "i"),
+            logprobs=unpack(r["logprobs"], "f"),
+            params=r["params"] or {},
         )
         for r in rows
     ]

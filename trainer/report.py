@@ -1,0 +1,83 @@
+"""What a published step tells the operator: its metrics, its log line, and the stats stored
+with the adapter version (`adapter_version.stats`, shown by `flywheel adapters list`)."""
+
+from __future__ import annotations
+
+import logging
+
+from core import canary
+from trainer.batch import Batch
+from trainer.engine import StepStats
+from trainer.metrics import LineageMetrics
+
+log = logging.getLogger("flywheel.trainer")
+
+
+def fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def report_step(
+    m: LineageMetrics,
+    *,
+    step: int,
+    version: int,
+    batch: Batch,
+    stats: StepStats,
+    swap_s: float,
+    canary_rule: canary.Rule | None,
+) -> None:
+    m.steps.inc()
+    m.trained.inc(len(batch.trained))
+    m.reward_mean.set(batch.reward_mean)
+    m.loss.set(stats.loss)
+    m.clip_fraction.set(stats.clip_fraction)
+    for stat in ("mean", "min", "max"):
+        m.is_ratio(stat, getattr(stats, f"is_ratio_{stat}"))
+    if canary_rule is None:
+        m.current_version.set(version)
+    else:
+        m.canary_candidate.set(version)
+    m.step_seconds.observe(stats.seconds)
+    m.swap_seconds.observe(swap_s)
+    skipped = ", ".join(f"{k} {v}" for k, v in sorted(batch.skip_counts.items())) or "none"
+    log.info(
+        "%s step %d -> v%d | %d samples, reward %.3f | loss %.4f clip %.3f"
+        " | IS %.3f [%.2f, %.2f] | train %.2fs swap %.0fms | skipped: %s",
+        m.lineage,
+        step,
+        version,
+        len(batch.samples),
+        batch.reward_mean,
+        stats.loss,
+        stats.clip_fraction,
+        stats.is_ratio_mean,
+        stats.is_ratio_min,
+        stats.is_ratio_max,
+        stats.seconds,
+        swap_s * 1000,
+        skipped,
+    )
+    if canary_rule is not None:
+        log.info(
+            "%s v%d is a canary: %.0f%% of the lineage's episodes until the reward decides",
+            m.lineage,
+            version,
+            canary_rule.fraction * 100,
+        )
+
+
+def stats_json(
+    batch: Batch, stats: StepStats, swap_s: float, parent: int | None
+) -> dict[str, object]:
+    return {
+        "parent": parent,  # the version it was trained from (None: the base model)
+        "samples": len(batch.samples),
+        "reward_mean": batch.reward_mean,
+        "loss": stats.loss,
+        "clip_fraction": stats.clip_fraction,
+        "is_ratio": [stats.is_ratio_min, stats.is_ratio_mean, stats.is_ratio_max],
+        "train_s": stats.seconds,
+        "swap_s": swap_s,
+        "skipped": dict(batch.skip_counts),
+    }
