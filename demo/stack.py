@@ -39,7 +39,6 @@ TRAINER_ENV = {
     "FLYWHEEL_MIN_EPISODES": "32",
     "FLYWHEEL_MIN_GROUPS": "2",
     "FLYWHEEL_MAX_BATCH_TRANSITIONS": "64",
-    "FLYWHEEL_TEMPERATURE": "1.0",
     "FLYWHEEL_POLL_S": "0.2",
     "OMP_NUM_THREADS": "1",  # two cores: one for vLLM, one for the trainer
 }

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from trainer.advantages import RunningBaseline, Scored, group_advantages
 from trainer.config import TrainerSettings
+from trainer.sampling import Sampling, SetAside, sampling_of
 from trainer.store import Claimed
 
 
@@ -25,6 +26,8 @@ class Sample:
     logprobs: list[float]  # behaviour log-probs, one per completion token
     advantage: float
     reward: float
+    sampling: Sampling  # what vLLM sampled it with (the learner's log-probs use the same)
+    staleness: int  # versions of the lineage published since it was sampled
 
 
 @dataclass(frozen=True)
@@ -40,6 +43,7 @@ class Batch:
     samples: list[Sample] = field(default_factory=list)
     trained: dict[str, float] = field(default_factory=dict)  # transition id -> its return
     skipped: dict[str, str] = field(default_factory=dict)  # transition id -> reason
+    sampling: dict[str, Sampling] = field(default_factory=dict)  # transition id -> its settings
 
     @property
     def skip_counts(self) -> Counter[str]:
@@ -59,7 +63,11 @@ def staleness_in(lineage_versions: Sequence[int], current: int) -> Callable[[int
 
 
 def skip_reason(
-    c: Claimed, settings: TrainerSettings, staleness: Callable[[int], int], limits: ModelLimits
+    c: Claimed,
+    settings: TrainerSettings,
+    staleness: Callable[[int], int],
+    limits: ModelLimits,
+    sampled: Sampling | SetAside,
 ) -> str | None:
     if not c.prompt_token_ids or not c.completion_token_ids:
         return "missing_token_ids"
@@ -72,15 +80,12 @@ def skip_reason(
         return "too_long"
     if c.policy_version is None:
         return "not_the_policy"  # served by a model that is not ours to train
-    if staleness(c.policy_version) > settings.max_staleness:
+    if isinstance(sampled, SetAside):
+        return sampled.reason  # greedy, constrained decoding, settings not reproduced
+    if c.age_s > settings.max_age_s:
+        return "too_old"
+    if settings.max_staleness is not None and staleness(c.policy_version) > settings.max_staleness:
         return "stale"
-    # The behaviour logprobs are of the distribution vLLM sampled; TRL recomputes them at one
-    # temperature and without top-p/top-k, so other sampling settings would bias the IS ratio.
-    temperature = c.params.get("temperature")
-    if temperature is not None and abs(float(temperature) - settings.temperature) > 1e-6:
-        return "other_temperature"
-    if c.params.get("top_p") not in (None, 1, 1.0) or c.params.get("top_k") not in (None, -1, 0):
-        return "truncated_sampling"
     return None
 
 
@@ -91,13 +96,17 @@ def build_batch(
     staleness: Callable[[int], int],
     baseline: RunningBaseline | None,
     limits: ModelLimits,
+    sampling_defaults: dict[str, float],
 ) -> Batch:
     batch = Batch()
     usable = []
     for c in claimed:
-        reason = skip_reason(c, settings, staleness, limits)
+        sampled = sampling_of(c.params, sampling_defaults, made_tool_call=c.made_tool_call)
+        reason = skip_reason(c, settings, staleness, limits, sampled)
         if reason is None:
+            assert isinstance(sampled, Sampling)
             usable.append(c)
+            batch.sampling[c.id] = sampled
         else:
             batch.skipped[c.id] = reason
     scored = [Scored(c.id, c.episode_id, c.task_id, c.agent_name, c.ret) for c in usable]
@@ -107,9 +116,16 @@ def build_batch(
     for c in usable:
         if c.id in advantages:
             assert c.prompt_token_ids and c.completion_token_ids and c.logprobs
+            assert c.policy_version is not None
             batch.samples.append(
                 Sample(
-                    c.prompt_token_ids, c.completion_token_ids, c.logprobs, advantages[c.id], c.ret
+                    prompt_ids=c.prompt_token_ids,
+                    completion_ids=c.completion_token_ids,
+                    logprobs=c.logprobs,
+                    advantage=advantages[c.id],
+                    reward=c.ret,
+                    sampling=batch.sampling[c.id],
+                    staleness=staleness(c.policy_version),
                 )
             )
             batch.trained[c.id] = c.ret

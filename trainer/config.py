@@ -63,8 +63,24 @@ class TrainerSettings(DatabaseSettings):
     baseline_momentum: float = Field(
         0.9, ge=0, lt=1, description="Running mean/std decay of the per-agent baseline."
     )
-    max_staleness: int = Field(
-        4, ge=0, description="Skip transitions sampled more than this many versions ago."
+    max_staleness: int | None = Field(
+        10_000,
+        ge=0,
+        description="Set aside transitions sampled more than this many of the lineage's versions "
+        "before the step (None: no limit). The importance weights already discount stale data "
+        "(docs/off_policy.md): this is a backstop, not the trust region.",
+    )
+    max_age_s: float = Field(
+        30 * 86400,
+        gt=0,
+        description="Set aside transitions whose call is older than this when a trainer gets to "
+        "them (a reward may come days after its episode; the weights decide how much it counts).",
+    )
+    generation_config: Literal["vllm", "auto"] = Field(
+        "vllm",
+        description="What vLLM was started with as --generation-config: the defaults it gave "
+        "a request's sampling settings it left out (vllm: OpenAI's; auto: the model's "
+        "generation_config.json). Flywheel's stack and images start vLLM with `vllm`.",
     )
     lease_s: float = Field(
         600, gt=0, description="A claim not finished by then can be taken by another trainer."
@@ -82,14 +98,29 @@ class TrainerSettings(DatabaseSettings):
     lora_alpha: int = Field(16, ge=1)
     learning_rate: float = Field(1e-4, gt=0)
     max_grad_norm: float = Field(1.0, gt=0)
-    temperature: float = Field(
-        1.0, gt=0, description="The agents' sampling temperature (TRL scales logits by it)."
-    )
     loss_type: str = Field("dapo", description="TRL GRPO loss_type (dapo, grpo, dr_grpo, bnpo).")
     epsilon: float = Field(0.2, gt=0, description="PPO clip range.")
     beta: float = Field(0.0, ge=0, description="KL coefficient to the base model (0: no KL).")
     is_cap: float = Field(
-        2.0, ge=1, description="Truncation of the importance-sampling ratio for stale samples."
+        2.0,
+        ge=1,
+        description="Truncation of each token's importance weight pi_old/mu (TIS).",
+    )
+    off_policy_mask: Literal["geometric", "sequence", "token", "none"] = Field(
+        "geometric",
+        description="Rejection of transitions sampled too far from the learner: by the "
+        "geometric mean of their token ratios, their product, or token by token, outside "
+        "[1/off_policy_bound, off_policy_bound] (docs/off_policy.md).",
+    )
+    off_policy_bound: float = Field(
+        2.0, gt=1, description="The trust region of off_policy_mask: [1/bound, bound]."
+    )
+    off_policy_veto: float = Field(
+        1e-4,
+        ge=0,
+        lt=1,
+        description="A transition with any token whose ratio pi_old/mu is below this is "
+        "rejected (0: off); a token outside the learner's top-k/top-p set always is.",
     )
     num_iterations: int = Field(1, ge=1, description="Optimizer steps per batch (TRL's mu).")
     seed: int = Field(0)

@@ -1,11 +1,13 @@
 """One GRPO + LoRA update on recorded transitions, with TRL's loss as the engine.
 
-TRL (pinned: trl==1.16.0; the two hooks below are private) owns the maths: per-token log-probs,
-PPO clipping (`epsilon`), the loss aggregation (`loss_type`), the optional KL to the base model
-(`beta`), and the truncated importance-sampling correction exp(logp_before_step - logp_behaviour),
-capped at `is_cap`. We own the data: token ids exactly as vLLM sampled them (never re-tokenised),
-behaviour log-probs as vLLM reported them (`--logprobs-mode processed_logprobs`), and advantages
-from `trainer/advantages.py`.
+TRL (pinned: trl==1.16.0; the hooks below are private) owns the loss: PPO clipping (`epsilon`),
+its aggregation (`loss_type`), the optional KL to the base model (`beta`). We own the data and the
+off-policy maths (docs/off_policy.md): token ids exactly as vLLM sampled them (never
+re-tokenised); each token's log-probability recomputed under the distribution its call was really
+sampled from (`trainer/logprobs.py`: its own temperature, top-k/top-p/min-p, penalties, bias),
+so it compares like with like with the behaviour log-probs vLLM reported
+(`--logprobs-mode processed_logprobs`); the importance weights and rejection from those to the
+learner (`trainer/correction.py`); and advantages from `trainer/advantages.py`.
 
 The model, adapter, optimizer and TRL trainer object live as long as the Engine (one per process).
 """
@@ -34,6 +36,8 @@ with warnings.catch_warnings():
 
 from trainer.batch import ModelLimits, Sample
 from trainer.config import TrainerSettings
+from trainer.correction import Correction, Tally, correct
+from trainer.logprobs import processed_logprobs
 
 # The trainable weights and the optimizer state: what undoing a step needs.
 Snapshot = tuple[dict[str, torch.Tensor], dict[str, Any]]
@@ -46,12 +50,13 @@ LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 class StepStats:
     loss: float
     clip_fraction: float
-    is_ratio_mean: float
-    is_ratio_min: float
+    is_ratio_mean: float  # the truncated importance weight, over the tokens kept
+    is_ratio_min: float  # the raw ratio pi_old / mu, over every token
     is_ratio_max: float
     kl: float | None
     entropy: float
     seconds: float
+    by_staleness: dict[str, Tally]  # completion tokens truncated and rejected, by staleness
 
 
 def _echo_reward(completions: list[Any], reward: list[float], **_: Any) -> list[float]:
@@ -60,22 +65,27 @@ def _echo_reward(completions: list[Any], reward: list[float], **_: Any) -> list[
 
 
 class _TransitionGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer whose "generation" returns our recorded transitions, with our advantages."""
+    """GRPOTrainer whose "generation" returns our recorded transitions, with our advantages, our
+    per-row log-probabilities and our off-policy correction."""
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, *, settings: TrainerSettings, **kwargs: Any) -> None:
         # The constructor needs a dataset; it is never read (we never call train()).
         super().__init__(
             reward_funcs=[cast(Any, _echo_reward)],
             train_dataset=Dataset.from_dict({"prompt": [""]}),
             **kwargs,
         )
-        # TRL applies truncated IS only in its vLLM mode (grpo_trainer.py: old logps L2644, the
-        # ratio L2660, the loss L3146). Our tokens did come from vLLM, but TRL must not build its
-        # own vLLM client (L1105), so the flag goes on after construction; nothing else on our
-        # path reads it, since `_generate` is ours.
+        # TRL computes the step's starting log-probs and multiplies the loss by
+        # `importance_sampling_ratio` only in its vLLM mode (grpo_trainer.py: old logps L2644,
+        # the loss L3146). Our tokens did come from vLLM, but TRL must not build its own vLLM
+        # client (L1105), so the flag goes on after construction; nothing else on our path reads
+        # it, since `_generate` is ours. The ratio itself is ours (`_correct`).
         self.use_vllm = True
         self.current_gradient_accumulation_steps = 1  # set by Trainer.train(), which we don't run
+        self.settings = settings
         self._rows: list[dict[str, Any]] = []
+        self._active: list[int] = []  # which of _rows the next log-prob pass scores, in order
+        self.correction: Correction | None = None
 
     def _generate(self, prompts: list[Any]) -> tuple[Any, ...]:
         rows = self._rows
@@ -92,12 +102,82 @@ class _TransitionGRPOTrainer(GRPOTrainer):
 
     def _generate_and_score_completions(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
         self._rows = rows
+        self._active = list(range(len(rows)))
         self.num_generations = len(rows)  # one "group" always fits TRL's view(-1, G)
         batch: dict[str, Any] = super()._generate_and_score_completions(rows)
         # TRL recomputed advantages from rewards; ours (task groups, baselines) replace them
-        # before TRL shuffles the batch, so rows stay aligned.
+        # before TRL shuffles the batch, so rows stay aligned; `row` follows each row through
+        # the shuffle, so the loss pass knows its sampling settings.
         batch["advantages"] = torch.tensor([r["advantage"] for r in rows], dtype=torch.float32)
+        batch["row"] = torch.arange(len(rows))
+        self._correct(batch, rows)
         return batch
+
+    def _correct(self, batch: dict[str, Any], rows: list[dict[str, Any]]) -> None:
+        """Our importance weights and rejection in place of TRL's (trainer/correction.py). A
+        rejected token leaves the loss and its denominator through TRL's `tool_mask`, which
+        masks the loss only (the completion mask also feeds attention)."""
+        s = self.settings
+        mask = batch["completion_mask"]
+        result = correct(
+            batch["old_per_token_logps"],
+            batch["sampling_per_token_logps"],
+            mask,
+            [r["staleness"] for r in rows],
+            is_cap=s.is_cap,
+            mask=s.off_policy_mask,
+            bound=s.off_policy_bound,
+            veto=s.off_policy_veto,
+        )
+        batch["importance_sampling_ratio"] = result.weights_BT
+        batch["tool_mask"] = result.keep_BT
+        kept = (mask * result.keep_BT).sum()
+        batch["num_items_in_batch"] = self.accelerator.gather(kept).sum()
+        self.correction = result
+
+    def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Any:
+        self._active = inputs["row"].tolist()
+        return super()._compute_loss(model, inputs)  # type: ignore[no-untyped-call]
+
+    def _get_per_token_logps_and_entropies(
+        self,
+        model: Any,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None = None,
+        compute_entropy: bool = False,
+        compute_aux_loss: bool = False,
+        **_: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
+        """Each completion token's log-probability under its own row's sampling distribution
+        (TRL's fused head knows one temperature and no truncation). `input_ids` rows are
+        `self._active`'s, in order. The logits are materialised, (rows, tokens, vocabulary) a
+        chunk of `batch_size` rows at a time."""
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            end = min(start + batch_size, input_ids.size(0))
+            rows = [self._rows[i] for i in self._active[start:end]]
+            ids, attention = input_ids[start:end], attention_mask[start:end]
+            out = model(
+                input_ids=ids,
+                attention_mask=attention,
+                use_cache=False,
+                logits_to_keep=logits_to_keep + 1,
+            )
+            lp, ent = processed_logprobs(
+                out.logits[:, :-1],  # the logits before each completion token
+                ids[:, -logits_to_keep:],
+                attention[:, -logits_to_keep:],
+                [r["prompt_ids"] for r in rows],
+                [r["sampling"] for r in rows],
+                with_entropy=compute_entropy,
+            )
+            logps.append(lp)
+            if ent is not None:
+                entropies.append(ent)
+        return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
 
 
 class Engine:
@@ -134,7 +214,6 @@ class Engine:
             num_generations=2,  # only to pass TRL's validation; see _generate_and_score_completions
             steps_per_generation=1,
             num_iterations=settings.num_iterations,
-            temperature=settings.temperature,
             loss_type=settings.loss_type,
             epsilon=settings.epsilon,
             beta=settings.beta,
@@ -144,7 +223,11 @@ class Engine:
         )
         # TRL's and transformers' attributes are typed Optional; ours are always set here.
         trainer: Any = _TransitionGRPOTrainer(
-            model=model, args=args, processing_class=tokenizer, peft_config=peft_config
+            settings=settings,
+            model=model,
+            args=args,
+            processing_class=tokenizer,
+            peft_config=peft_config,
         )
         trainer.create_optimizer_and_scheduler(num_training_steps=1)  # constant LR
         if resume_from is not None and (resume_from / "optimizer.pt").exists():
@@ -176,15 +259,17 @@ class Engine:
             trainer.state.global_step += 1
         metrics = {k: sum(v) / len(v) for k, v in trainer._metrics["train"].items() if v}
         trainer._metrics["train"].clear()
+        correction = trainer.correction
         return StepStats(
             loss=sum(losses) / len(losses),
             clip_fraction=metrics.get("clip_ratio/region_mean", 0.0),
-            is_ratio_mean=metrics["sampling/importance_sampling_ratio/mean"],
-            is_ratio_min=metrics["sampling/importance_sampling_ratio/min"],
-            is_ratio_max=metrics["sampling/importance_sampling_ratio/max"],
+            is_ratio_mean=correction.weight_mean,
+            is_ratio_min=correction.ratio_min,
+            is_ratio_max=correction.ratio_max,
             kl=metrics.get("kl"),
             entropy=metrics["entropy"],
             seconds=time.perf_counter() - started,
+            by_staleness=correction.by_staleness,
         )
 
     def snapshot(self) -> Snapshot:

@@ -38,6 +38,7 @@ from trainer.canary_watch import CanaryWatch
 from trainer.config import TrainerSettings
 from trainer.engine import Engine, Snapshot, StepStats
 from trainer.housekeeping import Housekeeper
+from trainer.sampling import server_defaults
 from trainer.vllm import Replicas
 
 log = logging.getLogger("flywheel.trainer")
@@ -90,6 +91,7 @@ class Trainer:
             current.name if current else "the base model",
         )
         self.engine = Engine(settings, resume_from=resume)
+        self.sampling_defaults = server_defaults(settings.generation_config, settings.model)
         # The version the engine's weights descend from: a publish succeeds only while it is
         # current (compare-and-set), so a rollback sticks and two trainers never fork the policy.
         self.parent = current.version if current else None
@@ -182,7 +184,12 @@ class Trainer:
                 ]
             staleness = staleness_in(lineage, self.parent or policy.BASE_VERSION)
             batch = build_batch(
-                claimed, s, staleness=staleness, baseline=self.baseline, limits=self.engine.limits
+                claimed,
+                s,
+                staleness=staleness,
+                baseline=self.baseline,
+                limits=self.engine.limits,
+                sampling_defaults=self.sampling_defaults,
             )
             for reason, count in batch.skip_counts.items():
                 self.metrics.skipped(reason, count)

@@ -34,6 +34,13 @@ _STALENESS = Gauge(
     "Mean versions of the lineage published between sampling and training.",
     ["lineage"],
 )
+_CORRECTED_TOKENS = Counter(
+    "flywheel_trainer_completion_tokens_total",
+    "Completion tokens trained on, by staleness (versions of the lineage since they were "
+    "sampled) and what the off-policy correction did: kept, truncated (weight capped at "
+    "is_cap, still trained) or rejected (out of the loss).",
+    ["lineage", "staleness", "outcome"],
+)
 _QUEUE = Gauge(
     "flywheel_trainer_queue_transitions", "Credited, untrained transitions waiting.", ["lineage"]
 )
@@ -116,6 +123,11 @@ class LineageMetrics:
 
     def skipped(self, reason: str, count: int) -> None:
         _SKIPPED.labels(self.lineage, reason).inc(count)
+
+    def corrected(self, bucket: str, tokens: int, truncated: int, rejected: int) -> None:
+        _CORRECTED_TOKENS.labels(self.lineage, bucket, "kept").inc(tokens - rejected)
+        _CORRECTED_TOKENS.labels(self.lineage, bucket, "truncated").inc(truncated)
+        _CORRECTED_TOKENS.labels(self.lineage, bucket, "rejected").inc(rejected)
 
     def is_ratio(self, stat: str, value: float) -> None:
         _IS_RATIO.labels(self.lineage, stat).set(value)

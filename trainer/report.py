@@ -7,6 +7,7 @@ import logging
 
 from core import canary
 from trainer.batch import Batch
+from trainer.correction import BUCKETS, Tally
 from trainer.engine import StepStats
 from trainer.metrics import LineageMetrics
 
@@ -40,10 +41,12 @@ def report_step(
         m.canary_candidate.set(version)
     m.step_seconds.observe(stats.seconds)
     m.swap_seconds.observe(swap_s)
+    for bucket, tally in stats.by_staleness.items():
+        m.corrected(bucket, tally.tokens, tally.truncated, tally.rejected)
     skipped = ", ".join(f"{k} {v}" for k, v in sorted(batch.skip_counts.items())) or "none"
     log.info(
         "%s step %d -> v%d | %d samples, reward %.3f | loss %.4f clip %.3f"
-        " | IS %.3f [%.2f, %.2f] | train %.2fs swap %.0fms | skipped: %s",
+        " | IS weight %.3f, ratio [%.2g, %.2g] | %s | train %.2fs swap %.0fms | skipped: %s",
         m.lineage,
         step,
         version,
@@ -54,6 +57,7 @@ def report_step(
         stats.is_ratio_mean,
         stats.is_ratio_min,
         stats.is_ratio_max,
+        correction_summary(stats.by_staleness),
         stats.seconds,
         swap_s * 1000,
         skipped,
@@ -65,6 +69,19 @@ def report_step(
             version,
             canary_rule.fraction * 100,
         )
+
+
+def correction_summary(by_staleness: dict[str, Tally]) -> str:
+    """Per staleness bucket (versions): tokens, and the share truncated / rejected."""
+    parts = []
+    for _, _, name in BUCKETS:
+        t = by_staleness.get(name)
+        if t and t.tokens:
+            parts.append(
+                f"stale {name}: {t.tokens} tok, trunc {t.truncated / t.tokens:.0%}"
+                f" rej {t.rejected / t.tokens:.0%}"
+            )
+    return "; ".join(parts) or "no tokens"
 
 
 def stats_json(
@@ -80,4 +97,5 @@ def stats_json(
         "train_s": stats.seconds,
         "swap_s": swap_s,
         "skipped": dict(batch.skip_counts),
+        "by_staleness": {k: vars(v) for k, v in stats.by_staleness.items()},
     }

@@ -34,7 +34,9 @@ class Claimed:
     prompt_token_ids: list[int] | None
     completion_token_ids: list[int] | None
     logprobs: list[float] | None
-    params: dict[str, Any]
+    params: dict[str, Any]  # the request minus its prompt: how it was sampled
+    made_tool_call: bool
+    age_s: float  # since the call was made, by the database's clock
 
 
 class LostClaim(Exception):
@@ -54,7 +56,10 @@ _QUEUED = f"""
 _CANDIDATES = f"""
 SELECT id::text AS id, episode_id, task_id, agent_name, policy_version, "return" AS ret,
        {PROMPT_IDS_SQL.format(row="transition")} AS prompt_token_ids, completion_token_ids,
-       logprobs, params, train_attempts
+       logprobs, params, train_attempts,
+       (jsonb_typeof(tool_calls) = 'array' AND jsonb_array_length(tool_calls) > 0)
+           IS TRUE AS made_tool_call,
+       extract(epoch FROM now() - requested_at) AS age_s
 FROM transition
 WHERE {_QUEUED} AND (claim_expires_at IS NULL OR claim_expires_at < now())
 ORDER BY credited_at
@@ -116,6 +121,8 @@ def claim(
             completion_token_ids=unpack(r["completion_token_ids"], "i"),
             logprobs=unpack(r["logprobs"], "f"),
             params=r["params"] or {},
+            made_tool_call=r["made_tool_call"],
+            age_s=float(r["age_s"]),
         )
         for r in rows
     ]
