@@ -199,6 +199,7 @@ class Trainer:
             if not batch.samples:
                 with self.sessions.begin() as session:
                     store.set_aside(batch.skipped, session=session, trainer_id=s.trainer_id)
+                self.metrics.batch(0, len(batch.skipped))
                 return False
             stats = self.engine.step(batch.samples)
         except Exception:  # a bad batch must not stop training: it has max_train_attempts

@@ -3,6 +3,9 @@ it trains, so several trainers (one per lineage) chart side by side."""
 
 from __future__ import annotations
 
+import time
+from collections import deque
+
 from prometheus_client import Counter, Gauge, Histogram
 
 from core.canary import Evidence
@@ -40,6 +43,13 @@ _CORRECTED_TOKENS = Counter(
     "sampled) and what the off-policy correction did: kept, truncated (weight capped at "
     "is_cap, still trained) or rejected (out of the loss).",
     ["lineage", "staleness", "outcome"],
+)
+_TRAINABLE_RATIO = Gauge(
+    "flywheel_trainer_trainable_ratio",
+    "Of the transitions this trainer claimed in the last hour, the share it trained (the rest "
+    "it set aside: flywheel_trainer_transitions_skipped_total by reason; flywheel status has "
+    "every recorded call's fate).",
+    ["lineage"],
 )
 _QUEUE = Gauge(
     "flywheel_trainer_queue_transitions", "Credited, untrained transitions waiting.", ["lineage"]
@@ -104,6 +114,18 @@ class LineageMetrics:
         self.swap_seconds = _SWAP_SECONDS.labels(lineage)
 
         self.canary_candidate = _CANARY_CANDIDATE.labels(lineage)
+        self._outcomes: deque[tuple[float, int, int]] = deque()  # (when, trained, set aside)
+
+    def batch(self, trained: int, set_aside: int, window_s: float = 3600.0) -> None:
+        """Count a claimed batch's outcome into the last hour's trainable ratio."""
+        now = time.monotonic()
+        self._outcomes.append((now, trained, set_aside))
+        while self._outcomes and self._outcomes[0][0] < now - window_s:
+            self._outcomes.popleft()
+        kept = sum(t for _, t, _ in self._outcomes)
+        total = kept + sum(a for _, _, a in self._outcomes)
+        if total:
+            _TRAINABLE_RATIO.labels(self.lineage).set(kept / total)
 
     def canary(self, evidence: Evidence) -> None:
         _CANARY_EPISODES.labels(self.lineage, "candidate").set(evidence.candidate_episodes)

@@ -30,6 +30,7 @@ def report_step(
 ) -> None:
     m.steps.inc()
     m.trained.inc(len(batch.trained))
+    m.batch(len(batch.trained), len(batch.skipped))
     m.reward_mean.set(batch.reward_mean)
     m.loss.set(stats.loss)
     m.clip_fraction.set(stats.clip_fraction)
