@@ -30,6 +30,7 @@ from core import policy, tenants
 from core.database import Sessions
 from demo.tiny_model import build_demo_model
 from demo.vllm_server import free_port
+from flywheel import status
 from tests.conftest import TEST_HOME, RunningProxy
 from trainer import store
 from trainer.config import TrainerSettings
@@ -689,3 +690,90 @@ def test_sigterm_mid_vllm_call_leaves_no_task_to_run_later(fake_vllm: FakeVLLM) 
         fake_vllm.load_delay_s = 0
     assert asyncio.all_tasks(replicas._loop) == set()
     replicas.close()
+
+
+def sampled_calls(proxy: RunningProxy, prefix: str, sampling: dict[str, Any]) -> list[str]:
+    """Two tasks of two episodes each, sampled with `sampling`, rewarded at once."""
+    episodes = []
+    with proxy.client() as c:
+        for t in range(2):
+            for e in range(2):
+                episode = f"{prefix}-t{t}-e{e}"
+                r = c.post(
+                    "/v1/chat/completions",
+                    headers={"X-Episode-Id": episode, "X-Task-Id": f"{prefix}{t}"},
+                    json={
+                        "model": "policy",
+                        "messages": [{"role": "user", "content": f"q{t}"}],
+                        "max_tokens": 4,
+                        **sampling,
+                    },
+                )
+                assert r.status_code == 200
+                c.post("/v1/rewards", json={"episode_id": episode, "reward": float(e)})
+                episodes.append(episode)
+    return episodes
+
+
+def test_calls_at_any_temperature_and_truncation_are_trained_greedy_ones_set_aside(
+    proxy: RunningProxy, make_trainer: Any, sessions: Sessions
+) -> None:
+    """What applications send (issue 30): before, only temperature 1.0 without top-p/top-k was
+    trained (`other_temperature`, `truncated_sampling`)."""
+    sampled_calls(proxy, "warm", {"temperature": 0.7})
+    sampled_calls(proxy, "nucleus", {"temperature": 0.5, "top_p": 0.9, "top_k": 20})
+    sampled_calls(proxy, "greedy", {"temperature": 0})
+    sampled_calls(proxy, "json", {"response_format": {"type": "json_object"}})
+    trainer = make_trainer(min_episodes=4)
+    assert trainer.step()
+    rows = proxy.query(
+        "SELECT split_part(episode_id, '-', 1), trained_version, skip_reason, count(*) "
+        "FROM transition GROUP BY 1, 2, 3 ORDER BY 1"
+    )
+    assert rows == [
+        ("greedy", None, "greedy", 4),
+        ("json", None, "constrained_decoding", 4),
+        ("nucleus", 1, None, 4),
+        ("warm", 1, None, 4),
+    ]
+    # What an operator reads (flywheel status): the share, and why the rest is not trained.
+    screen = status.render(status.collect(sessions))
+    assert "became training data: 8 (50% of the 16 decided)" in screen
+    assert "4 calls at temperature 0: greedy calls carry no exploration" in screen
+    assert "4 calls decoded to a grammar by vLLM: response_format" in screen
+    assert re.search(r"^policy +v1 +- +- +0 +v1 ", screen, re.MULTILINE), screen
+
+
+def test_a_reward_many_versions_late_is_still_trained(
+    proxy: RunningProxy, make_trainer: Any
+) -> None:
+    """No cliff at four versions: episodes served by the base model and rewarded only after
+    six versions were published are trained by the next step (their tokens weighted by how
+    far the policy moved, trainer/correction.py)."""
+    late = []
+    with proxy.client() as c:
+        for t in range(2):
+            for e in range(2):
+                episode = f"late-t{t}-e{e}"
+                r = c.post(
+                    "/v1/chat/completions",
+                    headers={"X-Episode-Id": episode, "X-Task-Id": f"late{t}"},
+                    json={"model": "policy", "messages": [{"role": "user", "content": "q"}]},
+                )
+                assert r.status_code == 200 and r.headers["x-policy-version"] == "0"
+                late.append(episode)
+    trainer = make_trainer(min_episodes=4)
+    for step in range(6):
+        play(proxy, agent=f"round{step}")
+        assert trainer.step()
+    with proxy.client() as c:
+        for i, episode in enumerate(late):
+            c.post("/v1/rewards", json={"episode_id": episode, "reward": float(i % 2)})
+    assert trainer.step()
+    rows = proxy.query(
+        "SELECT trained_version, skip_reason, count(*) FROM transition "
+        "WHERE episode_id LIKE 'late-%%' GROUP BY 1, 2"
+    )
+    assert rows == [(7, None, 4)]
+    [(stats,)] = proxy.query("SELECT stats FROM adapter_version WHERE version = 7")
+    assert stats["by_staleness"]["5-16"]["tokens"] > 0  # six versions between sampling and step
