@@ -176,8 +176,15 @@ class TrafficAgent:
         ).raise_for_status()
 
 
-def run_case(case: Case, seed: int, rounds: int, drain_s: float, database_url: str | None) -> Run:
-    model_dir = build_calculator_model(HOME / "models" / "calculator")
+def run_case(
+    case: Case,
+    seed: int,
+    rounds: int,
+    drain_s: float,
+    database_url: str | None,
+    model_dir: Path | None = None,
+) -> Run:
+    model_dir = build_calculator_model(model_dir or HOME / "models" / "calculator")
     HOME.mkdir(parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix=f"run-{case.name}{seed}-", dir=HOME))
     task = TASKS["calc"]
@@ -385,11 +392,18 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--plot", type=Path, default=PLOT)
     parser.add_argument("--json", type=Path, help="also write every run's figures here")
+    parser.add_argument(
+        "--model", type=Path, help="the calculator model's directory (built if new)"
+    )
     args = parser.parse_args()
     runs = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         for name in args.cases.split(","):
-            runs.append(run_case(CASES[name], seed, args.rounds, args.drain_s, args.database_url))
+            runs.append(
+                run_case(
+                    CASES[name], seed, args.rounds, args.drain_s, args.database_url, args.model
+                )
+            )
             if args.json:  # after each run: a long benchmark keeps what it has
                 args.json.write_text(
                     json.dumps([asdict(r) | {"trained_share": r.trained_share} for r in runs])
