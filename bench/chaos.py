@@ -4,8 +4,8 @@ holds afterwards.
     PYTHONPATH=. .venv/bin/python -m bench.chaos [--faults pg-stop,pg-kill,...] [--outage-s 60]
         [--clients 8] [--note "..."]
 
-The stack: an embedded Postgres of its own (bench/pg.py, to stop and kill), two fake vLLM
-replicas (bench/fake_vllm.py, 5 ms) and one `flywheel proxy`, each a process. The traffic: N
+The stack: an embedded Postgres of its own (fakes/pg.py, to stop and kill), two fake vLLM
+replicas (fakes/vllm.py, 5 ms) and one `flywheel proxy`, each a process. The traffic: N
 clients, each playing episodes of two chat calls (the second streamed) and then posting the
 episode's final reward with an idempotency key, retrying a 503 or a refused connection for up to
 10 s as a client should. An answer with X-Transition-Id acknowledges those transitions; a 200 to
@@ -59,9 +59,9 @@ import orjson
 import psycopg
 
 from bench import common
-from bench.pg import OwnPostgres
 from demo.tiny_model import build_demo_model
 from demo.vllm_server import free_port
+from fakes.pg import OwnPostgres
 
 RESULTS = Path(__file__).with_suffix(".md")
 PROMPT = [{"role": "user", "content": "What is 3 + 4?"}]

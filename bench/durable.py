@@ -3,7 +3,7 @@
     PYTHONPATH=. .venv/bin/python -m bench.durable [--concurrency 1,16,64] [--seconds 5]
         [--rounds 2] [--kills 3] [--note "..."]
 
-Cost: the fake vLLM (bench/fake_vllm.py, 5 ms) behind two `flywheel proxy` processes on one real
+Cost: the fake vLLM (fakes/vllm.py, 5 ms) behind two `flywheel proxy` processes on one real
 Postgres, the default and FLYWHEEL_DURABLE=true, loaded in turn (interleaved rounds) with N
 clients calling back to back, non-streaming and streaming chat.
 

@@ -1,6 +1,6 @@
 """Proxy overhead: what Flywheel's proxy adds over calling vLLM directly, next to LiteLLM's proxy.
 
-A fast fake vLLM (bench/fake_vllm.py: vLLM's exact wire format, up to 16-token completions, a
+A fast fake vLLM (fakes/vllm.py: vLLM's exact wire format, up to 16-token completions, a
 fixed small latency) in its own process; `flywheel proxy` in its own process, recording every
 call into a real Postgres; LiteLLM's proxy server (1.106.2, one worker, no database, in a venv of
 its own under .flywheel/bench/) pointed at the same fake; the load generator (aiohttp on uvloop,

@@ -29,7 +29,7 @@ import httpx
 import orjson
 
 from bench import common, plots
-from bench.fake_vllm import chat_prompt_ids
+from fakes.vllm import chat_prompt_ids
 
 RESULTS = Path(__file__).with_suffix(".md")
 IMG_DIR = common.ROOT / "docs" / "img"

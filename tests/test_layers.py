@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("flywheel", "bench", "demo", "proxy", "trainer", "judge", "core")
+PACKAGES = ("flywheel", "bench", "fakes", "demo", "proxy", "trainer", "judge", "core")
 LINT_IMPORTS = Path(sys.executable).parent / "lint-imports"
 
 
@@ -54,6 +54,9 @@ def test_the_packages_as_they_are_keep_every_contract(tmp_path: Path) -> None:
         ("core/record.py", "import torch", "core.record -> torch"),
         ("judge/worker.py", "import trainer.store", "judge.worker -> trainer.store"),
         ("judge/ruler.py", "import torch", "judge.ruler -> torch"),
+        ("core/record.py", "import fakes.vllm", "core.record -> fakes.vllm"),
+        ("demo/stack.py", "from fakes import pg", "demo.stack -> fakes.pg"),
+        ("fakes/pg.py", "import bench.common", "fakes.pg -> bench.common"),
     ],
 )
 def test_a_forbidden_import_breaks_a_contract(
