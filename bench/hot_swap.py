@@ -31,8 +31,9 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.common import bench_database, start_fake, start_flywheel
+from bench.common import bench_database
 from core import database, policy
+from fakes.processes import start_fake, start_flywheel
 from trainer.vllm import Replicas
 
 RESULTS = Path(__file__).with_suffix(".md")

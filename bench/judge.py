@@ -28,6 +28,7 @@ import psycopg
 from bench import common
 from bench.common import append_section, bench_database
 from bench.export import insert_task_messages
+from fakes import processes
 
 REPORT = Path(__file__).with_name("judge.md")
 CALLS_PER_EPISODE = 4
@@ -72,8 +73,8 @@ def one_run(
     url: str, venv: Path, episodes: int, group_size: int, concurrency: int, latency_s: float
 ) -> tuple[float, int, float, int]:
     """(seconds until every episode was judged, judge calls, judge CPU seconds, rewards)."""
-    fake = common.start_fake(latency_s, always_detail=False, judge_answers=True)
-    proxy = common.start_flywheel(fake.url, url)
+    fake = processes.start_fake(latency_s, always_detail=False, judge_answers=True)
+    proxy = processes.start_flywheel(fake.url, url)
     env = {
         **os.environ,
         "FLYWHEEL_DATABASE_URL": url,
@@ -125,10 +126,10 @@ def main() -> None:
     parser.add_argument("--database-url", default=None)
     parser.add_argument("--results", type=Path, default=REPORT)
     parser.add_argument(
-        "--venv", type=Path, default=common.WORK / "litellm-venv", help="built here"
+        "--venv", type=Path, default=processes.WORK / "litellm-venv", help="built here"
     )
     args = parser.parse_args()
-    venv = common.build_litellm_venv(args.venv)
+    venv = processes.build_litellm_venv(args.venv)
     lines = [
         f"{args.episodes} unrewarded episodes of {CALLS_PER_EPISODE} calls over {TASKS} tasks, "
         f"groups of up to {args.group_size}; the fake vLLM as judge model, through litellm. "

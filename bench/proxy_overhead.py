@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import common, plots
+from fakes import processes
 
 RESULTS = Path(__file__).with_suffix(".md")  # this script's own report
-IMG_DIR = common.ROOT / "docs" / "img"
+IMG_DIR = processes.ROOT / "docs" / "img"
 MODES = ("non-streaming", "streaming")
 PROMPT = [{"role": "user", "content": "What is 3 + 4?"}]
 PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses"}
@@ -283,13 +284,13 @@ def main() -> None:
     args = parser.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
 
-    servers: list[common.Server] = []
+    servers: list[processes.Server] = []
     meters: dict[str, common.ProcessMeter] = {}
     with common.bench_database(args.database_url) as db_url:
         try:
-            fake = common.start_fake(args.latency_s, always_detail=not args.lean_fake)
+            fake = processes.start_fake(args.latency_s, always_detail=not args.lean_fake)
             servers.append(fake)
-            flywheel = common.start_flywheel(fake.url, db_url)
+            flywheel = processes.start_flywheel(fake.url, db_url)
             servers.append(flywheel)
             urls = {"direct": fake.url, "flywheel": flywheel.url}
             meters["flywheel"] = common.ProcessMeter(flywheel.process.pid)

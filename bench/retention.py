@@ -34,6 +34,7 @@ import psycopg
 from bench import common
 from bench.common import append_section, bench_database, quantile
 from core import database, partitions, retention
+from fakes import processes
 
 REPORT = Path(__file__).with_name("retention.md")
 CALLS_PER_EPISODE = 4
@@ -170,8 +171,8 @@ def main() -> None:
         fill(url, args.transitions, args.days)
         print(f"filled {args.transitions:,} transitions in {time.perf_counter() - started:.0f} s")
         engine, _ = database.create_sessions(url)
-        fake = common.start_fake(0.005)
-        proxy = common.start_flywheel(fake.url, url)
+        fake = processes.start_fake(0.005)
+        proxy = processes.start_flywheel(fake.url, url)
         try:
             with Calls(proxy.url + "/v1/chat/completions", args.clients) as calls:
                 time.sleep(args.settle_s)

@@ -21,9 +21,9 @@ import psycopg
 import pytest
 from pydantic import ValidationError
 
-from bench.common import start_flywheel
 from core import export
 from demo.vllm_server import free_port
+from fakes.processes import start_flywheel
 from fakes.vllm import FakeVLLM
 from proxy.config import ProviderRoute, ProxySettings
 from tests import models
