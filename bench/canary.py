@@ -294,6 +294,8 @@ def report(result: Result, path: Path = RESULTS) -> list[str]:
             f"| {_f(o.candidate_mean)} / {_f(o.baseline_mean)} "
             f"| {_f(o.p_worse, '.2g')} | {_f(o.p_not_worse, '.2g')} |"
         )
+    outside = sum(not o.served_in_split for o in result.outcomes)
+    lines.append(f"\nCanaries whose candidate served an episode outside its split: {outside}.")
     for made_by in ("trainer", "corrupted"):
         mine = [o for o in result.outcomes if o.made_by == made_by and o.action]
         if not mine:
@@ -326,6 +328,9 @@ def main() -> None:
     )
     parser.add_argument("--fallback", choices=["promote", "rollback"], default="promote")
     parser.add_argument("--database-url", help="a Postgres server (default: embedded)")
+    parser.add_argument("--home", type=Path, default=HOME, help="runs' files and the model")
+    parser.add_argument("--model", type=Path, help="the calculator model (default: under --home)")
+    parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
     rule = canary.Rule(
         args.fraction,
@@ -334,8 +339,15 @@ def main() -> None:
         max_s=args.max_s,
         fallback=args.fallback,
     )
-    result = run(args.good_rounds, args.bad_rounds, rule, database_url=args.database_url)
-    print("\n".join(report(result)))
+    result = run(
+        args.good_rounds,
+        args.bad_rounds,
+        rule,
+        database_url=args.database_url,
+        home=args.home,
+        model_dir=args.model,
+    )
+    print("\n".join(report(result, args.results)))
 
 
 if __name__ == "__main__":

@@ -4,8 +4,8 @@ holds afterwards.
     PYTHONPATH=. .venv/bin/python -m bench.chaos [--faults pg-stop,pg-kill,...] [--outage-s 60]
         [--clients 8] [--note "..."]
 
-The stack: an embedded Postgres of its own (bench/pg.py, to stop and kill), two fake vLLM
-replicas (bench/fake_vllm.py, 5 ms) and one `flywheel proxy`, each a process. The traffic: N
+The stack: an embedded Postgres of its own (fakes/pg.py, to stop and kill), two fake vLLM
+replicas (fakes/vllm.py, 5 ms) and one `flywheel proxy`, each a process. The traffic: N
 clients, each playing episodes of two chat calls (the second streamed) and then posting the
 episode's final reward with an idempotency key, retrying a 503 or a refused connection for up to
 10 s as a client should. An answer with X-Transition-Id acknowledges those transitions; a 200 to
@@ -59,9 +59,10 @@ import orjson
 import psycopg
 
 from bench import common
-from bench.pg import OwnPostgres
 from demo.tiny_model import build_demo_model
 from demo.vllm_server import free_port
+from fakes import processes
+from fakes.pg import OwnPostgres
 
 RESULTS = Path(__file__).with_suffix(".md")
 PROMPT = [{"role": "user", "content": "What is 3 + 4?"}]
@@ -101,19 +102,19 @@ LOAD_DELAY_S = 2.0  # the fakes' adapter loads, in the trainer runs (a window to
 @dataclass
 class Stack:
     pg: OwnPostgres
-    fakes: list[common.Server]
+    fakes: list[processes.Server]
     home: Path
     settings: dict[str, str]
     port: int = field(default_factory=free_port)
-    proxy: common.Server | None = None
-    trainer: common.Server | None = None
+    proxy: processes.Server | None = None
+    trainer: processes.Server | None = None
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start_proxy(self) -> None:
-        self.proxy = common.start_flywheel(
+        self.proxy = processes.start_flywheel(
             [f.url for f in self.fakes],
             self.pg.url,
             home=self.home,
@@ -122,8 +123,8 @@ class Stack:
         )
 
     def start_trainer(self) -> None:
-        model = build_demo_model(common.WORK / "models" / "demo")
-        self.trainer = common.start_trainer(
+        model = build_demo_model(processes.WORK / "models" / "demo")
+        self.trainer = processes.start_trainer(
             model,
             [f.url for f in self.fakes],
             self.pg.url,
@@ -139,7 +140,7 @@ class Stack:
 
     def restart_fake(self, index: int) -> None:
         port = int(self.fakes[index].url.rsplit(":", 1)[1])
-        self.fakes[index] = common.start_fake(0.005, always_detail=False, port=port)
+        self.fakes[index] = processes.start_fake(0.005, always_detail=False, port=port)
 
     def close(self) -> None:
         if self.trainer is not None:
@@ -163,7 +164,7 @@ def stack(
         )
     pg = OwnPostgres(work)
     delay = LOAD_DELAY_S if trainer else 0.0
-    fakes = [common.start_fake(0.005, always_detail=False, load_delay_s=delay) for _ in range(2)]
+    fakes = [processes.start_fake(0.005, always_detail=False, load_delay_s=delay) for _ in range(2)]
     settings = {"FLYWHEEL_JOURNAL_RETRY_S": "0.5", "FLYWHEEL_REPLICA_PROBE_S": "0.5"}
     if durable:
         settings["FLYWHEEL_DURABLE"] = "true"
@@ -521,7 +522,7 @@ def main() -> None:
     parser.add_argument("--note")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
-    work = common.WORK / "chaos"
+    work = processes.WORK / "chaos"
     work.mkdir(parents=True, exist_ok=True)
     rows = []
     for fault in args.faults:

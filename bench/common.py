@@ -1,8 +1,10 @@
-"""What the proxy benchmarks share: the processes under test, the load generator, the meters.
+"""What the proxy benchmarks share: the load generator, the meters, LiteLLM's proxy (the
+baseline), a fresh database, the reports.
 
-Every server runs in its own process (the fake vLLM, `flywheel proxy`, LiteLLM's proxy); the load
-generator runs in the benchmark's own process on uvloop. `ProcessMeter` reads a server's CPU time
-and peak RSS (children included); `profile()` attaches py-spy to a running server.
+Every server runs in its own process (the fake vLLM, `flywheel proxy` and `flywheel trainer` are
+started by fakes/processes.py, which the tests share; LiteLLM's proxy here); the load generator
+runs in the benchmark's own process on uvloop. `ProcessMeter` reads a server's CPU time and peak
+RSS (children included); bench/profile.py attaches py-spy to a running server.
 """
 
 from __future__ import annotations
@@ -16,13 +18,9 @@ import shutil
 import statistics
 import subprocess
 import sys
-import sysconfig
-import tempfile
 import threading
 import time
-import tomllib
 import uuid
-from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -35,15 +33,12 @@ import psutil
 import psycopg
 
 from core import database
-from demo.tiny_model import one_build_at_a_time
-from demo.vllm_server import free_port, wait_http
+from demo.vllm_server import free_port
+from fakes.processes import WORK, Server, child_env, start_server
 
-ROOT = Path(__file__).resolve().parent.parent
-WORK = ROOT / ".flywheel" / "bench"  # git-ignored: LiteLLM's venv, logs, raw profiles
 LITELLM_PIN = "litellm[proxy]==1.106.2"
 LITELLM_VENV = WORK / "litellm-venv"
 REQUEST_TIMEOUT_S = 60.0  # a request slower than this counts as failed (LiteLLM at 256 clients)
-START_TIMEOUT_S = 120.0  # LiteLLM's proxy imports for ~10 s on two busy cores
 MODEL = "demo"
 # LiteLLM's proxy refuses to start without a master key; every target gets the same header
 # (the fake and Flywheel, with no API keys configured, ignore it).
@@ -251,131 +246,7 @@ def postgres_pid(url: str) -> int | None:
     return int(pid_file.read_text().split()[0]) if pid_file.exists() else None
 
 
-# --- the processes under test -----------------------------------------------------------------
-
-
-def _env(**extra: str) -> dict[str, str]:
-    """The environment for a child: this checkout first on PYTHONPATH, so its code is what runs."""
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    return {**os.environ, "PYTHONPATH": path, **extra}
-
-
-def _log(name: str) -> Path:
-    WORK.mkdir(parents=True, exist_ok=True)
-    return WORK / f"{name}.log"
-
-
-@dataclass
-class Server:
-    name: str
-    process: subprocess.Popen[bytes]
-    url: str  # base URL, without /v1
-    log_path: Path
-
-    def stop(self) -> None:
-        if self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-
-
-def _start(
-    name: str, argv: list[str], health: str, env: dict[str, str], port: int | None = None
-) -> Server:
-    port = port or free_port()
-    log_path = _log(name)
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [*argv, "--port", str(port)], stdout=log, stderr=subprocess.STDOUT, env=env
-        )
-    server = Server(name, process, f"http://127.0.0.1:{port}", log_path)
-    try:
-        wait_http(server.url + health, process, timeout=START_TIMEOUT_S, log_path=log_path)
-    except BaseException:
-        server.stop()
-        raise
-    return server
-
-
-def start_fake(
-    latency_s: float,
-    token_delay_s: float = 0.0,
-    *,
-    always_detail: bool = True,
-    load_delay_s: float = 0.0,
-    port: int | None = None,
-    judge_answers: bool = False,
-) -> Server:
-    """The fake vLLM. `always_detail`: every answer carries token ids and logprobs (the issue's
-    "fixed-size completions with token ids/logprobs"), so a direct call costs the fake what a
-    proxied one does and the comparison isolates the proxy; False: only when asked, as vLLM."""
-    argv = [sys.executable, "-m", "bench.fake_vllm", "--latency-s", str(latency_s)]
-    argv += ["--token-delay-s", str(token_delay_s), "--load-delay-s", str(load_delay_s)]
-    if always_detail:
-        argv.append("--always-detail")
-    if judge_answers:
-        argv.append("--judge-answers")
-    return _start("fake_vllm", argv, "/health", _env(), port)
-
-
-def start_flywheel(
-    upstream: str | Sequence[str],
-    database_url: str,
-    *,
-    home: Path | None = None,
-    settings: dict[str, str] | None = None,
-    port: int | None = None,
-    python: str = sys.executable,
-) -> Server:
-    """`flywheel proxy`; `settings` are FLYWHEEL_* variables (e.g. FLYWHEEL_DURABLE="true");
-    `python`: another install's interpreter (the litellm venv, for FLYWHEEL_ROUTES)."""
-    env = _env(
-        FLYWHEEL_DATABASE_URL=database_url,
-        FLYWHEEL_HOME=str(home or tempfile.mkdtemp(prefix="flywheel-bench-")),
-        FLYWHEEL_LOG_LEVEL="warning",
-        **(settings or {}),
-    )
-    argv = [python, "-m", "flywheel", "proxy"]
-    for url in [upstream] if isinstance(upstream, str) else upstream:  # several: replicas
-        argv += ["--upstream", url]
-    return _start("flywheel_proxy", argv, "/healthz", env, port)
-
-
-def start_trainer(
-    model: Path,
-    upstream: Sequence[str],
-    database_url: str,
-    *,
-    home: Path,
-    settings: dict[str, str] | None = None,
-    log_name: str = "flywheel_trainer",
-) -> Server:
-    """`flywheel trainer`, ready once its metrics port answers (it opens after the engine is
-    built); `settings` are FLYWHEEL_* variables. Its `url` is the metrics endpoint's base."""
-    port = free_port()
-    env = _env(
-        FLYWHEEL_DATABASE_URL=database_url,
-        FLYWHEEL_HOME=str(home),
-        FLYWHEEL_METRICS_PORT=str(port),
-        **(settings or {}),
-    )
-    argv = [sys.executable, "-m", "flywheel", "trainer", "--model", str(model)]
-    argv += ["--adapters-dir", str(home / "adapters")]
-    for url in upstream:
-        argv += ["--vllm", url]
-    log_path = _log(log_name)
-    with log_path.open("ab") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env)
-    server = Server(log_name, process, f"http://127.0.0.1:{port}", log_path)
-    try:
-        wait_http(server.url + "/metrics", process, timeout=START_TIMEOUT_S, log_path=log_path)
-    except BaseException:
-        server.stop()
-        raise
-    return server
+# --- LiteLLM's proxy, the baseline; a fresh database -------------------------------------------
 
 
 def litellm_venv(venv: Path = LITELLM_VENV) -> Path:
@@ -405,41 +276,12 @@ def start_litellm(upstream: str) -> Server:
         "litellm_settings:\n"
         "  drop_params: true\n"
     )
-    env = _env(
+    env = child_env(
         LITELLM_LOCAL_MODEL_COST_MAP="True", LITELLM_LOG="ERROR", LITELLM_MASTER_KEY=MASTER_KEY
     )
     env.pop("PYTHONPATH")  # its own venv, its own packages
     argv = [str(exe), "--config", str(config), "--host", "127.0.0.1", "--num_workers", "1"]
-    return _start("litellm_proxy", argv, "/health/liveliness", env)
-
-
-@one_build_at_a_time
-def build_litellm_venv(target: Path) -> Path:
-    """A venv for `flywheel judge` and for a proxy with routes: litellm at the `litellm` extra's
-    pin, with the openai<3 it needs, in its own site-packages, over this venv's (a .pth adds
-    those after its own): they run there as in their images, while the tests' clients keep
-    today's openai 3."""
-    with open(Path(__file__).parents[1] / "pyproject.toml", "rb") as f:
-        (pin,) = tomllib.load(f)["project"]["optional-dependencies"]["litellm"]
-    stamp = target / f".built-{pin}"
-    if stamp.exists():
-        return target
-    shutil.rmtree(target, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "venv", str(target)], check=True)
-    (site,) = (target / "lib").glob("python3*/site-packages")
-    here = sysconfig.get_paths()["purelib"]
-    (site / "zz_flywheel.pth").write_text(f"import site; site.addsitedir({here!r})\n")
-    pip = [str(target / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", "-q"]
-    # pip sees the project's packages through the .pth and installs only what differs (openai
-    # 2, litellm); it then says openai-agents wants openai 3: true, and not this venv's concern.
-    subprocess.run([*pip, "install", pin], check=True, capture_output=True)
-    subprocess.run(
-        [str(target / "bin" / "python"), "-c", "import litellm, judge.worker, proxy.providers"],
-        check=True,
-        env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
-    )
-    stamp.touch()
-    return target
+    return start_server("litellm_proxy", argv, "/health/liveliness", env)
 
 
 @contextmanager
@@ -504,105 +346,6 @@ def wait_recorded(url: str, expected: int, timeout: float = 60.0) -> tuple[int, 
     while (n := count_transitions(url)) < expected and time.perf_counter() - started < timeout:
         time.sleep(0.02)
     return n, time.perf_counter() - started
-
-
-# --- py-spy ----------------------------------------------------------------------------------
-
-
-def py_spy() -> str | None:
-    here = Path(sys.executable).parent / "py-spy"
-    return str(here) if here.exists() else shutil.which("py-spy")
-
-
-def start_profile(pid: int, seconds: float, out: Path, rate: int = 250) -> subprocess.Popen[bytes]:
-    """py-spy sampling `pid` for `seconds` into collapsed stacks (--format raw).
-
-    Blocking (the default): py-spy pauses the process for each sample, a few percent of its time
-    at this rate; --nonblocking gave torn stacks that do not start at the root. --native shows
-    where the C code goes (socket syscalls, the garbage collector), not only `Runner.run`.
-    """
-    exe = py_spy()
-    if exe is None:
-        raise SystemExit("py-spy not found: pip install py-spy (the dev extra has it)")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    argv = [exe, "record", "--pid", str(pid), "--duration", str(max(1, round(seconds)))]
-    argv += ["--rate", str(rate), "--format", "raw", "--native", "-o", str(out)]
-    return subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-
-
-def _frame_name(frame: str) -> str:
-    """`handle (proxy/forward.py:123)` -> `handle (proxy/forward.py)`: functions, not lines."""
-    name, _, where = frame.partition(" (")
-    path = where.rsplit(":", 1)[0].rstrip(")")
-    for marker in ("site-packages/", "lib/python3.11/", str(ROOT) + "/"):
-        if marker in path:
-            path = path.split(marker, 1)[1]
-    if name.startswith("0x"):  # an unsymbolised address: memcpy, malloc and the like
-        name = "<unsymbolised>"
-    return f"{name} ({path})" if path else name
-
-
-def _is_python(frame: str) -> bool:
-    return frame.endswith(".py)")
-
-
-def _area(frame: str) -> str:
-    """Where a frame's time goes: a package (`proxy`, `starlette`, ...), or a native bucket."""
-    path = frame.partition(" (")[2].rstrip(")")
-    if _is_python(frame):
-        return path.split("/", 1)[0].removesuffix(".py")
-    if path.startswith("libc"):
-        return "syscalls/libc"
-    if path.startswith("libpython") or path.endswith((".h", ".c")):
-        return "CPython/C extensions"
-    return path.split("/", 1)[0] or "<native>"  # orjson/orjson.cpython-311-...so -> orjson
-
-
-# With --native, py-spy cannot tell an idle thread from a busy one: a thread-pool worker waiting
-# for work shows as unsymbolised libc under this frame. Such samples are idle, not cost.
-IDLE_FRAMES = ("PyThread_acquire_lock_timed", "epoll_wait", "epoll_pwait")
-
-
-def _stacks(raw: Path) -> Iterator[tuple[list[str], int]]:
-    """Busy stacks only (see IDLE_FRAMES), frames as `_frame_name`s, with their sample counts."""
-    for line in raw.read_text().splitlines():
-        stack, _, count_text = line.rpartition(" ")
-        if not stack or not count_text.isdigit():
-            continue
-        frames = stack.split(";")
-        if any(f.startswith(IDLE_FRAMES) for f in frames):
-            continue
-        yield [_frame_name(f) for f in frames], int(count_text)
-
-
-@dataclass
-class Profile:
-    """py-spy's collapsed stacks (with --native) reduced to shares of the busy samples."""
-
-    samples: int
-    own: list[tuple[str, float]]  # leaf frames (native ones too: syscalls, gc), largest first
-    total: dict[str, float]  # Python functions anywhere on the stack
-    areas: list[tuple[str, float]]  # own time by package / native bucket
-
-
-def summarise_profile(raw: Path) -> Profile:
-    own: Counter[str] = Counter()
-    total: Counter[str] = Counter()
-    areas: Counter[str] = Counter()
-    samples = 0
-    for frames, count in _stacks(raw):
-        samples += count
-        own[frames[-1]] += count
-        areas[_area(frames[-1])] += count
-        for name in {f for f in frames if _is_python(f)}:
-            total[name] += count
-    n = samples or 1
-    return Profile(
-        samples,
-        [(f, c / n) for f, c in own.most_common()],
-        {f: c / n for f, c in total.items()},
-        [(a, c / n) for a, c in areas.most_common()],
-    )
 
 
 def append_report(path: Path, title: str, module: str, args: Any, lines: Sequence[str]) -> None:

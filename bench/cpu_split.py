@@ -22,6 +22,7 @@ from pathlib import Path
 import psutil
 
 from bench import common
+from fakes import processes
 
 RESULTS = Path(__file__).with_suffix(".md")
 PROMPT = [{"role": "user", "content": "What is 3 + 4?"}]
@@ -43,8 +44,8 @@ def main() -> None:
 
     rows = []
     with common.bench_database(args.database_url) as db_url:
-        fake = common.start_fake(args.latency_s, always_detail=not args.lean_fake)
-        flywheel = common.start_flywheel(fake.url, db_url)
+        fake = processes.start_fake(args.latency_s, always_detail=not args.lean_fake)
+        flywheel = processes.start_flywheel(fake.url, db_url)
         try:
             groups = {
                 "load generator": [psutil.Process()],

@@ -1,10 +1,10 @@
 """The dashboard's queries on a big table: one page's query time at a million transitions.
 
-Fills a fresh database with `--transitions` rows (default 1,000,000: 4 calls an episode, 4 agents,
-50 tasks, 10 policy versions one after another, spread over `--days` days, 90 % of episodes
-rewarded, 1 % failed calls, 0.5 % set aside), ANALYZEs it, then times each query the pages run
-(proxy/dashboard.py and the episode read, through the same functions the routes call), as the
-operator (every tenant) and as a tenant's key would:
+Fills a fresh database with `--transitions` rows (bench/synthetic.py; default 1,000,000: 4 calls an
+episode, 4 agents, 50 tasks, 10 policy versions one after another, spread over `--days` days, 90 %
+of episodes rewarded, 1 % failed calls, 0.5 % set aside, no token ids), ANALYZEs it, then times each
+query the pages run (proxy/dashboard.py and the episode read, through the same functions the routes
+call), as the operator (every tenant) and as a tenant's key would:
 
     PYTHONPATH=. .venv/bin/python -m bench.dashboard [--transitions 1000000] [--repeat 5]
         [--database-url URL] [--results bench/dashboard.md]
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import statistics
 import time
 from collections.abc import Awaitable, Callable
@@ -24,62 +23,16 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import psycopg
 from sqlalchemy import text
 
+from bench import synthetic
 from bench.common import append_section, bench_database
-from core import database, partitions
+from bench.synthetic import CALLS_PER_EPISODE
+from core import database
 from core.tenants import OPERATOR, Principal
 from proxy import dashboard, store
 
 REPORT = Path(__file__).with_name("dashboard.md")
-CALLS_PER_EPISODE = 4
-
-
-def fill(url: str, transitions: int, days: float) -> None:
-    episodes = transitions // CALLS_PER_EPISODE
-    span_s = days * 86400
-    engine, _ = database.create_sessions(url)  # the days' partitions, as the proxy makes them
-    today = datetime.now(UTC).date()
-    partitions.ensure(engine, today=today - timedelta(days=math.ceil(days)), ahead=int(days) + 2)
-    engine.dispose()
-    with psycopg.connect(url, autocommit=True) as conn:
-        # A tenant's share (every 10th episode) is stored namespaced, as the proxy stores it.
-        conn.execute(
-            """
-            INSERT INTO episode (id, task_id, created_at, final_reward, final_reward_at)
-            SELECT CASE WHEN n %% 10 = 0 THEN 'acme/' ELSE '' END || 'ep-' || n,
-                   CASE WHEN n %% 10 = 0 THEN 'acme/' ELSE '' END || 'task-' || (n %% 50),
-                   now() - make_interval(secs => %(span)s * (1 - n::float8 / %(n)s)),
-                   CASE WHEN n %% 10 < 9 THEN random() END, now()
-            FROM generate_series(1, %(n)s) AS n""",
-            {"n": episodes, "span": span_s},
-        )
-        conn.execute(
-            """
-            INSERT INTO transition (id, episode_id, request_id, choice_index, task_id,
-                agent_name, requested_at, route, status, http_status, model_requested,
-                model_used, policy_version, lineage, message_digests, params, text,
-                finish_reason, latency_ms, prompt_tokens, completion_tokens, "return",
-                credited_at, trained_at, trained_version, skip_reason)
-            SELECT gen_random_uuid(), e.id, gen_random_uuid(), 0, e.task_id,
-                'agent-' || k, e.created_at + make_interval(secs => k),
-                'chat', CASE WHEN random() < 0.01 THEN 'failed' ELSE 'ok' END, 200, 'policy',
-                'policy-v' || v.version, v.version, 'policy', '{}', '{}', 'an answer', 'stop',
-                20 + 10 * random(), 300, 12, e.final_reward,
-                CASE WHEN e.final_reward IS NOT NULL THEN e.created_at END,
-                CASE WHEN e.final_reward IS NOT NULL AND e.created_at < now() - interval '1 hour'
-                     THEN e.created_at + interval '1 minute' END,
-                CASE WHEN e.final_reward IS NOT NULL THEN v.version + 1 END,
-                CASE WHEN random() < 0.005 THEN 'stale' END
-            FROM episode e
-            CROSS JOIN generate_series(0, %(calls)s - 1) AS k
-            CROSS JOIN LATERAL (SELECT floor(10 * extract(epoch FROM now() - e.created_at)
-                                             / %(span)s)::int AS back) b
-            CROSS JOIN LATERAL (SELECT 9 - least(9, b.back) AS version) v""",
-            {"calls": CALLS_PER_EPISODE, "span": span_s},
-        )
-        conn.execute("ANALYZE")
 
 
 async def timed(fn: Callable[[], Awaitable[Any]], repeat: int) -> tuple[float, float, Any]:
@@ -185,9 +138,18 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=REPORT)
     args = parser.parse_args()
     with bench_database(args.database_url) as url:
-        start = time.perf_counter()
-        fill(url, args.transitions, args.days)
-        print(f"filled {args.transitions:,} transitions in {time.perf_counter() - start:.0f} s")
+        synthetic.fill(
+            url,
+            args.transitions // CALLS_PER_EPISODE,
+            days=args.days,
+            token_ids=False,  # the pages never read them
+            rewarded=0.9,
+            tenant=True,
+            versions=10,
+            trained_after_h=1,
+            failed=0.01,
+            set_aside=0.005,
+        )
         rows = asyncio.run(measure(url, args.repeat, args.transitions // CALLS_PER_EPISODE))
     lines = [
         f"{args.transitions:,} transitions ({args.transitions // CALLS_PER_EPISODE:,} episodes)"

@@ -3,7 +3,7 @@
     PYTHONPATH=. .venv/bin/python -m bench.durable [--concurrency 1,16,64] [--seconds 5]
         [--rounds 2] [--kills 3] [--note "..."]
 
-Cost: the fake vLLM (bench/fake_vllm.py, 5 ms) behind two `flywheel proxy` processes on one real
+Cost: the fake vLLM (fakes/vllm.py, 5 ms) behind two `flywheel proxy` processes on one real
 Postgres, the default and FLYWHEEL_DURABLE=true, loaded in turn (interleaved rounds) with N
 clients calling back to back, non-streaming and streaming chat.
 
@@ -29,6 +29,7 @@ import aiohttp
 import psycopg
 
 from bench import common
+from fakes import processes
 
 RESULTS = Path(__file__).with_suffix(".md")
 PROMPT = [{"role": "user", "content": "What is 3 + 4?"}]
@@ -36,7 +37,7 @@ MODES: dict[str, dict[str, str]] = {"default": {}, "durable": {"FLYWHEEL_DURABLE
 
 
 def cost(args: argparse.Namespace, upstream: str, db: str) -> list[str]:
-    proxies = {m: common.start_flywheel(upstream, db, settings=env) for m, env in MODES.items()}
+    proxies = {m: processes.start_flywheel(upstream, db, settings=env) for m, env in MODES.items()}
     runs: dict[tuple[str, bool, int], common.Run] = {}
     try:
         for clients in args.concurrency:
@@ -96,7 +97,7 @@ async def _drive(url: str, clients: int, acknowledged: set[str]) -> None:
 def kill_once(mode: str, upstream: str, db: str, clients: int) -> tuple[int, int, int]:
     """(acknowledged, lost before replay, lost after the journal replayed)."""
     home = Path(tempfile.mkdtemp(prefix="flywheel-kill-"))
-    proxy = common.start_flywheel(upstream, db, home=home, settings=MODES[mode])
+    proxy = processes.start_flywheel(upstream, db, home=home, settings=MODES[mode])
     acknowledged: set[str] = set()
 
     async def run() -> None:
@@ -110,7 +111,7 @@ def kill_once(mode: str, upstream: str, db: str, clients: int) -> tuple[int, int
     asyncio.run(run())
     proxy.process.wait()
     lost_before = len(acknowledged - stored(db, acknowledged))
-    replay = common.start_flywheel(
+    replay = processes.start_flywheel(
         upstream, db, home=home, settings=MODES[mode]
     )  # replays its journal
     deadline = time.monotonic() + 30
@@ -153,7 +154,7 @@ def main() -> None:
     parser.add_argument("--note")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
-    fake = common.start_fake(args.latency_s)
+    fake = processes.start_fake(args.latency_s)
     try:
         with common.bench_database(args.database_url) as db:
             lines = ["### Cost", "", *cost(args, fake.url, db), "", "### kill -9", ""]

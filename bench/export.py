@@ -1,10 +1,10 @@
 """`flywheel export` at a million transitions: rows per second and peak memory, per format.
 
-Fills a fresh database with `--transitions` rows shaped like recorded chat calls (4 an episode;
-a shared system message and the task's question by digest, so the calls of one task and agent
-form a group for `pairs`; 300 prompt token ids, 12 completion ids and logprobs each; a step
-reward on one call in four), then runs each export in a process of its own (`python -m
-flywheel export`), sampling its resident memory:
+Fills a fresh database with `--transitions` rows shaped like recorded chat calls
+(bench/synthetic.py: 4 an episode; a shared system message and the task's question by digest, so the
+calls of one task and agent form a group for `pairs`; 300 prompt token ids, 12 completion ids and
+logprobs each; a step reward on one call in four), then runs each export in a process of its own
+(`python -m flywheel export`), sampling its resident memory:
 
     PYTHONPATH=. .venv/bin/python -m bench.export [--transitions 1000000]
         [--database-url URL] [--results bench/export.md]
@@ -22,72 +22,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import psutil
-import psycopg
 
+from bench import synthetic
 from bench.common import append_section, bench_database
+from bench.synthetic import CALLS_PER_EPISODE, COMPLETION_IDS, PROMPT_IDS
 
 REPORT = Path(__file__).with_name("export.md")
-CALLS_PER_EPISODE = 4
-PROMPT_IDS, COMPLETION_IDS = 300, 12
-
-
-def insert_task_messages(conn: psycopg.Connection[Any]) -> None:
-    """A system message, md5('system'), and one question per task `task-N` (N < 50), by
-    md5('user-task-N'): what the filled calls name (bench/judge.py fills with them too)."""
-    conn.execute(
-        """
-        INSERT INTO message (digest, body)
-        SELECT decode(md5('system'), 'hex'),
-               '{"role": "system", "content": "Answer with a number."}'::jsonb
-        UNION ALL
-        SELECT decode(md5('user-task-' || n), 'hex'),
-               jsonb_build_object('role', 'user', 'content', 'What is ' || n || ' + 1?')
-        FROM generate_series(0, 49) AS n""",
-    )
-
-
-def fill(url: str, transitions: int) -> None:
-    episodes = transitions // CALLS_PER_EPISODE
-    with psycopg.connect(url, autocommit=True) as conn:
-        insert_task_messages(conn)
-        conn.execute(
-            """
-            INSERT INTO episode (id, task_id, created_at, final_reward, final_reward_at)
-            SELECT 'ep-' || n, 'task-' || (n %% 50),
-                   now() - make_interval(secs => 86400 * (1 - n::float8 / %(n)s)), random(), now()
-            FROM generate_series(1, %(n)s) AS n""",
-            {"n": episodes},
-        )
-        conn.execute(
-            """
-            INSERT INTO transition (id, episode_id, request_id, choice_index, task_id,
-                agent_name, requested_at, route, status, http_status, model_requested,
-                model_used, policy_version, lineage, message_digests, params, text,
-                finish_reason, latency_ms, prompt_tokens, completion_tokens, prompt_token_ids,
-                completion_token_ids, logprobs, "return", credited_at)
-            SELECT gen_random_uuid(), e.id, gen_random_uuid(), 0, e.task_id,
-                'agent-' || k, e.created_at + make_interval(secs => k), 'chat', 'ok', 200,
-                'policy', 'policy-v1', 1, 'policy',
-                ARRAY[decode(md5('system'), 'hex'), decode(md5('user-' || e.task_id), 'hex')],
-                '{"max_tokens": 16, "temperature": 1.0}', 'The answer is 42.', 'stop',
-                20 + 10 * random(), %(p)s, %(c)s,
-                decode(repeat('07000000', %(p)s), 'hex'),
-                decode(repeat('09000000', %(c)s), 'hex'),
-                decode(repeat('cdcc4cbe', %(c)s), 'hex'),
-                e.final_reward, e.created_at
-            FROM episode e CROSS JOIN generate_series(0, %(calls)s - 1) AS k""",
-            {"calls": CALLS_PER_EPISODE, "p": PROMPT_IDS, "c": COMPLETION_IDS},
-        )
-        conn.execute(
-            """
-            INSERT INTO reward (episode_id, transition_id, value, source, idempotency_key)
-            SELECT t.episode_id, t.id, -0.5, 'air', 'air:' || t.id
-            FROM transition t WHERE t.agent_name = 'agent-0'"""
-        )
-        conn.execute("ANALYZE")
 
 
 def run_export(url: str, out: Path, *args: str) -> tuple[int, float, float, float, int]:
@@ -131,9 +73,7 @@ def main() -> None:
     args = parser.parse_args()
     results = []
     with bench_database(args.database_url) as url, tempfile.TemporaryDirectory() as tmp:
-        start = time.perf_counter()
-        fill(url, args.transitions)
-        print(f"filled {args.transitions:,} transitions in {time.perf_counter() - start:.0f} s")
+        synthetic.fill(url, args.transitions // CALLS_PER_EPISODE)
         # The export's memory at a tenth of the rows: what grows with the table would show.
         small = [("transitions + tokens, Parquet, first 10 %", "small.parquet", ("--tokens",))]
         until = time.strftime("%Y-%m-%dT%H:%M:%S+00:00", time.gmtime(time.time() - 0.9 * 86400))

@@ -11,7 +11,7 @@
 Counted: cases, answers by status class, server errors (5xx: must be 0), hangs (no answer in
 10 s: must be 0), and whether Postgres holds exactly what was acknowledged: every transition id
 the proxy answered with and nothing else (refused input stores nothing). Prints a table and
-appends it to bench/fuzz.md; tests/test_fuzz.py runs the same at a small size.
+appends it to bench/fuzz.md; tests/test_fuzz.py runs it at a small size.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from hypothesis.errors import Unsatisfiable
 from schemathesis import GenerationMode
 
 from bench import common
+from fakes import processes
 
 RESULTS = Path(__file__).with_suffix(".md")
 TIMEOUT_S = 10.0
@@ -246,18 +247,22 @@ def report_lines(tally: Tally, missing: int, extra: int) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--examples", type=int, default=500, help="per operation and mode")
+    parser.add_argument(
+        "--completion-examples", type=int, help="on the completion routes (default 4 x examples)"
+    )
     parser.add_argument("--database-url")
     parser.add_argument("--note")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
-    fake = common.start_fake(0.001, always_detail=False)
+    completion_examples = args.completion_examples or args.examples * 4
+    fake = processes.start_fake(0.001, always_detail=False)
     try:
         with common.bench_database(args.database_url) as db:
-            proxy = common.start_flywheel(fake.url, db, home=Path(tempfile.mkdtemp()))
+            proxy = processes.start_flywheel(fake.url, db, home=Path(tempfile.mkdtemp()))
             tally = Tally()
             try:
                 fuzz_openapi(proxy.url, args.examples, tally)
-                fuzz_completions(proxy.url, args.examples * 4, tally)
+                fuzz_completions(proxy.url, completion_examples, tally)
                 missing, extra = stored_matches(db, tally)
             finally:
                 proxy.stop()
@@ -265,7 +270,7 @@ def main() -> None:
         fake.stop()
     lines = report_lines(tally, missing, extra)
     print("\n".join(lines))
-    header = f"{args.examples} examples per OpenAPI operation and mode, {args.examples * 4} on "
+    header = f"{args.examples} examples per OpenAPI operation and mode, {completion_examples} on "
     header += "the completion routes; fake vLLM (1 ms), real Postgres."
     header += f" {args.note}" if args.note else ""
     common.append_section(args.results, "Fuzzing every route", "bench.fuzz", [header, "", *lines])

@@ -1,7 +1,7 @@
 """Hot-swap: from an adapter published to the first call served by it, under steady load.
 
 Steady load (N clients calling the `policy` alias without pause) goes through `flywheel proxy`
-(its own process, recording into real Postgres) to a fake vLLM (bench/fake_vllm.py, its own
+(its own process, recording into real Postgres) to a fake vLLM (fakes/vllm.py, its own
 process). Meanwhile this script publishes a new adapter version every `--interval` seconds the way
 the trainer does: `core.policy.load_everywhere` (into vLLM first, through the trainer's own
 `Replicas`), then `core.policy.publish` in a transaction (which NOTIFYs every proxy). For each
@@ -31,8 +31,9 @@ from pathlib import Path
 
 import aiohttp
 
-from bench.common import bench_database, start_fake, start_flywheel
+from bench.common import bench_database
 from core import database, policy
+from fakes.processes import start_fake, start_flywheel
 from trainer.vllm import Replicas
 
 RESULTS = Path(__file__).with_suffix(".md")

@@ -6,12 +6,12 @@ judge model answering after `--latency-s`, with a proxy taking its rewards.
         [--venv DIR]
 
 For each latency and concurrency: a fresh database holding `--episodes` unrewarded episodes of 4
-calls (50 tasks; two messages and an answer a call, last call an hour ago), a proxy, the fake
-vLLM as the judge model (`--judge-answers`: scores that fit the judge's JSON schema, as vLLM's
-guided decoding gives them), and `flywheel judge` in its own install (bench/common.py's
-judge venv: litellm with openai 2) running until every episode has its judge reward. Reported:
-episodes judged a second, judge calls a second, the judge process's CPU per call, and the
-rewards stored with source `judge` (all of them, or the run says what is missing).
+calls (bench/synthetic.py: 50 tasks, two messages and an answer a call, over the last day), a proxy,
+the fake vLLM as the judge model (`--judge-answers`: scores that fit the judge's JSON schema, as
+vLLM's guided decoding gives them), and `flywheel judge` in its own install (fakes/processes.py's
+litellm venv: litellm with openai 2) running until every episode has its judge reward. Reported:
+episodes judged a second, judge calls a second, the judge process's CPU per call, and the rewards
+stored with source `judge` (all of them, or the run says what is missing).
 """
 
 from __future__ import annotations
@@ -25,41 +25,12 @@ from pathlib import Path
 import psutil
 import psycopg
 
-from bench import common
+from bench import common, synthetic
 from bench.common import append_section, bench_database
-from bench.export import insert_task_messages
+from bench.synthetic import CALLS_PER_EPISODE, TASKS
+from fakes import processes
 
 REPORT = Path(__file__).with_name("judge.md")
-CALLS_PER_EPISODE = 4
-TASKS = 50  # bench/export.insert_task_messages's
-
-
-def fill(url: str, episodes: int) -> None:
-    with psycopg.connect(url, autocommit=True) as conn:
-        insert_task_messages(conn)  # a question for each of the TASKS tasks
-        conn.execute(
-            """
-            INSERT INTO episode (id, task_id, created_at, last_call_at)
-            SELECT 'ep-' || n, 'task-' || (n %% %(tasks)s), now() - interval '1 hour',
-                   now() - interval '1 hour'
-            FROM generate_series(1, %(n)s) AS n""",
-            {"n": episodes, "tasks": TASKS},
-        )
-        conn.execute(
-            """
-            INSERT INTO transition (id, episode_id, request_id, choice_index, task_id,
-                agent_name, requested_at, route, status, http_status, model_requested,
-                model_used, policy_version, lineage, message_digests, params, text,
-                finish_reason, latency_ms)
-            SELECT gen_random_uuid(), e.id, gen_random_uuid(), 0, e.task_id, 'agent',
-                e.created_at + make_interval(secs => k), 'chat', 'ok', 200, 'policy', 'demo',
-                0, 'policy',
-                ARRAY[decode(md5('system'), 'hex'), decode(md5('user-' || e.task_id), 'hex')],
-                '{}', 'The answer is ' || k || '.', 'stop', 20
-            FROM episode e CROSS JOIN generate_series(0, %(calls)s - 1) AS k""",
-            {"calls": CALLS_PER_EPISODE},
-        )
-        conn.execute("ANALYZE")
 
 
 def judged(url: str) -> int:
@@ -72,8 +43,8 @@ def one_run(
     url: str, venv: Path, episodes: int, group_size: int, concurrency: int, latency_s: float
 ) -> tuple[float, int, float, int]:
     """(seconds until every episode was judged, judge calls, judge CPU seconds, rewards)."""
-    fake = common.start_fake(latency_s, always_detail=False, judge_answers=True)
-    proxy = common.start_flywheel(fake.url, url)
+    fake = processes.start_fake(latency_s, always_detail=False, judge_answers=True)
+    proxy = processes.start_flywheel(fake.url, url)
     env = {
         **os.environ,
         "FLYWHEEL_DATABASE_URL": url,
@@ -125,10 +96,10 @@ def main() -> None:
     parser.add_argument("--database-url", default=None)
     parser.add_argument("--results", type=Path, default=REPORT)
     parser.add_argument(
-        "--venv", type=Path, default=common.WORK / "litellm-venv", help="built here"
+        "--venv", type=Path, default=processes.WORK / "litellm-venv", help="built here"
     )
     args = parser.parse_args()
-    venv = common.build_litellm_venv(args.venv)
+    venv = processes.build_litellm_venv(args.venv)
     lines = [
         f"{args.episodes} unrewarded episodes of {CALLS_PER_EPISODE} calls over {TASKS} tasks, "
         f"groups of up to {args.group_size}; the fake vLLM as judge model, through litellm. "
@@ -140,7 +111,7 @@ def main() -> None:
     for latency in (float(x) for x in args.latency_s.split(",")):
         for concurrency in (int(x) for x in args.concurrency.split(",")):
             with bench_database(args.database_url) as url:
-                fill(url, args.episodes)
+                synthetic.fill(url, args.episodes, rewarded=0.0)
                 seconds, calls, cpu, n = one_run(
                     url, venv, args.episodes, args.group_size, concurrency, latency
                 )

@@ -1,6 +1,6 @@
 """Proxy overhead: what Flywheel's proxy adds over calling vLLM directly, next to LiteLLM's proxy.
 
-A fast fake vLLM (bench/fake_vllm.py: vLLM's exact wire format, up to 16-token completions, a
+A fast fake vLLM (fakes/vllm.py: vLLM's exact wire format, up to 16-token completions, a
 fixed small latency) in its own process; `flywheel proxy` in its own process, recording every
 call into a real Postgres; LiteLLM's proxy server (1.106.2, one worker, no database, in a venv of
 its own under .flywheel/bench/) pointed at the same fake; the load generator (aiohttp on uvloop,
@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench import common, plots
+from fakes import processes
 
 RESULTS = Path(__file__).with_suffix(".md")  # this script's own report
-IMG_DIR = common.ROOT / "docs" / "img"
+IMG_DIR = processes.ROOT / "docs" / "img"
 MODES = ("non-streaming", "streaming")
 PROMPT = [{"role": "user", "content": "What is 3 + 4?"}]
 PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses"}
@@ -283,13 +284,13 @@ def main() -> None:
     args = parser.parse_args()
     concurrencies = [int(c) for c in args.concurrency.split(",")]
 
-    servers: list[common.Server] = []
+    servers: list[processes.Server] = []
     meters: dict[str, common.ProcessMeter] = {}
     with common.bench_database(args.database_url) as db_url:
         try:
-            fake = common.start_fake(args.latency_s, always_detail=not args.lean_fake)
+            fake = processes.start_fake(args.latency_s, always_detail=not args.lean_fake)
             servers.append(fake)
-            flywheel = common.start_flywheel(fake.url, db_url)
+            flywheel = processes.start_flywheel(fake.url, db_url)
             servers.append(flywheel)
             urls = {"direct": fake.url, "flywheel": flywheel.url}
             meters["flywheel"] = common.ProcessMeter(flywheel.process.pid)

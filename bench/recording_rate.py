@@ -1,10 +1,10 @@
 """Recording rate: transitions per second the proxy's background writer puts into Postgres.
 
-Realistic rows: multi-turn agent episodes whose prompts repeat their history (a long system prompt,
-growing messages, prompt token ids growing with them), completions with ids and logprobs. The
-records go through the same `Recorder` the proxy uses (batching, message de-duplication, credit);
-afterwards every row is counted, so "nothing lost" is checked, not assumed. Goal (issue 5):
->= 10,000 transitions/s sustained.
+Realistic rows (fakes/traffic.py): multi-turn agent episodes whose prompts repeat their history
+(a long system prompt, growing messages, prompt token ids growing with them), completions with ids
+and logprobs. The records go through the same `Recorder` the proxy uses (batching, message
+de-duplication, credit); afterwards every row is counted, so "nothing lost" is checked, not
+assumed. Goal (issue 5): >= 10,000 transitions/s sustained.
 
     .venv/bin/python -m bench.recording_rate [--transitions 20000] [--concurrent 256] [--repeat 3]
         [--plot docs/img/recording_rate.png] [--database-url URL]
@@ -30,13 +30,11 @@ import os
 import random
 import tempfile
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import orjson
 import psycopg
 from prometheus_client import REGISTRY
 
@@ -44,54 +42,12 @@ from bench import storage
 from bench.common import bench_database
 from core import database
 from core.record import TransitionRecord
+from fakes.traffic import episode_records
 from proxy.journal import Journal
 from proxy.recorder import Recorder
 
-SYSTEM = "You are a careful assistant that uses tools. " * 25  # ~1.1 kB, shared by every call
 RESULTS = Path(__file__).with_suffix(".md")  # this script's own report
 RECORDED = "flywheel_transitions_recorded_total"
-
-
-def episode_records(rng: random.Random, turns: int) -> list[TransitionRecord]:
-    """One agent episode: each call's prompt repeats the whole history so far."""
-    episode_id, task_id = f"bench-{uuid.uuid4().hex[:12]}", f"task-{rng.randrange(1000)}"
-    messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM}]
-    prompt_ids = [rng.randrange(50_000) for _ in range(300)]
-    records = []
-    for turn in range(turns):
-        messages = [*messages, {"role": "user", "content": f"step {turn}: " + "data " * 40}]
-        completion = [rng.randrange(50_000) for _ in range(100)]
-        records.append(
-            TransitionRecord(
-                id=str(uuid.uuid4()),
-                episode_id=episode_id,
-                request_id=str(uuid.uuid4()),
-                choice_index=0,
-                task_id=task_id,
-                agent_name="bench",
-                requested_at=time.time(),
-                route="chat",
-                status="ok",
-                http_status=200,
-                model_requested="policy",
-                model_used="base",
-                policy_version=0,
-                messages=orjson.loads(orjson.dumps(messages)),  # parsed afresh per call
-                params={"model": "policy", "max_tokens": 128},
-                prompt_token_ids=prompt_ids,
-                completion_token_ids=completion,
-                logprobs=[-rng.random() for _ in completion],
-                text="ok " * 60,
-                tool_calls=None,
-                finish_reason="stop",
-                latency_ms=50.0,
-                prompt_tokens=len(prompt_ids),
-                completion_tokens=len(completion),
-            )
-        )
-        messages = [*messages, {"role": "assistant", "content": "ok " * 60}]
-        prompt_ids = prompt_ids + completion + [rng.randrange(50_000) for _ in range(60)]
-    return records
 
 
 def backend_cpu_s(url: str) -> float | None:

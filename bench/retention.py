@@ -5,10 +5,10 @@ long that takes, and a proxy recording through it without losing a call.
         [--keep 15] [--clients 8] [--database-url URL] [--results bench/retention.md]
 
 1. A fresh database; the days' partitions made first (as the proxy makes them ahead), then
-   `--transitions` rows over `--days` days: 4 calls an episode with 300 prompt and 12 completion
-   token ids, each call naming a shared system prompt and its episode's own question (stored
-   once, marked used on its episode's day, as the writer marks it), a final reward per episode
-   and a step reward on one call in four; trained, except the last two days.
+   `--transitions` rows over `--days` days (bench/synthetic.py): 4 calls an episode with 300 prompt
+   and 12 completion token ids, each call naming a shared system prompt and its episode's own
+   question (stored once, marked used on its episode's day, as the writer marks it), a final reward
+   per episode and a step reward on one call in four; trained, except the last two days.
 2. A proxy in front of the fake vLLM takes `--clients` clients calling back to back. After
    `--settle-s` seconds, `retain --days KEEP` runs (core/retention.py, what `flywheel retain`
    and FLYWHEEL_RETENTION_DAYS run); the load goes on for `--settle-s` seconds more.
@@ -24,82 +24,19 @@ import asyncio
 import threading
 import time
 import uuid
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import psycopg
 
-from bench import common
+from bench import common, synthetic
 from bench.common import append_section, bench_database, quantile
-from core import database, partitions, retention
+from bench.synthetic import CALLS_PER_EPISODE, COMPLETION_IDS, PROMPT_IDS
+from core import database, retention
+from fakes import processes
 
 REPORT = Path(__file__).with_name("retention.md")
-CALLS_PER_EPISODE = 4
-PROMPT_IDS, COMPLETION_IDS = 300, 12
-
-
-def fill(url: str, transitions: int, days: int) -> None:
-    episodes = transitions // CALLS_PER_EPISODE
-    engine, _ = database.create_sessions(url)
-    today = datetime.now(UTC).date()
-    partitions.ensure(engine, today=today - partitions.DAY * days, ahead=days + 1)
-    engine.dispose()
-    span = {"n": episodes, "span": days * 86400, "calls": CALLS_PER_EPISODE}
-    with psycopg.connect(url, autocommit=True) as conn:
-        conn.execute(
-            """
-            INSERT INTO episode (id, task_id, created_at, final_reward, final_reward_at,
-                                 last_call_at)
-            SELECT 'ep-' || n, 'task-' || (n %% 50), at, random(), now(),
-                   at + make_interval(secs => %(calls)s - 1)
-            FROM generate_series(1, %(n)s) AS n CROSS JOIN LATERAL (
-                SELECT now() - make_interval(secs => %(span)s * (1 - n::float8 / %(n)s)) AS at
-            ) a""",
-            span,
-        )
-        conn.execute(
-            """
-            INSERT INTO message (digest, body, last_used)
-            SELECT decode(md5('system'), 'hex'),
-                   '{"role": "system", "content": "Answer with a number."}'::jsonb, current_date
-            UNION ALL
-            SELECT decode(md5('user-' || e.id), 'hex'),
-                   jsonb_build_object('role', 'user', 'content', 'Question of ' || e.id),
-                   (e.created_at AT TIME ZONE 'UTC')::date
-            FROM episode e"""
-        )
-        conn.execute(
-            """
-            INSERT INTO transition (id, episode_id, request_id, choice_index, task_id,
-                agent_name, requested_at, route, status, http_status, model_requested,
-                model_used, policy_version, lineage, message_digests, params, text,
-                finish_reason, latency_ms, prompt_tokens, completion_tokens, prompt_token_ids,
-                completion_token_ids, logprobs, "return", credited_at, trained_at)
-            SELECT gen_random_uuid(), e.id, gen_random_uuid(), 0, e.task_id,
-                'agent-' || k, e.created_at + make_interval(secs => k), 'chat', 'ok', 200,
-                'policy', 'policy-v1', 1, 'policy',
-                ARRAY[decode(md5('system'), 'hex'), decode(md5('user-' || e.id), 'hex')],
-                '{"max_tokens": 16, "temperature": 1.0}', 'The answer is 42.', 'stop',
-                20 + 10 * random(), %(p)s, %(c)s,
-                decode(repeat('07000000', %(p)s), 'hex'),
-                decode(repeat('09000000', %(c)s), 'hex'),
-                decode(repeat('cdcc4cbe', %(c)s), 'hex'),
-                e.final_reward, e.created_at,
-                CASE WHEN e.created_at < now() - interval '2 days' THEN now() END
-            FROM episode e CROSS JOIN generate_series(0, %(calls)s - 1) AS k""",
-            {"calls": CALLS_PER_EPISODE, "p": PROMPT_IDS, "c": COMPLETION_IDS},
-        )
-        conn.execute(
-            """
-            INSERT INTO reward (episode_id, transition_id, value, source, idempotency_key)
-            SELECT e.id, NULL, e.final_reward, NULL, NULL FROM episode e
-            UNION ALL
-            SELECT t.episode_id, t.id, -0.5, 'air', 'air:' || t.id
-            FROM transition t WHERE t.agent_name = 'agent-0'"""
-        )
-        conn.execute("ANALYZE")
 
 
 class Calls:
@@ -166,12 +103,16 @@ def main() -> None:
     parser.add_argument("--results", type=Path, default=REPORT)
     args = parser.parse_args()
     with bench_database(args.database_url) as url:
-        started = time.perf_counter()
-        fill(url, args.transitions, args.days)
-        print(f"filled {args.transitions:,} transitions in {time.perf_counter() - started:.0f} s")
+        synthetic.fill(
+            url,
+            args.transitions // CALLS_PER_EPISODE,
+            days=args.days,
+            question="episode",  # each episode's own, for retention to drop with its day
+            trained_after_h=48,
+        )
         engine, _ = database.create_sessions(url)
-        fake = common.start_fake(0.005)
-        proxy = common.start_flywheel(fake.url, url)
+        fake = processes.start_fake(0.005)
+        proxy = processes.start_flywheel(fake.url, url)
         try:
             with Calls(proxy.url + "/v1/chat/completions", args.clients) as calls:
                 time.sleep(args.settle_s)

@@ -28,12 +28,13 @@ from pathlib import Path
 import httpx
 import orjson
 
-from bench import common, plots
-from bench.fake_vllm import chat_prompt_ids
+from bench import common, plots, pyspy
+from fakes import processes
+from fakes.vllm import chat_prompt_ids
 
 RESULTS = Path(__file__).with_suffix(".md")
-IMG_DIR = common.ROOT / "docs" / "img"
-PROFILE_DIR = common.WORK / "profiles"  # the raw collapsed stacks (git-ignored)
+IMG_DIR = processes.ROOT / "docs" / "img"
+PROFILE_DIR = processes.WORK / "profiles"  # the raw collapsed stacks (git-ignored)
 PROFILES = [("short", 1), ("short", 64), ("long", 64)]
 TOP = 15  # rows per profile table
 WORDS = [
@@ -119,8 +120,8 @@ def sizes(fake_url: str, prompt: str) -> tuple[int, float, float]:
 
 
 def measure(
-    fake: common.Server,
-    flywheel: common.Server,
+    fake: processes.Server,
+    flywheel: processes.Server,
     db_url: str,
     postgres: common.ProcessMeter | None,
     prompt: str,
@@ -221,19 +222,19 @@ def plot(rows: list[Row], img_dir: Path) -> Path:
     )
 
 
-def profile(flywheel: common.Server, seconds: float) -> list[str]:
+def profile(flywheel: processes.Server, seconds: float) -> list[str]:
     """py-spy on the proxy under load; the top functions by own and by total time, as lines."""
     out = []
     for prompt, clients in PROFILES:
         raw = PROFILE_DIR / f"proxy_{prompt}_{clients}.txt"
-        spy = common.start_profile(flywheel.process.pid, seconds, raw)
+        spy = pyspy.start_profile(flywheel.process.pid, seconds, raw)
         time.sleep(0.5)  # py-spy attaches
         url = flywheel.url + "/v1/chat/completions"
         run = common.load(url, body_factory(prompt), clients, seconds)
         _, err = spy.communicate(timeout=60)
         if spy.returncode != 0 or not raw.exists():
             raise SystemExit(f"py-spy failed ({spy.returncode}): {err.decode()[-2000:]}")
-        p = common.summarise_profile(raw)
+        p = pyspy.summarise_profile(raw)
         ours = sorted(
             (
                 (f, share)
@@ -246,7 +247,7 @@ def profile(flywheel: common.Server, seconds: float) -> list[str]:
         out += [
             f"\n#### py-spy: {prompt} prompts, {clients} clients "
             f"({len(run.latencies) / run.elapsed:,.0f} req/s, {p.samples} busy samples; "
-            f"raw stacks: {raw.relative_to(common.ROOT)})\n",
+            f"raw stacks: {raw.relative_to(processes.ROOT)})\n",
             "Own time by area: "
             + ", ".join(f"{area} {share:.0%}" for area, share in p.areas[:8] if share >= 0.01)
             + "\n",
@@ -281,15 +282,15 @@ def main() -> None:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     prompts = args.prompts.split(",")
 
-    servers: list[common.Server] = []
+    servers: list[processes.Server] = []
     meters: list[common.ProcessMeter] = []
     rows: list[Row] = []
     profile_lines: list[str] = []
     with common.bench_database(args.database_url) as db_url:
         try:
-            fake = common.start_fake(args.latency_s, always_detail=not args.lean_fake)
+            fake = processes.start_fake(args.latency_s, always_detail=not args.lean_fake)
             servers.append(fake)
-            flywheel = common.start_flywheel(fake.url, db_url)
+            flywheel = processes.start_flywheel(fake.url, db_url)
             servers.append(flywheel)
             proxy = common.ProcessMeter(flywheel.process.pid)
             meters.append(proxy)

@@ -21,6 +21,7 @@ import psycopg
 
 from bench import common
 from bench.chaos import Traffic, lost, stack
+from fakes import processes
 
 RESULTS = Path(__file__).with_suffix(".md")
 
@@ -46,7 +47,7 @@ def main() -> None:
     parser.add_argument("--note")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
-    work = common.WORK / "soak"
+    work = processes.WORK / "soak"
     work.mkdir(parents=True, exist_ok=True)
     samples: list[tuple[float, float, int, int, int, int]] = []
     with stack(work) as s:

@@ -9,11 +9,15 @@ served it. Appends a dated section to bench/tool_learning.md and draws
 docs/img/tool_learning.png.
 
     .venv/bin/python -m bench.tool_learning [--rounds 40]
+
+`--replay ROUNDS.json` reports and plots rounds given as JSON instead of running the loop
+(tests/test_bench.py checks the report and the plot that way).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from dataclasses import dataclass
@@ -162,10 +166,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40)
     parser.add_argument("--database-url", help="a Postgres server (default: embedded)")
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--plot", type=Path, default=PLOT)
+    parser.add_argument(
+        "--replay",
+        type=Path,
+        help='{"rounds": [Round fields, ...], "totals": {"trained", "skipped"}}: report and plot '
+        "these instead of running the loop",
+    )
     args = parser.parse_args()
-    rounds, totals = run(args.rounds, args.database_url)
+    if args.replay:
+        replayed = json.loads(args.replay.read_text())
+        rounds, totals = [Round(**r) for r in replayed["rounds"]], replayed["totals"]
+    else:
+        rounds, totals = run(args.rounds, args.database_url)
     print(report(rounds, totals, args.results))
-    print(plot(rounds))
+    print(plot(rounds, args.plot))
 
 
 if __name__ == "__main__":

@@ -26,8 +26,6 @@ from sqlalchemy.ext.asyncio import (
 )
 from sqlalchemy.orm import Session, sessionmaker
 
-import migrations
-
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -74,12 +72,22 @@ def resolve_url(database_url: str | None, home: Path) -> str:
     return sqlalchemy_url(database_url or embedded_postgres_url(home))
 
 
+# Alembic's scripts, found by path: `migrations` is a package beside `core` (in a checkout and in
+# site-packages alike) that stands on core's tables, so core does not import it.
+MIGRATIONS = Path(__file__).resolve().parent.parent / "migrations"
+
+
+def alembic_config(url: str) -> Config:
+    """Alembic's configuration for the database at `url` (no alembic.ini: this is all of it)."""
+    config = Config()
+    config.set_main_option("script_location", str(MIGRATIONS))
+    config.attributes["url"] = sqlalchemy_url(url)
+    return config
+
+
 def migrate(url: str) -> None:
     """Bring the schema to the newest migration (idempotent; safe with several starting proxies)."""
-    config = Config()
-    config.set_main_option("script_location", str(Path(migrations.__file__).parent))
-    config.attributes["url"] = sqlalchemy_url(url)
-    command.upgrade(config, "head")
+    command.upgrade(alembic_config(url), "head")
 
 
 # Both engines: pool_pre_ping, so that a Postgres restart does not leave dead connections that

@@ -21,11 +21,11 @@ import psycopg
 import pytest
 import uvicorn
 
-from bench.fake_vllm import FakeVLLM
-from bench.pg import OwnPostgres
 from core import database
 from demo.tiny_model import build_demo_model
 from demo.vllm_server import free_port, start_vllm, stop_vllm, wait_ready
+from fakes.pg import OwnPostgres
+from fakes.vllm import FakeVLLM
 from proxy.app import create_app
 from proxy.config import ProxySettings
 from proxy.services import Services

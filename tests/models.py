@@ -16,8 +16,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.common import build_litellm_venv
 from demo.stack import TASKS
+from fakes.processes import build_litellm_venv
 from tests.conftest import TEST_HOME
 
 BUILDERS: dict[str, Callable[[Path], Path]] = {

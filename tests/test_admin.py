@@ -11,7 +11,7 @@ from typing import Any
 
 import psycopg
 
-from bench.fake_vllm import FakeVLLM
+from fakes.vllm import FakeVLLM
 from tests.conftest import RunningProxy
 
 

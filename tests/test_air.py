@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from sqlalchemy import text
 
-from bench.recording_rate import episode_records
 from core import database
 from core.record import TransitionRecord
+from fakes.traffic import episode_records
 from proxy import store
 from proxy.air import ToolCheck
 from tests.conftest import RunningProxy

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
-from bench.common import summarise_profile
 
 
 def test_recording_rate_smoke(postgres_url: str, tmp_path: Path) -> None:
@@ -151,12 +150,12 @@ def test_profile_summary(tmp_path: Path) -> None:
         "_queue_SimpleQueue_get_impl (_queuemodule.c:253);"
         "PyThread_acquire_lock_timed (libpython3.11.so.1.0);0x7f53588a3f16 (libc.so.6) 50\n"
     )
-    profile = summarise_profile(raw)
-    assert profile.samples == 4
-    assert profile.own[0] == ("loads (orjson/x.py)", 0.75)
-    assert profile.total["handle (proxy/forward.py)"] == 1.0
-    assert "send (libc.so.6)" not in profile.total  # native frames: own time only
-    assert dict(profile.areas) == {"orjson": 0.75, "syscalls/libc": 0.25}
+    profile = json.loads(_bench("bench.pyspy", str(raw)).stdout)
+    assert profile["samples"] == 4
+    assert profile["own"][0] == ["loads (orjson/x.py)", 0.75]
+    assert profile["total"]["handle (proxy/forward.py)"] == 1.0
+    assert "send (libc.so.6)" not in profile["total"]  # native frames: own time only
+    assert dict(profile["areas"]) == {"orjson": 0.75, "syscalls/libc": 0.25}
 
 
 def test_cpu_split_smoke(postgres_url: str, tmp_path: Path) -> None:
@@ -302,17 +301,28 @@ def _cells_of(report: Path) -> list[str]:
 def test_tool_learning_report_and_plot(tmp_path: Path) -> None:
     """The report and plot of bench/tool_learning.py from rounds as its loop measures them (the
     loop itself is tests/test_e2e_tools.py's)."""
-    from bench.tool_learning import Round, plot, report
-
+    fields = ("reward", "valid", "air", "tool", "calls", "versions", "wall_s")
     rounds = [
-        Round(reward=0.3, valid=0.45, air=0.4, tool=0.1, calls=1.6, versions="0", wall_s=20),
-        Round(reward=0.6, valid=0.8, air=0.1, tool=0.02, calls=1.9, versions="4-6", wall_s=41),
+        dict(zip(fields, (0.3, 0.45, 0.4, 0.1, 1.6, "0", 20), strict=True)),
+        dict(zip(fields, (0.6, 0.8, 0.1, 0.02, 1.9, "4-6", 41), strict=True)),
     ]
-    text = report(rounds, {"trained": 120, "skipped": 0}, tmp_path / "report.md")
+    replay = tmp_path / "rounds.json"
+    replay.write_text(json.dumps({"rounds": rounds, "totals": {"trained": 120, "skipped": 0}}))
+    report, curve = tmp_path / "report.md", tmp_path / "curve.png"
+    run = _bench(
+        "bench.tool_learning",
+        "--replay",
+        str(replay),
+        "--results",
+        str(report),
+        "--plot",
+        str(curve),
+    )
+    text = report.read_text()
     assert "| 1 | 0.60 | 0.80 | 0.10 | 0.02 | 1.90 | v4-6 | 41 |" in text
     assert "last three: reward 0.450" in text
-    assert (tmp_path / "report.md").read_text() == text
-    assert plot(rounds, tmp_path / "curve.png").stat().st_size > 0
+    assert text in run.stdout
+    assert curve.stat().st_size > 0
 
 
 def test_durable_smoke(postgres_url: str, tmp_path: Path) -> None:

@@ -23,9 +23,9 @@ import psycopg
 import pytest
 from playwright.sync_api import sync_playwright
 
-from bench.fake_vllm import FakeVLLM
 from core import canary, policy
 from core.database import Sessions
+from fakes.vllm import FakeVLLM
 from tests.conftest import RunningProxy
 from tests.test_lineages import publish
 

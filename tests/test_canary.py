@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from bench.fake_vllm import FakeVLLM
 from core import canary, policy
 from core.canary import Evidence, Rule
 from core.database import Sessions
 from core.stats import t_sf, welch
+from fakes.vllm import FakeVLLM
 from tests import test_lineages as lineages
 from tests.conftest import RunningProxy
 from tests.test_trainer_loop import make_trainer  # noqa: F401  (a fixture)

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import psycopg
 
-from bench.fake_vllm import FakeVLLM
 from demo.vllm_server import free_port
+from fakes.vllm import FakeVLLM
 
 FLYWHEEL = [sys.executable, "-m", "flywheel"]
 

@@ -26,7 +26,7 @@ from langchain_core.messages import AIMessageChunk
 from langchain_openai import ChatOpenAI
 from openai import AsyncOpenAI, OpenAI
 
-from bench.fake_vllm import FakeVLLM
+from fakes.vllm import FakeVLLM
 from tests.conftest import RunningProxy
 
 MESSAGES = [{"role": "user", "content": "What is 3 + 4?"}]

@@ -23,7 +23,7 @@ from langchain_openai import ChatOpenAI
 from langgraph.prebuilt import create_react_agent
 from openai import AsyncOpenAI, OpenAI
 
-from bench.fake_vllm import FakeVLLM
+from fakes.vllm import FakeVLLM
 from tests.conftest import RunningProxy
 from tests.test_clients import assert_complete, recorded, tag_headers
 from tests.test_responses import CALCULATOR

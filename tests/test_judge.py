@@ -15,7 +15,7 @@ import orjson
 import psycopg
 import pytest
 
-from bench.fake_vllm import FakeVLLM
+from fakes.vllm import FakeVLLM
 from judge import ruler
 from tests import models
 from tests.conftest import RunningProxy, trainer_claims

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from bench.fake_vllm import FakeVLLM
 from core import canary, policy
 from core.database import Sessions
+from fakes.vllm import FakeVLLM
 from proxy.config import ProxySettings
 from tests.conftest import RunningProxy
 

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from bench.recording_rate import episode_records
 from core import database
 from core.database import AsyncSessions
 from core.record import TransitionRecord
+from fakes.traffic import episode_records
 from proxy.journal import Journal
 from proxy.recorder import Recorder
 

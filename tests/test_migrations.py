@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from alembic import command
 from alembic.autogenerate import compare_metadata
-from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from sqlalchemy import create_engine, inspect
 
-import migrations
-from core.database import migrate, sqlalchemy_url
+from core.database import alembic_config, migrate, sqlalchemy_url
 from core.partitions import is_partition
 from core.tables import Base
 
@@ -27,13 +23,6 @@ def test_autogenerate_finds_no_difference(database_url: str) -> None:
 
 def _not_partition(name: str | None, type_: str, _: object) -> bool:
     return not (type_ == "table" and is_partition(name or ""))
-
-
-def alembic_config(database_url: str) -> Config:
-    config = Config()
-    config.set_main_option("script_location", str(Path(migrations.__file__).parent))
-    config.attributes["url"] = sqlalchemy_url(database_url)
-    return config
 
 
 def test_downgrade_to_nothing_and_back(database_url: str) -> None:

@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from bench.fake_vllm import FakeVLLM
 from core import canary, policy
 from core.database import Sessions
+from fakes.vllm import FakeVLLM
 from tests import test_lineages as lineages
 from tests.conftest import RunningProxy
 from tests.test_canary import RULE

@@ -10,10 +10,10 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from bench.fake_vllm import FakeVLLM
 from core import policy
 from core.database import Sessions
 from core.vllm import AdapterRejected, VLLMAdmin
+from fakes.vllm import FakeVLLM
 
 
 def publish(

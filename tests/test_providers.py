@@ -21,10 +21,10 @@ import psycopg
 import pytest
 from pydantic import ValidationError
 
-from bench.common import start_flywheel
-from bench.fake_vllm import FakeVLLM
 from core import export
 from demo.vllm_server import free_port
+from fakes.processes import start_flywheel
+from fakes.vllm import FakeVLLM
 from proxy.config import ProviderRoute, ProxySettings
 from tests import models
 from tests.conftest import fresh_database, trainer_claims

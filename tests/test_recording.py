@@ -8,7 +8,7 @@ from typing import Any
 
 import orjson
 
-from bench.fake_vllm import FakeVLLM
+from fakes.vllm import FakeVLLM
 from tests.conftest import RunningProxy
 
 CHAT = {

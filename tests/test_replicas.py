@@ -20,10 +20,10 @@ import httpx
 import psycopg
 import pytest
 
-from bench.fake_vllm import FakeVLLM
 from core.policy import NoReplica
 from core.vllm import AdapterRejected
 from demo.vllm_server import free_port, wait_http
+from fakes.vllm import FakeVLLM
 from proxy.upstream import Upstream
 from tests.conftest import RunningProxy
 from trainer.vllm import Replicas
@@ -83,7 +83,7 @@ def wait_for(condition: Any, timeout: float = 15.0) -> None:
 
 
 class FakeProcess:
-    """bench.fake_vllm as its own process: it can be killed like a crashed vLLM, and restarted."""
+    """fakes.vllm as its own process: it can be killed like a crashed vLLM, and restarted."""
 
     def __init__(self, port: int, latency_s: float, log_dir: Path) -> None:
         self.port, self.latency_s, self.log_dir = port, latency_s, log_dir
@@ -93,7 +93,7 @@ class FakeProcess:
 
     def start(self) -> None:
         self.starts += 1
-        command = [sys.executable, "-m", "bench.fake_vllm", "--port", str(self.port)]
+        command = [sys.executable, "-m", "fakes.vllm", "--port", str(self.port)]
         command += ["--latency-s", str(self.latency_s), "--log", str(self.log)]
         self.process = subprocess.Popen(command)
         wait_http(self.url + "/health", self.process, timeout=30)

@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.fake_vllm import FakeVLLM
+from fakes.vllm import FakeVLLM
 from tests.conftest import RunningProxy
 
 RESPONSE = {"model": "demo", "input": "What is 3 + 4?", "max_output_tokens": 5, "seed": 3}

@@ -258,7 +258,7 @@ def test_migration_makes_the_old_table_one_partition_without_copying(
     before and dropped whole once every row in it is old enough."""
     from alembic import command
 
-    from tests.test_migrations import alembic_config
+    from core.database import alembic_config
 
     config = alembic_config(database_url)
     command.downgrade(config, "0010")

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from bench.fake_vllm import FakeVLLM
 from core.record import TransitionRecord
+from fakes.vllm import FakeVLLM
 from proxy import wire
 from tests.conftest import RunningProxy
 

@@ -11,9 +11,9 @@ import orjson
 import pytest
 from sqlalchemy import text
 
-from bench.recording_rate import episode_records
 from core import codecs, database
 from core.tables import UNCOMPRESSED
+from fakes.traffic import episode_records
 from proxy import store
 from proxy.journal import Journal
 from proxy.recorder import Recorder

@@ -13,8 +13,8 @@ import orjson
 import pytest
 from sqlalchemy import text
 
-from bench.recording_rate import episode_records
 from core import codecs, database, export
+from fakes.traffic import episode_records
 from proxy import store
 from tests.conftest import trainer_claims
 

@@ -13,8 +13,8 @@ import pytest
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import ExportTraceServiceRequest
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from bench.fake_vllm import FakeVLLM
 from demo.vllm_server import free_port
+from fakes.vllm import FakeVLLM
 from proxy.tracing import _ids
 
 

@@ -25,11 +25,11 @@ from safetensors.torch import load_file
 from sqlalchemy import text
 from sqlalchemy.orm import Session
 
-from bench.fake_vllm import FakeVLLM
 from core import policy, tenants
 from core.database import Sessions
 from demo.tiny_model import build_demo_model
 from demo.vllm_server import free_port
+from fakes.vllm import FakeVLLM
 from flywheel import status
 from tests.conftest import TEST_HOME, RunningProxy
 from trainer import store

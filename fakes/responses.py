@@ -1,4 +1,4 @@
-"""The fake vLLM's `POST /v1/responses` (see bench/fake_vllm.py): vLLM 0.32's Responses API as
+"""The fake vLLM's `POST /v1/responses` (fakes/vllm.py serves it): vLLM 0.32's Responses API as
 captured in tests/data/vllm_wire/responses_*, with the same deterministic completions as chat.
 
 Like the vLLM it imitates, it keeps no responses unless `store_responses` is on (vLLM's
@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from bench import fake_vllm as fv
+from fakes import engine
 
 Json = dict[str, Any]
 LOGPROBS = "message.output_text.logprobs"
@@ -59,21 +59,21 @@ def validate(body: Json, served: list[str], stored: set[str]) -> web.Response | 
             for kind in ("string", "list")
         ]
         msg = "2 validation errors:\n  " + "\n  ".join(errors)
-        return fv.error(400, msg, "Bad Request", "body.input")
+        return engine.error(400, msg, "Bad Request", "body.input")
     model = body.get("model") or served[0]
     if model not in served:
         msg = f"The model `{model}` does not exist. Valid aliases: {served[0]}."
-        return fv.error(404, msg, "NotFoundError", "model")
+        return engine.error(404, msg, "NotFoundError", "model")
     if body.get("background"):
-        return fv.error(400, BACKGROUND, "invalid_request_error", "background")
+        return engine.error(400, BACKGROUND, "invalid_request_error", "background")
     previous = body.get("previous_response_id")
     if previous is not None and not isinstance(previous, str):  # vLLM's pydantic validation
         msg = "1 validation error:\n  {'type': 'string_type', 'loc': 'body.previous_response_id', "
         msg += "'msg': 'Input should be a valid string'}"
-        return fv.error(400, msg, "Bad Request", "body.previous_response_id")
+        return engine.error(400, msg, "Bad Request", "body.previous_response_id")
     if previous is not None and previous not in stored:
         msg = f"Response with id '{previous}' not found."
-        return fv.error(404, msg, "invalid_request_error", "response_id")
+        return engine.error(404, msg, "invalid_request_error", "response_id")
     return None
 
 
@@ -110,11 +110,11 @@ def usage(prompt_tokens: int, output_tokens: int) -> Json:
     }
 
 
-def logprob_entries(tokens: list[fv.Token], *, final: bool) -> list[Json]:
+def logprob_entries(tokens: list[engine.Token], *, final: bool) -> list[Json]:
     """Per token: {token, bytes, logprob, top_logprobs} in a finished part; no bytes in deltas."""
     out = []
     for t in tokens:
-        text = t.text or fv.EOS_TEXT
+        text = t.text or engine.EOS_TEXT
         entry: Json = {"token": text}
         if final:
             entry["bytes"] = list(text.encode())
@@ -122,7 +122,7 @@ def logprob_entries(tokens: list[fv.Token], *, final: bool) -> list[Json]:
     return out
 
 
-def output_items(choice: fv.Choice, item_id: str, want_logprobs: bool) -> list[Json]:
+def output_items(choice: engine.Choice, item_id: str, want_logprobs: bool) -> list[Json]:
     if choice.tool_call:
         call = choice.tool_call
         return [
@@ -158,7 +158,7 @@ def response_object(
     *,
     status: str,
     output: list[Json],
-    choice: fv.Choice | None,
+    choice: engine.Choice | None,
     prompt_ids: list[int],
     response_id: str,
     created: int,
@@ -226,30 +226,30 @@ def with_detail(body: Json) -> Json:
     return {**body, "enable_response_messages": True, "include": include}
 
 
-async def responses(state: fv.FakeState, body: Json, request: web.Request) -> Any:
-    if (invalid := validate(body, fv.served_names(state), state.stored)) is not None:
+async def responses(state: engine.FakeState, body: Json, request: web.Request) -> Any:
+    if (invalid := validate(body, engine.served_names(state), state.stored)) is not None:
         return invalid
     if state.always_detail:
         body = with_detail(body)
     model = body.get("model") or state.model
-    prompt_ids = fv.tokenize(rendered(body))
+    prompt_ids = engine.tokenize(rendered(body))
     key = f"{model}|{prompt_ids}|0|{body.get('seed')}"
     max_tokens = body.get("max_output_tokens") or 16
-    choice = fv.tool_choice_for(as_chat(body), key) or fv.sample(key, max_tokens)
+    choice = engine.tool_choice_for(as_chat(body), key) or engine.sample(key, max_tokens)
     if len(state.sampled) > 10_000:  # a benchmark's worth
         state.sampled.clear()
     state.sampled[(*prompt_ids, *(t.id for t in choice.tokens))] = [
         t.logprob for t in choice.tokens
     ]
-    response_id, created = f"resp_{fv.new_id('x')[2:]}", int(time.time())
+    response_id, created = f"resp_{engine.new_id('x')[2:]}", int(time.time())
     if state.store_responses and body.get("store", True) is not False:
         state.stored.add(response_id)
-    item_id = ("fc_" if choice.tool_call else "msg_") + fv.new_id("x")[2:]
+    item_id = ("fc_" if choice.tool_call else "msg_") + engine.new_id("x")[2:]
     output = output_items(choice, item_id, wants_logprobs(body))
     ids: Any = {"prompt_ids": prompt_ids, "response_id": response_id, "created": created}
     final = response_object(body, model, status="completed", output=output, choice=choice, **ids)
     if not body.get("stream"):
-        return web.json_response(final, dumps=fv.compact)
+        return web.json_response(final, dumps=engine.compact)
     start = response_object(body, model, status="in_progress", output=[], choice=None, **ids)
     events: list[Json] = [
         {"response": start, "type": "response.created"},
@@ -268,12 +268,12 @@ async def responses(state: fv.FakeState, body: Json, request: web.Request) -> An
         if state.token_delay_s:
             await asyncio.sleep(state.token_delay_s)
         event = dict(sorted({**event, "sequence_number": number}.items()))  # vLLM's order
-        await response.write(f"event: {event['type']}\ndata: {fv.compact(event)}\n\n".encode())
+        await response.write(f"event: {event['type']}\ndata: {engine.compact(event)}\n\n".encode())
     await response.write_eof()
     return response
 
 
-def text_events(choice: fv.Choice, item: Json, want_logprobs: bool) -> list[Json]:
+def text_events(choice: engine.Choice, item: Json, want_logprobs: bool) -> list[Json]:
     where = {"content_index": 0, "item_id": item["id"], "output_index": 0}
     text = item["content"][0]["text"]
     added = {**item, "content": [], "status": "in_progress"}
@@ -302,7 +302,7 @@ def text_events(choice: fv.Choice, item: Json, want_logprobs: bool) -> list[Json
     return events
 
 
-def call_events(choice: fv.Choice, item: Json) -> list[Json]:
+def call_events(choice: engine.Choice, item: Json) -> list[Json]:
     arguments = item["arguments"]
     added = {**item, "arguments": "", "status": "in_progress"}
     events: list[Json] = [{"item": added, "output_index": 0, "type": "response.output_item.added"}]
