@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import orjson
+import psycopg
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
@@ -80,6 +82,18 @@ def migrate(url: str) -> None:
     config.set_main_option("script_location", str(Path(migrations.__file__).parent))
     config.attributes["url"] = sqlalchemy_url(url)
     command.upgrade(config, "head")
+
+
+# Errors that mean "Postgres is not there right now", as opposed to "Postgres refused this row".
+# psycopg's own: COPY runs on the driver's connection, unwrapped by SQLAlchemy. Its
+# OperationalError includes a deadlock or a lock timeout: the batch is fine, only unlucky.
+OUTAGE_ERRORS = (
+    sa_exc.OperationalError,
+    sa_exc.InterfaceError,
+    psycopg.OperationalError,
+    OSError,
+    TimeoutError,
+)
 
 
 # Both engines: pool_pre_ping, so that a Postgres restart does not leave dead connections that

@@ -27,11 +27,9 @@ from collections.abc import Iterator
 from datetime import UTC, date, datetime
 
 import orjson
-import psycopg
-from sqlalchemy import exc as sa_exc
 
 from core.codecs import PromptMemo
-from core.database import AsyncSessions
+from core.database import OUTAGE_ERRORS, AsyncSessions
 from core.record import TransitionRecord
 from proxy import metrics, store
 from proxy.journal import Journal
@@ -39,16 +37,6 @@ from proxy.tracing import Spans
 
 log = logging.getLogger(__name__)
 
-# Errors that mean "Postgres is not there right now", as opposed to "Postgres refused this row".
-# psycopg's own: COPY runs on the driver's connection, unwrapped by SQLAlchemy. Its
-# OperationalError includes a deadlock or a lock timeout: the batch is fine, only unlucky.
-OUTAGE_ERRORS = (
-    sa_exc.OperationalError,
-    sa_exc.InterfaceError,
-    psycopg.OperationalError,
-    OSError,
-    TimeoutError,
-)
 WRITE_TIMEOUT_S = 15.0  # a write hanging longer than this is an outage: journal and move on
 REPLAY_CHUNK = 5000
 # Batches written at once, each on its own connection: while Postgres writes one, Python packs

@@ -19,11 +19,12 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from starlette.responses import Response
 
+from core.database import OUTAGE_ERRORS
 from core.tenants import DEFAULT, Principal
 from proxy import metrics, store, wire
 from proxy.auth import principal_of
 from proxy.errors import ApiError
-from proxy.recorder import OUTAGE_ERRORS, STORED_WAIT_S
+from proxy.recorder import STORED_WAIT_S
 from proxy.routes.body import read_json
 from proxy.schemas import MAX_REWARDS_PER_POST, RewardIn
 from proxy.services import Services, ServicesDep
