@@ -21,7 +21,7 @@ import psycopg
 import pytest
 
 from bench.fake_vllm import FakeVLLM
-from core.policy import NoReplica
+from core.rollout import NoReplica
 from core.vllm import AdapterRejected
 from demo.vllm_server import free_port, wait_http
 from proxy.upstream import Upstream
