@@ -3,7 +3,7 @@
 Fills a fresh database with `--transitions` rows (default 1,000,000: 4 calls an episode, 4 agents,
 50 tasks, 10 policy versions one after another, spread over `--days` days, 90 % of episodes
 rewarded, 1 % failed calls, 0.5 % set aside), ANALYZEs it, then times each query the pages run
-(proxy/dashboard.py and the episode read, through the same functions the routes call), as the
+(proxy/record/dashboard.py and the episode read, through the same functions the routes call), as the
 operator (every tenant) and as a tenant's key would:
 
     PYTHONPATH=. .venv/bin/python -m bench.dashboard [--transitions 1000000] [--repeat 5]
@@ -30,7 +30,7 @@ from sqlalchemy import text
 from bench.common import append_section, bench_database
 from core import database, partitions
 from core.tenants import OPERATOR, Principal
-from proxy import dashboard, store
+from proxy.record import dashboard, store
 
 REPORT = Path(__file__).with_name("dashboard.md")
 CALLS_PER_EPISODE = 4

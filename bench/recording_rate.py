@@ -44,8 +44,8 @@ from bench import storage
 from bench.common import bench_database
 from core import database
 from core.record import TransitionRecord
-from proxy.journal import Journal
-from proxy.recorder import Recorder
+from proxy.record.journal import Journal
+from proxy.record.recorder import Recorder
 
 SYSTEM = "You are a careful assistant that uses tools. " * 25  # ~1.1 kB, shared by every call
 RESULTS = Path(__file__).with_suffix(".md")  # this script's own report

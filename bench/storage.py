@@ -36,7 +36,7 @@ import psycopg
 from bench.common import append_section, bench_database
 from core import codecs, database, retention
 from core.record import TransitionRecord
-from proxy import store
+from proxy.record import store
 
 RESULTS = Path(__file__).with_suffix(".md")
 TURNS, START, ANSWER, NEXT = 20, 6_000, 100, 5

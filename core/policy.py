@@ -16,11 +16,11 @@ sequence for all lineages, so `N` names one adapter everywhere (`<lineage>-vN`).
                         `unpin` lets the trainer go on from the pinned version
     retire   (trainer)  mark_retired (under the lock) -> unload_everywhere -> delete the directory
 
-Whoever moves `is_current` or retires a version holds PUBLISH_LOCK for that transaction, and a
-move NOTIFYs POLICY_CHANNEL: every proxy's alias (proxy/alias.py) listens and follows the commit
-at once. Because retiring marks the row before anything is unloaded, and `make_current` refuses a
-retired row under the same lock, a rollback racing a retirement either wins (the version is
-current, so it is not retired) or gets `RetiredVersion`; never an alias on an unloaded adapter.
+Whoever moves `is_current` or retires a version holds PUBLISH_LOCK for that transaction; a move
+NOTIFYs POLICY_CHANNEL, which every proxy's alias (proxy/relay/alias.py) follows at once.
+Because retiring marks the row before anything is unloaded, and `make_current` refuses a retired
+row under the same lock, a rollback racing a retirement either wins (the version is current, so
+it is not retired) or gets `RetiredVersion`; never an alias on an unloaded adapter.
 
 This is its SQL; the loads into every replica and `activate` are core/rollout.py. The SQL
 functions take a sync `session` (the trainer's); the proxy and the CLI run them on their async

@@ -73,13 +73,13 @@ class TransitionRecord:
     logprobs: list[float] | None = _column("bytea", encode=_pack_logprobs, default=None)
     text: str | None = _column("text", default=None)
     tool_calls: list[Any] | None = _column("jsonb", default=None)
-    tool_errors: list[Any] | None = _column("jsonb", default=None)  # proxy/air.py, when on
+    tool_errors: list[Any] | None = _column("jsonb", default=None)  # proxy/record/air.py, when on
     finish_reason: str | None = _column("text", default=None)
     error: dict[str, Any] | None = _column("jsonb", default=None)
     latency_ms: float = _column("float8")
     prompt_tokens: int | None = _column("int4", default=None)
     completion_tokens: int | None = _column("int4", default=None)
-    provider: str | None = _column("text", default=None)  # a routed call's (proxy/providers.py)
+    provider: str | None = _column("text", default=None)  # proxy/relay/providers.py
     cost_usd: float | None = _column("float8", default=None)
 
     @classmethod

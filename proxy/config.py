@@ -83,8 +83,8 @@ class ProxySettings(DatabaseSettings):
     routes: Annotated[dict[str, ProviderRoute], NoDecode] = Field(
         default_factory=dict,
         description="Model names served by providers through litellm, not by vLLM "
-        "(proxy/providers.py): `gpt-4.1=openai/gpt-4.1,claude=anthropic/claude-sonnet-4-5`, or "
-        'JSON for more: `{"gpt-4.1": {"model": "openai/gpt-4.1", "api_base": "...", '
+        "(proxy/relay/providers.py): `gpt-4.1=openai/gpt-4.1,claude=anthropic/claude-sonnet-4-5`, "
+        'or JSON for more: `{"gpt-4.1": {"model": "openai/gpt-4.1", "api_base": "...", '
         '"api_key_env": "TEAM_OPENAI_KEY"}}`. Their chat calls are recorded (no token ids, '
         "never trained). Needs the `litellm` extra (the proxy image has it).",
     )
@@ -114,8 +114,8 @@ class ProxySettings(DatabaseSettings):
     air_penalty: float | None = Field(
         None,
         ge=0,
-        description="Automatic intermediate rewards (proxy/air.py): a transition whose tool call "
-        "names an undeclared tool, has non-JSON arguments or breaks the tool's schema gets an "
+        description="Automatic intermediate rewards (proxy/record/air.py): a transition whose tool "
+        "call names an undeclared tool, has non-JSON arguments or breaks the tool's schema gets an "
         "intermediate reward of minus this. Unset: AIR off (0: check and record, no penalty).",
     )
     air_tool_call_marker: str = Field(
@@ -126,8 +126,8 @@ class ProxySettings(DatabaseSettings):
     otel_endpoint: str | None = Field(
         None,
         description="OTLP/HTTP traces URL (e.g. http://collector:4318/v1/traces): every recorded "
-        "call is also exported as an OpenTelemetry span in its episode's trace (proxy/tracing.py)."
-        " Unset: off.",
+        "call is also exported as an OpenTelemetry span in its episode's trace "
+        "(proxy/record/tracing.py). Unset: off.",
     )
     otel_service_name: str = Field("flywheel-proxy", description="The spans' service.name.")
     retention_days: int | None = Field(

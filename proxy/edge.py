@@ -24,13 +24,14 @@ from starlette.routing import Match
 from starlette.types import Message, Receive, Scope, Send
 
 from core.tenants import OPERATOR, Principal
-from proxy import metrics, wire
+from proxy import metrics
 from proxy.auth import require
 from proxy.config import ProxySettings
 from proxy.errors import ApiError, error_response, unexpected_error
+from proxy.relay import wire
+from proxy.relay.tags import split_path
 from proxy.routes.completions import complete
 from proxy.services import services_of
-from proxy.tags import split_path
 
 _COMPLETIONS = {route.path: route for route in wire.ROUTES}
 

@@ -82,11 +82,11 @@ upstream_retries = Counter(
 )
 logprobs_scored = Counter(
     "flywheel_logprobs_scored_total",
-    "Transitions whose missing logprobs the proxy asked vLLM for (proxy/scoring.py).",
+    "Transitions whose missing logprobs the proxy asked vLLM for (proxy/relay/scoring.py).",
     ["outcome"],
 )
 tool_call_errors = Counter(
     "flywheel_tool_call_errors_total",
-    "Tool calls AIR found wrong (proxy/air.py), by kind; counted only while AIR is on.",
+    "Tool calls AIR found wrong (proxy/record/air.py), by kind; counted only while AIR is on.",
     ["kind"],
 )

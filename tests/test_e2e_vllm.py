@@ -16,7 +16,7 @@ import pytest
 from openai import OpenAI
 
 from core import codecs, export
-from proxy.wire import pg_safe
+from proxy.relay.wire import pg_safe
 from tests.conftest import RunningProxy, trainer_claims
 
 pytestmark = pytest.mark.e2e

@@ -46,10 +46,10 @@ def test_the_packages_as_they_are_keep_every_contract(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("module", "line", "broken"),
     [
-        ("proxy/alias.py", "import trainer.store", "proxy.alias -> trainer.store"),
-        ("trainer/loop.py", "from proxy import wire", "trainer.loop -> proxy.wire"),
-        ("core/policy.py", "import proxy.upstream", "core.policy -> proxy.upstream"),
-        ("proxy/forward.py", "import demo.agent", "proxy.forward -> demo.agent"),
+        ("proxy/relay/alias.py", "import trainer.store", "proxy.relay.alias -> trainer.store"),
+        ("trainer/loop.py", "from proxy.relay import wire", "trainer.loop -> proxy.relay.wire"),
+        ("core/policy.py", "import proxy.relay.upstream", "core.policy -> proxy.relay.upstream"),
+        ("proxy/relay/forward.py", "import demo.agent", "proxy.relay.forward -> demo.agent"),
         ("demo/stack.py", "import flywheel.cli", "demo.stack -> flywheel.cli"),
         ("core/record.py", "import torch", "core.record -> torch"),
         ("judge/worker.py", "import trainer.store", "judge.worker -> trainer.store"),

@@ -24,7 +24,7 @@ from bench.fake_vllm import FakeVLLM
 from core.rollout import NoReplica
 from core.vllm import AdapterRejected
 from demo.vllm_server import free_port, wait_http
-from proxy.upstream import Upstream
+from proxy.relay.upstream import Upstream
 from tests.conftest import RunningProxy
 from trainer.vllm import Replicas
 

@@ -19,7 +19,7 @@ import pytest
 
 from core import database, partitions, retention
 from core.record import TransitionRecord
-from proxy import store
+from proxy.record import store
 from tests.conftest import RunningProxy
 
 NOW = datetime.now(UTC)

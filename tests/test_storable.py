@@ -10,7 +10,7 @@ from typing import Any
 
 from bench.fake_vllm import FakeVLLM
 from core.record import TransitionRecord
-from proxy import wire
+from proxy.relay import wire
 from tests.conftest import RunningProxy
 
 

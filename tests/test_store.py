@@ -14,9 +14,9 @@ from sqlalchemy import text
 from bench.recording_rate import episode_records
 from core import codecs, database
 from core.tables import UNCOMPRESSED
-from proxy import store
-from proxy.journal import Journal
-from proxy.recorder import Recorder
+from proxy.record import store
+from proxy.record.journal import Journal
+from proxy.record.recorder import Recorder
 
 
 def stored(rows: store.EpisodeRows | None) -> dict[str, dict[str, Any]]:

@@ -15,7 +15,7 @@ from sqlalchemy import text
 
 from bench.recording_rate import episode_records
 from core import codecs, database, export
-from proxy import store
+from proxy.record import store
 from tests.conftest import trainer_claims
 
 

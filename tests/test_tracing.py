@@ -15,7 +15,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from bench.fake_vllm import FakeVLLM
 from demo.vllm_server import free_port
-from proxy.tracing import _ids
+from proxy.record.tracing import _ids
 
 
 class Receiver:

@@ -14,7 +14,7 @@
 Activation is `core.rollout.activate`, the same lifecycle the trainer's publish and
 `flywheel adapters activate` use: load N into every vLLM replica, then move the alias. A replica
 that cannot be reached is ejected here; it rejoins once it has the current adapter
-(proxy/replicas.py).
+(proxy/relay/replicas.py).
 """
 
 from __future__ import annotations

@@ -9,12 +9,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope
 
-from proxy import wire
 from proxy.auth import principal_of
 from proxy.errors import ApiError
+from proxy.relay import wire
+from proxy.relay.tags import resolve
 from proxy.routes.body import read_json
 from proxy.services import Services
-from proxy.tags import resolve
 
 
 async def complete(

@@ -14,10 +14,10 @@ from core.codecs import unpack
 from core.database import OUTAGE_ERRORS
 from core.tables import Reward, Transition
 from core.tenants import Principal
-from proxy import store
 from proxy.auth import principal_of
 from proxy.errors import ApiError
-from proxy.recorder import STORED_WAIT_S
+from proxy.record import store
+from proxy.record.recorder import STORED_WAIT_S
 from proxy.services import Services, ServicesDep
 
 router = APIRouter()

@@ -2,7 +2,7 @@
 
 A step reward names its transition (`transition_id`, from the X-Transition-Id header) or a tool
 call the transition made (`tool_call_id`: what a framework that ran the tool knows); `source`
-says who gave it ("tool" for a failed tool run, say; "air" is the proxy's own, proxy/air.py).
+says who gave it ("tool" for a failed tool run, say; "air" is the proxy's own, proxy/record/air.py).
 
 A reward for an episode whose transitions are still in this process's writer queue waits for them
 (`Recorder.wait_stored`), so a reward posted after its completion's response always joins it. A
@@ -21,12 +21,14 @@ from starlette.responses import Response
 
 from core.database import OUTAGE_ERRORS
 from core.tenants import DEFAULT, Principal
-from proxy import metrics, store, wire
+from proxy import metrics
 from proxy.auth import principal_of
 from proxy.errors import ApiError
-from proxy.recorder import STORED_WAIT_S
+from proxy.record import store
+from proxy.record.recorder import STORED_WAIT_S
+from proxy.record.schemas import MAX_REWARDS_PER_POST, RewardIn
+from proxy.relay import wire
 from proxy.routes.body import read_json
-from proxy.schemas import MAX_REWARDS_PER_POST, RewardIn
 from proxy.services import Services, ServicesDep
 
 router = APIRouter()

@@ -7,8 +7,9 @@ responses.py). On the way back those are removed again where the client did not 
 the client sees what vLLM would have sent it. Each choice becomes one transition, handed to the
 background writer (never awaited here), or first to the scorer when vLLM left its logprobs out.
 
-A model name in FLYWHEEL_ROUTES goes to its provider through litellm instead (proxy/providers.py),
-recorded the same way but for token ids, logprobs and a lineage, which it has none of.
+A model name in FLYWHEEL_ROUTES goes to its provider through litellm instead
+(proxy/relay/providers.py), recorded the same way but for token ids, logprobs and a lineage, which
+it has none of.
 
 Durable mode (FLYWHEEL_DURABLE): a successful answer is released only once its transitions are
 committed or fsync'd to the journal: a non-streaming body after that, a stream's terminal event
@@ -30,19 +31,20 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from core.record import TransitionRecord
-from proxy import metrics, responses, wire
-from proxy.air import ToolCheck
-from proxy.alias import PolicyAlias
-from proxy.call import Call, failure, random_uuids, transitions
+from proxy import metrics
 from proxy.config import ProviderRoute
 from proxy.errors import ApiError, error_response
-from proxy.http1 import Response as UpstreamResponse
-from proxy.http1 import UpstreamBroken
-from proxy.providers import ProviderFailed, Providers
-from proxy.recorder import Recorder
-from proxy.scoring import Scorer, needs_scoring
-from proxy.tags import Tags
-from proxy.upstream import Replica, Upstream
+from proxy.record.air import ToolCheck
+from proxy.record.recorder import Recorder
+from proxy.relay import responses, wire
+from proxy.relay.alias import PolicyAlias
+from proxy.relay.call import Call, failure, random_uuids, transitions
+from proxy.relay.http1 import Response as UpstreamResponse
+from proxy.relay.http1 import UpstreamBroken
+from proxy.relay.providers import ProviderFailed, Providers
+from proxy.relay.scoring import Scorer, needs_scoring
+from proxy.relay.tags import Tags
+from proxy.relay.upstream import Replica, Upstream
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ class Forwarder:
         self._alias = alias
         self._recorder = recorder
         self._scorer = scorer
-        self._tool_check = tool_check  # AIR (proxy/air.py); None: off
+        self._tool_check = tool_check  # AIR (proxy/record/air.py); None: off
         self._durable_wait_s = durable_wait_s  # None: durable mode off
         self._providers = providers  # FLYWHEEL_ROUTES; None: none
 

@@ -31,9 +31,10 @@ import orjson
 from core.codecs import PromptMemo
 from core.database import OUTAGE_ERRORS, AsyncSessions
 from core.record import TransitionRecord
-from proxy import metrics, store
-from proxy.journal import Journal
-from proxy.tracing import Spans
+from proxy import metrics
+from proxy.record import store
+from proxy.record.journal import Journal
+from proxy.record.tracing import Spans
 
 log = logging.getLogger(__name__)
 
@@ -117,8 +118,8 @@ class Recorder:
         self._task = asyncio.create_task(self._run(), name="flywheel-writer")
 
     def expect(self, records: list[TransitionRecord]) -> None:
-        """Records on their way here (being scored, proxy/scoring.py): rewards and episode reads
-        wait for them as for records already queued."""
+        """Records on their way here (being scored, proxy/relay/scoring.py): rewards and episode
+        reads wait for them as for records already queued."""
         self._track(records)
 
     def watch(self, transition_ids: list[str]) -> list[asyncio.Future[None]]:

@@ -23,8 +23,8 @@ from core.codecs import PackedDigests, PromptMemo, pack, pack_digests, split_blo
 from core.pgcopy import copy_insert
 from core.record import TRANSITION_COLUMNS, TransitionRecord, copy_row
 from core.tables import PROMPT_IDS_SQL, Episode, Message, Reward, Transition
-from proxy.credit import Step, assign_returns
-from proxy.schemas import RewardIn
+from proxy.record.credit import Step, assign_returns
+from proxy.record.schemas import RewardIn
 
 # --- recording (the background writer) -------------------------------------------------------
 
@@ -81,7 +81,8 @@ async def insert_transitions(
     memo: PromptMemo | None = None,
 ) -> list[bytes]:
     """Write recorded transitions (idempotent by id: journal replays may repeat some), with an
-    `air` reward of -air_penalty for each one whose tool calls AIR found wrong (proxy/air.py).
+    `air` reward of -air_penalty for each one whose tool calls AIR found wrong
+    (proxy/record/air.py).
 
     Prompts are stored by content: each message once (`message`), and the token ids' whole
     blocks once (`token_block`, core/codecs.py). Those whose digest is in `stored` (known to be

@@ -26,9 +26,9 @@ import orjson
 
 from core.record import TransitionRecord
 from proxy import metrics
-from proxy.http1 import UpstreamBroken
-from proxy.recorder import Recorder
-from proxy.upstream import Upstream
+from proxy.record.recorder import Recorder
+from proxy.relay.http1 import UpstreamBroken
+from proxy.relay.upstream import Upstream
 
 log = logging.getLogger(__name__)
 

@@ -16,9 +16,9 @@ from typing import Any
 import orjson
 
 from core.record import TransitionRecord
-from proxy import responses, wire
-from proxy.tags import Tags
-from proxy.upstream import Replica
+from proxy.relay import responses, wire
+from proxy.relay.tags import Tags
+from proxy.relay.upstream import Replica
 
 
 @dataclass

@@ -24,7 +24,7 @@ from typing import Any
 
 from core.record import TransitionRecord
 
-# The GenAI operation name of each route (proxy/wire.py's Route names).
+# The GenAI operation name of each route (proxy/relay/wire.py's Route names).
 _OPERATIONS = {"chat": "chat", "completions": "text_completion", "responses": "chat"}
 
 
