@@ -13,8 +13,8 @@ from sqlalchemy import text
 from bench.recording_rate import episode_records
 from core import database
 from core.record import TransitionRecord
-from proxy.record import store
 from proxy.record.air import ToolCheck
+from proxy.record.store.transitions import insert_transitions
 from tests.conftest import RunningProxy
 from tests.test_responses import CALCULATOR
 
@@ -174,7 +174,7 @@ async def test_a_replayed_batch_adds_its_air_reward_once(database_url: str) -> N
     records[1].tool_errors = [{"index": 0, "kind": "undeclared_tool"}]
     for _ in range(2):  # a journal replay writes the batch again
         async with sessionmaker.begin() as session:
-            await store.insert_transitions(records, session=session, gamma=None, air_penalty=0.2)
+            await insert_transitions(records, session=session, gamma=None, air_penalty=0.2)
     async with sessionmaker() as session:
         rows = (
             await session.execute(text("SELECT transition_id::text, value, source FROM reward"))

@@ -32,8 +32,8 @@ from core.codecs import PromptMemo
 from core.database import OUTAGE_ERRORS, AsyncSessions
 from core.record import TransitionRecord
 from proxy import metrics
-from proxy.record import store
 from proxy.record.journal import Journal
+from proxy.record.store.transitions import insert_transitions
 from proxy.record.tracing import Spans
 
 log = logging.getLogger(__name__)
@@ -288,7 +288,7 @@ class Recorder:
             self._stored_day = today
         try:
             async with asyncio.timeout(WRITE_TIMEOUT_S), self._sessionmaker.begin() as session:
-                sent = await store.insert_transitions(
+                sent = await insert_transitions(
                     records,
                     session=session,
                     gamma=self._gamma,

@@ -16,8 +16,8 @@ from core.tables import Reward, Transition
 from core.tenants import Principal
 from proxy.auth import principal_of
 from proxy.errors import ApiError
-from proxy.record import store
 from proxy.record.recorder import STORED_WAIT_S
+from proxy.record.store import episodes
 from proxy.services import Services, ServicesDep
 
 router = APIRouter()
@@ -40,7 +40,7 @@ async def read_episode(
     await services.recorder.wait_stored(stored_id, timeout=STORED_WAIT_S)
     try:
         async with services.sessionmaker() as session:
-            rows = await store.get_episode(stored_id, session=session)
+            rows = await episodes.get_episode(stored_id, session=session)
     except OUTAGE_ERRORS as e:
         raise ApiError(503, "database unavailable", type="service_unavailable") from e
     if rows is None:
@@ -52,7 +52,7 @@ async def read_episode(
 
 
 def episode_json(
-    rows: store.EpisodeRows, public: Callable[[str], str], tokens: bool
+    rows: episodes.EpisodeRows, public: Callable[[str], str], tokens: bool
 ) -> dict[str, Any]:
     return {
         "id": public(rows.episode.id),
@@ -66,7 +66,7 @@ def episode_json(
 
 
 def _transition(
-    t: Transition, rows: store.EpisodeRows, tokens: bool, public: Callable[[str], str]
+    t: Transition, rows: episodes.EpisodeRows, tokens: bool, public: Callable[[str], str]
 ) -> dict[str, Any]:
     bodies = rows.messages
     out: dict[str, Any] = {

@@ -7,7 +7,7 @@ says who gave it ("tool" for a failed tool run, say; "air" is the proxy's own, p
 A reward for an episode whose transitions are still in this process's writer queue waits for them
 (`Recorder.wait_stored`), so a reward posted after its completion's response always joins it. A
 step reward whose transition another replica recorded and has not stored yet is kept "pending"
-and joins its transition when that replica's writer stores it (`store.attach_pending_rewards`).
+and joins its transition when that replica's writer stores it (`rewards.attach_pending_rewards`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from core.tenants import DEFAULT, Principal
 from proxy import metrics
 from proxy.auth import principal_of
 from proxy.errors import ApiError
-from proxy.record import store
 from proxy.record.recorder import STORED_WAIT_S
 from proxy.record.schemas import MAX_REWARDS_PER_POST, RewardIn
+from proxy.record.store import rewards
 from proxy.relay import wire
 from proxy.routes.body import read_json
 from proxy.services import Services, ServicesDep
@@ -101,18 +101,18 @@ async def store_rewards(
     try:
         async with services.sessionmaker.begin() as session:
             try:
-                saved = await store.add_rewards(
+                saved = await rewards.add_rewards(
                     items, session=session, gamma=services.settings.credit_gamma
                 )
-            except store.UnknownTransition as e:
+            except rewards.UnknownTransition as e:
                 raise ApiError(
                     404, str(e), param="transition_id", code="transition_not_found"
                 ) from e
-            except store.AmbiguousToolCall as e:
+            except rewards.AmbiguousToolCall as e:
                 raise ApiError(409, str(e), param="tool_call_id", code="ambiguous_tool_call") from e
-            except store.RewardConflict as e:
+            except rewards.RewardConflict as e:
                 raise ApiError(409, str(e), code="already_trained") from e
-            except store.KeyReused as e:
+            except rewards.KeyReused as e:
                 raise ApiError(
                     409, str(e), param="idempotency_key", code="idempotency_key_reused"
                 ) from e

@@ -33,7 +33,7 @@ from core.vllm import VLLMError
 from proxy.auth import principal_of
 from proxy.config import TAG_PATTERN
 from proxy.errors import ApiError
-from proxy.record import dashboard
+from proxy.record.store import dashboard
 from proxy.routes.admin import canary_json, pin_json
 from proxy.routes.episodes import read_episode
 from proxy.services import ServicesDep
