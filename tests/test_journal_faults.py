@@ -31,7 +31,8 @@ from core.database import AsyncSessions
 from core.record import TransitionRecord
 from demo.vllm_server import free_port
 from proxy.record.journal import Journal
-from proxy.record.recorder import Recorder, record_bytes
+from proxy.record.queue import record_bytes
+from proxy.record.recorder import Recorder
 from tests.conftest import RunningProxy
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
