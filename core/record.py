@@ -54,7 +54,7 @@ class TransitionRecord:
     task_id: str | None = _column("text", default=None)
     agent_name: str | None = _column("text", default=None)
     requested_at: float = _column("timestamptz", encode=_timestamp)  # unix seconds
-    route: str = _column("text")  # a wire.Route name: "chat" | "completions" | "responses"
+    route: str = _column("text")  # a wire.Endpoint name: "chat" | "completions" | "responses"
     status: str = _column("text")  # "ok" | "aborted" | "failed"
     http_status: int = _column("int2")
     model_requested: str | None = _column("text", default=None)

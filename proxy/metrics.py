@@ -20,12 +20,12 @@ proxy_overhead = Histogram(
     ["route"],
     buckets=_OVERHEAD_BUCKETS,
 )
-routed_calls = Counter(
+provider_calls = Counter(  # (the metric keeps its name from before: "routed")
     "flywheel_routed_calls_total",
     "Calls of FLYWHEEL_ROUTES models, sent to their providers through litellm.",
     ["model", "status"],
 )
-routed_cost = Counter(
+provider_cost = Counter(
     "flywheel_routed_cost_usd_total", "litellm's price of the routed calls, USD.", ["model"]
 )
 transitions_recorded = Counter(

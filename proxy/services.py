@@ -1,7 +1,7 @@
 """Everything a route may use, started once by the app's lifespan and handed to each route as one
 typed object: `ServicesDep` for FastAPI routes, `services_of(app)` for the edge's fast lane.
 
-Start-up: import litellm if models are routed to providers (proxy/relay/providers.py), find the
+Start-up: import litellm if there are provider models (proxy/relay/providers.py), find the
 database (configured or embedded), migrate it, start the background writer (replaying any journal
 left from before), the upstream client, the alias, the replica probes and the housekeeping of
 partitions and retention (proxy/record/maintenance.py).

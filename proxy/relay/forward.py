@@ -32,7 +32,7 @@ from starlette.types import Receive, Scope, Send
 
 from core.record import TransitionRecord
 from proxy import metrics
-from proxy.config import ProviderRoute
+from proxy.config import ProviderModel
 from proxy.errors import ApiError, error_response
 from proxy.record.air import ToolCheck
 from proxy.record.recorder import Recorder
@@ -52,8 +52,8 @@ MAX_CHOICES = 256  # n x prompts per call; more is almost certainly a client bug
 # What a completion call to vLLM can raise (alias.restore handles its own errors).
 UPSTREAM_ERRORS = (UpstreamBroken, TimeoutError)
 # labels() takes a lock and a lookup per call: the children, once
-_UPSTREAM_LATENCY = {r.name: metrics.upstream_latency.labels(r.name) for r in wire.ROUTES}
-_PROXY_OVERHEAD = {r.name: metrics.proxy_overhead.labels(r.name) for r in wire.ROUTES}
+_UPSTREAM_LATENCY = {e.name: metrics.upstream_latency.labels(e.name) for e in wire.ENDPOINTS}
+_PROXY_OVERHEAD = {e.name: metrics.proxy_overhead.labels(e.name) for e in wire.ENDPOINTS}
 
 
 class Forwarder:
@@ -76,7 +76,7 @@ class Forwarder:
         self._providers = providers  # FLYWHEEL_ROUTES; None: none
 
     async def handle(
-        self, route: wire.Route, body: dict[str, Any], tags: Tags, *, scrub: bool = False
+        self, endpoint: wire.Endpoint, body: dict[str, Any], tags: Tags, *, scrub: bool = False
     ) -> Response:
         """Forward one call. `scrub`: the body holds a U+0000, to be made storable when recorded."""
         model = body.get("model")
@@ -85,26 +85,28 @@ class Forwarder:
         stream = body.get("stream", False)
         if not isinstance(stream, bool) and stream is not None:
             raise ApiError(400, "`stream` must be a boolean", param="stream")
-        routed = self._providers.get(model) if self._providers is not None else None
-        if routed is not None:
-            if route is not wire.CHAT:
+        provider_model = self._providers.get(model) if self._providers is not None else None
+        if provider_model is not None:
+            if endpoint is not wire.CHAT:
                 raise ApiError(
                     400,
                     f"model {model!r} is served by a provider (FLYWHEEL_ROUTES), "
                     "through /v1/chat/completions only",
                     param="model",
                 )
-            return await self._route(routed, body, tags, stream=bool(stream), scrub=scrub)
+            return await self._forward_to_provider(
+                provider_model, body, tags, stream=bool(stream), scrub=scrub
+            )
         choices = 1
-        if route is wire.RESPONSES:
+        if endpoint is wire.RESPONSES:
             responses.check(body)  # one model call, one transition
         else:
-            choices = _choices(route, body)
+            choices = _choices(endpoint, body)
 
         resolved = await self._alias.resolve(model, tags.agent_name, tags.episode_id)
         *transition_ids, request_id = random_uuids(choices + 1)
         call = Call(
-            route=route,
+            endpoint=endpoint,
             tags=tags,
             body=body,
             model_used=resolved.model,
@@ -139,7 +141,7 @@ class Forwarder:
             self._free(call)
         call.upstream_s = time.perf_counter() - sent
         if response.status != 200:
-            if call.route is wire.RESPONSES:
+            if call.endpoint is wire.RESPONSES:
                 payload = responses.unknown_previous(call.body, response.status, payload) or payload
             self._submit(call, failure(call, response.status, payload))
             return Response(
@@ -149,8 +151,8 @@ class Forwarder:
                 headers=call.headers(),
             )
         data = orjson.loads(payload)
-        collected = _collect(call.route, data)
-        if call.route is wire.RESPONSES:
+        collected = _collect(call.endpoint, data)
+        if call.endpoint is wire.RESPONSES:
             call.response_id = data.get("id")
         if not (call.wants_logprobs and call.wants_token_ids):
             _strip(call, data)
@@ -196,13 +198,13 @@ class Forwarder:
         raise UpstreamBroken("no vLLM replica to send to")
 
     async def _post(self, call: Call, replica: Replica, body: bytes) -> UpstreamResponse:
-        response = await self._upstream.post(replica, call.route.path, body)
+        response = await self._upstream.post(replica, call.endpoint.path, body)
         if response.status == 404 and call.policy_version:
             # A restarted vLLM has none of our adapters: load this one again and retry once.
             await response.read()  # kept: the 404 can still be passed through
             response.release()
             if await self._alias.restore(replica, call.model_used):
-                response = await self._upstream.post(replica, call.route.path, body)
+                response = await self._upstream.post(replica, call.endpoint.path, body)
         return response
 
     def _free(self, call: Call) -> None:
@@ -233,7 +235,7 @@ class Forwarder:
                             held = b"data: [DONE]\n\n"
                         continue
                     chunk = orjson.loads(data_bytes)
-                    if call.route is wire.RESPONSES:
+                    if call.endpoint is wire.RESPONSES:
                         ended = responses.read_event(chunk, collected.setdefault(0, wire.Choice()))
                         if ended is not None:
                             status = ended
@@ -243,7 +245,7 @@ class Forwarder:
                     elif "error" in chunk:
                         error = chunk
                     else:
-                        wire.collect_chunk(call.route, chunk, collected)
+                        wire.collect_chunk(call.endpoint, chunk, collected)
                     if not detailed and error is None:
                         _strip(call, chunk)
                         data_bytes = orjson.dumps(chunk)
@@ -279,10 +281,16 @@ class Forwarder:
             response.close()
             self._submit(call, transitions(call, {}, "aborted"))
 
-    # --- models served by providers (FLYWHEEL_ROUTES) -------------------------------------
+    # --- provider models (FLYWHEEL_ROUTES) ------------------------------------------------
 
-    async def _route(
-        self, routed: ProviderRoute, body: dict[str, Any], tags: Tags, *, stream: bool, scrub: bool
+    async def _forward_to_provider(
+        self,
+        provider_model: ProviderModel,
+        body: dict[str, Any],
+        tags: Tags,
+        *,
+        stream: bool,
+        scrub: bool,
     ) -> Response:
         assert self._providers is not None
         messages = body.get("messages")
@@ -290,10 +298,10 @@ class Forwarder:
             raise ApiError(400, "`messages` must be a non-empty list", param="messages")
         *transition_ids, request_id = random_uuids(_choices(wire.CHAT, body) + 1)
         call = Call(
-            route=wire.CHAT,
+            endpoint=wire.CHAT,
             tags=tags,
             body=body,
-            model_used=routed.model,
+            model_used=provider_model.model,
             policy_version=None,
             lineage=None,  # not a policy's: never trained
             transition_ids=transition_ids,
@@ -303,13 +311,13 @@ class Forwarder:
         sent = time.perf_counter()
         try:
             if stream:
-                chunks = await self._providers.stream(routed, body)
+                chunks = await self._providers.stream(provider_model, body)
             else:
-                data = await self._providers.complete(routed, body)
+                data = await self._providers.complete(provider_model, body)
         except ProviderFailed as e:
             call.upstream_s = time.perf_counter() - sent
             self._submit(
-                call, self._provided(routed, failure(call, e.status, orjson.dumps(e.body)))
+                call, self._provided(provider_model, failure(call, e.status, orjson.dumps(e.body)))
             )
             return Response(
                 orjson.dumps(e.body),
@@ -319,20 +327,20 @@ class Forwarder:
             )
         if stream:
             return RelayResponse(
-                self._relay_routed(call, routed, chunks, sent),
+                self._relay_from_provider(call, provider_model, chunks, sent),
                 call.headers(),
-                after=partial(self._end_routed, call, routed),
+                after=partial(self._end_provider_stream, call, provider_model),
             )
         call.upstream_s = time.perf_counter() - sent
         records = transitions(call, wire.collect(wire.CHAT, data), "ok")
-        self._submit(call, self._provided(routed, records, data.get("usage")))
+        self._submit(call, self._provided(provider_model, records, data.get("usage")))
         await self._safe(call)
         return Response(orjson.dumps(data), media_type="application/json", headers=call.headers())
 
-    async def _relay_routed(
+    async def _relay_from_provider(
         self,
         call: Call,
-        routed: ProviderRoute,
+        provider_model: ProviderModel,
         chunks: AsyncGenerator[dict[str, Any]],
         sent: float,
     ) -> AsyncGenerator[bytes]:
@@ -363,38 +371,38 @@ class Forwarder:
                 records = failure(call, 200, orjson.dumps(error), partial=collected)
             else:
                 records = transitions(call, collected, status)
-            self._submit(call, self._provided(routed, records, usage))
+            self._submit(call, self._provided(provider_model, records, usage))
         if status == "ok":
             await self._safe(call)
             yield b"data: [DONE]\n\n"
 
-    def _end_routed(self, call: Call, routed: ProviderRoute) -> None:
+    def _end_provider_stream(self, call: Call, provider_model: ProviderModel) -> None:
         if not call.recorded:  # the client left before the relay's first step
-            self._submit(call, self._provided(routed, transitions(call, {}, "aborted")))
+            self._submit(call, self._provided(provider_model, transitions(call, {}, "aborted")))
 
     def _provided(
         self,
-        routed: ProviderRoute,
+        provider_model: ProviderModel,
         records: list[TransitionRecord],
         usage: dict[str, Any] | None = None,
     ) -> list[TransitionRecord]:
-        """Mark a routed call's records: its provider, the provider's token counts (the n
+        """Mark a provider's call's records: its provider, the provider's token counts (the n
         choices share the prompt; their completions are counted apart only when n is 1), and
         the call's price on its first choice."""
         assert self._providers is not None
         prompt = usage.get("prompt_tokens") if usage else None
         completion = usage.get("completion_tokens") if usage and len(records) == 1 else None
         for r in records:
-            r.provider = routed.provider
+            r.provider = provider_model.provider
             r.prompt_tokens, r.completion_tokens = prompt, completion
             r.completion_token_ids = None  # a provider's token ids are not ours to train on
             r.logprobs = r.logprobs or None  # kept where the client asked the provider for them
-        cost = self._providers.cost(routed, usage)
+        cost = self._providers.cost(provider_model, usage)
         records[0].cost_usd = cost
         name = records[0].model_requested or ""  # a FLYWHEEL_ROUTES name: a bounded label
-        metrics.routed_calls.labels(name, records[0].status).inc()
+        metrics.provider_calls.labels(name, records[0].status).inc()
         if cost:
-            metrics.routed_cost.labels(name).inc(cost)
+            metrics.provider_cost.labels(name).inc(cost)
         return records
 
     # --- recording ------------------------------------------------------------------------
@@ -444,13 +452,13 @@ class Forwarder:
         stored = call.body.get("store") is not False and records[0].status == "ok"
         if call.response_id and call.served_by and stored:
             self._upstream.remember(call.response_id, call.served_by)
-        if call.route is wire.RESPONSES and call.served_by and needs_scoring(records[0]):
+        if call.endpoint is wire.RESPONSES and call.served_by and needs_scoring(records[0]):
             self._scorer.submit(call.served_by, records[0])  # it hands the record on
         else:
             self._recorder.submit(records)
         elapsed = time.perf_counter() - call.started
-        _UPSTREAM_LATENCY[call.route.name].observe(call.upstream_s)
-        _PROXY_OVERHEAD[call.route.name].observe(max(0.0, elapsed - call.upstream_s))
+        _UPSTREAM_LATENCY[call.endpoint.name].observe(call.upstream_s)
+        _PROXY_OVERHEAD[call.endpoint.name].observe(max(0.0, elapsed - call.upstream_s))
 
 
 class RelayResponse(Response):
@@ -526,14 +534,14 @@ async def sse_events(response: UpstreamResponse) -> AsyncIterator[list[tuple[byt
             yield events
 
 
-def _choices(route: wire.Route, body: dict[str, Any]) -> int:
+def _choices(endpoint: wire.Endpoint, body: dict[str, Any]) -> int:
     """How many transitions a chat or completions call records (n x prompts)."""
     n = body.get("n", 1)
     if n is None:
         n = 1
     if not isinstance(n, int) or isinstance(n, bool) or n < 1:
         raise ApiError(400, "`n` must be a positive integer", param="n")
-    choices = n * wire.prompt_count(body) if route is wire.COMPLETIONS else n
+    choices = n * wire.prompt_count(body) if endpoint is wire.COMPLETIONS else n
     if choices > MAX_CHOICES:
         raise ApiError(400, f"n x prompts = {choices} exceeds {MAX_CHOICES}", param="n")
     return int(choices)
@@ -541,19 +549,19 @@ def _choices(route: wire.Route, body: dict[str, Any]) -> int:
 
 def _upstream_body(call: Call, model_used: str) -> dict[str, Any]:
     """The request as vLLM gets it: the alias resolved, token ids and logprobs always asked for."""
-    if call.route is wire.RESPONSES:
+    if call.endpoint is wire.RESPONSES:
         return {**responses.upstream_body(call.body), "model": model_used}
     upstream_body = {**call.body, "model": model_used, "return_token_ids": True}
-    if call.route is wire.CHAT:
+    if call.endpoint is wire.CHAT:
         upstream_body["logprobs"] = True
     elif not call.wants_logprobs:
         upstream_body["logprobs"] = 0  # completions: 0 = the sampled token's logprob only
     return upstream_body
 
 
-def _collect(route: wire.Route, data: dict[str, Any]) -> dict[int, wire.Choice]:
-    if route is not wire.RESPONSES:
-        return wire.collect(route, data)
+def _collect(endpoint: wire.Endpoint, data: dict[str, Any]) -> dict[int, wire.Choice]:
+    if endpoint is not wire.RESPONSES:
+        return wire.collect(endpoint, data)
     choice = wire.Choice()
     responses.read(data, choice)
     return {0: choice}
@@ -562,7 +570,7 @@ def _collect(route: wire.Route, data: dict[str, Any]) -> dict[int, wire.Choice]:
 def _strip(call: Call, data: dict[str, Any]) -> None:
     """Remove what the proxy added to the request from a response or a stream event, in place."""
     token_ids, logprobs = call.wants_token_ids, call.wants_logprobs
-    if call.route is not wire.RESPONSES:
+    if call.endpoint is not wire.RESPONSES:
         wire.strip(data, token_ids=token_ids, logprobs=logprobs)
     elif "object" in data:  # a response object, or else an event
         responses.strip(data, token_ids=token_ids, logprobs=logprobs)

@@ -92,7 +92,7 @@ def _transition(
         "error": t.error,
         "latency_ms": t.latency_ms,
         "usage": {"prompt_tokens": t.prompt_tokens, "completion_tokens": t.completion_tokens},
-        "provider": t.provider,  # routed through litellm (FLYWHEEL_ROUTES); None: vLLM
+        "provider": t.provider,  # a provider model's call (FLYWHEEL_ROUTES); None: vLLM
         "cost_usd": t.cost_usd,
         "return": t.return_,
         "credited_at": t.credited_at.isoformat() if t.credited_at else None,
