@@ -25,12 +25,15 @@ from core.database import AsyncSessions
 from proxy.auth import KeyRing
 from proxy.config import ProxySettings
 from proxy.record.air import ToolCheck
+from proxy.record.intake import Intake
 from proxy.record.journal import Journal
 from proxy.record.maintenance import Maintenance
 from proxy.record.recorder import Recorder
 from proxy.record.tracing import Spans
 from proxy.relay.alias import PolicyAlias
 from proxy.relay.forward import Forwarder
+from proxy.relay.forward_provider import ProviderForwarder
+from proxy.relay.handoff import Handoff
 from proxy.relay.providers import Providers
 from proxy.relay.replicas import ReplicaKeeper
 from proxy.relay.scoring import Scorer
@@ -106,26 +109,26 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
     await keeper.start()
     maintenance = Maintenance(settings, url)
     await maintenance.start()
-    scorer = Scorer(upstream, recorder)
+    # The record wing's door (AIR and durable mode are its decisions), and the relay in front.
     check = None if settings.air_penalty is None else ToolCheck(settings.air_tool_call_marker)
+    durable_wait_s = settings.durable_wait_s if settings.durable else None
+    intake = Intake(recorder, tool_check=check, durable_wait_s=durable_wait_s)
+    scorer = Scorer(upstream=upstream, intake=intake)
+    handoff = Handoff(intake=intake, upstream=upstream, scorer=scorer)
+    to_providers = None
+    if providers is not None:
+        to_providers = ProviderForwarder(providers=providers, handoff=handoff)
+    forwarder = Forwarder(upstream=upstream, alias=alias, handoff=handoff, providers=to_providers)
     try:
         yield Services(
-            settings,
-            sessionmaker,
-            recorder,
-            upstream,
-            alias,
-            Forwarder(
-                upstream,
-                alias,
-                recorder,
-                scorer,
-                check,
-                settings.durable_wait_s if settings.durable else None,
-                providers,
-            ),
-            keys,
-            spans,
+            settings=settings,
+            sessionmaker=sessionmaker,
+            recorder=recorder,
+            upstream=upstream,
+            alias=alias,
+            forwarder=forwarder,
+            keys=keys,
+            spans=spans,
         )
     finally:
         await maintenance.stop()

@@ -1,8 +1,9 @@
 """One completion call in flight, and the transitions it records (one per choice).
 
 `Call` holds what the forwarder knows about a call: its endpoint and tags, what the client asked
-for, the model and policy version it was sent to, its ids and timings. `transitions()` and
-`failure()` turn a finished call into `TransitionRecord`s for the background writer.
+for, the model and policy version it was sent to, its ids and timings. `choice_count()` says how
+many transitions a request records; `transitions()` and `failure()` turn a finished call into
+those `TransitionRecord`s.
 """
 
 from __future__ import annotations
@@ -16,9 +17,12 @@ from typing import Any
 import orjson
 
 from core.record import TransitionRecord
+from proxy.errors import ApiError
 from proxy.relay import responses, wire
 from proxy.relay.tags import Tags
 from proxy.relay.upstream import Replica
+
+MAX_CHOICES = 256  # n x prompts per call; more is almost certainly a client bug
 
 
 @dataclass
@@ -62,6 +66,19 @@ class Call:
             "X-Policy-Version": version,  # 0: the base model
             "X-Policy-Lineage": self.lineage or "none",
         }
+
+
+def choice_count(endpoint: wire.Endpoint, body: dict[str, Any]) -> int:
+    """How many transitions a chat or completions call records (n x prompts)."""
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ApiError(400, "`n` must be a positive integer", param="n")
+    choices = n * wire.prompt_count(body) if endpoint is wire.COMPLETIONS else n
+    if choices > MAX_CHOICES:
+        raise ApiError(400, f"n x prompts = {choices} exceeds {MAX_CHOICES}", param="n")
+    return int(choices)
 
 
 def transitions(

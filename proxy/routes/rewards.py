@@ -26,8 +26,8 @@ from proxy.auth import principal_of
 from proxy.errors import ApiError
 from proxy.record.recorder import STORED_WAIT_S
 from proxy.record.schemas import MAX_REWARDS_PER_POST, RewardIn
+from proxy.record.storable import pg_safe
 from proxy.record.store import rewards
-from proxy.relay import wire
 from proxy.routes.body import read_json
 from proxy.services import Services, ServicesDep
 
@@ -59,7 +59,7 @@ _BODY = {
 async def post_rewards(request: Request, services: ServicesDep) -> Response:
     body, nul = await read_json(request, services.settings.max_body_bytes)
     principal = principal_of(request.scope)
-    out = await store_rewards(wire.pg_safe(body) if nul else body, services, principal)
+    out = await store_rewards(pg_safe(body) if nul else body, services, principal)
     return Response(orjson.dumps(out), media_type="application/json")
 
 
