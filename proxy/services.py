@@ -42,7 +42,7 @@ from proxy.relay.upstream import Upstream
 MAX_EXPORTS = 2  # GET /v1/export streams running at once per proxy
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # built once, by name
 class Services:
     settings: ProxySettings
     sessionmaker: AsyncSessions
