@@ -38,7 +38,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bench.common import append_section, learning_loop
-from core import canary, database, policy
+from core import canary, database, policy, rollout
 from core.vllm import VLLMAdmin
 from demo.agent import Agent, Episode, print_round
 from demo.calculator import build_calculator_model
@@ -209,7 +209,7 @@ def corrupt_one(url: str, vllm_url: str, adapters_dir: Path, rule: canary.Rule) 
 async def _load(vllm_url: str, name: str, path: str) -> None:
     vllm = VLLMAdmin(api_key=None)
     try:
-        await policy.load_everywhere(vllm, [vllm_url], name, path)
+        await rollout.load_everywhere(vllm, [vllm_url], name, path)
     finally:
         await vllm.close()
 
@@ -217,7 +217,7 @@ async def _load(vllm_url: str, name: str, path: str) -> None:
 async def _unload(vllm_url: str, name: str) -> None:
     vllm = VLLMAdmin(api_key=None)
     try:
-        await policy.unload_everywhere(vllm, [vllm_url], name)
+        await rollout.unload_everywhere(vllm, [vllm_url], name)
     finally:
         await vllm.close()
 

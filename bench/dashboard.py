@@ -2,9 +2,9 @@
 
 Fills a fresh database with `--transitions` rows (bench/synthetic.py; default 1,000,000: 4 calls an
 episode, 4 agents, 50 tasks, 10 policy versions one after another, spread over `--days` days, 90 %
-of episodes rewarded, 1 % failed calls, 0.5 % set aside, no token ids), ANALYZEs it, then times each
-query the pages run (proxy/dashboard.py and the episode read, through the same functions the routes
-call), as the operator (every tenant) and as a tenant's key would:
+of episodes rewarded, 1 % failed calls, 0.5 % set aside, no token ids), ANALYZEs it, then times
+each query the pages run (proxy/record/store/dashboard.py and the episode read, through the same
+functions the routes call), as the operator (every tenant) and as a tenant's key would:
 
     PYTHONPATH=. .venv/bin/python -m bench.dashboard [--transitions 1000000] [--repeat 5]
         [--database-url URL] [--results bench/dashboard.md]
@@ -30,7 +30,8 @@ from bench.common import append_section, bench_database
 from bench.synthetic import CALLS_PER_EPISODE
 from core import database
 from core.tenants import OPERATOR, Principal
-from proxy import dashboard, store
+from proxy.record.store import dashboard
+from proxy.record.store.episodes import get_episode
 
 REPORT = Path(__file__).with_name("dashboard.md")
 
@@ -122,7 +123,7 @@ async def measure(url: str, repeat: int, episodes: int) -> list[tuple[str, float
     )
     await run(
         "one episode (4 calls, messages, rewards)",
-        lambda s: store.get_episode(f"ep-{episodes // 30 * 10 + 1}", session=s),  # not acme's
+        lambda s: get_episode(f"ep-{episodes // 30 * 10 + 1}", session=s),  # not acme's
         lambda r: f"{len(r.transitions) if r else 0} calls",
     )
     await engine.dispose()

@@ -3,7 +3,7 @@
 Steady load (N clients calling the `policy` alias without pause) goes through `flywheel proxy`
 (its own process, recording into real Postgres) to a fake vLLM (fakes/vllm.py, its own
 process). Meanwhile this script publishes a new adapter version every `--interval` seconds the way
-the trainer does: `core.policy.load_everywhere` (into vLLM first, through the trainer's own
+the trainer does: `core.rollout.load_everywhere` (into vLLM first, through the trainer's own
 `Replicas`), then `core.policy.publish` in a transaction (which NOTIFYs every proxy). For each
 swap it reports:
 

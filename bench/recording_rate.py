@@ -43,8 +43,8 @@ from bench.common import bench_database
 from core import database
 from core.record import TransitionRecord
 from fakes.traffic import episode_records
-from proxy.journal import Journal
-from proxy.recorder import Recorder
+from proxy.record.journal import Journal
+from proxy.record.recorder import Recorder
 
 RESULTS = Path(__file__).with_suffix(".md")  # this script's own report
 RECORDED = "flywheel_transitions_recorded_total"

@@ -4,8 +4,8 @@ prompts' token ids stored whole in each row (before) and in content-addressed bl
 Episodes: 20 calls each, a 6,000-token system prompt and document, each call's prompt the
 previous one plus its 100-token answer and a 5-token next message, so the last is ~8,000 tokens
 (the issue's "20-turn, 8k-context episode"); messages grow alike. The calls of all episodes are
-written turn by turn, one `store.insert_transitions` per turn (a writer's batch), with a writer's
-cache of what it has stored. "whole" writes them the way the store did before blocks (the
+written turn by turn, one `transitions.insert_transitions` per turn (a writer's batch), with a
+writer's cache of what it has stored. "whole" writes them the way the store did before blocks (the
 prompt's ids all in the row: the same code with `split_blocks` cutting nothing); the bytes are
 what the tables, TOAST and indexes grew by (`transition`'s partitions, `message`,
 `token_block`), per episode. CPU: this process's, per call, around the writes (packing, hashing,
@@ -36,7 +36,7 @@ import psycopg
 from bench.common import append_section, bench_database
 from core import codecs, database, retention
 from core.record import TransitionRecord
-from proxy import store
+from proxy.record.store import transitions
 
 RESULTS = Path(__file__).with_suffix(".md")
 TURNS, START, ANSWER, NEXT = 20, 6_000, 100, 5
@@ -126,7 +126,7 @@ async def write(url: str, episodes: list[list[TransitionRecord]]) -> float:
             batch = [e[turn] for e in episodes]
             started = time.process_time()
             async with sessionmaker.begin() as session:
-                sent = await store.insert_transitions(
+                sent = await transitions.insert_transitions(
                     batch, session=session, gamma=None, stored=known, memo=memo
                 )
             known.update(sent)
@@ -138,7 +138,7 @@ async def write(url: str, episodes: list[list[TransitionRecord]]) -> float:
 
 def run(url: str | None, mode: str, episodes: list[list[TransitionRecord]]) -> Result:
     split: Callable[..., Any] = whole if mode == "whole" else codecs.split_blocks
-    with bench_database(url) as db, mock.patch.object(store, "split_blocks", split):
+    with bench_database(url) as db, mock.patch.object(transitions, "split_blocks", split):
         with psycopg.connect(db, autocommit=True) as conn:
             conn.execute("VACUUM ANALYZE")
         before = sizes(db)

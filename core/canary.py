@@ -3,7 +3,7 @@ decides between it and the current one.
 
     open     (trainer's publish, core/policy.py) the candidate is recorded but not made current;
              a `canary` row says candidate, baseline (the current version), fraction, rule
-    serve    (every proxy, proxy/alias.py) `policy` for an episode of that lineage goes to the
+    serve    (every proxy, proxy/relay/alias.py) `policy` for an episode of that lineage goes to the
              candidate when `in_canary(episode, candidate, fraction)`: a hash of the episode id,
              so every call of an episode, on every replica, gets the same version
     decide   (the lineage's trainer, trainer/loop.py) `evidence_rows` -> `weigh` -> `decide` ->

@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import orjson
+import psycopg
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine
+from sqlalchemy import exc as sa_exc
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
     AsyncSession,
@@ -88,6 +90,18 @@ def alembic_config(url: str) -> Config:
 def migrate(url: str) -> None:
     """Bring the schema to the newest migration (idempotent; safe with several starting proxies)."""
     command.upgrade(alembic_config(url), "head")
+
+
+# Errors that mean "Postgres is not there right now", as opposed to "Postgres refused this row".
+# psycopg's own: COPY runs on the driver's connection, unwrapped by SQLAlchemy. Its
+# OperationalError includes a deadlock or a lock timeout: the batch is fine, only unlucky.
+OUTAGE_ERRORS = (
+    sa_exc.OperationalError,
+    sa_exc.InterfaceError,
+    psycopg.OperationalError,
+    OSError,
+    TimeoutError,
+)
 
 
 # Both engines: pool_pre_ping, so that a Postgres restart does not leave dead connections that

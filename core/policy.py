@@ -10,29 +10,27 @@ sequence for all lineages, so `N` names one adapter everywhere (`<lineage>-vN`).
                         as a candidate instead: it serves a fraction of the lineage's episodes
                         until `decide_canary` promotes it or retires it (core/canary.py)
     activate (rollback) load_everywhere -> make_current; POST /admin/adapters/N/activate on the
-                        proxy and `flywheel adapters activate N` both call `activate`
+                        proxy and `flywheel adapters activate N` both call `rollout.activate`
     pin                 activate, and hold the lineage there: publish raises Pinned (the trainer
                         waits, its queue kept), make_current too unless it moves the pin;
                         `unpin` lets the trainer go on from the pinned version
     retire   (trainer)  mark_retired (under the lock) -> unload_everywhere -> delete the directory
 
-Whoever moves `is_current` or retires a version holds PUBLISH_LOCK for that transaction, and a
-move NOTIFYs POLICY_CHANNEL: every proxy's alias (proxy/alias.py) listens and follows the commit
-at once. Because retiring marks the row before anything is unloaded, and `make_current` refuses a
-retired row under the same lock, a rollback racing a retirement either wins (the version is
-current, so it is not retired) or gets `RetiredVersion`; never an alias on an unloaded adapter.
+Whoever moves `is_current` or retires a version holds PUBLISH_LOCK for that transaction; a move
+NOTIFYs POLICY_CHANNEL, which every proxy's alias (proxy/relay/alias.py) follows at once.
+Because retiring marks the row before anything is unloaded, and `make_current` refuses a retired
+row under the same lock, a rollback racing a retirement either wins (the version is current, so
+it is not retired) or gets `RetiredVersion`; never an alias on an unloaded adapter.
 
-The SQL functions take a sync `session` (the trainer's); the proxy and the CLI run them on their
-async sessions with `core.database.run_sync`.
+This is its SQL; the loads into every replica and `activate` are core/rollout.py. The SQL
+functions take a sync `session` (the trainer's); the proxy and the CLI run them on their async
+sessions with `core.database.run_sync`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import re
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 
@@ -41,10 +39,8 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
 from core import canary
-from core.database import AsyncSessions, run_sync
 from core.tables import AdapterVersion, LineagePin
 from core.tables import Canary as CanaryRow
-from core.vllm import Unreachable, VLLMAdmin, VLLMError
 
 BASE_VERSION = 0  # the policy before any training: the base model itself
 MAX_VERSION = 2**31 - 1  # versions are int4 columns (adapter_version, transition.policy_version)
@@ -134,26 +130,8 @@ def _label(version: int | None) -> str:
     return "the base model" if version is None else f"v{version}"
 
 
-class NoReplica(VLLMError):
-    """No vLLM replica could be reached: nothing was loaded, the alias did not move."""
-
-
-# --- SQL -------------------------------------------------------------------------------------
-
-
 def _adapter(row: AdapterVersion) -> Adapter:
-    return Adapter(
-        row.version,
-        row.lineage,
-        row.name,
-        row.path,
-        row.base_model,
-        row.is_current,
-        row.created_at,
-        row.trained_transitions,
-        row.stats,
-        row.retired_at,
-    )
+    return Adapter(**{f.name: getattr(row, f.name) for f in fields(Adapter)})  # by name
 
 
 def current(*, session: Session, lineage: str = DEFAULT_LINEAGE) -> Adapter | None:
@@ -370,99 +348,3 @@ def mark_retired(*, session: Session, lineage: str, keep: int) -> None:
         )
         .values(retired_at=func.now())
     )
-
-
-# --- vLLM: load into every replica, then move the alias --------------------------------------
-
-
-@dataclass(frozen=True)
-class Rollout:
-    """Where a version went: `loaded` has it now; `unreachable` did not answer."""
-
-    loaded: list[str]
-    unreachable: list[str]
-    seconds: float
-
-
-async def load_everywhere(vllm: VLLMAdmin, urls: Sequence[str], name: str, path: str) -> Rollout:
-    """Load `name` into every replica that answers, or into none. The one failure policy of
-    "load into every replica, then move the alias"; its caller moves the alias only on return.
-
-    - A replica that has it already counts as loaded.
-    - A replica that does not answer is skipped: it takes no policy traffic until it has the
-      current adapter (the proxy's probe and the trainer's reconcile load it there).
-    - A replica that refuses it (a bad adapter, a rank above its --max-lora-rank, a missing
-      directory): it is unloaded from the replicas this call loaded it into, and AdapterRejected
-      is raised. No replica reached: NoReplica. Either way the alias must not move.
-    """
-    started = time.perf_counter()
-    outcomes = await asyncio.gather(
-        *(_load(vllm, url, name, path) for url in urls), return_exceptions=True
-    )
-    took = [url for url, outcome in zip(urls, outcomes, strict=True) if outcome is True]
-    had = [url for url, outcome in zip(urls, outcomes, strict=True) if outcome is False]
-    unreachable = [url for url, o in zip(urls, outcomes, strict=True) if isinstance(o, Unreachable)]
-    failed = [
-        o for o in outcomes if isinstance(o, BaseException) and not isinstance(o, Unreachable)
-    ]
-    if failed or not (took or had):
-        # Undo (a replica that fails this too keeps an unused adapter until a reconcile).
-        await asyncio.gather(*(vllm.unload(url, name) for url in took), return_exceptions=True)
-        if failed:
-            raise failed[0]
-        raise NoReplica(f"no vLLM replica reachable to load {name}: {', '.join(unreachable)}")
-    return Rollout(took + had, unreachable, time.perf_counter() - started)
-
-
-async def _load(vllm: VLLMAdmin, url: str, name: str, path: str) -> bool:
-    """True: loaded now; False: it was there already."""
-    if name in await vllm.loaded(url):
-        return False
-    await vllm.load(url, name, path)
-    return True
-
-
-async def unload_everywhere(vllm: VLLMAdmin, urls: Sequence[str], name: str) -> None:
-    """Unload `name` from every replica; raises unless every one confirmed (then its directory
-    must stay: vLLM reads adapters lazily, and a missing directory can crash its engine)."""
-    outcomes = await asyncio.gather(
-        *(vllm.unload(url, name) for url in urls), return_exceptions=True
-    )
-    for outcome in outcomes:
-        if isinstance(outcome, BaseException):
-            raise outcome
-
-
-async def activate(
-    version: int,
-    *,
-    sessions: AsyncSessions,
-    vllm: VLLMAdmin,
-    urls: Sequence[str],
-    lineage: str = DEFAULT_LINEAGE,
-    pin: bool = False,
-    note: str | None = None,
-) -> tuple[Adapter | None, Rollout | None]:
-    """Roll back (or forward) to `version`, in its own lineage (0: `lineage` back on the base
-    model): load it everywhere, then move that lineage's alias; `pin`: and hold it there.
-    Raises UnknownVersion, RetiredVersion, Pinned, AdapterRejected or NoReplica, and then the
-    alias has not moved. The database is not held while vLLM loads."""
-    if version == BASE_VERSION:
-        async with sessions.begin() as session:
-            await run_sync(session, make_current, version=None, lineage=lineage, pin=pin, note=note)
-        return None, None
-    async with sessions() as session:
-        adapter = await run_sync(session, get, version=version)
-    if adapter is None:
-        raise UnknownVersion(f"no adapter version {version}")
-    if adapter.retired_at is not None:
-        raise RetiredVersion(adapter.name, adapter.retired_at)
-    if not pin:  # refused before anything is loaded (make_current checks again, under the lock)
-        async with sessions() as session:
-            held = await run_sync(session, pin_of, lineage=adapter.lineage)
-        if held is not None:
-            raise Pinned(held)
-    rollout = await load_everywhere(vllm, urls, adapter.name, adapter.path)
-    async with sessions.begin() as session:
-        await run_sync(session, make_current, version=version, pin=pin, note=note)
-    return adapter, rollout

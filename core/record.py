@@ -54,7 +54,7 @@ class TransitionRecord:
     task_id: str | None = _column("text", default=None)
     agent_name: str | None = _column("text", default=None)
     requested_at: float = _column("timestamptz", encode=_timestamp)  # unix seconds
-    route: str = _column("text")  # a wire.Route name: "chat" | "completions" | "responses"
+    route: str = _column("text")  # a wire.Endpoint name: "chat" | "completions" | "responses"
     status: str = _column("text")  # "ok" | "aborted" | "failed"
     http_status: int = _column("int2")
     model_requested: str | None = _column("text", default=None)
@@ -73,13 +73,13 @@ class TransitionRecord:
     logprobs: list[float] | None = _column("bytea", encode=_pack_logprobs, default=None)
     text: str | None = _column("text", default=None)
     tool_calls: list[Any] | None = _column("jsonb", default=None)
-    tool_errors: list[Any] | None = _column("jsonb", default=None)  # proxy/air.py, when on
+    tool_errors: list[Any] | None = _column("jsonb", default=None)  # proxy/record/air.py, when on
     finish_reason: str | None = _column("text", default=None)
     error: dict[str, Any] | None = _column("jsonb", default=None)
     latency_ms: float = _column("float8")
     prompt_tokens: int | None = _column("int4", default=None)
     completion_tokens: int | None = _column("int4", default=None)
-    provider: str | None = _column("text", default=None)  # a routed call's (proxy/providers.py)
+    provider: str | None = _column("text", default=None)  # proxy/relay/providers.py
     cost_usd: float | None = _column("float8", default=None)
 
     @classmethod

@@ -10,8 +10,8 @@ daily partitions of `transition` older than N days, and what only they used.
   rewards), then every message and token id block last used before the oldest day still kept,
   less one day for clocks that disagree. The writer keeps their `last_used` at or after the day
   of every transition naming them and trusts its cache of stored ones for one day only
-  (proxy/recorder.py), so none that a transition still names, or a writer is about to name, is
-  deleted.
+  (proxy/record/recorder.py), so none that a transition still names, or a writer is about to
+  name, is deleted.
 
 Each step is its own short transaction; the lock on `transition` is taken with a timeout, so a
 long reader (an export) makes retention give up and try on the next run instead of stalling the

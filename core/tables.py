@@ -156,7 +156,7 @@ class Transition(Base):
     logprobs: Mapped[bytes | None] = mapped_column(LargeBinary)
     text: Mapped[str | None] = mapped_column(Text)
     tool_calls: Mapped[list[Any] | None] = mapped_column(JSONB)
-    # What AIR found wrong with the tool calls (proxy/air.py); NULL: nothing, or AIR off.
+    # What AIR found wrong with the tool calls (proxy/record/air.py); NULL: nothing, or AIR off.
     tool_errors: Mapped[list[Any] | None] = mapped_column(JSONB)
     finish_reason: Mapped[str | None] = mapped_column(Text)
     error: Mapped[dict[str, Any] | None]
@@ -205,7 +205,7 @@ class Reward(Base):
     # rewards of the transitions it drops.
     transition_id: Mapped[uuid.UUID | None] = mapped_column(Uuid, index=True)
     value: Mapped[float] = mapped_column(Double)
-    # Who gave it: NULL (the application, unsaid), "air" (the proxy's own, proxy/air.py), or
+    # Who gave it: NULL (the application, unsaid), "air" (the proxy's own, proxy/record/air.py), or
     # what the client posted (e.g. "tool" for a tool run it saw fail).
     source: Mapped[str | None] = mapped_column(Text)
     # Unique per episode: a retry with the same key is answered "duplicate", stored once.

@@ -1,5 +1,5 @@
 """vLLM's model list and LoRA endpoints, for every process: the proxy's probes and rollbacks, the
-trainer's publish and retirement (the proxy's completion calls go through proxy/http1.py).
+trainer's publish and retirement (the proxy's completion calls go through proxy/relay/http1.py).
 
 vLLM answers 400 to loading a name it already has and reads an adapter's directory lazily, so
 every version gets a new name and directory (core/policy.py).

@@ -136,7 +136,8 @@ class FakeState:
     # fake does the same work for a direct caller as for the proxy (which always asks for them).
     always_detail: bool = False
     # What /v1/responses sampled (prompt + completion ids -> completion logprobs), so that
-    # `prompt_logprobs` scores those tokens as sampled, as a real model does (proxy/scoring.py).
+    # `prompt_logprobs` scores those tokens as sampled, as a real model does
+    # (proxy/relay/scoring.py).
     sampled: dict[tuple[int, ...], list[float]] = field(default_factory=dict)
     # The content of the next non-streamed chat answers, one each (token ids stay generated).
     replies: list[str] = field(default_factory=list)

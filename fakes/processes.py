@@ -174,7 +174,11 @@ def build_litellm_venv(target: Path) -> Path:
     # 2, litellm); it then says openai-agents wants openai 3: true, and not this venv's concern.
     subprocess.run([*pip, "install", pin], check=True, capture_output=True)
     subprocess.run(
-        [str(target / "bin" / "python"), "-c", "import litellm, judge.worker, proxy.providers"],
+        [
+            str(target / "bin" / "python"),
+            "-c",
+            "import litellm, judge.worker, proxy.relay.providers",
+        ],
         check=True,
         env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
     )

@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 from pydantic import ValidationError
 from sqlalchemy.exc import SQLAlchemyError
 
-from core import canary, database, policy, retention, tenants
+from core import canary, database, policy, retention, rollout, tenants
 from core.export import FORMATS, KINDS, ExportFilter, export
 from core.settings import DatabaseSettings, vllm_base_urls
 from core.tenants import OPERATOR, Principal
@@ -318,7 +318,7 @@ def _adapters(args: argparse.Namespace, settings: DatabaseSettings) -> None:
         engine, sessions = database.create_async_sessions(url, pool_size=1)
         vllm = VLLMAdmin(api_key=None)
         try:
-            adapter, rollout = await policy.activate(
+            adapter, went = await rollout.activate(
                 args.version,
                 sessions=sessions,
                 vllm=vllm,
@@ -330,7 +330,7 @@ def _adapters(args: argparse.Namespace, settings: DatabaseSettings) -> None:
         finally:
             await vllm.close()
             await engine.dispose()
-        for unreachable in rollout.unreachable if rollout else ():
+        for unreachable in went.unreachable if went else ():
             print(f"warning: {unreachable} unreachable; it does not have the adapter yet")
         return adapter
 

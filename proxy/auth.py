@@ -17,10 +17,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from core import tenants
-from core.database import AsyncSessions, run_sync
+from core.database import OUTAGE_ERRORS, AsyncSessions, run_sync
 from core.tenants import DEFAULT, Principal
 from proxy.errors import ApiError
-from proxy.recorder import OUTAGE_ERRORS
 
 log = logging.getLogger(__name__)
 

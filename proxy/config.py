@@ -24,8 +24,9 @@ from core.settings import DatabaseSettings, split_commas, vllm_base_urls
 TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,199}$"
 
 
-class ProviderRoute(BaseModel, extra="forbid", frozen=True):
-    """A model name the proxy sends to a provider through litellm (FLYWHEEL_ROUTES)."""
+class ProviderModel(BaseModel, extra="forbid", frozen=True):
+    """A provider model: a model name the proxy sends to a provider through litellm
+    (FLYWHEEL_ROUTES)."""
 
     model: str = Field(pattern=r"^[A-Za-z0-9_.-]+/.+$")  # litellm's `<provider>/<model>`
     api_base: str | None = None  # default: the provider's
@@ -80,11 +81,13 @@ class ProxySettings(DatabaseSettings):
         None,
         description="Model the alias serves before any adapter exists (default: vLLM's first).",
     )
-    routes: Annotated[dict[str, ProviderRoute], NoDecode] = Field(
+    # The provider models. `routes` (FLYWHEEL_ROUTES, FLYWHEEL_ROUTE_*) is the settings' name from
+    # before; everywhere else in the proxy a route is one of its own HTTP routes.
+    routes: Annotated[dict[str, ProviderModel], NoDecode] = Field(
         default_factory=dict,
         description="Model names served by providers through litellm, not by vLLM "
-        "(proxy/providers.py): `gpt-4.1=openai/gpt-4.1,claude=anthropic/claude-sonnet-4-5`, or "
-        'JSON for more: `{"gpt-4.1": {"model": "openai/gpt-4.1", "api_base": "...", '
+        "(proxy/relay/providers.py): `gpt-4.1=openai/gpt-4.1,claude=anthropic/claude-sonnet-4-5`, "
+        'or JSON for more: `{"gpt-4.1": {"model": "openai/gpt-4.1", "api_base": "...", '
         '"api_key_env": "TEAM_OPENAI_KEY"}}`. Their chat calls are recorded (no token ids, '
         "never trained). Needs the `litellm` extra (the proxy image has it).",
     )
@@ -114,8 +117,8 @@ class ProxySettings(DatabaseSettings):
     air_penalty: float | None = Field(
         None,
         ge=0,
-        description="Automatic intermediate rewards (proxy/air.py): a transition whose tool call "
-        "names an undeclared tool, has non-JSON arguments or breaks the tool's schema gets an "
+        description="Automatic intermediate rewards (proxy/record/air.py): a transition whose tool "
+        "call names an undeclared tool, has non-JSON arguments or breaks the tool's schema gets an "
         "intermediate reward of minus this. Unset: AIR off (0: check and record, no penalty).",
     )
     air_tool_call_marker: str = Field(
@@ -126,8 +129,8 @@ class ProxySettings(DatabaseSettings):
     otel_endpoint: str | None = Field(
         None,
         description="OTLP/HTTP traces URL (e.g. http://collector:4318/v1/traces): every recorded "
-        "call is also exported as an OpenTelemetry span in its episode's trace (proxy/tracing.py)."
-        " Unset: off.",
+        "call is also exported as an OpenTelemetry span in its episode's trace "
+        "(proxy/record/tracing.py). Unset: off.",
     )
     otel_service_name: str = Field("flywheel-proxy", description="The spans' service.name.")
     retention_days: int | None = Field(
@@ -252,14 +255,15 @@ class ProxySettings(DatabaseSettings):
 
     @field_validator("routes")
     @classmethod
-    def _check_routes(cls, routes: dict[str, ProviderRoute]) -> dict[str, ProviderRoute]:
-        for name, route in routes.items():
+    def _check_routes(cls, routes: dict[str, ProviderModel]) -> dict[str, ProviderModel]:
+        for name, provider_model in routes.items():
             if not name or len(name) > 200:
                 raise ValueError(f"{name!r} is not a model name")
-            if route.api_key_env is not None and not os.environ.get(route.api_key_env):
+            key_env = provider_model.api_key_env
+            if key_env is not None and not os.environ.get(key_env):
                 raise ValueError(
-                    f"route {name!r}: the environment variable "
-                    f"{route.api_key_env} (its api_key_env) is not set"
+                    f"route {name!r}: the environment variable {key_env} "
+                    "(its api_key_env) is not set"
                 )
         return routes
 

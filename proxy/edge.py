@@ -1,11 +1,11 @@
 """The first thing every request meets: the outermost ASGI app, in front of FastAPI.
 
-- path-form tags: `/episode/e1/task/t1/v1/...` is routed as `/v1/...` with the tags kept aside;
+- path-form tags: `/episode/e1/task/t1/v1/...` is served as `/v1/...` with the tags kept aside;
 - auth: with keys on (FLYWHEEL_API_KEYS or FLYWHEEL_AUTH=keys), `/v1/*` needs
   `Authorization: Bearer <key>` (never logged) with the route's scope; the caller's Principal
   (its tenant: proxy/auth.py, core/tenants.py) goes into the scope as `flywheel.principal`;
   the dashboard's `/ui/api/*` takes the same keys, or the admin key for every tenant's rows;
-- the fast lane: the completion routes (`wire.ROUTES`, every agent call) go straight to
+- the fast lane: the completion routes (`wire.ENDPOINTS`, every agent call) go straight to
   `routes.completions.complete`, not through FastAPI's middleware stack, router and exception
   handlers (about 5% of the proxy's busy samples at 64 clients, by py-spy); their errors get the
   same OpenAI-shaped answers here;
@@ -24,15 +24,16 @@ from starlette.routing import Match
 from starlette.types import Message, Receive, Scope, Send
 
 from core.tenants import OPERATOR, Principal
-from proxy import metrics, wire
+from proxy import metrics
 from proxy.auth import require
 from proxy.config import ProxySettings
 from proxy.errors import ApiError, error_response, unexpected_error
+from proxy.relay import wire
+from proxy.relay.tags import split_path
 from proxy.routes.completions import complete
 from proxy.services import services_of
-from proxy.tags import split_path
 
-_COMPLETIONS = {route.path: route for route in wire.ROUTES}
+_COMPLETIONS = {endpoint.path: endpoint for endpoint in wire.ENDPOINTS}
 
 
 class Edge:
@@ -50,14 +51,14 @@ class Edge:
         status = 500
         try:
             try:
-                scope = self._route(scope)
+                scope = self._admit(scope)
             except ApiError as e:
                 status = e.status
                 await e.response()(scope, receive, send)
                 return
-            route = _COMPLETIONS.get(scope["path"])
-            if route is not None:
-                response = await self._complete(route, scope, receive)
+            endpoint = _COMPLETIONS.get(scope["path"])
+            if endpoint is not None:
+                response = await self._complete(endpoint, scope, receive)
                 status = response.status_code
                 await response(scope, receive, send)
                 return
@@ -72,13 +73,13 @@ class Edge:
         finally:
             _requests(self._route_label(scope), status).inc()
 
-    async def _complete(self, route: wire.Route, scope: Scope, receive: Receive) -> Response:
+    async def _complete(self, endpoint: wire.Endpoint, scope: Scope, receive: Receive) -> Response:
         """The completion route's response, or the error answer the app's handlers would give."""
         if scope["method"] != "POST":
             message = f"{scope['method']} {scope['path']}: Method Not Allowed"
             return error_response(405, message, headers={"Allow": "POST"})
         try:
-            return await complete(route, services_of(self.app), scope, receive)
+            return await complete(endpoint, services_of(self.app), scope, receive)
         except ApiError as e:
             return e.response()
         except Exception:
@@ -94,7 +95,8 @@ class Edge:
                 return str(getattr(route, "path", "other"))
         return "other"
 
-    def _route(self, scope: Scope) -> Scope:
+    def _admit(self, scope: Scope) -> Scope:
+        """Path-form tags taken off the path, then the caller's keys checked."""
         split = split_path(scope["path"])
         if split is not None:
             tags, path = split

@@ -20,12 +20,12 @@ proxy_overhead = Histogram(
     ["route"],
     buckets=_OVERHEAD_BUCKETS,
 )
-routed_calls = Counter(
+provider_calls = Counter(  # (the metric keeps its name from before: "routed")
     "flywheel_routed_calls_total",
     "Calls of FLYWHEEL_ROUTES models, sent to their providers through litellm.",
     ["model", "status"],
 )
-routed_cost = Counter(
+provider_cost = Counter(
     "flywheel_routed_cost_usd_total", "litellm's price of the routed calls, USD.", ["model"]
 )
 transitions_recorded = Counter(
@@ -82,11 +82,11 @@ upstream_retries = Counter(
 )
 logprobs_scored = Counter(
     "flywheel_logprobs_scored_total",
-    "Transitions whose missing logprobs the proxy asked vLLM for (proxy/scoring.py).",
+    "Transitions whose missing logprobs the proxy asked vLLM for (proxy/relay/scoring.py).",
     ["outcome"],
 )
 tool_call_errors = Counter(
     "flywheel_tool_call_errors_total",
-    "Tool calls AIR found wrong (proxy/air.py), by kind; counted only while AIR is on.",
+    "Tool calls AIR found wrong (proxy/record/air.py), by kind; counted only while AIR is on.",
     ["kind"],
 )

@@ -1,11 +1,11 @@
 """Everything a route may use, started once by the app's lifespan and handed to each route as one
 typed object: `ServicesDep` for FastAPI routes, `services_of(app)` for the edge's fast lane.
 
-Start-up: import litellm if models are routed to providers (proxy/providers.py), find the
+Start-up: import litellm if there are provider models (proxy/relay/providers.py), find the
 database (configured or embedded), migrate it, start the background writer (replaying any journal
 left from before), the upstream client, the alias, the replica probes and the housekeeping of
-partitions and retention (proxy/maintenance.py).
-Shutdown, in reverse: probes stop, records still being scored (proxy/scoring.py) are handed to
+partitions and retention (proxy/record/maintenance.py).
+Shutdown, in reverse: probes stop, records still being scored (proxy/relay/scoring.py) are handed to
 the writer, the alias stops, then every recorded transition is flushed (to Postgres, or to the
 journal if Postgres can't take them), then connections close.
 """
@@ -22,24 +22,27 @@ from fastapi import Depends, FastAPI, Request
 
 from core import database
 from core.database import AsyncSessions
-from proxy.air import ToolCheck
-from proxy.alias import PolicyAlias
 from proxy.auth import KeyRing
 from proxy.config import ProxySettings
-from proxy.forward import Forwarder
-from proxy.journal import Journal
-from proxy.maintenance import Maintenance
-from proxy.providers import Providers
-from proxy.recorder import Recorder
-from proxy.replicas import ReplicaKeeper
-from proxy.scoring import Scorer
-from proxy.tracing import Spans
-from proxy.upstream import Upstream
+from proxy.record.air import ToolCheck
+from proxy.record.intake import Intake
+from proxy.record.journal import Journal
+from proxy.record.maintenance import Maintenance
+from proxy.record.recorder import Recorder
+from proxy.record.tracing import Spans
+from proxy.relay.alias import PolicyAlias
+from proxy.relay.forward import Forwarder
+from proxy.relay.forward_provider import ProviderForwarder
+from proxy.relay.handoff import Handoff
+from proxy.relay.providers import Providers
+from proxy.relay.replicas import ReplicaKeeper
+from proxy.relay.scoring import Scorer
+from proxy.relay.upstream import Upstream
 
 MAX_EXPORTS = 2  # GET /v1/export streams running at once per proxy
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)  # built once, by name
 class Services:
     settings: ProxySettings
     sessionmaker: AsyncSessions
@@ -106,26 +109,26 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
     await keeper.start()
     maintenance = Maintenance(settings, url)
     await maintenance.start()
-    scorer = Scorer(upstream, recorder)
+    # The record wing's door (AIR and durable mode are its decisions), and the relay in front.
     check = None if settings.air_penalty is None else ToolCheck(settings.air_tool_call_marker)
+    durable_wait_s = settings.durable_wait_s if settings.durable else None
+    intake = Intake(recorder, tool_check=check, durable_wait_s=durable_wait_s)
+    scorer = Scorer(upstream=upstream, intake=intake)
+    handoff = Handoff(intake=intake, upstream=upstream, scorer=scorer)
+    to_providers = None
+    if providers is not None:
+        to_providers = ProviderForwarder(providers=providers, handoff=handoff)
+    forwarder = Forwarder(upstream=upstream, alias=alias, handoff=handoff, providers=to_providers)
     try:
         yield Services(
-            settings,
-            sessionmaker,
-            recorder,
-            upstream,
-            alias,
-            Forwarder(
-                upstream,
-                alias,
-                recorder,
-                scorer,
-                check,
-                settings.durable_wait_s if settings.durable else None,
-                providers,
-            ),
-            keys,
-            spans,
+            settings=settings,
+            sessionmaker=sessionmaker,
+            recorder=recorder,
+            upstream=upstream,
+            alias=alias,
+            forwarder=forwarder,
+            keys=keys,
+            spans=spans,
         )
     finally:
         await maintenance.stop()

@@ -1,5 +1,6 @@
-"""Automatic intermediate rewards (proxy/air.py): tool calls checked against the declared tools,
-penalised as `air` rewards that credit assignment adds; and tool failures a client reports."""
+"""Automatic intermediate rewards (proxy/record/air.py): tool calls checked against the declared
+tools, penalised as `air` rewards that credit assignment adds; and tool failures a client
+reports."""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from sqlalchemy import text
 from core import database
 from core.record import TransitionRecord
 from fakes.traffic import episode_records
-from proxy import store
-from proxy.air import ToolCheck
+from proxy.record.air import ToolCheck
+from proxy.record.store.transitions import insert_transitions
 from tests.conftest import RunningProxy
 from tests.test_responses import CALCULATOR
 
@@ -173,7 +174,7 @@ async def test_a_replayed_batch_adds_its_air_reward_once(database_url: str) -> N
     records[1].tool_errors = [{"index": 0, "kind": "undeclared_tool"}]
     for _ in range(2):  # a journal replay writes the batch again
         async with sessionmaker.begin() as session:
-            await store.insert_transitions(records, session=session, gamma=None, air_penalty=0.2)
+            await insert_transitions(records, session=session, gamma=None, air_penalty=0.2)
     async with sessionmaker() as session:
         rows = (
             await session.execute(text("SELECT transition_id::text, value, source FROM reward"))
@@ -231,8 +232,9 @@ def test_bad_step_reports_are_refused_and_store_nothing(
 def test_a_report_right_after_a_call_still_being_scored_finds_it(
     proxy: RunningProxy, fake_vllm: Any
 ) -> None:
-    """A Responses output that is only a function call waits for its logprobs (proxy/scoring.py)
-    before it is queued; a step reward naming it must wait for it, not miss it."""
+    """A Responses output that is only a function call waits for its logprobs
+    (proxy/relay/scoring.py) before it is queued; a step reward naming it must wait for it, not
+    miss it."""
     fake_vllm.latency_s = 0.5  # the scoring call too: the reward arrives while it is out
     body = {"model": "demo", "input": "Please call a tool.", "tools": [CALCULATOR]}
     r = proxy.client(**{"X-Episode-Id": "scored"}).post("/v1/responses", json=body)

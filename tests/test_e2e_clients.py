@@ -20,7 +20,7 @@ from langchain_openai import ChatOpenAI
 from langgraph.prebuilt import create_react_agent
 from openai import AsyncOpenAI, OpenAI
 
-from proxy.wire import pg_safe
+from proxy.record.storable import pg_safe
 from tests.conftest import RunningProxy
 from tests.test_clients import AUTOGEN_MODEL_INFO
 from tests.test_responses import CALCULATOR, RAW

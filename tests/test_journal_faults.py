@@ -30,8 +30,9 @@ from core.record import TransitionRecord
 from demo.vllm_server import free_port
 from fakes.traffic import episode_records
 from fakes.vllm import FakeVLLM
-from proxy.journal import Journal
-from proxy.recorder import Recorder, record_bytes
+from proxy.record.journal import Journal
+from proxy.record.queue import record_bytes
+from proxy.record.recorder import Recorder
 from tests.conftest import RunningProxy
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -112,7 +113,7 @@ async def test_a_failed_spill_keeps_the_queue_and_the_request_is_not_failed(
     assert recorder.journal_error is not None
 
     # Stopping with nowhere to put them: stop() does not raise; it says they are lost.
-    with caplog.at_level(logging.CRITICAL, logger="proxy.recorder"):
+    with caplog.at_level(logging.CRITICAL, logger="proxy.record.recorder"):
         await recorder.stop(timeout=1)
     assert "6 recorded transitions could be written neither" in caplog.text
 

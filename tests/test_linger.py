@@ -1,5 +1,6 @@
-"""The writer at low load (proxy/recorder.py): records that arrive apart share one write, unless
-someone waits for them. Real Postgres; each row's `xmin` names the transaction that wrote it."""
+"""The writer at low load (proxy/record/recorder.py): records that arrive apart share one write,
+unless someone waits for them. Real Postgres; each row's `xmin` names the transaction that wrote
+it."""
 
 from __future__ import annotations
 
@@ -15,8 +16,8 @@ from core import database
 from core.database import AsyncSessions
 from core.record import TransitionRecord
 from fakes.traffic import episode_records
-from proxy.journal import Journal
-from proxy.recorder import Recorder
+from proxy.record.journal import Journal
+from proxy.record.recorder import Recorder
 
 
 @pytest.fixture

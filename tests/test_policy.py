@@ -10,7 +10,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from core import policy
+from core import policy, rollout
 from core.database import Sessions
 from core.vllm import AdapterRejected, VLLMAdmin
 from fakes.vllm import FakeVLLM
@@ -154,10 +154,10 @@ def test_load_everywhere_undoes_only_its_own_loads(tmp_path: Path) -> None:
     path.mkdir()
     (path / "adapter_config.json").write_text('{"r": 16}')
 
-    async def go(urls: list[str]) -> policy.Rollout:
+    async def go(urls: list[str]) -> rollout.Rollout:
         vllm = VLLMAdmin(api_key=None)
         try:
-            return await policy.load_everywhere(vllm, urls, "policy-v7", str(path))
+            return await rollout.load_everywhere(vllm, urls, "policy-v7", str(path))
         finally:
             await vllm.close()
 
@@ -169,5 +169,5 @@ def test_load_everywhere_undoes_only_its_own_loads(tmp_path: Path) -> None:
             asyncio.run(go([serving.url, fresh.url, small.url]))
         assert "policy-v7" in serving.loras  # not unloaded: it was there before this call
         assert "policy-v7" not in fresh.loras and "policy-v7" not in small.loras
-        rollout = asyncio.run(go([serving.url, fresh.url]))
-    assert rollout.loaded == [fresh.url, serving.url] and rollout.unreachable == []
+        went = asyncio.run(go([serving.url, fresh.url]))
+    assert went.loaded == [fresh.url, serving.url] and went.unreachable == []

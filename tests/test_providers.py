@@ -25,7 +25,7 @@ from core import export
 from demo.vllm_server import free_port
 from fakes.processes import start_flywheel
 from fakes.vllm import FakeVLLM
-from proxy.config import ProviderRoute, ProxySettings
+from proxy.config import ProviderModel, ProxySettings
 from tests import models
 from tests.conftest import fresh_database, trainer_claims
 
@@ -37,8 +37,8 @@ KEY = "sk-provider-test"
 def test_routes_are_read_from_pairs_or_json() -> None:
     pairs = ProxySettings(routes="gpt-4.1=openai/gpt-4.1, claude = anthropic/claude-sonnet-4-5")
     assert pairs.routes == {
-        "gpt-4.1": ProviderRoute(model="openai/gpt-4.1"),
-        "claude": ProviderRoute(model="anthropic/claude-sonnet-4-5"),
+        "gpt-4.1": ProviderModel(model="openai/gpt-4.1"),
+        "claude": ProviderModel(model="anthropic/claude-sonnet-4-5"),
     }
     assert pairs.routes["claude"].provider == "anthropic"
     os.environ["FLYWHEEL_TEST_ROUTE_KEY"] = "sk-x"
@@ -59,7 +59,7 @@ def test_routes_are_read_from_pairs_or_json() -> None:
         del os.environ["FLYWHEEL_TEST_ROUTE_KEY"]
     assert parsed["local"].api_base == "http://gpu:8000/v1"
     assert parsed["local"].input_cost_per_token == 1e-7
-    assert parsed["gpt"] == ProviderRoute(model="openai/gpt-4.1")
+    assert parsed["gpt"] == ProviderModel(model="openai/gpt-4.1")
     assert ProxySettings().routes == {}
 
 

@@ -244,7 +244,7 @@ def test_a_very_long_prompt_streams_and_records(proxy: RunningProxy) -> None:
 
 
 def test_random_uuids_are_version_4_and_distinct() -> None:
-    from proxy.call import random_uuids
+    from proxy.relay.call import random_uuids
 
     ids = random_uuids(500)
     parsed = [uuid.UUID(i) for i in ids]

@@ -20,11 +20,11 @@ import httpx
 import psycopg
 import pytest
 
-from core.policy import NoReplica
+from core.rollout import NoReplica
 from core.vllm import AdapterRejected
 from demo.vllm_server import free_port, wait_http
 from fakes.vllm import FakeVLLM
-from proxy.upstream import Upstream
+from proxy.relay.upstream import Upstream
 from tests.conftest import RunningProxy
 from trainer.vllm import Replicas
 

@@ -19,7 +19,7 @@ import pytest
 
 from core import database, partitions, retention
 from core.record import TransitionRecord
-from proxy import store
+from proxy.record.store.transitions import insert_transitions
 from tests.conftest import RunningProxy
 
 NOW = datetime.now(UTC)
@@ -65,7 +65,7 @@ def seed(database_url: str, batches: list[tuple[int, list[TransitionRecord]]]) -
         engine, sessionmaker = database.create_async_sessions(database_url)
         for days_ago, records in batches:
             async with sessionmaker.begin() as session:
-                await store.insert_transitions(
+                await insert_transitions(
                     records, session=session, gamma=None, today=at(days_ago).date()
                 )
         await engine.dispose()

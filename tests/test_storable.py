@@ -10,7 +10,7 @@ from typing import Any
 
 from core.record import TransitionRecord
 from fakes.vllm import FakeVLLM
-from proxy import wire
+from proxy.record import storable
 from tests.conftest import RunningProxy
 
 
@@ -23,14 +23,14 @@ def record(**fields: Any) -> TransitionRecord:
 
 def test_pg_safe_replaces_nul_everywhere_and_nothing_else() -> None:
     value = {"a\x00": ["x\x00y", {"k": "\x00"}, 1, None, 2.5], "b": "plain"}
-    assert wire.pg_safe(value) == {
+    assert storable.pg_safe(value) == {
         "a\ufffd": ["x\ufffdy", {"k": "\ufffd"}, 1, None, 2.5],
         "b": "plain",
     }
-    assert wire.has_nul(record(text="ok\x00"))
-    assert wire.has_nul(record(error={"message": "\x00"}))
-    assert not wire.has_nul(record(text="ok", tool_calls=[{"arguments": "{}"}]))
-    scrubbed = wire.pg_safe_record(record(text="a\x00", messages=[{"content": "\x00"}]))
+    assert storable.has_nul(record(text="ok\x00"))
+    assert storable.has_nul(record(error={"message": "\x00"}))
+    assert not storable.has_nul(record(text="ok", tool_calls=[{"arguments": "{}"}]))
+    scrubbed = storable.pg_safe_record(record(text="a\x00", messages=[{"content": "\x00"}]))
     assert scrubbed.text == "a\ufffd" and scrubbed.messages == [{"content": "\ufffd"}]
 
 

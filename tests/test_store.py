@@ -14,12 +14,13 @@ from sqlalchemy import text
 from core import codecs, database
 from core.tables import UNCOMPRESSED
 from fakes.traffic import episode_records
-from proxy import store
-from proxy.journal import Journal
-from proxy.recorder import Recorder
+from proxy.record.journal import Journal
+from proxy.record.recorder import Recorder
+from proxy.record.store.episodes import EpisodeRows, get_episode
+from proxy.record.store.transitions import insert_transitions
 
 
-def stored(rows: store.EpisodeRows | None) -> dict[str, dict[str, Any]]:
+def stored(rows: EpisodeRows | None) -> dict[str, dict[str, Any]]:
     """An episode's transitions as stored, by id: messages, token ids, logprobs, params."""
     assert rows is not None
     return {
@@ -39,11 +40,11 @@ async def test_writing_the_same_batch_twice_stores_it_once(database_url: str) ->
     records = episode_records(random.Random(0), turns=3)
     for _ in range(2):  # a replay after a write whose commit was not acknowledged
         async with sessionmaker.begin() as session:
-            await store.insert_transitions(records, session=session, gamma=None)
+            await insert_transitions(records, session=session, gamma=None)
     async with sessionmaker() as session:
         transitions = (await session.execute(text("SELECT count(*) FROM transition"))).scalar()
         messages = (await session.execute(text("SELECT count(*) FROM message"))).scalar()
-        t = stored(await store.get_episode(records[0].episode_id, session=session))[records[-1].id]
+        t = stored(await get_episode(records[0].episode_id, session=session))[records[-1].id]
     await engine.dispose()
     assert transitions == 3
     assert messages == 5  # system, 3 users, and the (identical) assistant reply: each once
@@ -62,9 +63,9 @@ async def test_a_partly_stored_batch_stores_only_the_new_rows(database_url: str)
     records = episode_records(random.Random(1), turns=4)
     for batch in (records[:2], records):  # a journal replay overlapping a committed batch
         async with sessionmaker.begin() as session:
-            await store.insert_transitions(batch, session=session, gamma=None)
+            await insert_transitions(batch, session=session, gamma=None)
     async with sessionmaker() as session:
-        episode = stored(await store.get_episode(records[0].episode_id, session=session))
+        episode = stored(await get_episode(records[0].episode_id, session=session))
     transitions = await count(sessionmaker, "transition")
     await engine.dispose()
     assert transitions == 4
@@ -78,14 +79,14 @@ async def test_messages_known_to_be_stored_are_not_sent_again(database_url: str)
     engine, sessionmaker = database.create_async_sessions(database_url)
     first, second = episode_records(random.Random(2), turns=2)
     async with sessionmaker.begin() as session:
-        sent = await store.insert_transitions([first], session=session, gamma=None)
+        sent = await insert_transitions([first], session=session, gamma=None)
     assert len(sent) == 3  # system, user, the prompt's first block of token ids
     async with sessionmaker.begin() as session:
-        sent_again = await store.insert_transitions(
+        sent_again = await insert_transitions(
             [second], session=session, gamma=None, stored=set(sent)
         )
     async with sessionmaker() as session:
-        episode = stored(await store.get_episode(first.episode_id, session=session))
+        episode = stored(await get_episode(first.episode_id, session=session))
     messages = await count(sessionmaker, "message")
     await engine.dispose()
     # The assistant's reply and the next user message; the longer prompt's one whole block is
@@ -100,9 +101,9 @@ async def test_a_call_without_prompt_messages_stores_an_empty_list(database_url:
     [record] = episode_records(random.Random(3), turns=1)
     record.messages = []
     async with sessionmaker.begin() as session:
-        await store.insert_transitions([record], session=session, gamma=None)
+        await insert_transitions([record], session=session, gamma=None)
     async with sessionmaker() as session:
-        episode = stored(await store.get_episode(record.episode_id, session=session))
+        episode = stored(await get_episode(record.episode_id, session=session))
     await engine.dispose()
     assert episode[record.id]["messages"] == []
 

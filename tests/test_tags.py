@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from proxy.errors import ApiError
-from proxy.tags import resolve, split_path
+from proxy.relay.tags import resolve, split_path
 
 
 def test_path_pairs_any_order_any_subset() -> None:

@@ -15,7 +15,9 @@ from sqlalchemy import text
 
 from core import codecs, database, export
 from fakes.traffic import episode_records
-from proxy import store
+from proxy.record.store.episodes import get_episode
+from proxy.record.store.rewards import credit_episodes
+from proxy.record.store.transitions import insert_transitions
 from tests.conftest import trainer_claims
 
 
@@ -99,18 +101,16 @@ async def test_a_multi_turn_episode_is_stored_once_and_read_back_whole(
         r.lineage = "policy"  # a policy's calls: the trainer's to claim
         async with sessionmaker.begin() as session:
             known.update(
-                await store.insert_transitions(
-                    [r], session=session, gamma=None, stored=known, memo=memo
-                )
+                await insert_transitions([r], session=session, gamma=None, stored=known, memo=memo)
             )
     episode_id = records[0].episode_id
     async with sessionmaker.begin() as session:
         await session.execute(
             text("UPDATE episode SET final_reward = 1 WHERE id = :e"), {"e": episode_id}
         )
-        await store.credit_episodes([episode_id], session=session, gamma=None)
+        await credit_episodes([episode_id], session=session, gamma=None)
     async with sessionmaker() as session:
-        rows = await store.get_episode(episode_id, session=session)
+        rows = await get_episode(episode_id, session=session)
         blocks, block_bytes, rest_bytes = (
             await session.execute(
                 text(

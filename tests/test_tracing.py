@@ -15,7 +15,7 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
 from demo.vllm_server import free_port
 from fakes.vllm import FakeVLLM
-from proxy.tracing import _ids
+from proxy.record.tracing import _ids
 
 
 class Receiver:

@@ -1,5 +1,5 @@
 """The trainer's hands on every vLLM: core's adapter client (core/vllm.py) and the one
-load-everywhere policy (core/policy.py), run on a private event loop.
+load-everywhere policy (core/rollout.py), run on a private event loop.
 
 The trainer is synchronous (torch), so each call here blocks until every replica has answered,
 as it should: a step publishes only once its adapter is loaded. No event loop is set for the
@@ -13,7 +13,7 @@ import contextlib
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from core import policy
+from core import rollout
 from core.vllm import VLLMAdmin
 
 T = TypeVar("T")
@@ -39,12 +39,12 @@ class Replicas:
         self._run(self._vllm.close())
         self._loop.close()
 
-    def load_everywhere(self, name: str, path: str) -> policy.Rollout:
-        """core.policy.load_everywhere: raises AdapterRejected or NoReplica (nothing loaded)."""
-        return self._run(policy.load_everywhere(self._vllm, self.urls, name, path))
+    def load_everywhere(self, name: str, path: str) -> rollout.Rollout:
+        """core.rollout.load_everywhere: raises AdapterRejected or NoReplica (nothing loaded)."""
+        return self._run(rollout.load_everywhere(self._vllm, self.urls, name, path))
 
     def unload_everywhere(self, name: str) -> None:
-        self._run(policy.unload_everywhere(self._vllm, self.urls, name))
+        self._run(rollout.unload_everywhere(self._vllm, self.urls, name))
 
     def loaded(self, url: str) -> set[str]:
         return self._run(self._vllm.loaded(url))

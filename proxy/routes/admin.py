@@ -11,10 +11,10 @@
     POST /admin/lineages/{L}/unpin        let L move again (the trainer goes on from its version)
     GET  /admin/lineages                  each lineage: current version, pin, open canary
 
-Activation is `core.policy.activate`, the same lifecycle the trainer's publish and
+Activation is `core.rollout.activate`, the same lifecycle the trainer's publish and
 `flywheel adapters activate` use: load N into every vLLM replica, then move the alias. A replica
 that cannot be reached is ejected here; it rejoins once it has the current adapter
-(proxy/replicas.py).
+(proxy/relay/replicas.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import orjson
 from fastapi import APIRouter, Query
 from starlette.responses import Response
 
-from core import canary, policy
+from core import canary, policy, rollout
 from core.database import run_sync
 from core.tables import Canary as CanaryRow
 from core.vllm import AdapterRejected
@@ -115,7 +115,7 @@ async def _activate(
     except ValueError as e:
         raise ApiError(400, str(e), param="lineage") from e
     try:
-        adapter, rollout = await policy.activate(
+        adapter, went = await rollout.activate(
             version,
             sessions=services.sessionmaker,
             vllm=upstream.vllm,
@@ -137,9 +137,9 @@ async def _activate(
             type="upstream_error",
             code="adapter_rejected",
         ) from e
-    except policy.NoReplica as e:
+    except rollout.NoReplica as e:
         raise ApiError(502, f"{e}; the alias did not move", type="upstream_error") from e
-    for url in rollout.unreachable if rollout else ():
+    for url in went.unreachable if went else ():
         upstream.failed(upstream.replica(url), "unreachable while activating an adapter")
     await services.alias.refresh()  # this proxy follows at once (the others on the NOTIFY)
     if adapter is None:

@@ -1,6 +1,6 @@
-"""POST /v1/chat/completions and /v1/completions (every route of `wire.ROUTES`): forwarded to
-vLLM and recorded by `Forwarder`. The edge calls `complete` directly, without FastAPI's
-middleware, router and dependency machinery: every agent call comes this way.
+"""POST /v1/chat/completions, /v1/completions and /v1/responses (a route per `wire.ENDPOINTS`):
+forwarded to vLLM and recorded by `Forwarder`. The edge calls `complete` directly, without
+FastAPI's middleware, router and dependency machinery: every agent call comes this way.
 """
 
 from __future__ import annotations
@@ -9,16 +9,16 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive, Scope
 
-from proxy import wire
 from proxy.auth import principal_of
 from proxy.errors import ApiError
+from proxy.relay import wire
+from proxy.relay.tags import resolve
 from proxy.routes.body import read_json
 from proxy.services import Services
-from proxy.tags import resolve
 
 
 async def complete(
-    route: wire.Route, services: Services, scope: Scope, receive: Receive
+    endpoint: wire.Endpoint, services: Services, scope: Scope, receive: Receive
 ) -> Response:
     request = Request(scope, receive)
     body, nul = await read_json(request, services.settings.max_body_bytes)
@@ -29,4 +29,4 @@ async def complete(
         request.headers,  # type: ignore[arg-type]
         principal_of(scope),
     )
-    return await services.forwarder.handle(route, body, tags, scrub=nul)
+    return await services.forwarder.handle(endpoint, body, tags, scrub=nul)

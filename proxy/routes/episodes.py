@@ -11,12 +11,13 @@ from fastapi import APIRouter, Request
 from starlette.responses import Response
 
 from core.codecs import unpack
+from core.database import OUTAGE_ERRORS
 from core.tables import Reward, Transition
 from core.tenants import Principal
-from proxy import store
 from proxy.auth import principal_of
 from proxy.errors import ApiError
-from proxy.recorder import OUTAGE_ERRORS, STORED_WAIT_S
+from proxy.record.recorder import STORED_WAIT_S
+from proxy.record.store import episodes
 from proxy.services import Services, ServicesDep
 
 router = APIRouter()
@@ -39,7 +40,7 @@ async def read_episode(
     await services.recorder.wait_stored(stored_id, timeout=STORED_WAIT_S)
     try:
         async with services.sessionmaker() as session:
-            rows = await store.get_episode(stored_id, session=session)
+            rows = await episodes.get_episode(stored_id, session=session)
     except OUTAGE_ERRORS as e:
         raise ApiError(503, "database unavailable", type="service_unavailable") from e
     if rows is None:
@@ -51,7 +52,7 @@ async def read_episode(
 
 
 def episode_json(
-    rows: store.EpisodeRows, public: Callable[[str], str], tokens: bool
+    rows: episodes.EpisodeRows, public: Callable[[str], str], tokens: bool
 ) -> dict[str, Any]:
     return {
         "id": public(rows.episode.id),
@@ -65,7 +66,7 @@ def episode_json(
 
 
 def _transition(
-    t: Transition, rows: store.EpisodeRows, tokens: bool, public: Callable[[str], str]
+    t: Transition, rows: episodes.EpisodeRows, tokens: bool, public: Callable[[str], str]
 ) -> dict[str, Any]:
     bodies = rows.messages
     out: dict[str, Any] = {
@@ -91,7 +92,7 @@ def _transition(
         "error": t.error,
         "latency_ms": t.latency_ms,
         "usage": {"prompt_tokens": t.prompt_tokens, "completion_tokens": t.completion_tokens},
-        "provider": t.provider,  # routed through litellm (FLYWHEEL_ROUTES); None: vLLM
+        "provider": t.provider,  # a provider model's call (FLYWHEEL_ROUTES); None: vLLM
         "cost_usd": t.cost_usd,
         "return": t.return_,
         "credited_at": t.credited_at.isoformat() if t.credited_at else None,

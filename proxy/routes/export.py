@@ -23,10 +23,10 @@ from sqlalchemy import text
 from starlette.responses import Response, StreamingResponse
 
 from core import export, policy
+from core.database import OUTAGE_ERRORS
 from proxy.auth import principal_of
 from proxy.config import TAG_PATTERN
 from proxy.errors import ApiError
-from proxy.recorder import OUTAGE_ERRORS
 from proxy.services import MAX_EXPORTS, ServicesDep
 
 router = APIRouter()

@@ -1,5 +1,5 @@
 """What operators and clients ask of the proxy itself: GET /v1/models (vLLM's models plus the
-policy alias and the models routed to providers), GET /healthz (readiness), GET /livez
+policy alias and the provider models), GET /healthz (readiness), GET /livez
 (liveness) and GET /metrics (Prometheus)."""
 
 from __future__ import annotations
@@ -38,8 +38,8 @@ async def models(services: ServicesDep) -> Response:
     created = max((m.get("created", 0) for m in data.get("data", [])), default=0)
     listed = data.setdefault("data", [])
     listed.append(_model(services.settings.policy_alias, created, "flywheel"))
-    for name, route in services.settings.routes.items():  # served by providers, through litellm
-        listed.append(_model(name, created, route.provider))
+    for name, provider_model in services.settings.routes.items():  # served through litellm
+        listed.append(_model(name, created, provider_model.provider))
     return Response(orjson.dumps(data), media_type="application/json")
 
 

@@ -2,12 +2,12 @@
 
 A step reward names its transition (`transition_id`, from the X-Transition-Id header) or a tool
 call the transition made (`tool_call_id`: what a framework that ran the tool knows); `source`
-says who gave it ("tool" for a failed tool run, say; "air" is the proxy's own, proxy/air.py).
+says who gave it ("tool" for a failed tool run, say; "air" is the proxy's own, proxy/record/air.py).
 
 A reward for an episode whose transitions are still in this process's writer queue waits for them
 (`Recorder.wait_stored`), so a reward posted after its completion's response always joins it. A
 step reward whose transition another replica recorded and has not stored yet is kept "pending"
-and joins its transition when that replica's writer stores it (`store.attach_pending_rewards`).
+and joins its transition when that replica's writer stores it (`rewards.attach_pending_rewards`).
 """
 
 from __future__ import annotations
@@ -19,13 +19,16 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from starlette.responses import Response
 
+from core.database import OUTAGE_ERRORS
 from core.tenants import DEFAULT, Principal
-from proxy import metrics, store, wire
+from proxy import metrics
 from proxy.auth import principal_of
 from proxy.errors import ApiError
-from proxy.recorder import OUTAGE_ERRORS, STORED_WAIT_S
+from proxy.record.recorder import STORED_WAIT_S
+from proxy.record.schemas import MAX_REWARDS_PER_POST, RewardIn
+from proxy.record.storable import pg_safe
+from proxy.record.store import rewards
 from proxy.routes.body import read_json
-from proxy.schemas import MAX_REWARDS_PER_POST, RewardIn
 from proxy.services import Services, ServicesDep
 
 router = APIRouter()
@@ -56,7 +59,7 @@ _BODY = {
 async def post_rewards(request: Request, services: ServicesDep) -> Response:
     body, nul = await read_json(request, services.settings.max_body_bytes)
     principal = principal_of(request.scope)
-    out = await store_rewards(wire.pg_safe(body) if nul else body, services, principal)
+    out = await store_rewards(pg_safe(body) if nul else body, services, principal)
     return Response(orjson.dumps(out), media_type="application/json")
 
 
@@ -98,18 +101,18 @@ async def store_rewards(
     try:
         async with services.sessionmaker.begin() as session:
             try:
-                saved = await store.add_rewards(
+                saved = await rewards.add_rewards(
                     items, session=session, gamma=services.settings.credit_gamma
                 )
-            except store.UnknownTransition as e:
+            except rewards.UnknownTransition as e:
                 raise ApiError(
                     404, str(e), param="transition_id", code="transition_not_found"
                 ) from e
-            except store.AmbiguousToolCall as e:
+            except rewards.AmbiguousToolCall as e:
                 raise ApiError(409, str(e), param="tool_call_id", code="ambiguous_tool_call") from e
-            except store.RewardConflict as e:
+            except rewards.RewardConflict as e:
                 raise ApiError(409, str(e), code="already_trained") from e
-            except store.KeyReused as e:
+            except rewards.KeyReused as e:
                 raise ApiError(
                     409, str(e), param="idempotency_key", code="idempotency_key_reused"
                 ) from e

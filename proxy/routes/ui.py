@@ -28,13 +28,12 @@ from starlette.responses import FileResponse, RedirectResponse, Response
 
 from core import canary, policy
 from core.codecs import unpack
-from core.database import run_sync
+from core.database import OUTAGE_ERRORS, run_sync
 from core.vllm import VLLMError
-from proxy import dashboard
 from proxy.auth import principal_of
 from proxy.config import TAG_PATTERN
 from proxy.errors import ApiError
-from proxy.recorder import OUTAGE_ERRORS
+from proxy.record.store import dashboard
 from proxy.routes.admin import canary_json, pin_json
 from proxy.routes.episodes import read_episode
 from proxy.services import ServicesDep

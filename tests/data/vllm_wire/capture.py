@@ -184,7 +184,7 @@ def main(base_url: str, model_dir: str) -> None:
         COMPLETIONS,
         completion(prompt=[263, 260, 223, 21], return_token_ids=True),
     )
-    # proxy/scoring.py: the logprob of each given token (the first position has none)
+    # proxy/relay/scoring.py: the logprob of each given token (the first position has none)
     save(
         client,
         "completions_prompt_logprobs",

@@ -24,7 +24,7 @@ from typing import Any
 
 from core.record import TransitionRecord
 
-# The GenAI operation name of each route (proxy/wire.py's Route names).
+# The GenAI operation name of each endpoint (proxy/relay/wire.py's Endpoint names).
 _OPERATIONS = {"chat": "chat", "completions": "text_completion", "responses": "chat"}
 
 
@@ -88,7 +88,7 @@ class Spans:
 def _attributes(r: TransitionRecord, operation: str) -> dict[str, Any]:
     attributes: dict[str, Any] = {
         "gen_ai.operation.name": operation,
-        "gen_ai.provider.name": r.provider or "vllm",  # a routed call: its provider
+        "gen_ai.provider.name": r.provider or "vllm",  # a provider model's call: its provider
         "gen_ai.conversation.id": r.episode_id,
         "flywheel.transition_id": r.id,
         "flywheel.request_id": r.request_id,
@@ -106,7 +106,7 @@ def _attributes(r: TransitionRecord, operation: str) -> dict[str, Any]:
         "flywheel.task_id": r.task_id,
         "flywheel.policy_version": r.policy_version,
         "flywheel.lineage": r.lineage,
-        "flywheel.cost_usd": r.cost_usd,  # a routed call's price (litellm's)
+        "flywheel.cost_usd": r.cost_usd,  # a provider model's call's price (litellm's)
     }
     attributes.update((k, v) for k, v in optional.items() if v is not None)
     return attributes

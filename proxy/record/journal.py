@@ -8,15 +8,18 @@ crash at any point repeats rows at worst and never loses one. Rows that Postgres
 segment holding a line that does not parse (a damaged disk, a hand-edited file) is copied whole
 to `quarantine/` and rewritten with its good lines, which replay as usual.
 
-Every method may raise `OSError` (disk full, read-only, I/O error): the recorder decides what
-then happens to the records.
+Every method may raise `OSError` (disk full, read-only, I/O error): the recorder runs each in
+`guard()`, which keeps the failure (`error`, for /healthz) until the operation works again, and
+decides what then happens to the records.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
@@ -35,6 +38,32 @@ class Journal:
         self.quarantine_dir = directory / "quarantine"
         self._seq = 0
         self.pending = sum(_count_lines(p) for p in self.segments())
+        self._errors: dict[str, str] = {}  # operation -> its last failure, until it works
+
+    @property
+    def error(self) -> str | None:
+        """Why the journal is failing (None: its last operations worked)."""
+        return "; ".join(f"{op}: {e}" for op, e in self._errors.items()) or None
+
+    def failing(self, operation: str) -> bool:
+        return operation in self._errors
+
+    @contextlib.contextmanager
+    def guard(self, operation: str) -> Iterator[None]:
+        """A journal operation: an OSError is logged, counted and kept until it works again (the
+        caller goes on after the block either way)."""
+        try:
+            yield
+        except OSError as e:
+            if operation not in self._errors:
+                log.error("journal %s failed: %r; records stay in memory", operation, e)
+            self._errors[operation] = repr(e)
+            metrics.journal_errors.labels(operation).inc()
+            metrics.journal_ok.set(0)
+        else:
+            if self._errors.pop(operation, None) is not None:
+                log.warning("journal %s works again", operation)
+            metrics.journal_ok.set(0 if self._errors else 1)
 
     def segments(self) -> list[Path]:
         return sorted(self.directory.glob("segment-*.jsonl"))

@@ -28,7 +28,7 @@ from core.database import AsyncSessions, run_sync
 from core.policy import BASE_VERSION
 from core.vllm import VLLMError
 from proxy.errors import ApiError
-from proxy.upstream import Replica, Upstream
+from proxy.relay.upstream import Replica, Upstream
 
 log = logging.getLogger(__name__)
 

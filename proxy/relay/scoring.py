@@ -26,9 +26,9 @@ import orjson
 
 from core.record import TransitionRecord
 from proxy import metrics
-from proxy.http1 import UpstreamBroken
-from proxy.recorder import Recorder
-from proxy.upstream import Upstream
+from proxy.record.intake import Intake
+from proxy.relay.http1 import UpstreamBroken
+from proxy.relay.upstream import Upstream
 
 log = logging.getLogger(__name__)
 
@@ -54,15 +54,15 @@ def needs_scoring(record: TransitionRecord) -> bool:
 
 
 class Scorer:
-    def __init__(self, upstream: Upstream, recorder: Recorder) -> None:
+    def __init__(self, *, upstream: Upstream, intake: Intake) -> None:
         self._upstream = upstream
-        self._recorder = recorder
+        self._intake = intake  # the record wing's door
         self._tasks: set[asyncio.Task[None]] = set()
 
     def submit(self, replica_url: str, record: TransitionRecord) -> None:
         """Score `record` on the replica that sampled it, then hand it to the writer (which
         counts it as unstored from now on: a reward naming it waits for it)."""
-        self._recorder.expect([record])
+        self._intake.expect([record])
         task = asyncio.create_task(self._score_then_record(replica_url, record))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -85,7 +85,7 @@ class Scorer:
             log.warning("scoring transition %s failed: %r", record.id, e)
         finally:  # also when cancelled at shutdown: the record itself is never dropped
             metrics.logprobs_scored.labels(outcome).inc()
-            self._recorder.submit([record])
+            self._intake.submit([record])
 
     async def _score(self, replica_url: str, record: TransitionRecord) -> list[float] | None:
         prompt, completion = record.prompt_token_ids or [], record.completion_token_ids or []

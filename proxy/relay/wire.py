@@ -1,9 +1,9 @@
-"""The completion routes the proxy records, and vLLM's answers on chat and completions (0.32, see
+"""The completion endpoints the proxy records, and vLLM's answers on chat and completions (0.32, see
 tests/data/vllm_wire/): reading each choice's tokens out of a response or its stream chunks, and
 removing what the client did not ask for. The Responses API's answers are read in responses.py.
 
-`ROUTES` is the one table of completion routes: the edge (which answers them entirely) and the
-forwarder read it.
+`ENDPOINTS` is the one table of them (an `Endpoint`: a completion API's path and wire shape): the
+edge (which answers their routes entirely) and the forwarder read it.
 
 - chat: `prompt_token_ids` at the top level (first chunk when streaming), `choices[i].token_ids`,
   logprobs in `choices[i].logprobs.content[].logprob`;
@@ -14,28 +14,23 @@ forwarder read it.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
-from core.record import TransitionRecord
-
 
 @dataclass(frozen=True)
-class Route:
-    """An OpenAI-compatible completion route, forwarded to vLLM and recorded."""
+class Endpoint:
+    """An OpenAI-compatible completion API, forwarded to vLLM and recorded."""
 
-    name: str  # recorded as transition.route, and the metrics' label
+    name: str  # recorded as transition.route, and the metrics' `route` label
     path: str  # the same path on the proxy and on vLLM
     prompt_key: str  # the request field holding the prompt (recorded by message digest)
 
 
-CHAT = Route("chat", "/v1/chat/completions", "messages")
-COMPLETIONS = Route("completions", "/v1/completions", "prompt")
-RESPONSES = Route("responses", "/v1/responses", "input")  # `instructions` is recorded with it
-ROUTES = (CHAT, COMPLETIONS, RESPONSES)
+CHAT = Endpoint("chat", "/v1/chat/completions", "messages")
+COMPLETIONS = Endpoint("completions", "/v1/completions", "prompt")
+RESPONSES = Endpoint("responses", "/v1/responses", "input")  # `instructions` is recorded with it
+ENDPOINTS = (CHAT, COMPLETIONS, RESPONSES)
 
 
 @dataclass
@@ -50,7 +45,7 @@ class Choice:
     finish_reason: str | None = None
 
 
-def collect(route: Route, data: dict[str, Any]) -> dict[int, Choice]:
+def collect(endpoint: Endpoint, data: dict[str, Any]) -> dict[int, Choice]:
     collected: dict[int, Choice] = {}
     prompt_ids = data.get("prompt_token_ids")  # chat: once per response
     for c in data.get("choices") or ():
@@ -58,7 +53,7 @@ def collect(route: Route, data: dict[str, Any]) -> dict[int, Choice]:
         choice.prompt_token_ids = c.get("prompt_token_ids") or prompt_ids
         choice.token_ids = list(c.get("token_ids") or ())
         choice.finish_reason = c.get("finish_reason")
-        if route is CHAT:
+        if endpoint is CHAT:
             message = c.get("message") or {}
             choice.text.append(message.get("content") or "")
             for i, tool_call in enumerate(message.get("tool_calls") or ()):
@@ -71,7 +66,7 @@ def collect(route: Route, data: dict[str, Any]) -> dict[int, Choice]:
     return collected
 
 
-def collect_chunk(route: Route, chunk: dict[str, Any], collected: dict[int, Choice]) -> None:
+def collect_chunk(endpoint: Endpoint, chunk: dict[str, Any], collected: dict[int, Choice]) -> None:
     prompt_ids = chunk.get("prompt_token_ids")  # chat: in the first chunk only
     for c in chunk.get("choices") or ():
         choice = collected.setdefault(c.get("index", 0), Choice())
@@ -80,7 +75,7 @@ def collect_chunk(route: Route, chunk: dict[str, Any], collected: dict[int, Choi
         choice.token_ids.extend(c.get("token_ids") or ())
         if c.get("finish_reason") is not None:
             choice.finish_reason = c["finish_reason"]
-        if route is CHAT:
+        if endpoint is CHAT:
             delta = c.get("delta") or {}
             if delta.get("content"):
                 choice.text.append(delta["content"])
@@ -131,32 +126,3 @@ def prompts(prompt: Any) -> list[Any]:
 
 def prompt_count(body: dict[str, Any]) -> int:
     return max(1, len(prompts(body.get("prompt"))))
-
-
-def pg_safe(value: Any) -> Any:
-    """`value` with every U+0000 made U+FFFD: Postgres text and jsonb cannot hold it.
-
-    Only what is recorded is changed (a tiny model can sample it; a client may send it); what
-    goes to vLLM and back to the client is untouched.
-    """
-    if isinstance(value, str):
-        return value.replace("\x00", "\ufffd")
-    if isinstance(value, list):
-        return [pg_safe(v) for v in value]
-    if isinstance(value, dict):
-        return {pg_safe(k): pg_safe(v) for k, v in value.items()}
-    return value
-
-
-def pg_safe_record(record: TransitionRecord) -> TransitionRecord:
-    return TransitionRecord.from_json(pg_safe(dataclasses.asdict(record)))
-
-
-def has_nul(record: TransitionRecord) -> bool:
-    """Whether vLLM's side of a record (text, tool calls, error) holds a U+0000."""
-    text, tool_calls, error = record.text, record.tool_calls, record.error
-    return bool(
-        (text and "\x00" in text)
-        or (tool_calls and b"\\u0000" in orjson.dumps(tool_calls))
-        or (error and b"\\u0000" in orjson.dumps(error))
-    )

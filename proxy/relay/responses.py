@@ -25,7 +25,7 @@ from typing import Any
 import orjson
 
 from proxy.errors import ApiError
-from proxy.wire import Choice
+from proxy.relay.wire import Choice
 
 LOGPROBS = "message.output_text.logprobs"
 TERMINAL = {"response.completed": "ok", "response.incomplete": "ok", "response.failed": "failed"}

@@ -22,33 +22,22 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections import deque
-from collections.abc import Iterator
 from datetime import UTC, date, datetime
 
 import orjson
-import psycopg
-from sqlalchemy import exc as sa_exc
 
 from core.codecs import PromptMemo
-from core.database import AsyncSessions
+from core.database import OUTAGE_ERRORS, AsyncSessions
 from core.record import TransitionRecord
-from proxy import metrics, store
-from proxy.journal import Journal
-from proxy.tracing import Spans
+from proxy import metrics
+from proxy.record.journal import Journal
+from proxy.record.pending import Pending
+from proxy.record.queue import RecordQueue
+from proxy.record.store.transitions import insert_transitions
+from proxy.record.tracing import Spans
 
 log = logging.getLogger(__name__)
 
-# Errors that mean "Postgres is not there right now", as opposed to "Postgres refused this row".
-# psycopg's own: COPY runs on the driver's connection, unwrapped by SQLAlchemy. Its
-# OperationalError includes a deadlock or a lock timeout: the batch is fine, only unlucky.
-OUTAGE_ERRORS = (
-    sa_exc.OperationalError,
-    sa_exc.InterfaceError,
-    psycopg.OperationalError,
-    OSError,
-    TimeoutError,
-)
 WRITE_TIMEOUT_S = 15.0  # a write hanging longer than this is an outage: journal and move on
 REPLAY_CHUNK = 5000
 # Batches written at once, each on its own connection: while Postgres writes one, Python packs
@@ -87,27 +76,22 @@ class Recorder:
         self._gamma = gamma
         self._air_penalty = air_penalty
         self._queue = RecordQueue()
+        self._pending = Pending()  # what is not in Postgres yet, and who waits for it
         self._inflight: dict[int, list[TransitionRecord]] = {}  # writer -> its batch
         self._replaying = False
-        self._unstored: dict[str, set[str]] = {}  # episode id -> transition ids not in Postgres
-        self._unstored_ids: set[str] = set()  # the same ids, all episodes together
-        self._watched: dict[str, asyncio.Future[None]] = {}  # durable mode: id -> "it is safe"
         self._known: set[bytes] = set()  # digests known committed (STORED_MAX)
         self._memo = PromptMemo()  # each episode's last prompt, hashed (core/codecs.py)
         self._stored_day = date.min  # the UTC day the cache above holds for
         self._wake = asyncio.Event()
         self._hurry = asyncio.Event()  # "write now": see _urgent()
-        self._waiters = 0  # wait_stored() calls in progress
-        self._stored = asyncio.Event()  # set and replaced after every write: "look again"
         self._stopping = False
         self._next_replay = 0.0
         self._task: asyncio.Task[None] | None = None
         self._database_ok = True  # the last write (or replay) reached Postgres
-        self._journal_errors: dict[str, str] = {}  # operation -> its last failure, until it works
         self._journal_retry_at = 0.0
         for segment in journal.segments():  # an unreadable one is replayed later, or fails then
-            with self._guard("read"):
-                self._track(journal.read(segment))
+            with self.journal.guard("read"):
+                self._pending.track(journal.read(segment))
         metrics.journal_pending.set(journal.pending)
         metrics.journal_ok.set(1)
 
@@ -129,23 +113,21 @@ class Recorder:
         self._task = asyncio.create_task(self._run(), name="flywheel-writer")
 
     def expect(self, records: list[TransitionRecord]) -> None:
-        """Records on their way here (being scored, proxy/scoring.py): rewards and episode reads
-        wait for them as for records already queued."""
-        self._track(records)
+        """Records on their way here (being scored, proxy/relay/scoring.py): rewards and episode
+        reads wait for them as for records already queued."""
+        self._pending.track(records)
 
     def watch(self, transition_ids: list[str]) -> list[asyncio.Future[None]]:
         """Durable mode: futures done once each transition is committed or journaled (fsync'd).
         Call it before the records are submitted (a spill may settle them at once)."""
-        loop = asyncio.get_running_loop()
-        futures = [loop.create_future() for _ in transition_ids]
-        self._watched.update(zip(transition_ids, futures, strict=True))
+        futures = self._pending.watch(transition_ids)
         self._hurry.set()
         return futures
 
     def submit(self, records: list[TransitionRecord]) -> None:
         if self._spans is not None:
             self._spans.emit(records)
-        self._track(records)
+        self._pending.track(records)
         self._queue.extend(records)
         if (
             self._queue.nbytes > self._queue_max_bytes
@@ -162,27 +144,9 @@ class Recorder:
     ) -> bool:
         """Wait until this episode's transitions recorded here are in Postgres, or only these
         (`transition_ids`, which may be another episode's: the reward route says so then)."""
-
-        def done() -> bool:
-            if transition_ids is not None:
-                return self._unstored_ids.isdisjoint(transition_ids)
-            return not self._unstored.get(episode_id)
-
-        if done():  # (most rewards: their calls were written long ago)
-            return True
-        deadline = time.monotonic() + timeout
-        self._waiters += 1
-        self._hurry.set()
-        try:
-            while not done():
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    return False
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._stored.wait(), remaining)
-            return True
-        finally:
-            self._waiters -= 1
+        return await self._pending.wait(
+            episode_id, transition_ids, timeout=timeout, hurry=self._hurry.set
+        )
 
     async def stop(self, timeout: float = 30.0) -> None:
         """Flush everything to Postgres, or to the journal if Postgres can't take it in time."""
@@ -243,7 +207,7 @@ class Recorder:
             self._wake.set()  # more than one batch waiting: wake the other writer too
         if batch:
             self._inflight[index] = batch
-            if self.journal.pending and "append" not in self._journal_errors:
+            if self.journal.pending and not self.journal.failing("append"):
                 kept = self._journal(batch)  # keep going behind the journal until it is replayed
             else:
                 kept = await self._write(batch)
@@ -253,12 +217,7 @@ class Recorder:
         return self._stopping and not self._queue
 
     def _urgent(self) -> bool:
-        return (
-            self._stopping
-            or self._waiters > 0
-            or bool(self._watched)
-            or len(self._queue) >= self._batch_size
-        )
+        return self._stopping or self._pending.awaited or len(self._queue) >= self._batch_size
 
     async def _linger(self) -> None:
         """Wait for more records to share this write, until `linger_s` after the oldest one
@@ -284,7 +243,7 @@ class Recorder:
         except Exception:
             await self._isolate(batch)
             return True
-        self._mark_stored(batch)
+        self._pending.stored(batch)
         self._database_ok = True
         metrics.database_up.set(1)
         return True
@@ -299,7 +258,7 @@ class Recorder:
             self._stored_day = today
         try:
             async with asyncio.timeout(WRITE_TIMEOUT_S), self._sessionmaker.begin() as session:
-                sent = await store.insert_transitions(
+                sent = await insert_transitions(
                     records,
                     session=session,
                     gamma=self._gamma,
@@ -329,11 +288,11 @@ class Recorder:
             except Exception as e:
                 log.exception("Postgres refused transition %s; kept in rejected/", record.id)
                 metrics.transitions_rejected.inc()
-                with self._guard("reject"):
+                with self.journal.guard("reject"):
                     self.journal.reject(record, repr(e))
-                if "reject" in self._journal_errors:  # the log is the last place it can go
+                if self.journal.failing("reject"):  # the log is the last place it can go
                     log.error("rejected transition %s: %s", record.id, orjson.dumps(record))
-            self._mark_stored([record])
+            self._pending.stored([record])
 
     async def _replay(self) -> None:
         if self._replaying:  # the other writer is at it
@@ -346,9 +305,9 @@ class Recorder:
 
     async def _replay_segments(self) -> None:
         for segment in self.journal.segments():
-            with self._guard("read"):
+            with self.journal.guard("read"):
                 records = self.journal.read(segment)
-            if "read" in self._journal_errors:
+            if self.journal.failing("read"):
                 self._next_replay = time.monotonic() + self._retry_s
                 return
             try:
@@ -360,8 +319,8 @@ class Recorder:
                 return
             except Exception:
                 await self._isolate(records)
-            self._mark_stored(records)  # committed, whatever happens to the segment now
-            with self._guard("remove"):  # a segment left behind only replays again
+            self._pending.stored(records)  # committed, whatever happens to the segment now
+            with self.journal.guard("remove"):  # a segment left behind only replays again
                 self.journal.remove(segment, len(records))
             metrics.journal_pending.set(self.journal.pending)
         log.info("journal replayed; Postgres is back")
@@ -372,11 +331,11 @@ class Recorder:
 
     def _journal(self, records: list[TransitionRecord]) -> bool:
         """To disk; if the journal fails, back to the front of the queue (False)."""
-        with self._guard("append"):
+        with self.journal.guard("append"):
             self.journal.append(records)
             metrics.transitions_journaled.inc(len(records))
             metrics.journal_pending.set(self.journal.pending)
-            self._settle(records)
+            self._pending.settle(records)
             return True
         self._queue.put_back(records)
         self._queue.report()
@@ -386,92 +345,4 @@ class Recorder:
     @property
     def journal_error(self) -> str | None:
         """Why the journal is failing (None: its last operations worked)."""
-        return "; ".join(f"{op}: {e}" for op, e in self._journal_errors.items()) or None
-
-    @contextlib.contextmanager
-    def _guard(self, operation: str) -> Iterator[None]:
-        """A journal operation: an OSError is logged, counted and kept until it works again."""
-        try:
-            yield
-        except OSError as e:
-            if operation not in self._journal_errors:
-                log.error("journal %s failed: %r; records stay in memory", operation, e)
-            self._journal_errors[operation] = repr(e)
-            metrics.journal_errors.labels(operation).inc()
-            metrics.journal_ok.set(0)
-        else:
-            if self._journal_errors.pop(operation, None) is not None:
-                log.warning("journal %s works again", operation)
-            metrics.journal_ok.set(0 if self._journal_errors else 1)
-
-    def _track(self, records: list[TransitionRecord]) -> None:
-        for r in records:
-            self._unstored.setdefault(r.episode_id, set()).add(r.id)
-            self._unstored_ids.add(r.id)
-
-    def _settle(self, records: list[TransitionRecord]) -> None:
-        if self._watched:
-            for r in records:
-                future = self._watched.pop(r.id, None)
-                if future is not None and not future.done():
-                    future.set_result(None)
-
-    def _mark_stored(self, records: list[TransitionRecord]) -> None:
-        self._settle(records)
-        for r in records:
-            self._unstored_ids.discard(r.id)
-            pending = self._unstored.get(r.episode_id)
-            if pending is not None:
-                pending.discard(r.id)
-                if not pending:
-                    del self._unstored[r.episode_id]
-        self._stored.set()
-        self._stored = asyncio.Event()
-
-
-class RecordQueue:
-    """The writer's FIFO queue and about how much memory its records hold (`nbytes`): the
-    bound that matters is memory, and one record is 1 KB or 1 MB depending on its prompt."""
-
-    def __init__(self) -> None:
-        self._items: deque[TransitionRecord] = deque()
-        self.nbytes = 0
-        self.since = 0.0  # monotonic time the oldest record in the queue arrived (about)
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    def extend(self, records: list[TransitionRecord]) -> None:
-        if not self._items:
-            self.since = time.monotonic()
-        self._items.extend(records)
-        self.nbytes += sum(map(record_bytes, records))
-
-    def put_back(self, records: list[TransitionRecord]) -> None:
-        """At the front, in their order: they were taken first."""
-        if not self._items:
-            self.since = time.monotonic()
-        self._items.extendleft(reversed(records))
-        self.nbytes += sum(map(record_bytes, records))
-
-    def take(self, n: int) -> list[TransitionRecord]:
-        items = self._items
-        batch = [items.popleft() for _ in range(min(n, len(items)))]
-        self.nbytes = self.nbytes - sum(map(record_bytes, batch)) if items else 0
-        return batch
-
-    def take_all(self) -> list[TransitionRecord]:
-        return self.take(len(self._items))
-
-    def report(self) -> None:
-        metrics.writer_queue_depth.set(len(self._items))
-        metrics.writer_queue_bytes.set(self.nbytes)
-
-
-def record_bytes(r: TransitionRecord) -> int:
-    """About what a record holds in memory as Python objects (measured with tracemalloc: ~36 B
-    per int in an id list, ~32 B per float, plus the prompt's text at ~4 characters a token).
-    The n choices of one call share their prompt; counting it n times errs on the safe side."""
-    prompt = len(r.prompt_token_ids) if r.prompt_token_ids else (r.prompt_tokens or 0)
-    completion = len(r.completion_token_ids) if r.completion_token_ids else 0
-    return 1024 + 41 * prompt + 70 * completion + len(r.text or "")
+        return self.journal.error

@@ -10,7 +10,7 @@ A recorded transition's tool calls are checked against the tools its request dec
   model wrote, which is how invalid JSON shows on those models.
 The errors are stored with the transition (`tool_errors`); with a penalty set, the writer adds an
 intermediate reward of minus the penalty with source `air`, which credit assignment adds to the
-transition's return (proxy/store.py). Off unless `FLYWHEEL_AIR_PENALTY` is set.
+transition's return (proxy/record/store/rewards.py). Off unless `FLYWHEEL_AIR_PENALTY` is set.
 """
 
 from __future__ import annotations

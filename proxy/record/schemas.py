@@ -20,7 +20,9 @@ MAX_REWARDS_PER_POST = 10_000
 # A reward's magnitude at most: far beyond any score or cost a task gives, and small enough that
 # sums of an episode's steps, group statistics (squares) and the dashboard's means stay finite.
 MAX_ABS_REWARD = 1e9
-AIR_SOURCE = "air"  # the proxy's own intermediate rewards (proxy/air.py); clients may not use it
+AIR_SOURCE = (
+    "air"  # the proxy's own intermediate rewards (proxy/record/air.py); clients may not use it
+)
 
 
 class RewardIn(BaseModel):

@@ -1,8 +1,9 @@
 """One completion call in flight, and the transitions it records (one per choice).
 
-`Call` holds what the forwarder knows about a call: its route and tags, what the client asked for,
-the model and policy version it was sent to, its ids and timings. `transitions()` and `failure()`
-turn a finished call into `TransitionRecord`s for the background writer.
+`Call` holds what the forwarder knows about a call: its endpoint and tags, what the client asked
+for, the model and policy version it was sent to, its ids and timings. `choice_count()` says how
+many transitions a request records; `transitions()` and `failure()` turn a finished call into
+those `TransitionRecord`s.
 """
 
 from __future__ import annotations
@@ -16,14 +17,17 @@ from typing import Any
 import orjson
 
 from core.record import TransitionRecord
-from proxy import responses, wire
-from proxy.tags import Tags
-from proxy.upstream import Replica
+from proxy.errors import ApiError
+from proxy.relay import responses, wire
+from proxy.relay.tags import Tags
+from proxy.relay.upstream import Replica
+
+MAX_CHOICES = 256  # n x prompts per call; more is almost certainly a client bug
 
 
 @dataclass
 class Call:
-    route: wire.Route
+    endpoint: wire.Endpoint
     tags: Tags
     body: dict[str, Any]
     model_used: str
@@ -43,14 +47,14 @@ class Call:
 
     @property
     def wants_logprobs(self) -> bool:
-        if self.route is wire.RESPONSES:
+        if self.endpoint is wire.RESPONSES:
             return responses.wants(self.body)[1]
         value = self.body.get("logprobs")
         return value is not None and value is not False
 
     @property
     def wants_token_ids(self) -> bool:
-        if self.route is wire.RESPONSES:
+        if self.endpoint is wire.RESPONSES:
             return responses.wants(self.body)[0]
         return bool(self.body.get("return_token_ids"))
 
@@ -62,6 +66,19 @@ class Call:
             "X-Policy-Version": version,  # 0: the base model
             "X-Policy-Lineage": self.lineage or "none",
         }
+
+
+def choice_count(endpoint: wire.Endpoint, body: dict[str, Any]) -> int:
+    """How many transitions a chat or completions call records (n x prompts)."""
+    n = body.get("n", 1)
+    if n is None:
+        n = 1
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ApiError(400, "`n` must be a positive integer", param="n")
+    choices = n * wire.prompt_count(body) if endpoint is wire.COMPLETIONS else n
+    if choices > MAX_CHOICES:
+        raise ApiError(400, f"n x prompts = {choices} exceeds {MAX_CHOICES}", param="n")
+    return int(choices)
 
 
 def transitions(
@@ -108,12 +125,12 @@ def _record(
     call: Call, index: int, transition_id: str, status: str, http_status: int
 ) -> TransitionRecord:
     body = call.body
-    prompt_key = call.route.prompt_key
+    prompt_key = call.endpoint.prompt_key
     unrecorded: tuple[str, ...] = (prompt_key,)  # params: the request minus the prompt
-    if call.route is wire.CHAT:
+    if call.endpoint is wire.CHAT:
         messages = body.get(prompt_key)
         prompt_messages = messages if isinstance(messages, list) else []
-    elif call.route is wire.RESPONSES:
+    elif call.endpoint is wire.RESPONSES:
         prompt_messages = responses.prompt_messages(body)
         unrecorded = (prompt_key, "instructions")
     else:
@@ -128,7 +145,7 @@ def _record(
         task_id=call.tags.task_id,
         agent_name=call.tags.agent_name,
         requested_at=call.requested_at,
-        route=call.route.name,
+        route=call.endpoint.name,
         status=status,
         http_status=http_status,
         model_requested=body.get("model"),

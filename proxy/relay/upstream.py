@@ -1,6 +1,6 @@
 """All outbound HTTP of the proxy: calls to vLLM, spread over its replicas.
 
-Completion calls go through `proxy/http1.py` (a keep-alive pool per replica, cheap per call);
+Completion calls go through `proxy/relay/http1.py` (a keep-alive pool per replica, cheap per call);
 the rare ones (models, adapters, probes) through core's `VLLMAdmin` (`Upstream.vllm`).
 
 `pick()` chooses a replica per call: the episode's own replica (rendezvous hashing, so its growing
@@ -11,7 +11,7 @@ replica with the fewest outstanding requests. A Responses call chained by `previ
 goes to the replica that answered its predecessor, whatever the load: vLLM keeps responses in
 that replica's memory only (`homes`, the last `RESPONSE_HOMES` ids; a proxy restart forgets them,
 and the chained call then gets vLLM's 404). A replica that fails to answer is ejected and
-`proxy/replicas.py` probes it until it answers again, with the current adapter loaded.
+`proxy/relay/replicas.py` probes it until it answers again, with the current adapter loaded.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from core.vllm import MODELS_TIMEOUT_S, VLLMAdmin
-from proxy import http1, metrics
+from proxy import metrics
+from proxy.relay import http1
 
 log = logging.getLogger(__name__)
 

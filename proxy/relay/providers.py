@@ -1,14 +1,15 @@
-"""Model names served by providers, not by vLLM (FLYWHEEL_ROUTES), through litellm: one client for
-OpenAI, Anthropic, Bedrock, ... with their keys, retries, quirks and prices.
+"""Provider models: model names served by providers, not by vLLM (FLYWHEEL_ROUTES), through
+litellm: one client for OpenAI, Anthropic, Bedrock, ... with their keys, retries, quirks and
+prices.
 
-A multi-agent system points all its agents at the proxy; the calls of a routed model go to its
+A multi-agent system points all its agents at the proxy; the calls of a provider model go to its
 provider and are recorded like any other, as transitions of their agent and episode (messages,
 text, tool calls, tokens counted by the provider, `provider` and `cost_usd` set), with no token
 ids or logprobs and no lineage: a trainer never claims them, and export carries them like the
-rest. Only chat completions are routed (litellm's common ground across providers).
+rest. Only chat completions go to providers (litellm's common ground across them).
 
-litellm is imported when the proxy starts with routes (the `litellm` extra; it needs openai<3,
-so it is the proxy image's, never the dev venv's): without routes it costs nothing.
+litellm is imported when the proxy starts with provider models (the `litellm` extra; it needs
+openai<3, so it is the proxy image's, never the dev venv's): without them it costs nothing.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ import os
 from collections.abc import AsyncGenerator
 from typing import Any
 
-from proxy.config import ProviderRoute
+from proxy.config import ProviderModel
 
 # What a client's body holds that is ours or litellm's to set.
 _OURS = ("model", "messages", "stream", "stream_options")
 # OpenAI's chat parameters, which litellm maps for each provider. Anything else a client sends
 # goes to the provider as it is (`extra_body`), never to litellm as an argument: a body saying
-# `base_url` or `api_key` must not steer the call, with the route's key, somewhere else.
+# `base_url` or `api_key` must not steer the call, with the provider model's key, elsewhere.
 OPENAI_PARAMS = frozenset(
     {
         "audio",
@@ -71,28 +72,29 @@ class ProviderFailed(Exception):
 
 
 class Providers:
-    def __init__(self, routes: dict[str, ProviderRoute], *, timeout_s: float, retries: int) -> None:
-        self.routes = routes
+    def __init__(self, models: dict[str, ProviderModel], *, timeout_s: float, retries: int) -> None:
+        self.models = models
         self._timeout_s, self._retries = timeout_s, retries
         self._litellm = _import_litellm()
 
-    def get(self, model: str) -> ProviderRoute | None:
-        return self.routes.get(model)
+    def get(self, model: str) -> ProviderModel | None:
+        return self.models.get(model)
 
-    async def complete(self, route: ProviderRoute, body: dict[str, Any]) -> dict[str, Any]:
+    async def complete(self, provider_model: ProviderModel, body: dict[str, Any]) -> dict[str, Any]:
         """A non-streaming chat completion, as the OpenAI-shaped dict the client gets."""
-        response = await self._call(route, body, stream=False)
+        response = await self._call(provider_model, body, stream=False)
         return _plain(response.model_dump(exclude_none=True))
 
     async def stream(
-        self, route: ProviderRoute, body: dict[str, Any]
+        self, provider_model: ProviderModel, body: dict[str, Any]
     ) -> AsyncGenerator[dict[str, Any]]:
         """A streaming chat completion, started (so a refusal raises here, before any byte goes
         to the client): its chunks as OpenAI-shaped dicts, the last one with the usage."""
         options = body.get("stream_options")
         options = {**options} if isinstance(options, dict) else {}
         options["include_usage"] = True  # the tokens to record (the forwarder strips it)
-        response = await self._call(route, {**body, "stream_options": options}, stream=True)
+        with_usage = {**body, "stream_options": options}
+        response = await self._call(provider_model, with_usage, stream=True)
         return self._chunks(response)
 
     async def _chunks(self, response: Any) -> AsyncGenerator[dict[str, Any]]:
@@ -104,37 +106,43 @@ class Providers:
         finally:
             await _close(response)
 
-    def cost(self, route: ProviderRoute, usage: dict[str, Any] | None) -> float | None:
-        """The call's price in USD from its usage: the route's prices, else litellm's table."""
+    def cost(self, provider_model: ProviderModel, usage: dict[str, Any] | None) -> float | None:
+        """The call's price in USD from its usage: the provider model's prices, else litellm's
+        table."""
         if not usage:
             return None
         prompt, completion = usage.get("prompt_tokens") or 0, usage.get("completion_tokens") or 0
-        if route.input_cost_per_token is not None or route.output_cost_per_token is not None:
-            return prompt * (route.input_cost_per_token or 0.0) + completion * (
-                route.output_cost_per_token or 0.0
-            )
+        per_input, per_output = (
+            provider_model.input_cost_per_token,
+            provider_model.output_cost_per_token,
+        )
+        if per_input is not None or per_output is not None:
+            return prompt * (per_input or 0.0) + completion * (per_output or 0.0)
         try:
             costs = self._litellm.cost_per_token(
-                model=route.model, prompt_tokens=prompt, completion_tokens=completion
+                model=provider_model.model, prompt_tokens=prompt, completion_tokens=completion
             )
         except Exception:  # a model litellm has no price for
             return None
         return float(sum(costs))
 
-    async def _call(self, route: ProviderRoute, body: dict[str, Any], *, stream: bool) -> Any:
+    async def _call(
+        self, provider_model: ProviderModel, body: dict[str, Any], *, stream: bool
+    ) -> Any:
         params = {k: v for k, v in body.items() if k in OPENAI_PARAMS}
         extra = {k: v for k, v in body.items() if k not in OPENAI_PARAMS and k not in _OURS}
         if extra:
             params["extra_body"] = extra
         if stream:
             params["stream_options"] = body["stream_options"]
-        api_key = os.environ.get(route.api_key_env) if route.api_key_env else None
+        key_env = provider_model.api_key_env
+        api_key = os.environ.get(key_env) if key_env else None
         try:
             return await self._litellm.acompletion(
-                model=route.model,
+                model=provider_model.model,
                 messages=body.get("messages"),
                 stream=stream,
-                api_base=route.api_base,
+                api_base=provider_model.api_base,
                 api_key=api_key,
                 timeout=self._timeout_s,
                 num_retries=self._retries,

@@ -14,8 +14,8 @@ import asyncio
 import logging
 
 from core.vllm import VLLMError
-from proxy.alias import PolicyAlias
-from proxy.upstream import Replica, Upstream
+from proxy.relay.alias import PolicyAlias
+from proxy.relay.upstream import Replica, Upstream
 
 log = logging.getLogger(__name__)
 
