@@ -129,6 +129,15 @@ def stack(make_proxy: Any, sessions: Sessions, fake_vllm: FakeVLLM, tmp_path: Pa
         conn.execute("""
             UPDATE transition t SET requested_at = e.created_at + interval '1 second'
             FROM episode e WHERE e.id = t.episode_id""")
+        # What a trainer would have made of them: most trained, some set aside with a reason.
+        conn.execute("""
+            WITH numbered AS (SELECT id, row_number() OVER (ORDER BY requested_at) AS i
+                              FROM transition WHERE credited_at IS NOT NULL)
+            UPDATE transition t SET
+                trained_at = CASE WHEN n.i % 9 NOT IN (0, 4) THEN now() END,
+                skip_reason = CASE n.i % 9 WHEN 0 THEN 'greedy'
+                                           WHEN 4 THEN 'constrained_decoding' END
+            FROM numbered n WHERE n.id = t.id AND n.i <= 60""")
     return Stack(proxy, versions)
 
 
@@ -170,6 +179,13 @@ def test_the_dashboard_in_a_browser(stack: Stack, page: Any, tmp_path: Path) -> 
     decisions = page.locator("table.canaries").inner_text()
     assert f"v{v3}" in decisions and "rollback" in decisions and "worse" in decisions
     shot(page, "overview", tmp_path)
+    # The training-data panel: the share trained, and why the rest was not, with the fix.
+    training = page.locator("#training").inner_text()
+    assert "decided calls became training data" in training
+    assert "greedy calls carry no exploration" in training
+    assert "declare tools non-strict" in training
+    folder = Path(os.environ.get("FLYWHEEL_SCREENSHOTS") or tmp_path)
+    page.locator("#training").screenshot(path=str(folder / "dashboard-training.png"))
 
     # Filtering the overview by task reloads it with that task's figures.
     page.select_option("select >> nth=2", index=1)

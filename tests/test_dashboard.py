@@ -102,7 +102,18 @@ def test_the_overview_counts_calls_rewards_versions_and_the_queue(
     assert ui(proxy, "/ui/api/versions", hours=1).json()["data"] == body["versions"]
     assert {a["agent"]: a["calls"] for a in body["agents"]} == {"x": 4, "y": 3}
     assert {t["task"]: t["calls"] for t in body["tasks"]} == {"a": 4, "b": 3}
-    assert body["skips"] == [{"reason": "stale", "transitions": 1}]
+    # What became training data: nothing trained yet, one call set aside, the rest waiting.
+    training = body["training"]
+    assert (training["calls"], training["trained"], training["ratio"]) == (7, 0, 0.0)
+    assert (training["awaiting_reward"], training["queued"]) == (1, 5)
+    assert training["not_trained"] == [
+        {
+            "fate": "stale",
+            "calls": 1,
+            "meaning": "too many versions old",
+            "fix": "raise FLYWHEEL_MAX_STALENESS",
+        }
+    ]
     # Credited and untrained: every rewarded call but the one set aside.
     assert body["queue"][0]["lineage"] == "policy" and body["queue"][0]["trainable"] == 5
     assert body["queue"][0]["oldest_version"] == 0

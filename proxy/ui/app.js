@@ -141,6 +141,8 @@ async function overview() {
           : l.since ? `since ${ago(l.since)}` : "no adapter yet")),
     card("calls", fmt(calls), `${fmt(lastRate, 2)}/s in the last ${data.bucket_s} s · ${fmt(failed)} failed`),
     card("episodes", fmt(episodes), `${fmt(rewarded)} rewarded`),
+    card("training data", data.training.ratio == null ? "—" : `${fmt(data.training.ratio * 100, 0)}%`,
+      `of the calls decided: ${fmt(data.training.trained)} trained`),
     (data.queue.length ? data.queue : [{ lineage: "policy", trainable: 0 }]).map(qr => card(
       `trainer queue · ${qr.lineage}`, fmt(qr.trainable),
       qr.trainable ? `credited, untrained; oldest from v${qr.oldest_version}, credited ${ago(qr.oldest_credited_at)}` : "credited, untrained")),
@@ -174,15 +176,23 @@ async function overview() {
     { label: "sd", num: true, cell: v => fmt(v.sd) },
     { label: "", cell: v => h("a", { href: withQuery("#/episodes", { version: v.version }) }, "episodes") },
   ], data.versions, null, { id: "versions" });
-  const skips = table([
-    { label: "reason", cell: s => s.reason },
-    { label: "transitions", num: true, cell: s => fmt(s.transitions) },
-  ], data.skips);
+  const tr = data.training;
+  const decided = tr.calls - tr.awaiting_reward - tr.queued;
+  const training = h("div", { class: "panel", id: "training" },
+    h("h2", {}, "Training data (calls in this window)"),
+    h("p", {}, tr.ratio == null ? "no call decided yet"
+      : `${fmt(tr.trained)} of ${fmt(decided)} decided calls became training data (${fmt(tr.ratio * 100, 0)}%)`,
+      ` · ${fmt(tr.awaiting_reward)} wait for a reward · ${fmt(tr.queued)} for a trainer`),
+    table([
+      { label: "not trained", cell: r => r.meaning },
+      { label: "calls", num: true, cell: r => fmt(r.calls) },
+      { label: "what to change", cell: r => r.fix },
+    ], tr.not_trained));
   const canaries = canaryTable(data.canaries);
   return [h("h1", {}, "Overview"), filters, cards,
     h("div", { class: "grid2", style: "margin-top:12px" }, rewardChart, callChart),
     h("div", { class: "grid2", style: "margin-top:12px" }, versionChart,
-      h("div", { class: "panel" }, h("h2", {}, "Set aside by the trainer (in this window)"), skips)),
+      training),
     h("h2", {}, "Reward per version (episodes that version served)"), versions,
     h("h2", {}, "Canary decisions"), canaries];
 }

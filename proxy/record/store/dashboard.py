@@ -17,6 +17,7 @@ from sqlalchemy import text
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from core.tenants import Principal
+from core.trainable import REASONS, Share, fates_sql, shares
 
 BUCKETS = 60  # points per series, whatever the window
 
@@ -69,17 +70,19 @@ GROUP BY 1 ORDER BY 1"""),
         p,
     )
     versions = await reward_per_version(principal, window, session=session)
-    # Who called, on which tasks, and what the trainer set aside: one pass over the window.
-    # (The agent/task filters apply to the series; the choices stay the window's.)
+    # Who called and on which tasks: one pass over the window. (The agent/task filters apply to
+    # the series; the choices stay the window's.)
     facets = await session.execute(
         text(f"""
-SELECT GROUPING(t.agent_name) = 0 AS by_agent, GROUPING(t.task_id) = 0 AS by_task,
-       t.agent_name, t.task_id, t.skip_reason, count(*) AS n
+SELECT GROUPING(t.agent_name) = 0 AS by_agent, t.agent_name, t.task_id, count(*) AS n
 FROM transition t
 WHERE t.requested_at >= :since AND t.requested_at < :until AND {owns_t}
-GROUP BY GROUPING SETS ((t.agent_name), (t.task_id), (t.skip_reason))"""),
+GROUP BY GROUPING SETS ((t.agent_name), (t.task_id))"""),
         p,
     )
+    # What became training data, and why the rest did not (core/trainable.py).
+    fates = await session.execute(text(fates_sql(f"{_IN_WINDOW} AND {owns_t}")), p)
+    share, _ = shares([(fate, lineage, n) for fate, lineage, n in fates])
     queue = await session.execute(
         text(f"""
 SELECT t.lineage, count(*) AS trainable, min(t.policy_version) AS oldest_version,
@@ -90,14 +93,12 @@ WHERE t.status = 'ok' AND t.credited_at IS NOT NULL AND t.trained_at IS NULL
 GROUP BY 1 ORDER BY 1"""),
         p,
     )
-    agents, tasks, skips = [], [], []
-    for by_agent, by_task, agent, task, skip, n in facets:
+    agents, tasks = [], []
+    for by_agent, agent, task, n in facets:
         if by_agent:
             agents.append({"agent": agent, "calls": n})
-        elif by_task:
+        else:
             tasks.append({"task": principal.public(task) if task else None, "calls": n})
-        elif skip is not None:
-            skips.append({"reason": skip, "transitions": n})
     return {
         "since": window.since.isoformat(),
         "until": window.until.isoformat(),
@@ -110,7 +111,7 @@ GROUP BY 1 ORDER BY 1"""),
         "versions": versions,
         "agents": sorted(agents, key=lambda a: -a["calls"]),
         "tasks": sorted(tasks, key=lambda t: -t["calls"]),
-        "skips": sorted(skips, key=lambda s: -s["transitions"]),
+        "training": training_json(share),
         "queue": [
             {
                 "lineage": lin,
@@ -286,3 +287,23 @@ async def completion_tokens(
         )
     ).first()
     return None if row is None else (row[0], row[1])
+
+
+def training_json(share: Share) -> dict[str, Any]:
+    """The window's calls by fate, for the overview's "Training data" panel."""
+    return {
+        "calls": share.total,
+        "trained": share.trained,
+        "ratio": share.ratio,
+        "awaiting_reward": share.calls.get("awaiting_reward", 0),
+        "queued": share.calls.get("queued", 0),
+        "not_trained": [
+            {
+                "fate": fate,
+                "calls": n,
+                "meaning": REASONS.get(fate, (fate, ""))[0],
+                "fix": REASONS.get(fate, ("", ""))[1],
+            }
+            for fate, n in share.not_trained()
+        ],
+    }
