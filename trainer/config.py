@@ -79,9 +79,9 @@ class TrainerSettings(DatabaseSettings):
 
     # --- how to train (TRL's GRPO loss, PEFT LoRA) -------------------------------------------
     lora_rank: int = Field(8, description="LoRA rank (vLLM needs --max-lora-rank >= this).")
-    lora_alpha: int = Field(16, ge=1)
-    learning_rate: float = Field(1e-4, gt=0)
-    max_grad_norm: float = Field(1.0, gt=0)
+    lora_alpha: int = Field(16, ge=1, description="LoRA alpha (updates scale by alpha/rank).")
+    learning_rate: float = Field(1e-4, gt=0, description="AdamW's learning rate (constant).")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradients are clipped to this norm.")
     temperature: float = Field(
         1.0, gt=0, description="The agents' sampling temperature (TRL scales logits by it)."
     )
@@ -92,7 +92,7 @@ class TrainerSettings(DatabaseSettings):
         2.0, ge=1, description="Truncation of the importance-sampling ratio for stale samples."
     )
     num_iterations: int = Field(1, ge=1, description="Optimizer steps per batch (TRL's mu).")
-    seed: int = Field(0)
+    seed: int = Field(0, description="Seed of a new adapter's weights and of training's RNGs.")
 
     # --- publishing -------------------------------------------------------------------------
     retain_versions: int = Field(
