@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 from demo.stack import TASKS
@@ -60,6 +61,7 @@ def log_for_a_person(logs: Path, level: str) -> None:
     logging.basicConfig(level=level.upper(), handlers=[to_file, to_terminal], force=True)
     logging.captureWarnings(True)  # libraries' warnings: to the file, as log records
     quiet_http_clients()
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # a first build's saving bars
 
 
 def demo_model_arguments(parser: argparse.ArgumentParser) -> None:
