@@ -31,6 +31,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    """list adapter versions, or switch the alias"""
     settings = build(DatabaseSettings, args)
     ACTIONS[args.action](args, database.resolve_url(settings.database_url, settings.home))
 

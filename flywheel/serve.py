@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
+from typing import TypeVar
 
 from core import database
 from flywheel.options import add_settings, build, configure_logging
@@ -16,6 +18,7 @@ from judge.config import JudgeSettings
 from proxy.config import ProxySettings
 from trainer.config import TrainerSettings
 
+T = TypeVar("T")
 USAGE = "%(prog)s [flags: every setting, below]"
 
 
@@ -25,17 +28,14 @@ def proxy_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def proxy(args: argparse.Namespace) -> None:
+    """run the recording proxy in front of vLLM"""
     settings = build(ProxySettings, args)
     configure_logging(settings.log_level)
     if not settings.upstream:
         sys.exit("flywheel proxy: no upstream; pass --upstream URL or set FLYWHEEL_UPSTREAM")
     from proxy.main import run
 
-    with stopped_by_signals():
-        try:
-            run(settings)
-        finally:
-            release()
+    until_stopped(lambda: run(settings))
 
 
 def trainer_arguments(parser: argparse.ArgumentParser) -> None:
@@ -44,15 +44,12 @@ def trainer_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def trainer(args: argparse.Namespace) -> None:
+    """run the GRPO + LoRA trainer"""
     settings = build(TrainerSettings, args)  # before torch is imported: bad values fail fast
     configure_logging(settings.log_level)
     from trainer.loop import run
 
-    with stopped_by_signals():
-        try:
-            run(settings)
-        finally:
-            release()
+    until_stopped(lambda: run(settings))
 
 
 def judge_arguments(parser: argparse.ArgumentParser) -> None:
@@ -62,16 +59,12 @@ def judge_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def judge(args: argparse.Namespace) -> None:
+    """score unrewarded episodes with an LLM judge through litellm (judge/)"""
     settings = build(JudgeSettings, args)
     configure_logging(settings.log_level)
     from judge.worker import run  # (litellm on first use: the judge install)
 
-    done = None
-    with stopped_by_signals():
-        try:
-            done = run(settings, once=args.once)
-        finally:
-            release()
+    done = until_stopped(lambda: run(settings, once=args.once))
     if done is not None:
         print(
             f"judged {done.judged} episodes in {done.groups} groups ({done.failed} failed, "
@@ -79,6 +72,17 @@ def judge(args: argparse.Namespace) -> None:
         )
         if done.errors:
             sys.exit(f"flywheel judge: {done.errors[0]}")
+
+
+def until_stopped(serve: Callable[[], T]) -> T | None:
+    """`serve()` until it returns or a signal stops it (None); then let go of the embedded
+    PostgreSQL it used."""
+    with stopped_by_signals():
+        try:
+            return serve()
+        finally:
+            release()
+    return None
 
 
 def release() -> None:
