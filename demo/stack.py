@@ -7,7 +7,8 @@ SIGHUP) stops it all, in order: the agent, the trainers, the proxy, vLLM, Postgr
 The end-to-end tests run the same `local_loop`. The tasks (`TASKS`):
 - `calc`: "What is a + b?", one chat completion per episode (demo/calculator.py, demo/agent.py);
 - `calc-tools`: "What is a op b op c?" with a calculator tool, an OpenAI Agents SDK agent on the
-  Responses API, two or more calls per episode, AIR on (demo/calc_tools.py, demo/tool_agent.py);
+  Responses API, two or more calls per episode, AIR on (demo/calc_tools.py, demo/tool_agent.py,
+  demo/calc_tools_model.py);
 - `sql`: three agents (writer, checker, rewriter; LangGraph) answer questions about a small SQLite
   database, the writer and the rewriter each on a lineage of its own with a trainer of its own,
   the checker on the base model (demo/sql_env.py, demo/sql_agents.py, demo/sql_model.py).
@@ -71,7 +72,7 @@ def _calc_agent(proxy_url: str, rounds: int | None) -> list[Any]:
 
 
 def _tools_model(out_dir: Path) -> Path:
-    from demo.calc_tools import build_calc_tools_model
+    from demo.calc_tools_model import build_calc_tools_model
 
     return build_calc_tools_model(out_dir)
 
@@ -82,7 +83,7 @@ def _tools_agent(proxy_url: str, rounds: int | None) -> list[Any]:
     return run(proxy_url, rounds, print_round)
 
 
-# The settings the tool task learns with (demo/calc_tools.py; the e2e test and its closing note).
+# The settings the tool task learns with (demo/calc_tools_model.py; the e2e test, its closing note).
 TOOLS_TRAINER_ENV = TRAINER_ENV | {"FLYWHEEL_MAX_BATCH_TRANSITIONS": "128"}
 
 
