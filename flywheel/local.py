@@ -14,7 +14,6 @@ import logging
 import os
 from pathlib import Path
 
-from demo.stack import TASKS
 from flywheel.options import FORMAT, add_settings, build, quiet_http_clients
 from flywheel.stopping import stopped_by_signals
 from proxy.config import ProxySettings
@@ -25,7 +24,7 @@ OURS = ("demo", "flywheel")  # the loggers whose INFO lines a person at `flywhee
 def up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--task",
-        choices=list(TASKS),
+        choices=["calc", "calc-tools", "sql"],  # demo.stack.TASKS, unimported: images lack httpx
         default="calc",
         help="calc: one call an episode; calc-tools: an Agents SDK agent with a calculator tool; "
         "sql: three LangGraph agents, two of them with an adapter lineage of their own",

@@ -138,3 +138,14 @@ def test_flags_win_over_variables_and_variables_over_defaults(
     assert settings.port == 8100 and settings.keep_alive_s == 30
     assert settings.durable is True and settings.writer_batch_size == 500
     assert settings.adapter_per_agent == {"writer": "sql", "rewriter": "sql"}
+
+
+def test_the_cli_imports_no_package_an_image_lacks() -> None:
+    """Every image runs `flywheel`: importing it loads each process's settings, never the demo
+    (httpx), torch or litellm; each command imports what it runs when it runs."""
+    code = "import sys, flywheel.cli; print(' '.join({m.split('.')[0] for m in sys.modules}))"
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split()
+    heavy = {"demo", "bench", "httpx", "torch", "transformers", "trl", "litellm", "vllm"}
+    assert heavy.isdisjoint(loaded), heavy.intersection(loaded)
