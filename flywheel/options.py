@@ -45,7 +45,6 @@ def add_settings(
         if _is(field, bool):
             group.add_argument(flag, action=argparse.BooleanOptionalAction, help=help_text)
         elif _is(field, list):
-            help_text = help_text.replace(" [", " Repeat it, or separate by commas. [", 1)
             group.add_argument(flag, action="append", help=help_text)
         elif _is(field, typing.Literal):
             choices = typing.get_args(_unoptional(field.annotation))
@@ -87,10 +86,12 @@ def quiet_http_clients() -> None:
 
 
 def _help(field: FieldInfo, env: str) -> str:
-    text = (field.description or "").replace("%", "%%")  # argparse %-formats help texts
-    if _is(field, SecretStr):
-        text += " (A flag shows in `ps`: prefer the variable.)"
-    return f"{text} [{env}; default: {_default(field)}]".lstrip()
+    notes = [(field.description or "").replace("%", "%%")]  # argparse %-formats help texts
+    if _is(field, list):
+        notes.append("Repeat it, or separate by commas.")
+    if SecretStr in (_unoptional(field.annotation), *typing.get_args(field.annotation)):
+        notes.append("(A flag shows in `ps`: prefer the variable.)")
+    return " ".join(filter(None, [*notes, f"[{env}; default: {_default(field)}]"]))
 
 
 def _default(field: FieldInfo) -> str:
