@@ -29,7 +29,7 @@ import psycopg
 from bench import plots
 from bench.common import bench_database, version_span
 from core import database
-from demo.calc_tools import build_calc_tools_model
+from demo.calc_tools_model import build_calc_tools_model
 from demo.stack import TASKS, TOOLS_TRAINER_ENV, local_loop
 from demo.tool_agent import Episode, ToolAgent, print_round
 from demo.vllm_server import free_port

@@ -9,7 +9,6 @@ reward of 1 or 0 posted as soon as the answer is checked.
 
 from __future__ import annotations
 
-import argparse
 import random
 import uuid
 from collections.abc import Callable
@@ -20,6 +19,7 @@ import httpx
 from openai import OpenAI
 
 from demo.calculator import QUESTIONS, messages, reward, task_id
+from demo.rounds import command_line, print_line
 
 TEMPERATURE = 1.0  # the trainer's temperature: its importance ratios assume the same sampling
 MAX_TOKENS = 8
@@ -96,20 +96,12 @@ def run(
 
 
 def print_round(r: int, episodes: list[Episode]) -> None:
-    mean = sum(e.reward for e in episodes) / len(episodes)
     versions = sorted({e.policy_version for e in episodes})
     failed = sum(e.failed is not None for e in episodes)
-    bar = "#" * round(mean * 40)
-    print(
-        f"round {r:3d}  reward {mean:.2f} {bar:<40}  policy v{','.join(versions)}"
-        + (f"  FAILED {failed}" if failed else ""),
-        flush=True,
-    )
+    rewards = [e.reward for e in episodes]
+    print_line(r, rewards, failed, f"policy v{','.join(versions)}", width=40)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--rounds", type=int)
-    args = parser.parse_args()
+    args = command_line(__doc__.split("\n\n")[0]).parse_args()
     run(args.base_url, args.rounds, print_round)

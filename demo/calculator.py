@@ -13,19 +13,13 @@ sampled accuracy from about 0.37 to about 0.85 in 40 GRPO steps (in-process prob
 
 from __future__ import annotations
 
-import json
 import random
 import sys
 from pathlib import Path
 from typing import Any
 
-from demo.tiny_model import (
-    build_tokenizer,
-    is_complete,
-    one_build_at_a_time,
-    random_model,
-    save_atomically,
-)
+from demo import warm_start
+from demo.tiny_model import build_tokenizer, one_build_at_a_time
 
 SYSTEM = "Answer with a single number."
 QUESTIONS = [(a, b) for a in range(10) for b in range(10)]
@@ -55,73 +49,76 @@ def reward(answer: str, a: int, b: int) -> float:
 @one_build_at_a_time
 def build_calculator_model(out_dir: Path, *, seed: int = 0) -> Path:
     """Tokenizer (digits as single tokens) + tiny Qwen2, warm-started; idempotent."""
-    out_dir = Path(out_dir)
-    if is_complete(out_dir) and (out_dir / "warm_start.json").exists():
-        return out_dir
-    import torch
-
-    torch.set_num_threads(1)  # measured faster than 2 on a shared 2-core machine
-    tokenizer = build_tokenizer(
-        split_digits=True, extra_corpus=(SYSTEM, "system", "user", "assistant") * 3
+    return warm_start.build(
+        Path(out_dir),
+        RECIPE,
+        seed=seed,
+        tokenizer=lambda: build_tokenizer(
+            split_digits=True, extra_corpus=(SYSTEM, "system", "user", "assistant") * 3
+        ),
+        texts=_Texts,
+        warm_start=_warm_start,
+        measure=_measure,
     )
-    model = random_model(tokenizer, seed=seed)
-    accuracy = _warm_start(model, tokenizer, random.Random(seed))
-    save_atomically(out_dir, tokenizer, model)
-    (out_dir / "warm_start.json").write_text(
-        json.dumps({"recipe": RECIPE, "seed": seed, "exact_accuracy": accuracy})
-    )
-    return out_dir
 
 
-def _warm_start(model: Any, tokenizer: Any, rng: random.Random) -> float:
-    """Supervised on correct sums, 60% of them worded. Returns the expected sampled accuracy."""
-    import torch
+class _Texts:
+    """Every question's prompt, and every answer bare or worded, as token ids."""
 
-    def encode(text: str) -> list[int]:
-        return [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
+    def __init__(self, tokenizer: Any) -> None:
+        import torch
 
-    prompts = torch.tensor(
-        [
-            tokenizer.apply_chat_template(
-                messages(a, b), add_generation_prompt=True, tokenize=True, return_dict=True
-            )["input_ids"]
-            for a, b in QUESTIONS
-        ]
-    )  # digits are single tokens, so every prompt has the same length
-    bare = {n: encode(str(n)) for n in range(19)}
-    wordy = {(n, k): encode(w.format(n)) for n in range(19) for k, w in enumerate(WORDY)}
-    width = max(map(len, [*bare.values(), *wordy.values()]))
-    pad = tokenizer.pad_token_id
+        def encode(text: str) -> list[int]:
+            return [*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id]
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / WARMUP) * max(0.05, 1 - s / STEPS)
-    )
-    model.train()
-    for _ in range(STEPS):
+        self.prompts = torch.tensor(
+            [
+                tokenizer.apply_chat_template(
+                    messages(a, b), add_generation_prompt=True, tokenize=True, return_dict=True
+                )["input_ids"]
+                for a, b in QUESTIONS
+            ]
+        )  # digits are single tokens, so every prompt has the same length
+        self.bare = {n: encode(str(n)) for n in range(19)}
+        self.wordy = {(n, k): encode(w.format(n)) for n in range(19) for k, w in enumerate(WORDY)}
+        self.width = max(map(len, [*self.bare.values(), *self.wordy.values()]))
+        self.pad = tokenizer.pad_token_id
+
+    def completions(self, labels: list[list[int]]) -> tuple[Any, Any]:
+        """(ids, loss mask), right-padded to the longest answer."""
+        import torch
+
+        ids = torch.tensor([x + [self.pad] * (self.width - len(x)) for x in labels])
+        mask = torch.tensor([[1.0] * len(x) + [0.0] * (self.width - len(x)) for x in labels])
+        return ids, mask
+
+
+def _warm_start(model: Any, texts: _Texts, rng: random.Random) -> None:
+    """Supervised on correct sums, 60% of them worded."""
+
+    def loss(_step: int) -> Any:
         rows = [rng.randrange(len(QUESTIONS)) for _ in range(BATCH)]
         labels = []
         for i in rows:
             total = sum(QUESTIONS[i])
             worded = rng.random() < P_WORDY
-            labels.append(wordy[(total, rng.randrange(len(WORDY)))] if worded else bare[total])
-        completion = torch.tensor([x + [pad] * (width - len(x)) for x in labels])
-        mask = torch.tensor([[1.0] * len(x) + [0.0] * (width - len(x)) for x in labels])
-        loss = -(_logprobs(model, prompts[rows], completion) * mask).sum() / mask.sum()
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-    model.eval()
+            labels.append(
+                texts.wordy[(total, rng.randrange(len(WORDY)))] if worded else texts.bare[total]
+            )
+        completion, mask = texts.completions(labels)
+        return -(_logprobs(model, texts.prompts[rows], completion) * mask).sum() / mask.sum()
 
-    # Expected accuracy at temperature 1: P(exactly the bare number, then the end token).
-    answers = [bare[a + b] for a, b in QUESTIONS]
-    completion = torch.tensor([x + [pad] * (width - len(x)) for x in answers])
-    mask = torch.tensor([[1.0] * len(x) + [0.0] * (width - len(x)) for x in answers])
+    warm_start.train(model, steps=STEPS, lr=LR, warmup=WARMUP, loss=loss)
+
+
+def _measure(model: Any, texts: _Texts, _seed: int) -> dict[str, Any]:
+    """Expected accuracy at temperature 1: P(exactly the bare number, then the end token)."""
+    import torch
+
+    completion, mask = texts.completions([texts.bare[a + b] for a, b in QUESTIONS])
     with torch.no_grad():
-        p = ((_logprobs(model, prompts, completion) * mask).sum(1)).exp()
-    return float(p.mean())
+        p = ((_logprobs(model, texts.prompts, completion) * mask).sum(1)).exp()
+    return {"exact_accuracy": float(p.mean())}
 
 
 def _logprobs(model: Any, prompts: Any, completion: Any) -> Any:
@@ -133,4 +130,6 @@ def _logprobs(model: Any, prompts: Any, completion: Any) -> Any:
 
 
 if __name__ == "__main__":
-    print(build_calculator_model(Path(sys.argv[1] if len(sys.argv) > 1 else ".flywheel/calc")))
+    target = Path(sys.argv[1] if len(sys.argv) > 1 else ".flywheel/calc")
+    print(build_calculator_model(target))
+    print((target / "warm_start.json").read_text())

@@ -18,7 +18,6 @@ which adapter served which agent.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
 import uuid
@@ -33,6 +32,7 @@ from langchain_openai import ChatOpenAI
 from langgraph.graph import END, START, StateGraph
 
 from demo import sql_env
+from demo.rounds import command_line, print_line
 from demo.sql_env import approves, checker_messages, rewriter_messages, writer_messages
 
 TEMPERATURE = 1.0  # the trainers' temperature: their importance ratios assume the same sampling
@@ -161,15 +161,11 @@ class Team:
 
 
 def print_round(r: int, episodes: list[Episode]) -> None:
-    mean = sum(e.reward for e in episodes) / len(episodes)
     rewritten = sum(e.rewritten for e in episodes) / len(episodes)
     served = sorted({f"{a}:{v}" for e in episodes for a, (v, _) in e.served.items()})
     failed = sum(1 for e in episodes if e.failed)
-    print(
-        f"round {r:3d}  reward {mean:.2f} {'#' * round(mean * 30):<30}  rewritten {rewritten:.2f}"
-        f"  served {' '.join(served)}" + (f"  FAILED {failed}" if failed else ""),
-        flush=True,
-    )
+    details = f"rewritten {rewritten:.2f}", f"served {' '.join(served)}"
+    print_line(r, [e.reward for e in episodes], failed, *details)
 
 
 def run(
@@ -199,9 +195,7 @@ def run(
 
 
 def _args(argv: list[str] | None = None) -> Any:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--rounds", type=int, default=10)
+    parser = command_line(__doc__.splitlines()[0], rounds=10)
     parser.add_argument("--database", type=Path)
     return parser.parse_args(argv)
 

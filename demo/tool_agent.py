@@ -16,7 +16,6 @@ that break the schema, a call vLLM could not parse).
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import random
 import uuid
@@ -49,6 +48,7 @@ from demo.calc_tools import (
     reward,
     task_id,
 )
+from demo.rounds import command_line, print_line
 
 TEMPERATURE = 1.0  # the trainer's temperature: its importance ratios assume the same sampling
 MAX_TOKENS = 48  # a call is ~25 tokens; a cut answer fails the SDK's run
@@ -224,21 +224,13 @@ def run(
 
 
 def print_round(r: int, episodes: list[Episode]) -> None:
-    mean = sum(e.reward for e in episodes) / len(episodes)
     valid = sum(e.valid_call for e in episodes) / len(episodes)
     versions = sorted({e.policy_version for e in episodes})
     failed = sum(e.failed is not None for e in episodes)
-    bar = "#" * round(mean * 30)
-    print(
-        f"round {r:3d}  reward {mean:.2f} {bar:<30}  valid tool calls {valid:.2f}"
-        f"  policy v{','.join(versions)}" + (f"  FAILED {failed}" if failed else ""),
-        flush=True,
-    )
+    details = f"valid tool calls {valid:.2f}", f"policy v{','.join(versions)}"
+    print_line(r, [e.reward for e in episodes], failed, *details)
 
 
 if __name__ == "__main__":
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base-url", default="http://127.0.0.1:8000")
-    parser.add_argument("--rounds", type=int)
-    args = parser.parse_args()
+    args = command_line(__doc__.split("\n\n")[0]).parse_args()
     run(args.base_url, args.rounds, print_round)

@@ -10,16 +10,20 @@ recorded calls, the share that became training data and, for the rest, why, with
 
 from __future__ import annotations
 
+import argparse
+import json
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import text
 
-from core import canary, policy
+from core import canary, database, policy
 from core.database import Sessions
+from core.settings import DatabaseSettings
 from core.tables import TRAINABLE
 from core.trainable import REASONS, Share, explain, fates_sql, shares
+from flywheel.options import add_settings, build
 
 WINDOWS = (("last hour", "1 hour"), ("last day", "1 day"))
 
@@ -187,3 +191,22 @@ def as_json(s: Status) -> dict[str, Any]:
         },
         "known_reasons": sorted(REASONS),
     }
+
+
+def arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--steps", type=int, default=5, help="how many of the last steps to show")
+    parser.add_argument("--json", action="store_true", help="the same figures as JSON")
+    add_settings(parser, DatabaseSettings)
+
+
+def run(args: argparse.Namespace) -> None:
+    """one screen: lineages, queue, last steps, and what became of the recorded calls"""
+    settings = build(DatabaseSettings, args)
+    engine, sessions = database.create_sessions(
+        database.resolve_url(settings.database_url, settings.home)
+    )
+    try:
+        status = collect(sessions, steps=args.steps)
+    finally:
+        engine.dispose()
+    print(json.dumps(as_json(status), indent=2) if args.json else render(status))

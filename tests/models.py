@@ -1,6 +1,6 @@
 """The warm-started models the e2e tests train, by name, under TEST_HOME/models.
 
-Each takes minutes of one core to build (demo/calculator.py, demo/calc_tools.py,
+Each takes minutes of one core to build (demo/calculator.py, demo/calc_tools_model.py,
 demo/sql_model.py), so a test that needs one is marked `@pytest.mark.models(name)`: conftest runs
 such tests last and builds their models in a background process from the session's start, on the
 core the other tests leave idle. The builders hold a lock on their directory, so a test that

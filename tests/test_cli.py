@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -11,9 +12,16 @@ from pathlib import Path
 
 import httpx
 import psycopg
+import pytest
+from pydantic_settings import BaseSettings
 
 from demo.vllm_server import free_port
 from fakes.vllm import FakeVLLM
+from flywheel.cli import main, parser
+from flywheel.options import build, env_name
+from judge.config import JudgeSettings
+from proxy.config import ProxySettings
+from trainer.config import TrainerSettings
 
 FLYWHEEL = [sys.executable, "-m", "flywheel"]
 
@@ -82,3 +90,62 @@ def test_bad_settings_fail_at_start_naming_the_fix(tmp_path: Path) -> None:
         timeout=60,
     )
     assert required.returncode != 0 and "FLYWHEEL_DATABASE_URL" in required.stderr
+
+
+@pytest.mark.parametrize(
+    ("command", "kind"),
+    [("proxy", ProxySettings), ("trainer", TrainerSettings), ("judge", JudgeSettings)],
+)
+def test_help_names_every_setting_with_its_variable_default_and_help(
+    command: str, kind: type[BaseSettings], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--help"])
+    assert exited.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())  # argparse wraps the lines
+    unwrapped = "".join(shown.split())  # also within words, at hyphens
+    for name, field in kind.model_fields.items():
+        assert field.description, f"{kind.__name__}.{name} has no help text"
+        flag, variable = "--" + name.replace("_", "-"), env_name(kind, name)
+        assert re.search(rf"{flag}(?![\w-])", shown), name
+        assert f"[{variable}; default: " in shown, name
+        assert "".join(field.description.split()) in unwrapped, name
+
+
+def test_flags_win_over_variables_and_variables_over_defaults(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("FLYWHEEL_PORT", "9000")
+    monkeypatch.setenv("FLYWHEEL_KEEP_ALIVE_S", "30")
+    for unset in ("FLYWHEEL_UPSTREAM", "FLYWHEEL_DURABLE", "FLYWHEEL_WRITER_BATCH_SIZE"):
+        monkeypatch.delenv(unset, raising=False)
+    args = parser().parse_args(
+        [
+            "proxy",
+            "--upstream",
+            "http://a:1/v1",
+            "--upstream",
+            "http://b:2,http://c:3",  # a flag takes what its variable takes
+            "--port",
+            "8100",
+            "--durable",
+            "--adapter-per-agent",
+            "sql=writer+rewriter",
+        ]
+    )
+    settings = build(ProxySettings, args)
+    assert settings.upstream == ["http://a:1", "http://b:2", "http://c:3"]
+    assert settings.port == 8100 and settings.keep_alive_s == 30
+    assert settings.durable is True and settings.writer_batch_size == 500
+    assert settings.adapter_per_agent == {"writer": "sql", "rewriter": "sql"}
+
+
+def test_the_cli_imports_no_package_an_image_lacks() -> None:
+    """Every image runs `flywheel`: importing it loads each process's settings, never the demo
+    (httpx), torch or litellm; each command imports what it runs when it runs."""
+    code = "import sys, flywheel.cli; print(' '.join({m.split('.')[0] for m in sys.modules}))"
+    loaded = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60
+    ).stdout.split()
+    heavy = {"demo", "bench", "httpx", "torch", "transformers", "trl", "litellm", "vllm"}
+    assert heavy.isdisjoint(loaded), heavy.intersection(loaded)

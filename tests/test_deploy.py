@@ -234,12 +234,14 @@ def test_dockerfiles_install_extras_that_exist() -> None:
 
 
 # The packages (or modules) each image runs, and the third-party modules they import.
-# The trainer image runs the CLI too, which imports proxy.config (and no other proxy module:
-# the proxy's routes to providers need litellm, which only the proxy and judge images have).
+# Every image runs the CLI, which imports each process's settings (proxy, trainer and judge
+# config.py) and no other module of them: the proxy's routes to providers need litellm, which
+# only the proxy and judge images have; the trainer's engine needs torch (tests/test_cli.py).
+SETTINGS = ("proxy/config.py", "trainer/config.py", "judge/config.py")
 IMAGE_PACKAGES = {
-    "Dockerfile.proxy": ("flywheel", "core", "proxy", "migrations"),
-    "Dockerfile.trainer": ("flywheel", "core", "proxy/config.py", "migrations", "trainer"),
-    "Dockerfile.judge": ("flywheel", "core", "proxy", "migrations", "judge"),
+    "Dockerfile.proxy": ("flywheel", "core", "proxy", "migrations", *SETTINGS),
+    "Dockerfile.trainer": ("flywheel", "core", "migrations", "trainer", *SETTINGS),
+    "Dockerfile.judge": ("flywheel", "core", "proxy", "migrations", "judge", *SETTINGS),
 }
 # Imported by an image's code but not installable beside the tests' clients (litellm 1.106.2
 # needs openai<3: tests/models.py builds its own venv): module -> distribution.

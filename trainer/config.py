@@ -95,9 +95,9 @@ class TrainerSettings(DatabaseSettings):
 
     # --- how to train (TRL's GRPO loss, PEFT LoRA) -------------------------------------------
     lora_rank: int = Field(8, description="LoRA rank (vLLM needs --max-lora-rank >= this).")
-    lora_alpha: int = Field(16, ge=1)
-    learning_rate: float = Field(1e-4, gt=0)
-    max_grad_norm: float = Field(1.0, gt=0)
+    lora_alpha: int = Field(16, ge=1, description="LoRA alpha (updates scale by alpha/rank).")
+    learning_rate: float = Field(1e-4, gt=0, description="AdamW's learning rate (constant).")
+    max_grad_norm: float = Field(1.0, gt=0, description="Gradients are clipped to this norm.")
     loss_type: str = Field("dapo", description="TRL GRPO loss_type (dapo, grpo, dr_grpo, bnpo).")
     epsilon: float = Field(0.2, gt=0, description="PPO clip range.")
     beta: float = Field(0.0, ge=0, description="KL coefficient to the base model (0: no KL).")
@@ -123,7 +123,7 @@ class TrainerSettings(DatabaseSettings):
         "rejected (0: off); a token outside the learner's top-k/top-p set always is.",
     )
     num_iterations: int = Field(1, ge=1, description="Optimizer steps per batch (TRL's mu).")
-    seed: int = Field(0)
+    seed: int = Field(0, description="Seed of a new adapter's weights and of training's RNGs.")
 
     # --- publishing -------------------------------------------------------------------------
     retain_versions: int = Field(

@@ -1,0 +1,161 @@
+"""`flywheel adapters list|canaries|activate|pin|unpin`: the adapter versions of every lineage,
+their canaries, and moving a lineage's alias by hand (rollback, pin) through `core/policy.py`,
+the same code path as the trainer's publish and the proxy's admin routes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from core import canary, database, policy, rollout
+from core.settings import DatabaseSettings, vllm_base_urls
+from core.vllm import VLLMAdmin, VLLMError
+from flywheel.options import add_settings, build
+
+
+def arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=list(ACTIONS))
+    parser.add_argument("version", nargs="?", type=int, help="with activate, pin: the version")
+    parser.add_argument("--vllm", action="append", help="vLLM base URL(s) to load it into")
+    parser.add_argument(
+        "--lineage",
+        help="list, canaries: only this lineage; activate/pin 0: the lineage put back on the "
+        "base; unpin: this lineage (default policy)",
+    )
+    parser.add_argument("--note", help="with pin: why, shown with the pin")
+    add_settings(parser, DatabaseSettings)
+
+
+def run(args: argparse.Namespace) -> None:
+    """list adapter versions, or switch the alias"""
+    settings = build(DatabaseSettings, args)
+    ACTIONS[args.action](args, database.resolve_url(settings.database_url, settings.home))
+
+
+def _list(args: argparse.Namespace, url: str) -> None:
+    engine, sessions = database.create_sessions(url)
+    with sessions() as session:
+        adapters = policy.versions(session=session, lineage=args.lineage)
+        tests = canary.opened(session=session, lineage=args.lineage)
+        pins = policy.pins(session=session)
+    engine.dispose()
+    by_lineage: dict[str, list[policy.Adapter]] = {}
+    for a in adapters:
+        by_lineage.setdefault(a.lineage, []).append(a)
+    for lineage, versions in sorted(by_lineage.items()):
+        current = next((a.name for a in versions if a.is_current), "the base model")
+        test = tests.get(lineage)
+        under_test = (
+            f"; canary {test.candidate_name} on {test.fraction:.0%} of episodes for "
+            f"{test.age_s:.0f}s"
+            if test
+            else ""
+        )
+        held = pins.get(lineage)
+        pinned = (
+            f"; pinned since {held.pinned_at:%Y-%m-%d %H:%M}"
+            + (f" ({held.note})" if held.note else "")
+            if held
+            else ""
+        )
+        print(f"lineage {lineage}: {len(versions)} versions, serving {current}{under_test}{pinned}")
+        for a in versions:
+            mark = "*" if a.is_current else "c" if test and test.candidate == a.version else " "
+            reward = (a.stats or {}).get("reward_mean", float("nan"))
+            state = f"retired {a.retired_at:%Y-%m-%d %H:%M}" if a.retired_at else a.path
+            print(
+                f"  {mark} v{a.version:<5} {a.name:<16} {a.created_at:%Y-%m-%d %H:%M:%S} "
+                f"trained={a.trained_transitions:<6} reward={reward:.3f} {state}"
+            )
+
+
+def _canaries(args: argparse.Namespace, url: str) -> None:
+    engine, sessions = database.create_sessions(url)
+    with sessions() as session:
+        rows = canary.history(session=session, lineage=args.lineage)
+    engine.dispose()
+    for row in rows:
+        print(_canary_line(row))
+    if not rows:
+        print("no canaries yet (the trainer opens them with FLYWHEEL_CANARY_FRACTION > 0)")
+
+
+def _canary_line(row: Any) -> str:
+    """One canary: when, which versions, what was decided and on what evidence."""
+    head = f"{row.opened_at:%Y-%m-%d %H:%M:%S} {row.lineage}: v{row.candidate} vs v{row.baseline}"
+    if row.decided_at is None:
+        return f"{head} on {row.fraction:.0%} of episodes, open"
+    took = (row.decided_at - row.opened_at).total_seconds()
+    line = f"{head}: {row.action} ({row.reason}) after {took:.0f}s"
+    e = row.evidence
+    if e and e["candidate_mean"] is not None and e["baseline_mean"] is not None:
+        line += (
+            f" | reward {e['candidate_mean']:.3f} on {e['candidate_episodes']} episodes vs "
+            f"{e['baseline_mean']:.3f} on {e['baseline_episodes']}"
+        )
+        if e["p_worse"] is not None:
+            line += f" | p(worse) {e['p_worse']:.3g} p(not worse) {e['p_not_worse']:.3g}"
+    return line
+
+
+def _unpin(args: argparse.Namespace, url: str) -> None:
+    lineage = args.lineage or policy.DEFAULT_LINEAGE
+    engine, sessions = database.create_sessions(url)
+    with sessions.begin() as session:
+        was = policy.unpin(lineage, session=session)
+    engine.dispose()
+    print(f"lineage {lineage} unpinned" if was else f"lineage {lineage} was not pinned")
+
+
+def _activate(args: argparse.Namespace, url: str) -> None:
+    """activate and pin: load the version into every vLLM, then move its lineage's alias."""
+    if args.version is None or not args.vllm:
+        sys.exit(f"flywheel adapters {args.action} N --vllm URL [--vllm URL ...]")
+    try:
+        urls = vllm_base_urls(args.vllm, "--vllm")
+        lineage = policy.check_lineage(args.lineage or policy.DEFAULT_LINEAGE)
+    except ValueError as e:
+        sys.exit(f"flywheel adapters: {e}")
+
+    async def activate() -> policy.Adapter | None:
+        engine, sessions = database.create_async_sessions(url, pool_size=1)
+        vllm = VLLMAdmin(api_key=None)
+        try:
+            adapter, went = await rollout.activate(
+                args.version,
+                sessions=sessions,
+                vllm=vllm,
+                urls=urls,
+                lineage=lineage,
+                pin=args.action == "pin",
+                note=args.note,
+            )
+        finally:
+            await vllm.close()
+            await engine.dispose()
+        for unreachable in went.unreachable if went else ():
+            print(f"warning: {unreachable} unreachable; it does not have the adapter yet")
+        return adapter
+
+    try:
+        adapter = asyncio.run(activate())
+    except (policy.UnknownVersion, policy.RetiredVersion, policy.Pinned, VLLMError) as e:
+        sys.exit(f"flywheel adapters: {e}")
+    pinned = ", pinned" if args.action == "pin" else ""
+    if adapter is None:
+        print(f"lineage {lineage} now serves the base model{pinned}")
+    else:
+        print(f"lineage {adapter.lineage} now serves {adapter.name}{pinned}")
+
+
+ACTIONS: dict[str, Callable[[argparse.Namespace, str], None]] = {
+    "list": _list,
+    "activate": _activate,
+    "pin": _activate,
+    "unpin": _unpin,
+    "canaries": _canaries,
+}
