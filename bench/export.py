@@ -81,8 +81,9 @@ def main() -> None:
             more = ("--until", until) if file == "small.parquet" else ()
             rows, seconds, wall, peak, size = run_export(url, Path(tmp) / file, *extra, *more)
             results.append((name, rows, seconds, wall, peak, size))
+            rate = rows / (seconds or wall)  # the command prints tenths: a tiny export says 0.0
             print(
-                f"{name:45s} {rows:>9,} rows {seconds:6.1f} s {rows / seconds:>9,.0f}/s "
+                f"{name:45s} {rows:>9,} rows {seconds:6.1f} s {rate:>9,.0f}/s "
                 f"(process {wall:5.1f} s) peak RSS {peak:6.0f} MiB  {size / 2**20:7.0f} MiB"
             )
     lines = [
@@ -93,7 +94,7 @@ def main() -> None:
         "| export | rows | export s | rows/s | process s | peak RSS MiB | file MiB |",
         "|---|---|---|---|---|---|---|",
         *[
-            f"| {n} | {r:,} | {s:.1f} | {r / s:,.0f} | {w:.1f} | {p:.0f} | {b / 2**20:.0f} |"
+            f"| {n} | {r:,} | {s:.1f} | {r / (s or w):,.0f} | {w:.1f} | {p:.0f} | {b / 2**20:.0f} |"
             for n, r, s, w, p, b in results
         ],
     ]
