@@ -21,7 +21,7 @@ from openai import OpenAI
 from demo.calculator import QUESTIONS, messages, reward, task_id
 from demo.rounds import command_line, print_line
 
-TEMPERATURE = 1.0  # the trainer's temperature: its importance ratios assume the same sampling
+TEMPERATURE = 1.0  # any works (docs/off_policy.md); 1.0 explores most for the demo
 MAX_TOKENS = 8
 
 

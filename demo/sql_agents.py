@@ -35,7 +35,7 @@ from demo import sql_env
 from demo.rounds import command_line, print_line
 from demo.sql_env import approves, checker_messages, rewriter_messages, writer_messages
 
-TEMPERATURE = 1.0  # the trainers' temperature: their importance ratios assume the same sampling
+TEMPERATURE = 1.0  # any works (docs/off_policy.md); 1.0 explores most for the demo
 MAX_TOKENS = 48
 AGENTS = ("writer", "checker", "rewriter")
 

@@ -50,7 +50,7 @@ from demo.calc_tools import (
 )
 from demo.rounds import command_line, print_line
 
-TEMPERATURE = 1.0  # the trainer's temperature: its importance ratios assume the same sampling
+TEMPERATURE = 1.0  # any works (docs/off_policy.md); 1.0 explores most for the demo
 MAX_TOKENS = 48  # a call is ~25 tokens; a cut answer fails the SDK's run
 MAX_TURNS = 3  # call, answer, and one more chance
 FAILED_TOOL_RUN = -0.5  # the step reward for a call the calculator could not run
