@@ -21,6 +21,7 @@ and the wall time. Appends to bench/real_traffic.md, draws docs/img/real_traffic
 `--json` writes the figures for a test to read.
 
     .venv/bin/python -m bench.real_traffic [--cases a,b,c,d,e] [--seeds 0,1,2] [--rounds 30]
+    .venv/bin/python -m bench.real_traffic --from-json runs.json [--from-json more.json]
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class Case:
 
 
 IDEAL = (("calculator", {"temperature": 1.0}),)
+NUCLEUS = (("calculator", {"temperature": 0.7, "top_p": 0.9}),)
 MIXED = tuple((f"calc-t{t}", {"temperature": t, "top_p": 0.95}) for t in (0.5, 0.7, 1.0))
 LATE = ((0.5, 0), (0.3, 10), (0.2, 100))
 CASES = {
@@ -81,6 +83,12 @@ CASES = {
 }
 
 
+# The final policy is evaluated under each traffic's sampling (the reward its agents would get
+# now), every case under all three, so a case is compared with (a) like for like.
+EVALS = {"T 1.0": IDEAL, "T 0.7 p 0.9": NUCLEUS, "mixed": MIXED}
+OWN_EVAL = {"a": "T 1.0", "b": "T 0.7 p 0.9", "c": "mixed", "d": "T 1.0", "e": "mixed"}
+
+
 @dataclass
 class Run:
     case: str
@@ -91,7 +99,7 @@ class Run:
     queued: int = 0  # credited, trainable, not trained when the run ended (a batch's worth)
     set_aside: dict[str, int] = field(default_factory=dict)
     rewarded: int = 0  # rewarded (credited) policy-served transitions
-    final_reward: float = 0.0  # the final policy on every question at temperature 1.0
+    final: dict[str, float] = field(default_factory=dict)  # EVALS name -> the final policy's reward
     final_version: int = 0
     tokens: dict[str, dict[str, int]] = field(default_factory=dict)  # staleness -> tallies
     wall_s: float = 0.0
@@ -215,7 +223,8 @@ def run_case(
         _drain(url, drain_s)
         out.wall_s = time.perf_counter() - started
         _tally(url, out)
-        out.final_reward = evaluate(loop.vllm_url, out.final_version, seed)
+        for name, agents in EVALS.items():
+            out.final[name] = evaluate(loop.vllm_url, out.final_version, seed, agents)
     return out
 
 
@@ -260,22 +269,30 @@ def _tally(url: str, out: Run) -> None:
                 mine[k] += int(tally.get(k, 0))
 
 
-def evaluate(vllm_url: str, version: int, seed: int) -> float:
-    """The policy's mean reward on every question, temperature 1.0, asked of vLLM directly."""
+def evaluate(
+    vllm_url: str, version: int, seed: int, agents: tuple[tuple[str, dict[str, Any]], ...]
+) -> float:
+    """The policy's mean reward on every question, sampled as `agents` sample (each question
+    EVAL_SAMPLES times, the agents' settings in turn), asked of vLLM directly: not recorded."""
     model = f"policy-v{version}" if version else MODEL_NAME
     rng = random.Random(1000 + seed)
-    jobs = [q for q in QUESTIONS for _ in range(EVAL_SAMPLES)]
+    jobs = [
+        (q, agents[i % len(agents)][1], rng.randrange(2**31))
+        for q in QUESTIONS
+        for i in range(EVAL_SAMPLES)
+    ]
     client = httpx.Client(base_url=vllm_url, timeout=120)
 
-    def one(question: tuple[int, int]) -> float:
+    def one(job: tuple[tuple[int, int], dict[str, Any], int]) -> float:
+        question, sampling, seed = job
         r = client.post(
             "/v1/chat/completions",
             json={
                 "model": model,
                 "messages": messages(*question),
                 "max_tokens": MAX_TOKENS,
-                "temperature": 1.0,
-                "seed": rng.randrange(2**31),
+                "seed": seed,
+                **sampling,
             },
         )
         r.raise_for_status()
@@ -296,6 +313,10 @@ def _mean(xs: Sequence[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
+def _final(runs: list[Run], protocol: str) -> list[float]:
+    return [r.final[protocol] for r in runs if protocol in r.final]
+
+
 def _sd(xs: Sequence[float]) -> float:
     return statistics.stdev(xs) if len(xs) > 1 else 0.0
 
@@ -304,21 +325,31 @@ def report(runs: list[Run], rounds: int, results: Path) -> str:
     by_case: dict[str, list[Run]] = {}
     for run in runs:
         by_case.setdefault(run.case, []).append(run)
-    ideal = [r.final_reward for r in by_case.get("a", [])]
+    ideal = by_case.get("a", [])
     lines = [
         f"\n## {datetime.now(UTC):%Y-%m-%d %H:%M} UTC: {rounds} rounds of 64 episodes, "
         f"seeds {sorted({r.seed for r in runs})}\n",
-        "| case | what | trained share | set aside | final reward (T=1.0) | vs (a) "
-        "| traffic reward, first 3 / last 3 rounds | versions | wall s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "Final reward: the final policy on all 100 questions, 4 samples each, sampled as the "
+        "case's own agents sample (own) and at temperature 1.0 (T 1.0); vs (a): minus case "
+        "(a)'s final policies evaluated the same way (mean ± sd over seeds).",
+        "",
+        "| case | what | trained share | set aside | final reward, own | vs (a), own "
+        "| final reward, T 1.0 | vs (a), T 1.0 | traffic reward, first 3 / last 3 rounds "
+        "| versions | wall s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for name, case_runs in by_case.items():
-        finals = [r.final_reward for r in case_runs]
+        own = OWN_EVAL[name]
         aside: dict[str, int] = {}
         for r in case_runs:
             for k, v in r.set_aside.items():
                 aside[k] = aside.get(k, 0) + v
-        vs = f"{_mean(finals) - _mean(ideal):+.3f}" if ideal and name != "a" else "-"
+
+        def versus(protocol: str, name: str = name, case_runs: list[Run] = case_runs) -> str:
+            if name == "a" or not _final(ideal, protocol):
+                return "-"
+            return f"{_mean(_final(case_runs, protocol)) - _mean(_final(ideal, protocol)):+.3f}"
+
         first = _mean([_mean(r.rounds[:3]) for r in case_runs])
         last = _mean([_mean(r.rounds[-3:]) for r in case_runs])
         lines.append(
@@ -327,7 +358,10 @@ def report(runs: list[Run], rounds: int, results: Path) -> str:
             f"({sum(r.trained for r in case_runs)} of {sum(r.rewarded for r in case_runs)}; "
             f"{sum(r.queued for r in case_runs)} queued at the end) "
             f"| {', '.join(f'{k} {v}' for k, v in sorted(aside.items())) or 'none'} "
-            f"| {_mean(finals):.3f} ± {_sd(finals):.3f} | {vs} | {first:.2f} / {last:.2f} "
+            f"| {_mean(_final(case_runs, own)):.3f} ± {_sd(_final(case_runs, own)):.3f} "
+            f"| {versus(own)} "
+            f"| {_mean(_final(case_runs, 'T 1.0')):.3f} ± {_sd(_final(case_runs, 'T 1.0')):.3f} "
+            f"| {versus('T 1.0')} | {first:.2f} / {last:.2f} "
             f"| {_mean([r.final_version for r in case_runs]):.0f} "
             f"| {_mean([r.wall_s for r in case_runs]):.0f} |"
         )
@@ -350,8 +384,10 @@ def report(runs: list[Run], rounds: int, results: Path) -> str:
                 else "-"
             )
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
-    per_seed = ", ".join(
-        f"{r.case}{r.seed} {r.final_reward:.3f} ({r.trained_share:.0%} trained, v{r.final_version})"
+    per_seed = "; ".join(
+        f"{r.case}{r.seed}: "
+        + ", ".join(f"{k} {v:.3f}" for k, v in r.final.items())
+        + f" ({r.trained_share:.0%} trained, v{r.final_version})"
         for r in runs
     )
     lines += ["", f"Per run: {per_seed}."]
@@ -395,7 +431,19 @@ def main() -> None:
     parser.add_argument(
         "--model", type=Path, help="the calculator model's directory (built if new)"
     )
+    parser.add_argument(
+        "--from-json",
+        type=Path,
+        action="append",
+        help="report (and plot) these saved runs instead of running any (repeatable)",
+    )
     args = parser.parse_args()
+    if args.from_json:
+        saved = [r for path in args.from_json for r in json.loads(path.read_text())]
+        runs = [Run(**{k: v for k, v in r.items() if k != "trained_share"}) for r in saved]
+        print(report(runs, len(runs[0].rounds), args.results))
+        print(f"plot: {plot(runs, args.plot)}")
+        return
     runs = []
     for seed in [int(s) for s in args.seeds.split(",")]:
         for name in args.cases.split(","):
