@@ -54,6 +54,9 @@ def one_run(
         "FLYWHEEL_JUDGE_PROXY": proxy.url,
         "FLYWHEEL_JUDGE_KEY": common.MASTER_KEY,
         "FLYWHEEL_JUDGE_GRACE_S": "0",
+        # bench/synthetic.py spreads episodes over the last day: a task's lone newest episodes
+        # would otherwise wait judge_alone_after_s for company, and the run for them.
+        "FLYWHEEL_JUDGE_ALONE_AFTER_S": "0",
         "FLYWHEEL_JUDGE_POLL_S": "0.2",
         "FLYWHEEL_JUDGE_GROUP_SIZE": str(group_size),
         "FLYWHEEL_JUDGE_CONCURRENCY": str(concurrency),

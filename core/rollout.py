@@ -12,6 +12,8 @@ activate N` both call it; the trainer's publish and retirement use the other two
 from __future__ import annotations
 
 import asyncio
+import logging
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 from core import policy
 from core.database import AsyncSessions, run_sync
 from core.vllm import Unreachable, VLLMAdmin, VLLMError
+
+log = logging.getLogger(__name__)
 
 
 class NoReplica(VLLMError):
@@ -65,9 +69,17 @@ async def load_everywhere(vllm: VLLMAdmin, urls: Sequence[str], name: str, path:
 
 
 async def _load(vllm: VLLMAdmin, url: str, name: str, path: str) -> bool:
-    """True: loaded now; False: it was there already."""
-    if name in await vllm.loaded(url):
-        return False
+    """True: loaded now; False: it was there already, from this path.
+
+    The same name from another path is a stale adapter of another life of the database (reset,
+    or restored from a backup, while vLLM kept running): vLLM would serve its weights under this
+    version's name, so it is unloaded and ours loaded."""
+    there = await vllm.adapters(url)
+    if name in there:
+        if there[name] is None or os.path.normpath(str(there[name])) == os.path.normpath(path):
+            return False
+        log.warning("%s serves %s from %s, not %s: replacing it", url, name, there[name], path)
+        await vllm.unload(url, name)
     await vllm.load(url, name, path)
     return True
 

@@ -74,11 +74,18 @@ class VLLMAdmin:
 
     async def loaded(self, base_url: str, *, timeout_s: float = MODELS_TIMEOUT_S) -> set[str]:
         """The adapters a vLLM has loaded (the models it lists with a parent)."""
+        return set(await self.adapters(base_url, timeout_s=timeout_s))
+
+    async def adapters(
+        self, base_url: str, *, timeout_s: float = MODELS_TIMEOUT_S
+    ) -> dict[str, str | None]:
+        """The adapters a vLLM has loaded, each with the path it was loaded from (its `root`)."""
         status, body = await self.models(base_url, timeout_s=timeout_s)
         try:
             if status != 200:
                 raise ValueError(f"status {status}")
-            return {m["id"] for m in orjson.loads(body)["data"] if m.get("parent")}
+            models = orjson.loads(body)["data"]
+            return {m["id"]: m.get("root") for m in models if m.get("parent")}
         except (ValueError, KeyError, TypeError) as e:
             raise VLLMError(f"{base_url} did not list its models: {e}") from e
 

@@ -171,3 +171,28 @@ def test_load_everywhere_undoes_only_its_own_loads(tmp_path: Path) -> None:
         assert "policy-v7" not in fresh.loras and "policy-v7" not in small.loras
         went = asyncio.run(go([serving.url, fresh.url]))
     assert went.loaded == [fresh.url, serving.url] and went.unreachable == []
+
+
+def test_load_everywhere_replaces_a_stale_adapter_of_the_same_name(tmp_path: Path) -> None:
+    """A vLLM that outlived its database (reset, restored) may hold `policy-v1` from another
+    directory: served as ours, its weights would be another policy's. It is replaced."""
+    ours, stale = tmp_path / "policy-v1", tmp_path / "old" / "policy-v1"
+    for path in (ours, stale):
+        path.mkdir(parents=True)
+        (path / "adapter_config.json").write_text('{"r": 8}')
+
+    async def go(url: str) -> rollout.Rollout:
+        vllm = VLLMAdmin(api_key=None)
+        try:
+            return await rollout.load_everywhere(vllm, [url], "policy-v1", str(ours))
+        finally:
+            await vllm.close()
+
+    with FakeVLLM() as fake:
+        fake.loras["policy-v1"] = str(stale)
+        asyncio.run(go(fake.url))
+        assert fake.loras["policy-v1"] == str(ours)
+        loads = [r["path"] for r in fake.requests if "lora_adapter" in r["path"]]
+        assert loads == ["/v1/unload_lora_adapter", "/v1/load_lora_adapter"]
+        asyncio.run(go(fake.url))  # ours now: nothing to do
+        assert [r["path"] for r in fake.requests if "lora_adapter" in r["path"]] == loads

@@ -692,8 +692,10 @@ def test_sigterm_mid_vllm_call_leaves_no_task_to_run_later(fake_vllm: FakeVLLM) 
     replicas.close()
 
 
-def sampled_calls(proxy: RunningProxy, prefix: str, sampling: dict[str, Any]) -> list[str]:
-    """Two tasks of two episodes each, sampled with `sampling`, rewarded at once."""
+def sampled_calls(
+    proxy: RunningProxy, prefix: str, sampling: dict[str, Any], *, rewarded: bool = True
+) -> list[str]:
+    """Two tasks of two episodes each, sampled with `sampling`, rewarded at once (or not)."""
     episodes = []
     with proxy.client() as c:
         for t in range(2):
@@ -710,7 +712,8 @@ def sampled_calls(proxy: RunningProxy, prefix: str, sampling: dict[str, Any]) ->
                     },
                 )
                 assert r.status_code == 200
-                c.post("/v1/rewards", json={"episode_id": episode, "reward": float(e)})
+                if rewarded:
+                    c.post("/v1/rewards", json={"episode_id": episode, "reward": float(e)})
                 episodes.append(episode)
     return episodes
 
@@ -750,18 +753,9 @@ def test_a_reward_many_versions_late_is_still_trained(
     """No cliff at four versions: episodes served by the base model and rewarded only after
     six versions were published are trained by the next step (their tokens weighted by how
     far the policy moved, trainer/correction.py)."""
-    late = []
-    with proxy.client() as c:
-        for t in range(2):
-            for e in range(2):
-                episode = f"late-t{t}-e{e}"
-                r = c.post(
-                    "/v1/chat/completions",
-                    headers={"X-Episode-Id": episode, "X-Task-Id": f"late{t}"},
-                    json={"model": "policy", "messages": [{"role": "user", "content": "q"}]},
-                )
-                assert r.status_code == 200 and r.headers["x-policy-version"] == "0"
-                late.append(episode)
+    late = sampled_calls(proxy, "late", {}, rewarded=False)
+    served = "SELECT 1 FROM transition WHERE episode_id LIKE 'late-%%' AND policy_version = 0"
+    assert len(proxy.wait_rows(served, 4)) == 4  # by the base model
     trainer = make_trainer(min_episodes=4)
     for step in range(6):
         play(proxy, agent=f"round{step}")
