@@ -140,7 +140,13 @@ def migrate(url: str) -> None:
 # Errors that mean "Postgres is not there right now", as opposed to "Postgres refused this row".
 # psycopg's own: COPY runs on the driver's connection, unwrapped by SQLAlchemy. Its
 # OperationalError includes a deadlock or a lock timeout: the batch is fine, only unlucky.
+class NotMigrated(Exception):
+    """The schema is not migrated yet: Postgres was unreachable when the proxy started, and it
+    migrates as soon as Postgres answers (proxy/record/migrator.py). Until then it is an outage."""
+
+
 OUTAGE_ERRORS = (
+    NotMigrated,
     sa_exc.OperationalError,
     sa_exc.InterfaceError,
     psycopg.OperationalError,
@@ -158,7 +164,19 @@ def _json(value: Any) -> str:
     return orjson.dumps(value).decode()
 
 
-def create_async_sessions(url: str, *, pool_size: int = 10) -> tuple[AsyncEngine, AsyncSessions]:
+class GatedSessions(async_sessionmaker[AsyncSession]):
+    """The proxy's sessions: while `migrated` is False, opening one raises NotMigrated (an outage
+    to every caller), so nothing reads or writes a schema older than the code."""
+
+    migrated = True
+
+    def __call__(self, **local_kw: Any) -> AsyncSession:
+        if not self.migrated:
+            raise NotMigrated("the database schema is not migrated yet (Postgres unreachable)")
+        return super().__call__(**local_kw)
+
+
+def create_async_sessions(url: str, *, pool_size: int = 10) -> tuple[AsyncEngine, GatedSessions]:
     """The proxy's engine and sessions (dispose the engine at shutdown)."""
     engine = create_async_engine(
         sqlalchemy_url(url),
@@ -168,7 +186,7 @@ def create_async_sessions(url: str, *, pool_size: int = 10) -> tuple[AsyncEngine
         json_serializer=_json,
         json_deserializer=orjson.loads,
     )
-    return engine, async_sessionmaker(engine, expire_on_commit=False)
+    return engine, GatedSessions(engine, expire_on_commit=False)
 
 
 def create_sessions(url: str) -> tuple[Engine, Sessions]:

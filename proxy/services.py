@@ -2,9 +2,10 @@
 typed object: `ServicesDep` for FastAPI routes, `services_of(app)` for the edge's fast lane.
 
 Start-up: import litellm if there are provider models (proxy/relay/providers.py), find the
-database (configured or embedded), migrate it, start the background writer (replaying any journal
-left from before), the upstream client, the alias, the replica probes and the housekeeping of
-partitions and retention (proxy/record/maintenance.py).
+database (configured or embedded), migrate it (or, if Postgres does not answer, start on the
+journal and migrate once it does: proxy/record/migrator.py), start the background writer
+(replaying any journal left from before), the upstream client, the alias, the replica probes
+and the housekeeping of partitions and retention (proxy/record/maintenance.py).
 Shutdown, in reverse: probes stop, records still being scored (proxy/relay/scoring.py) are handed to
 the writer, the alias stops, then every recorded transition is flushed (to Postgres, or to the
 journal if Postgres can't take them), then connections close.
@@ -28,6 +29,7 @@ from proxy.record.air import ToolCheck
 from proxy.record.intake import Intake
 from proxy.record.journal import Journal
 from proxy.record.maintenance import Maintenance
+from proxy.record.migrator import Migrator
 from proxy.record.recorder import Recorder
 from proxy.record.tracing import Spans
 from proxy.relay.alias import PolicyAlias
@@ -51,6 +53,7 @@ class Services:
     alias: PolicyAlias
     forwarder: Forwarder
     keys: KeyRing
+    migrator: Migrator
     spans: Spans | None = None  # FLYWHEEL_OTEL_ENDPOINT
     # GET /v1/export: each running export holds a pooled connection (proxy/routes/export.py).
     export_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(MAX_EXPORTS))
@@ -67,8 +70,9 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
             retries=settings.route_retries,
         )
     url = await asyncio.to_thread(database.resolve_url, settings.database_url, settings.home)
-    await asyncio.to_thread(database.migrate, url)
     engine, sessionmaker = database.create_async_sessions(url)
+    migrator = Migrator(url, sessionmaker, retry_s=settings.journal_retry_s)
+    await migrator.start()  # Postgres unreachable: serve on the journal, migrate when it answers
     api_key = settings.upstream_api_key.get_secret_value() if settings.upstream_api_key else None
     upstream = Upstream(settings.upstream, api_key=api_key, timeout_s=settings.upstream_timeout_s)
     spans = (
@@ -103,12 +107,13 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
         refresh_s=settings.alias_refresh_s,
         lineages=settings.adapter_per_agent,
         listen_url=database.libpq_url(url),
+        snapshot=settings.home / "policy-alias.json",
     )
     await alias.start()
     keeper = ReplicaKeeper(upstream, alias, probe_s=settings.replica_probe_s)
     await keeper.start()
     maintenance = Maintenance(settings, url)
-    await maintenance.start()
+    await maintenance.start(after=migrator.wait())
     # The record wing's door (AIR and durable mode are its decisions), and the relay in front.
     check = None if settings.air_penalty is None else ToolCheck(settings.air_tool_call_marker)
     durable_wait_s = settings.durable_wait_s if settings.durable else None
@@ -128,10 +133,12 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
             alias=alias,
             forwarder=forwarder,
             keys=keys,
+            migrator=migrator,
             spans=spans,
         )
     finally:
         await maintenance.stop()
+        await migrator.stop()
         await keys.stop()
         await keeper.stop()
         await scorer.stop()  # hands its last records to the writer

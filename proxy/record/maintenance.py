@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable
 from datetime import UTC, datetime
 
 from sqlalchemy import create_engine, pool
@@ -31,8 +32,9 @@ class Maintenance:
         self._engine = create_engine(database.sqlalchemy_url(database_url), poolclass=pool.NullPool)
         self._task: asyncio.Task[None] | None = None
 
-    async def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="flywheel-maintenance")
+    async def start(self, *, after: Awaitable[None] | None = None) -> None:
+        """Rounds begin once `after` is done (the schema migrated: proxy/record/migrator.py)."""
+        self._task = asyncio.create_task(self._run(after), name="flywheel-maintenance")
 
     async def stop(self) -> None:
         if self._task:
@@ -40,7 +42,9 @@ class Maintenance:
             await asyncio.gather(self._task, return_exceptions=True)
         self._engine.dispose()
 
-    async def _run(self) -> None:
+    async def _run(self, after: Awaitable[None] | None) -> None:
+        if after is not None:
+            await after
         while True:
             try:
                 await asyncio.to_thread(self.once)

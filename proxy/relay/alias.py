@@ -12,13 +12,19 @@ Whoever moves the current version or opens or closes a canary (the trainer, a ro
 `flywheel_policy` in the same transaction; a listening connection re-reads the versions the moment
 that commits, so the next call already uses the new adapter. A poll every `alias_refresh_s` is the
 fallback for while the listening connection is down. No database round trip per request either way.
+
+Each lineage's current version is also kept in a file (`snapshot`, under FLYWHEEL_HOME): a proxy
+that starts while Postgres is unreachable serves the versions it last knew, not the base model,
+until Postgres answers.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import orjson
 import psycopg
@@ -51,6 +57,7 @@ class PolicyAlias:
         refresh_s: float,
         lineages: dict[str, str] | None = None,
         listen_url: str | None = None,
+        snapshot: Path | None = None,
     ) -> None:
         self.alias = alias
         self._lineage_of_agent = lineages or {}
@@ -66,9 +73,11 @@ class PolicyAlias:
         self._listen_url = listen_url
         self._tasks: list[asyncio.Task[None]] = []
         self._restoring = asyncio.Lock()
+        self._snapshot = snapshot
 
     async def start(self) -> None:
-        await self.refresh()
+        if not await self.refresh():
+            self._load_snapshot()
         self._tasks.append(asyncio.create_task(self._poll(), name="flywheel-alias-poll"))
         if self._listen_url:
             self._tasks.append(asyncio.create_task(self._listen(), name="flywheel-alias-listen"))
@@ -77,14 +86,15 @@ class PolicyAlias:
         for task in self._tasks:
             task.cancel()
 
-    async def refresh(self) -> None:
+    async def refresh(self) -> bool:
+        """Re-read the versions; False: Postgres did not answer (the ones we know stay)."""
         try:
             async with self._sessionmaker() as session:
                 adapters = await run_sync(session, policy.currents)
                 canaries = await run_sync(session, canary.opened)
         except Exception as e:  # Postgres down: keep serving the versions we know
             log.debug("alias refresh failed: %s", e)
-            return
+            return False
         for lineage in sorted(canaries.keys() | self.canaries.keys()):
             now_open, was_open = canaries.get(lineage), self.canaries.get(lineage)
             if (now_open and now_open.id) != (was_open and was_open.id):
@@ -103,9 +113,41 @@ class PolicyAlias:
             if current.get(lineage) != self.current.get(lineage):
                 now = current.get(lineage)
                 log.info("lineage %s now -> %s", lineage, now[1] if now else "base model")
+        if current != self.current:
+            self._save_snapshot(current)
         self.current = current
         for lineage, (version, name) in current.items():
             self._remember(version, name, lineage)
+        return True
+
+    def _save_snapshot(self, current: dict[str, tuple[int, str]]) -> None:
+        if self._snapshot is None:
+            return
+        try:  # written whole, then renamed over: a reader sees the old file or the new one
+            tmp = self._snapshot.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_bytes(orjson.dumps(current))
+            os.replace(tmp, self._snapshot)
+        except OSError as e:
+            log.warning("could not keep the policy alias in %s: %s", self._snapshot, e)
+
+    def _load_snapshot(self) -> None:
+        if self._snapshot is None or not self._snapshot.exists():
+            log.warning("Postgres unreachable at start-up: serving the base model until it answers")
+            return
+        try:
+            saved = orjson.loads(self._snapshot.read_bytes())
+            current = {lineage: (int(v), str(n)) for lineage, (v, n) in saved.items()}
+        except (OSError, ValueError, TypeError) as e:
+            log.warning("unreadable policy alias snapshot %s: %s", self._snapshot, e)
+            return
+        self.current = current
+        for lineage, (version, name) in current.items():
+            self._remember(version, name, lineage)
+        log.warning(
+            "Postgres unreachable at start-up: serving the versions last known (%s) until it "
+            "answers",
+            ", ".join(f"{lineage} -> {name}" for lineage, (_, name) in sorted(current.items())),
+        )
 
     async def _poll(self) -> None:
         while True:

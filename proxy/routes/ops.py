@@ -63,7 +63,11 @@ async def healthz(services: ServicesDep) -> Response:
     status = "failing" if recorder.at_risk else "degraded" if journal_error else "ok"
     health = {
         "status": status,
-        "database": "up" if recorder.database_up else "unreachable (journaling)",
+        "database": "unreachable since start-up (journaling; migrates once it answers)"
+        if not services.migrator.migrated
+        else "up"
+        if recorder.database_up
+        else "unreachable (journaling)",
         "journal": f"failing ({journal_error})" if journal_error else "ok",
         "journal_pending": recorder.journal.pending,
         "journal_quarantined": recorder.journal.quarantined(),

@@ -115,7 +115,7 @@ async def overview(
     body["writer"] = {  # this replica's recording backlog
         "queued": recorder.queue_depth,
         "journaled": recorder.journal.pending,
-        "database_up": recorder.database_up,
+        "database_up": recorder.database_up and services.migrator.migrated,
     }
     return _json(body)
 
