@@ -495,8 +495,21 @@ def test_overlay_lists_every_vllm_replica_once(overlay: Path) -> None:
     assert urls == [f"http://vllm-{i}.{service}:8000" for i in range(vllm["spec"]["replicas"])]
     assert docs["Service", service]["spec"]["clusterIP"] == "None"  # stable per-pod names
 
-    proxy_spec = docs["Deployment", "proxy"]["spec"]["template"]["spec"]
+    proxy_set = docs["StatefulSet", "proxy"]["spec"]
+    proxy_spec = proxy_set["template"]["spec"]
     proxy = proxy_spec["containers"][0]
+    # Issue 31, item 6: the journal outlives its pod (deleted, evicted, scaled down in an outage).
+    (home,) = [m for m in proxy["volumeMounts"] if m["mountPath"] == "/var/lib/flywheel"]
+    assert home["name"] in {t["metadata"]["name"] for t in proxy_set["volumeClaimTemplates"]}
+    assert home["name"] not in {v["name"] for v in proxy_spec.get("volumes", [])}
+    assert proxy_set["persistentVolumeClaimRetentionPolicy"] == {
+        "whenDeleted": "Retain",
+        "whenScaled": "Retain",
+    }
+    assert docs["Service", proxy_set["serviceName"]]["spec"]["clusterIP"] == "None"
+    for (kind, _), doc in docs.items():
+        if kind == "HorizontalPodAutoscaler" and doc["spec"]["scaleTargetRef"]["name"] == "proxy":
+            assert doc["spec"]["scaleTargetRef"]["kind"] == "StatefulSet"
     # Issue 13, item 3: SIGKILL came before uvicorn's 30 s drain plus the writer's 30 s flush.
     assert (
         proxy_spec["terminationGracePeriodSeconds"]
