@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,6 +186,33 @@ class RunningProxy:
             if len(rows) >= expected or time.monotonic() > deadline:
                 return rows
             time.sleep(0.05)
+
+    def wait_until(self, condition: Callable[[], bool], what: str, timeout: float = 10) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            time.sleep(0.02)
+
+    def wait_keys(self, *keys: str) -> None:
+        """Until this proxy knows `keys` (made after it started: it re-reads them every
+        keys_refresh_s). A known key gets anything but 401, whatever its scopes."""
+
+        def known(key: str) -> bool:
+            auth = {"Authorization": f"Bearer {key}"}
+            return httpx.get(self.url + "/v1/models", headers=auth).status_code != 401
+
+        self.wait_until(lambda: all(known(k) for k in keys), f"the keys {keys}")
+
+    def wait_policy(self, version: int, lineage: str = "policy", *, canary: bool = False) -> None:
+        """Until this proxy's alias serves `version` as `lineage`'s current one (or candidate)."""
+
+        def serving() -> bool:
+            health = httpx.get(self.url + "/healthz").json()
+            if canary:
+                return bool(health["canaries"].get(lineage, {}).get("candidate") == version)
+            return bool(health["lineages"].get(lineage) == version)
+
+        self.wait_until(serving, f"{lineage} -> v{version}")
 
     def stop(self) -> None:
         self.server.should_exit = True

@@ -13,7 +13,6 @@ from __future__ import annotations
 import os
 import random
 import shutil
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,12 +101,12 @@ def stack(make_proxy: Any, sessions: Sessions, fake_vllm: FakeVLLM, tmp_path: Pa
     versions = []
     for low, high in [(0.3, 0.7), (0.5, 0.9)]:
         versions.append(publish(sessions, fake_vllm, tmp_path, "policy"))
-        time.sleep(0.3)  # the alias follows within alias_refresh_s (0.1 s)
+        proxy.wait_policy(versions[-1])
         episodes(16, low, high)
     rule = canary.Rule(fraction=0.5, min_episodes=4)
     candidate = publish(sessions, fake_vllm, tmp_path, "policy", canary_rule=rule)
     versions.append(candidate)
-    time.sleep(0.3)
+    proxy.wait_policy(candidate, canary=True)
     episodes(24, 0.5, 0.9, bad_version=str(candidate))
     # A message a browser must show as text, never run.
     ask(proxy, "ep-html", '<img src=x onerror="window.pwned=1"> What is <b>1 + 1</b>?')

@@ -77,10 +77,7 @@ def test_the_overview_counts_calls_rewards_versions_and_the_queue(
         call(proxy, f"b{i}", task="a", agent="x")
         reward(proxy, f"b{i}", float(i))
     v1 = publish(sessions, fake_vllm, tmp_path, "policy")
-    deadline = time.monotonic() + 10
-    while ui(proxy, "/ui/api/overview").json()["lineages"] == [] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    time.sleep(0.3)  # the alias follows within alias_refresh_s
+    proxy.wait_policy(v1)
     for i in range(2):  # v1: rewards 10, 20 (task b, agent y); one left unrewarded
         call(proxy, f"n{i}", task="b", agent="y")
         reward(proxy, f"n{i}", 10.0 * (i + 1))
@@ -197,7 +194,7 @@ def test_a_tenant_sees_its_own_episodes_and_the_admin_key_every_tenants(
     proxy = make_proxy(auth="keys", admin_key=ADMIN, keys_refresh_s=0.1)
     acme, globex = new_key(sessions, "acme"), new_key(sessions, "globex")
     infer_only = new_key(sessions, "acme", "infer")
-    time.sleep(0.3)
+    proxy.wait_keys(acme, globex, infer_only)
     tid = call(proxy, "e1", task="t", agent="a", key=acme)
     call(proxy, "e1", task="t", agent="a", key=globex)
     reward(proxy, "e1", 1.0, key=acme)

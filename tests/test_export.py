@@ -9,7 +9,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +51,7 @@ def recorded(make_proxy: Any, sessions: Sessions) -> tuple[RunningProxy, str]:
     second turn, one unrewarded; tenant globex: one episode."""
     proxy = make_proxy(auth="keys", keys_refresh_s=0.1)
     acme, globex = new_key(sessions, "acme"), new_key(sessions, "globex")
-    time.sleep(0.3)
+    proxy.wait_keys(acme, globex)
     for i, value in enumerate([1.0, 0.0, 0.5]):
         call(proxy, acme, f"e{i}", SOLVE)
         reward(proxy, acme, f"e{i}", value)
@@ -203,7 +202,7 @@ def test_a_tenant_exports_its_own_rows_over_http(
     # Another tenant sees its own; a key without `read` is refused; bad filters are 400s.
     globex_read = new_key(sessions, "globex", "read")
     infer_only = new_key(sessions, "acme", "infer")
-    time.sleep(0.3)
+    proxy.wait_keys(globex_read, infer_only)
     [row] = [json.loads(line) for line in get_export(proxy, globex_read).text.splitlines()]
     assert row["episode_id"] == "e0"
     assert get_export(proxy, infer_only).status_code == 403
@@ -228,7 +227,10 @@ def test_a_tenant_exports_its_own_rows_over_http(
         busy = get_export(proxy, acme)
         assert busy.status_code == 429 and busy.json()["error"]["code"] == "too_many_exports"
     finally:
-        for _ in range(MAX_EXPORTS):
-            loop.call_soon_threadsafe(slots.release)
-    time.sleep(0.1)
+
+        async def release() -> None:
+            for _ in range(MAX_EXPORTS):
+                slots.release()
+
+        asyncio.run_coroutine_threadsafe(release(), loop).result(timeout=5)
     assert get_export(proxy, acme).status_code == 200

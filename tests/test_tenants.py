@@ -59,7 +59,7 @@ def keyed(make_proxy: Any) -> RunningProxy:
 
 def test_a_tenants_episodes_are_its_own(keyed: RunningProxy, sessions: Sessions) -> None:
     acme, globex = new_key(sessions, "acme"), new_key(sessions, "globex")
-    time.sleep(0.3)  # made after the proxy started: it reads them within keys_refresh_s
+    keyed.wait_keys(acme, globex)  # made after the proxy started
     with keyed.client(**as_(acme, **{"X-Episode-Id": "e1", "X-Task-Id": "t1"})) as c:
         answer = c.post("/v1/chat/completions", json=CHAT)
     assert answer.status_code == 200, answer.text
@@ -91,7 +91,7 @@ def test_a_tenants_episodes_are_its_own(keyed: RunningProxy, sessions: Sessions)
 
 def test_scopes_limit_what_a_key_may_do(keyed: RunningProxy, sessions: Sessions) -> None:
     infer, reader = new_key(sessions, "acme", "infer"), new_key(sessions, "acme", "read")
-    time.sleep(0.3)
+    keyed.wait_keys(infer, reader)
     with keyed.client(**as_(infer, **{"X-Episode-Id": "s1"})) as c:
         assert c.post("/v1/chat/completions", json=CHAT).status_code == 200
         assert c.get("/v1/models").status_code == 200
@@ -109,7 +109,7 @@ def test_keys_are_stored_hashed_and_a_revoked_key_stops_working(
     keyed: RunningProxy, sessions: Sessions
 ) -> None:
     key = new_key(sessions, "acme")
-    time.sleep(0.3)
+    keyed.wait_keys(key)
     assert keyed.client(**as_(key)).get("/v1/models").status_code == 200
     rows = keyed.query("SELECT * FROM api_key")
     assert rows and not any(key in str(value) for row in rows for value in row)
@@ -131,7 +131,7 @@ def test_env_keys_are_the_default_tenant_alongside_tenant_keys(
 ) -> None:
     proxy = make_proxy(api_keys=["sk-env"], keys_refresh_s=0.1)
     acme = new_key(sessions, "acme")
-    time.sleep(0.3)
+    proxy.wait_keys(acme)
     with proxy.client(**as_("sk-env", **{"X-Episode-Id": "d1"})) as c:
         assert c.post("/v1/chat/completions", json=CHAT).status_code == 200
     with proxy.client(**as_(acme, **{"X-Episode-Id": "d1"})) as c:
