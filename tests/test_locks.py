@@ -4,6 +4,7 @@ a canary decision (it did: both used one key)."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import threading
 import time
@@ -72,7 +73,7 @@ def round_in_progress(database_url: str, tmp_path: Path) -> Iterator[None]:
         blocker.rollback()
         blocker.close()
         thread.join(60)
-        maintenance._engine.dispose()
+        asyncio.run(maintenance.stop())
     assert not thread.is_alive() and done == [None]  # the round went on and finished
 
 
