@@ -27,6 +27,7 @@ from sqlalchemy.orm import Session
 
 from core import policy, tenants
 from core.database import Sessions
+from core.vllm import AdapterRejected
 from demo.tiny_model import build_demo_model
 from demo.vllm_server import free_port
 from fakes.vllm import FakeVLLM
@@ -210,15 +211,16 @@ def test_a_rejected_adapter_leaves_the_alias_where_it_was(
     play(proxy, agent="b")
     fake_vllm.max_lora_rank = 1  # now vLLM refuses rank-8 adapters
     weights = {n: p.detach().clone() for n, p in trainer.engine.model.named_parameters()}
-    assert not trainer.step()
+    with pytest.raises(AdapterRejected):  # for run() to back off: vLLM's doing, not the batch's
+        trainer.step()
     adapter = current(sessions)
     assert adapter is not None and adapter.name == "policy-v1"
     assert set(fake_vllm.loras) == {"policy-v1"}
-    # The batch is back in the queue, the weights are as before, no directory is left behind.
+    # The batch is back in the queue uncharged, the weights are as before, no directory is left.
     assert proxy.query(
-        "SELECT count(*) FROM transition WHERE agent_name = 'b' AND trained_at IS NULL "
-        "AND claimed_by IS NULL"
-    ) == [(8,)]
+        "SELECT count(*), max(train_attempts) FROM transition WHERE agent_name = 'b' "
+        "AND trained_at IS NULL AND claimed_by IS NULL"
+    ) == [(8, 0)]
     for name, p in trainer.engine.model.named_parameters():
         assert (p == weights[name]).all(), name
     assert [d.name for d in trainer.settings.adapters_dir.iterdir()] == ["policy-v1"]

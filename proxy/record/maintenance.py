@@ -2,7 +2,8 @@
 partitions of `transition` (core/partitions.py) and, with FLYWHEEL_RETENTION_DAYS, retention
 (core/retention.py).
 
-One replica at a time does it (a session advisory lock; the others skip that round). The work
+One replica at a time does it (a session advisory lock, Lock.MAINTENANCE: its own key, so a
+round never holds up a publish or a rollback; the others skip that round). The work
 is sync SQL and DDL on a small engine of its own, run in a thread: nothing here waits on the
 event loop that serves calls, and nothing there waits on it (recording goes to the default
 partition when a day's partition is missing).
@@ -18,11 +19,10 @@ from datetime import UTC, datetime
 from sqlalchemy import create_engine, pool
 
 from core import database, partitions, retention
+from core.locks import Lock
 from proxy.config import ProxySettings
 
 log = logging.getLogger("flywheel.maintenance")
-
-LOCK = 7239012  # pg_try_advisory_lock key (migrations use 7239011)
 
 
 class Maintenance:
@@ -56,8 +56,9 @@ class Maintenance:
 
     def once(self) -> retention.Retained | None:
         """One round, if no other replica is at it; returns what retention did (None: none)."""
+        key = int(Lock.MAINTENANCE)
         with self._engine.connect().execution_options(isolation_level="AUTOCOMMIT") as lock:
-            if not lock.exec_driver_sql(f"SELECT pg_try_advisory_lock({LOCK})").scalar():
+            if not lock.exec_driver_sql(f"SELECT pg_try_advisory_lock({key})").scalar():
                 return None
             try:
                 made = partitions.ensure(self._engine, today=datetime.now(UTC).date())
@@ -82,4 +83,4 @@ class Maintenance:
                     )
                 return done
             finally:
-                lock.exec_driver_sql(f"SELECT pg_advisory_unlock({LOCK})")
+                lock.exec_driver_sql(f"SELECT pg_advisory_unlock({key})")
