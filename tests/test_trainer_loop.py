@@ -174,7 +174,7 @@ def test_a_trainer_per_lineage_trains_and_publishes_only_its_own(
     ]
     # Its own only: the rewriter's reconcile (once anything unrecorded of its own would be an
     # orphan, past its short lease) leaves the writer's adapter loaded and on disk.
-    time.sleep(0.6)
+    time.sleep(0.6)  # not a wait for something to happen: the lease (0.5 s) must have run out
     rewriter.reconcile()
     assert "writer-v1" in fake_vllm.loras and Path(adapters["writer-v1"].path).exists()
 
@@ -189,7 +189,7 @@ def test_the_trainer_can_be_restricted_to_tenants(
             keys[tenant] = tenants.create_key(
                 session=session, tenant=tenant, scopes=["infer", "reward"]
             )[1]
-    time.sleep(0.3)
+    proxy.wait_keys(*keys.values())
     for key in keys.values():
         play(proxy, key=key)
     trainer = make_trainer(tenants="globex")
@@ -268,7 +268,7 @@ def test_a_retired_version_waits_out_its_grace_before_it_is_unloaded_and_deleted
         assert [a.retired_at is not None for a in policy.versions(session=session)] == [True, False]
     assert set(fake_vllm.loras) == {"policy-v1", "policy-v2"}  # retired, but still there
     assert (trainer.settings.adapters_dir / "policy-v1").exists()
-    time.sleep(0.6)
+    time.sleep(0.6)  # the grace (0.5 s) must have run out: time itself is the condition
     trainer.reconcile()  # the next reconcile after the grace
     assert set(fake_vllm.loras) == {"policy-v2"}
     assert not (trainer.settings.adapters_dir / "policy-v1").exists()
