@@ -8,6 +8,10 @@ crash at any point repeats rows at worst and never loses one. Rows that Postgres
 segment holding a line that does not parse (a damaged disk, a hand-edited file) is copied whole
 to `quarantine/` and rewritten with its good lines, which replay as usual.
 
+At start-up, `redrive_rejected` puts what `rejected/` holds back into the journal: a row refused
+before a fix or a migration is tried once more, and is rejected again (with the new error) if
+Postgres still refuses it.
+
 Every method may raise `OSError` (disk full, read-only, I/O error): the recorder runs each in
 `guard()`, which keeps the failure (`error`, for /healthz) until the operation works again, and
 decides what then happens to the records.
@@ -120,6 +124,29 @@ class Journal:
     def reject(self, record: TransitionRecord, error: str) -> None:
         path = self.rejected_dir / f"{record.id}.json"
         _write_durably(path, orjson.dumps({"error": error, "record": record}))
+
+    # --- rejected rows tried again --------------------------------------------------------------
+
+    def redrive_rejected(self) -> int:
+        """Everything `rejected/` holds back into the journal, to be tried once more (after a fix
+        or a migration); returns how many. Written durably before the files are removed (a crash
+        in between only repeats rows, and replays are idempotent)."""
+        files = sorted(self.rejected_dir.glob("*.json"))
+        records: list[TransitionRecord] = []
+        for path in list(files):
+            try:
+                kept = orjson.loads(path.read_bytes())
+                records.append(TransitionRecord.from_json(kept["record"]))
+            except (orjson.JSONDecodeError, TypeError, KeyError, AttributeError):
+                log.error("rejected/%s does not parse; left there", path.name)
+                files.remove(path)
+        if records:
+            self.append(records)
+        for path in files:
+            path.unlink()
+        if files:
+            log.warning("%d rejected row(s) from %s are tried again", len(files), self.rejected_dir)
+        return len(files)
 
 
 def _write_durably(path: Path, data: bytes) -> None:

@@ -7,8 +7,8 @@
   or when someone waits for the records: a reward, an episode read, durable mode, shutdown.
 - Postgres unreachable (or a write hanging): the batch goes to the disk journal, later batches
   follow it there, and the journal is replayed once Postgres answers again.
-- Postgres refusing a row as data (a bug, not an outage) isolates that row into the journal's
-  `rejected/` folder; its neighbours are written and the writer keeps going.
+- Postgres refusing a row as data (SQLSTATE class 22, 23) isolates it into the journal's `rejected/`;
+  its neighbours are written. Other refusals (read-only, privileges) are outages: core/database.py
 - The journal failing (disk full, read-only, I/O error): the records go back to the queue, in
   memory, and are tried again (Postgres first) every `retry_s`; `journal_error` says why, for
   /healthz. Nothing acknowledged is dropped while the process lives.
@@ -27,7 +27,7 @@ from datetime import UTC, date, datetime
 import orjson
 
 from core.codecs import PromptMemo
-from core.database import OUTAGE_ERRORS, AsyncSessions
+from core.database import OUTAGE_ERRORS, AsyncSessions, refusals_as_outage
 from core.record import TransitionRecord
 from proxy import metrics
 from proxy.record.journal import Journal
@@ -257,7 +257,11 @@ class Recorder:
             self._known.clear()
             self._stored_day = today
         try:
-            async with asyncio.timeout(WRITE_TIMEOUT_S), self._sessionmaker.begin() as session:
+            async with (
+                refusals_as_outage(),  # a read-only standby, say: wait, it is not the rows' fault
+                asyncio.timeout(WRITE_TIMEOUT_S),
+                self._sessionmaker.begin() as session,
+            ):
                 sent = await insert_transitions(
                     records,
                     session=session,
