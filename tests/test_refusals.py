@@ -111,8 +111,9 @@ def test_rejected_rows_are_tried_again_at_start_up(make_proxy: Any, tmp_path: Pa
     rejected.mkdir(parents=True)
     good, bad = episode_records(random.Random(7), turns=2)
     bad.requested_at = 1e15  # year 31 million: no timestamptz holds it
+    old_error = "UndefinedTable('relation \"transition\" does not exist')"
     for record in (good, bad):
-        kept = {"error": "UndefinedTable('relation \"transition\" does not exist')", "record": record}
+        kept = {"error": old_error, "record": record}
         (rejected / f"{record.id}.json").write_bytes(orjson.dumps(kept))
 
     proxy: RunningProxy = make_proxy(home=home, journal_retry_s=0.2)
