@@ -88,6 +88,8 @@ def test_a_refusal_that_is_not_the_rows_fault_waits_in_the_journal(
         wait_for(lambda: proxy.services.recorder.journal.pending >= 5)
         assert health(proxy)["database"] != "up"
         assert not list(rejected.iterdir())
+        reward = c.post("/v1/rewards", json={"episode_id": "refused", "reward": 1.0})
+        assert reward.status_code == 202, reward.text  # journaled with them
         execute(proxy.database_url, *repair)
         call()
 
@@ -97,6 +99,7 @@ def test_a_refusal_that_is_not_the_rows_fault_waits_in_the_journal(
     assert sorted(r[0] for r in rows) == sorted(served)
     wait_for(lambda: health(proxy)["database"] == "up")
     assert not list(rejected.iterdir())
+    assert proxy.query("SELECT final_reward FROM episode WHERE id = 'refused'") == [(1.0,)]
 
 
 def health(proxy: RunningProxy) -> dict[str, Any]:
