@@ -107,8 +107,9 @@ def health(proxy: RunningProxy) -> dict[str, Any]:
 
 
 def test_rejected_rows_are_tried_again_at_start_up(make_proxy: Any, tmp_path: Path) -> None:
-    """A row the old code set aside for a missing table is stored after a restart; one that
-    Postgres (or our own encoding) refuses again stays in rejected/, with the new error."""
+    """A row (or a reward) set aside for a missing table or a read-only standby is stored after a
+    restart; one that Postgres (or our own encoding) refuses again stays in rejected/, with the
+    new error."""
     home = tmp_path / "home"
     rejected = home / "journal" / "rejected"
     rejected.mkdir(parents=True)
@@ -119,9 +120,15 @@ def test_rejected_rows_are_tried_again_at_start_up(make_proxy: Any, tmp_path: Pa
         kept = {"error": old_error, "record": record}
         (rejected / f"{record.id}.json").write_bytes(orjson.dumps(kept))
 
+    reward = {"episode_id": good.episode_id, "reward": 2.0, "idempotency_key": "k"}
+    post = {"error": "ReadOnlySqlTransaction()", "post": {"posted_at": 0, "rewards": [reward]}}
+    (rejected / "rewards-1.json").write_bytes(orjson.dumps(post))
+
     proxy: RunningProxy = make_proxy(home=home, journal_retry_s=0.2)
     rows = proxy.wait_rows("SELECT id::text FROM transition WHERE id = %s", 1, good.id)
     assert rows == [(good.id,)]
+    found = proxy.wait_rows("SELECT value FROM reward WHERE idempotency_key = 'k'", 1)
+    assert found == [(2.0,)]
     wait_for(lambda: (rejected / f"{bad.id}.json").exists())
     assert [p.name for p in rejected.iterdir()] == [f"{bad.id}.json"]
     error = orjson.loads((rejected / f"{bad.id}.json").read_bytes())["error"]
