@@ -17,6 +17,7 @@ post is journaled behind the transitions (fsync'd) and answered 202 with `"statu
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import orjson
@@ -40,6 +41,8 @@ from proxy.services import Services, ServicesDep
 router = APIRouter()
 # A reward's status in a 202: in the journal, applied (and its status known) at replay.
 JOURNALED = "journaled"
+# While a reward waits for its transitions: how often it looks whether the writer is journaling.
+OUTAGE_CHECK_S = 0.25
 
 
 # The body is read by hand (read_json: size limit, U+0000, clear errors); this documents it.
@@ -92,10 +95,10 @@ async def store_rewards(
         # A tool call id may be any of the episode's transitions: wait for all of them.
         by_call = any(r.tool_call_id is not None for r in mine)
         wanted = None if by_call else step_ids or None
-        stored = await recorder.wait_stored(episode_id, wanted, timeout=STORED_WAIT_S)
+        stored = await _wait_stored(services, episode_id, wanted)
+        if not stored and not recorder.database_up:  # Postgres went away meanwhile
+            return journaled(items, body, services, principal)
         if not stored and (step_ids or by_call):
-            if not recorder.database_up:  # Postgres went away meanwhile
-                return journaled(items, body, services, principal)
             raise ApiError(
                 503,
                 "the transitions of this reward are not stored yet "
@@ -133,6 +136,22 @@ async def store_rewards(
         results.append(_result(r, principal, s.transition_id, s.status, s.credited))
         metrics.rewards_ingested.labels(_kind(r), s.status).inc()
     return 200, _shaped(body, results)
+
+
+async def _wait_stored(services: Services, episode_id: str, wanted: list[str] | None) -> bool:
+    """`Recorder.wait_stored`, given up once the writer journals: the transitions will not be
+    stored before Postgres is back, and the reward goes behind them in the journal at once."""
+    recorder = services.recorder
+    deadline = time.monotonic() + STORED_WAIT_S
+    while recorder.database_up:
+        remaining = deadline - time.monotonic()
+        if await recorder.wait_stored(
+            episode_id, wanted, timeout=max(0.0, min(OUTAGE_CHECK_S, remaining))
+        ):
+            return True
+        if remaining <= OUTAGE_CHECK_S:
+            return False
+    return False
 
 
 def journaled(
