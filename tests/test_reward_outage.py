@@ -16,6 +16,7 @@ import httpx
 import orjson
 import pytest
 
+from proxy.record import reward_journal
 from proxy.record.journal import Journal
 from tests.conftest import RunningProxy
 
@@ -122,3 +123,19 @@ def test_replay_applies_a_reward_only_after_the_transitions_journaled_before_it(
     older, newer = journal.reward_segments()
     assert journal.reward_segments(before=[first_transitions]) == [older]
     assert journal.reward_segments(before=[]) == [older, newer]
+
+
+async def test_a_damaged_reward_line_is_quarantined_and_a_malformed_post_set_aside(
+    tmp_path: Path,
+) -> None:
+    """Neither stops the replay (no database is reached: both fail before it)."""
+    journal = Journal(tmp_path)
+    journal.append_rewards([{"posted_at": 0, "rewards": "not a list"}])
+    (segment,) = journal.reward_segments()
+    segment.write_bytes(segment.read_bytes() + b'{"posted_at": 1, "rewa\n')
+    journal.pending += 1
+    assert await reward_journal.replay_rewards(journal, None, gamma=None, timeout_s=1)  # type: ignore[arg-type]
+    assert journal.pending == 0 and not journal.reward_segments()
+    assert (journal.quarantine_dir / segment.name).exists()
+    (kept,) = [orjson.loads(p.read_bytes()) for p in journal.rejected_dir.iterdir()]
+    assert kept["post"]["rewards"] == "not a list" and "validation error" in kept["error"]

@@ -102,8 +102,8 @@ async def _apply(
     except OUTAGE_ERRORS:
         raise
     except Exception as e:  # refused as data, or not a post at all: not the database's fault
-        if len(post.get("rewards") or ()) > 1:
-            for reward in post["rewards"]:
+        if isinstance(rewards := post.get("rewards"), list) and len(rewards) > 1:
+            for reward in rewards:
                 await _apply(
                     {**post, "rewards": [reward]},
                     journal,
@@ -121,7 +121,7 @@ async def _apply(
 
 def _reject(post: dict[str, Any], error: Exception, journal: Journal) -> None:
     log.error("a journaled reward was refused at replay (%r); kept in rejected/", error)
-    for r in post.get("rewards") or ():
+    for r in rewards if isinstance(rewards := post.get("rewards"), list) else ():
         metrics.rewards_ingested.labels(_kind(r), "rejected").inc()
     with journal.guard("reject"):
         journal.reject_rewards(post, repr(error))
@@ -129,7 +129,10 @@ def _reject(post: dict[str, Any], error: Exception, journal: Journal) -> None:
         log.error("rejected reward post: %s", orjson.dumps(post).decode())
 
 
-def _kind(reward: RewardIn | dict[str, Any]) -> str:
-    get = reward.get if isinstance(reward, dict) else reward.__dict__.get
-    step = get("transition_id") is not None or get("tool_call_id") is not None
+def _kind(reward: Any) -> str:
+    """ "step" or "final", for the metric (of a hand-edited line too: it is only counted)."""
+    fields = vars(reward) if isinstance(reward, RewardIn) else reward
+    if not isinstance(fields, dict):
+        return "final"
+    step = fields.get("transition_id") is not None or fields.get("tool_call_id") is not None
     return "step" if step else "final"
