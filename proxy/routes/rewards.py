@@ -66,7 +66,16 @@ _BODY = {
 }
 
 
-@router.post("/v1/rewards", openapi_extra={"requestBody": _BODY})
+@router.post(
+    "/v1/rewards",
+    openapi_extra={"requestBody": _BODY},
+    responses={
+        202: {
+            "description": "Journaled (Postgres unreachable or refusing): the same shape, "
+            'with "status": "journaled" and "stored": false; applied when the journal is replayed'
+        }
+    },
+)
 async def post_rewards(request: Request, services: ServicesDep) -> Response:
     body, nul = await read_json(request, services.settings.max_body_bytes)
     principal = principal_of(request.scope)
