@@ -80,9 +80,12 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
         if settings.otel_endpoint
         else None
     )
+    journal = Journal(settings.journal_dir)
+    with journal.guard("redrive"):  # rows refused before a fix or a migration: once more
+        journal.redrive_rejected()
     recorder = Recorder(
         sessionmaker,
-        Journal(settings.journal_dir),
+        journal,
         batch_size=settings.writer_batch_size,
         linger_s=settings.writer_linger_s,
         queue_max_bytes=settings.writer_queue_max_bytes,

@@ -7,8 +7,8 @@
   or when someone waits for the records: a reward, an episode read, durable mode, shutdown.
 - Postgres unreachable (or a write hanging): the batch goes to the disk journal, later batches
   follow it there, and the journal is replayed once Postgres answers again.
-- Postgres refusing a row as data (a bug, not an outage) isolates that row into the journal's
-  `rejected/` folder; its neighbours are written and the writer keeps going.
+- Postgres refusing a row as data (SQLSTATE class 22, 23) isolates it in the journal's rejected/;
+  its neighbours are written. Other refusals (read-only, privileges) are outages: core/database.py
 - The journal failing (disk full, read-only, I/O error): the records go back to the queue, in
   memory, and are tried again (Postgres first) every `retry_s`; `journal_error` says why, for
   /healthz. Nothing acknowledged is dropped while the process lives.
@@ -27,9 +27,10 @@ from datetime import UTC, date, datetime
 import orjson
 
 from core.codecs import PromptMemo
-from core.database import OUTAGE_ERRORS, AsyncSessions
+from core.database import OUTAGE_ERRORS, AsyncSessions, refusals_as_outage
 from core.record import TransitionRecord
 from proxy import metrics
+from proxy.record import reward_journal
 from proxy.record.journal import Journal
 from proxy.record.pending import Pending
 from proxy.record.queue import RecordQueue
@@ -257,7 +258,11 @@ class Recorder:
             self._known.clear()
             self._stored_day = today
         try:
-            async with asyncio.timeout(WRITE_TIMEOUT_S), self._sessionmaker.begin() as session:
+            async with (
+                refusals_as_outage(),  # a read-only standby, say: wait, it is not the rows' fault
+                asyncio.timeout(WRITE_TIMEOUT_S),
+                self._sessionmaker.begin() as session,
+            ):
                 sent = await insert_transitions(
                     records,
                     session=session,
@@ -300,8 +305,19 @@ class Recorder:
         self._replaying = True
         try:
             await self._replay_segments()
+            if time.monotonic() >= self._next_replay and not await reward_journal.replay_rewards(
+                self.journal, self._sessionmaker, gamma=self._gamma, timeout_s=WRITE_TIMEOUT_S
+            ):
+                self._next_replay = time.monotonic() + self._retry_s
         finally:
             self._replaying = False
+
+    def journal_rewards(self, post: reward_journal.Entry) -> bool:
+        """A reward post to the journal, behind the queued transitions (False: journal failing)."""
+        if self._queue and not self._journal(self._queue.take_all()):
+            return False
+        self._wake.set()  # a writer idle on an empty queue replays it once Postgres answers
+        return reward_journal.append(self.journal, post)
 
     async def _replay_segments(self) -> None:
         for segment in self.journal.segments():
