@@ -31,15 +31,14 @@ from core.database import OUTAGE_ERRORS, AsyncSessions
 from core.record import TransitionRecord
 from proxy import metrics
 from proxy.record.journal import Journal
-from proxy.record.pending import Pending
+from proxy.record.pending import UNSTORED_MAX_IDS, Pending
 from proxy.record.queue import RecordQueue
+from proxy.record.replay import ReplayChunks
 from proxy.record.store.transitions import insert_transitions
 from proxy.record.tracing import Spans
 
 log = logging.getLogger(__name__)
 
-WRITE_TIMEOUT_S = 15.0  # a write hanging longer than this is an outage: journal and move on
-REPLAY_CHUNK = 5000
 # Batches written at once, each on its own connection: while Postgres writes one, Python packs
 # the next (either side alone leaves the other idle for about half of the time).
 WRITERS = 2
@@ -65,6 +64,9 @@ class Recorder:
         gamma: float | None,
         air_penalty: float | None = None,
         spans: Spans | None = None,
+        memo: PromptMemo | None = None,  # (its bounds: FLYWHEEL_WRITER_MEMO_*)
+        replay: ReplayChunks | None = None,  # (and every write's timeout)
+        unstored_max_ids: int = UNSTORED_MAX_IDS,
     ) -> None:
         self._sessionmaker = sessionmaker
         self._spans = spans  # every record accepted is also a span (FLYWHEEL_OTEL_ENDPOINT)
@@ -76,11 +78,13 @@ class Recorder:
         self._gamma = gamma
         self._air_penalty = air_penalty
         self._queue = RecordQueue()
-        self._pending = Pending()  # what is not in Postgres yet, and who waits for it
+        self._pending = Pending(journal, unstored_max_ids)  # not in Postgres yet, who waits
         self._inflight: dict[int, list[TransitionRecord]] = {}  # writer -> its batch
         self._replaying = False
         self._known: set[bytes] = set()  # digests known committed (STORED_MAX)
-        self._memo = PromptMemo()  # each episode's last prompt, hashed (core/codecs.py)
+        self._memo = PromptMemo() if memo is None else memo  # each episode's last prompt, hashed
+        self._chunks = replay or ReplayChunks()  # how much of the journal one write replays
+        self._timeout_s = self._chunks.timeout_s
         self._stored_day = date.min  # the UTC day the cache above holds for
         self._wake = asyncio.Event()
         self._hurry = asyncio.Event()  # "write now": see _urgent()
@@ -91,7 +95,7 @@ class Recorder:
         self._journal_retry_at = 0.0
         for segment in journal.segments():  # an unreadable one is replayed later, or fails then
             with self.journal.guard("read"):
-                self._pending.track(journal.read(segment))
+                self._pending.journaled(journal.read(segment))
         metrics.journal_pending.set(journal.pending)
         metrics.journal_ok.set(1)
 
@@ -257,7 +261,7 @@ class Recorder:
             self._known.clear()
             self._stored_day = today
         try:
-            async with asyncio.timeout(WRITE_TIMEOUT_S), self._sessionmaker.begin() as session:
+            async with asyncio.timeout(self._timeout_s), self._sessionmaker.begin() as session:
                 sent = await insert_transitions(
                     records,
                     session=session,
@@ -310,16 +314,14 @@ class Recorder:
             if self.journal.failing("read"):
                 self._next_replay = time.monotonic() + self._retry_s
                 return
-            try:
-                for i in range(0, len(records), REPLAY_CHUNK):
-                    await self._insert(records[i : i + REPLAY_CHUNK])
+            try:  # chunk by chunk, sized by bytes and time (proxy/record/replay.py)
+                await self._chunks.insert(segment, records, self._insert, self._pending.stored)
             except OUTAGE_ERRORS:
                 self._next_replay = time.monotonic() + self._retry_s
                 self._database_ok = False
                 return
             except Exception:
-                await self._isolate(records)
-            self._pending.stored(records)  # committed, whatever happens to the segment now
+                await self._isolate(records)  # (each one stored, rejected or journaled again)
             with self.journal.guard("remove"):  # a segment left behind only replays again
                 self.journal.remove(segment, len(records))
             metrics.journal_pending.set(self.journal.pending)
@@ -335,7 +337,7 @@ class Recorder:
             self.journal.append(records)
             metrics.transitions_journaled.inc(len(records))
             metrics.journal_pending.set(self.journal.pending)
-            self._pending.settle(records)
+            self._pending.journaled(records)
             return True
         self._queue.put_back(records)
         self._queue.report()
