@@ -80,11 +80,12 @@ class _LastPrompt(NamedTuple):
     block_digests: list[bytes]
 
 
-# What an entry holds beyond its texts and blocks, in bytes as tracemalloc counts them (CPython
-# 3.11, 64-bit): the entry and its lists, the OrderedDict slot and the episode id (~450 B); a
-# kept message's dict (~200 B); a 16-byte digest as a bytes object and its list slot (~60 B).
-# tests/test_prompt_memo.py holds the total to within 1.5x of tracemalloc for every shape.
-ENTRY_BYTES, MESSAGE_BYTES, DIGEST_BYTES = 500, 200, 60
+# What an entry holds beyond its message texts and blocks, in bytes as tracemalloc counts them
+# (CPython 3.11, 64-bit): the entry and its lists, the OrderedDict slot and the episode id
+# (~450 B); a kept message's dict and its role (~250 B); a 16-byte digest as a bytes object and
+# its list slot (~60 B). tests/test_prompt_memo.py holds the total to within 1.25x under and
+# 1.5x over tracemalloc's count, for every shape of prompt.
+ENTRY_BYTES, MESSAGE_BYTES, DIGEST_BYTES = 500, 250, 60
 # The default bounds (FLYWHEEL_WRITER_MEMO_MAX_BYTES, _MAX_ENTRIES): a proxy has hundreds of
 # conversations going at 100 calls/s; each entry of an 8k-token one holds ~60 KB.
 PROMPT_MEMO_BYTES, PROMPT_MEMO_ENTRIES = 64 * 2**20, 10_000
@@ -149,18 +150,23 @@ class PromptMemo:
         block_digests: list[bytes],
     ) -> None:
         blocks = packed[: _BLOCK_BYTES * len(block_digests)] if packed else b""
-        chat = 0  # the leading messages a next prompt can match (_same_chat_message)
-        while chat < len(messages) and _chat_text(messages[chat]):
+        chat = texts = 0  # the leading messages a next prompt can match (_same_chat_message)
+        for m in messages:  # (one loop, no calls: this runs for every message of every call)
+            if type(m) is not dict or len(m) != 2:
+                break
+            role, content = m.get("role"), m.get("content")
+            if type(role) is not str or type(content) is not str:
+                break
+            texts += sys.getsizeof(content)
             chat += 1
-        kept = messages[:chat]
         size = (
             ENTRY_BYTES
             + sys.getsizeof(blocks)
             + DIGEST_BYTES * (chat + len(block_digests))
-            + sum(
-                MESSAGE_BYTES + sys.getsizeof(m["role"]) + sys.getsizeof(m["content"]) for m in kept
-            )
+            + MESSAGE_BYTES * chat
+            + texts
         )
+        kept = messages[:chat]
         again = self._pop(episode_id)  # the episode called before: it is not a one-call one
         if not (kept or block_digests) or size > self._max_bytes // 4:
             return  # nothing to reuse, or it would push out everything else
@@ -193,16 +199,6 @@ class PromptMemo:
             return False
         self.nbytes -= last.size
         return True
-
-
-def _chat_text(message: Any) -> bool:
-    """A {role, content} message of strings: the only kind a next prompt's can match."""
-    return (
-        type(message) is dict
-        and len(message) == 2
-        and type(message.get("role")) is str
-        and type(message.get("content")) is str
-    )
 
 
 def _same_chat_message(before: Any, now: Any) -> bool:
