@@ -17,7 +17,7 @@ import orjson
 from pydantic import BaseModel, ByteSize, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from core import policy
+from core import codecs, policy
 from core.settings import DatabaseSettings, split_commas, vllm_base_urls
 
 # No `/`: a tenant's ids are stored as `<tenant>/<id>` (core/tenants.py), so no tag names another's.
@@ -168,6 +168,37 @@ class ProxySettings(DatabaseSettings):
         ge=1,
         description="Memory the writer's queue may hold (e.g. 256MiB) before it spills to the "
         "journal: a slow database must not get the proxy OOM-killed with its queue.",
+    )
+    writer_memo_max_bytes: ByteSize = Field(
+        ByteSize(codecs.PROMPT_MEMO_BYTES),
+        ge=0,
+        description="Memory the writer's memo of each episode's last prompt may hold (its "
+        "digests, so that the next call hashes only what is new); 0 turns it off.",
+    )
+    writer_memo_max_entries: int = Field(
+        codecs.PROMPT_MEMO_ENTRIES,
+        ge=0,
+        description="Most episodes the writer's prompt memo keeps, the least recently used "
+        "forgotten first, episodes of one call (no X-Episode-Id) before conversations.",
+    )
+    writer_write_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        description="A database write taking longer is an outage: its transitions go to the "
+        "journal. Journal replays size their chunks to finish well within it.",
+    )
+    journal_replay_chunk_bytes: ByteSize = Field(
+        ByteSize(32 * 2**20),
+        ge=1,
+        description="Most transitions' memory (as FLYWHEEL_WRITER_QUEUE_MAX_BYTES counts it) "
+        "replayed from the journal in one transaction; halved while writes are slow.",
+    )
+    writer_unstored_max_ids: int = Field(
+        50_000,
+        ge=0,
+        description="Journaled transitions the writer tracks one by one (~0.5 KB each) for "
+        "rewards and episode reads; past it, a 1 MiB summary that may answer 'not stored yet' "
+        "(a 503 to retry) until the journal is replayed.",
     )
     durable: bool = Field(
         False,

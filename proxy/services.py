@@ -22,6 +22,7 @@ from typing import Annotated, cast
 from fastapi import Depends, FastAPI, Request
 
 from core import database
+from core.codecs import PromptMemo
 from core.database import AsyncSessions
 from proxy.auth import KeyRing
 from proxy.config import ProxySettings
@@ -31,6 +32,7 @@ from proxy.record.journal import Journal
 from proxy.record.maintenance import Maintenance
 from proxy.record.migrator import Migrator
 from proxy.record.recorder import Recorder
+from proxy.record.replay import ReplayChunks
 from proxy.record.tracing import Spans
 from proxy.relay.alias import PolicyAlias
 from proxy.relay.forward import Forwarder
@@ -93,6 +95,11 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
         gamma=settings.credit_gamma,
         air_penalty=settings.air_penalty,
         spans=spans,
+        memo=PromptMemo(settings.writer_memo_max_bytes, settings.writer_memo_max_entries),
+        replay=ReplayChunks(
+            settings.journal_replay_chunk_bytes, timeout_s=settings.writer_write_timeout_s
+        ),
+        unstored_max_ids=settings.writer_unstored_max_ids,
     )
     recorder.start()
     keys = KeyRing(
