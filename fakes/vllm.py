@@ -7,10 +7,11 @@ code tested against it works against vLLM. tests/test_fake_vllm.py keeps it hone
 
 What it samples, and when it calls a tool, is fakes/engine.py's (deterministic); `/v1/responses`
 lives in fakes/responses.py. Knobs: `latency_s` (before each answer), `token_delay_s` (between
-stream chunks), `always_detail` (token ids and logprobs whether asked or not: benchmarks),
-`fail_next(n, status, body)`, `replies` (scripted contents for the next chat answers: what a
-judge model would say), `judge_answers` (scores that fit a judge's JSON schema, as guided
-decoding gives them), and `requests` (every JSON body received, for assertions).
+stream chunks), `end_delay_s` (between a stream's last event and its end), `always_detail`
+(token ids and logprobs whether asked or not: benchmarks), `fail_next(n, status, body)`,
+`replies` (scripted contents for the next chat answers: what a judge model would say),
+`judge_answers` (scores that fit a judge's JSON schema, as guided decoding gives them), and
+`requests` (every JSON body received, for assertions).
 
     with FakeVLLM() as fake:            # background thread, free port
         httpx.post(fake.url + "/v1/chat/completions", json={...})
@@ -524,6 +525,8 @@ async def send_sse(
             await asyncio.sleep(state.token_delay_s)
         await response.write(f"data: {compact(chunk)}\n\n".encode())
     await response.write(b"data: [DONE]\n\n")
+    if state.end_delay_s:
+        await asyncio.sleep(state.end_delay_s)
     await response.write_eof()
     return response
 
