@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import psycopg
@@ -174,8 +175,6 @@ def test_policy_alias_follows_the_current_adapter(proxy: RunningProxy, fake_vllm
             "VALUES (1, 'policy-v1', '/adapters/policy-v1', 'demo', true)"
         )
     proxy.wait_rows("SELECT 1", 1)
-    import time
-
     deadline = time.monotonic() + 5
     while ask("policy").headers["x-policy-version"] != "1" and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -190,6 +189,50 @@ def test_policy_alias_follows_the_current_adapter(proxy: RunningProxy, fake_vllm
         "SELECT policy_version FROM transition WHERE model_used = 'policy-v1'", 2
     )
     assert {r[0] for r in rows} == {1}
+
+
+@pytest.mark.parametrize("model", ["policy@\u00b2", "policy@\u0663", "policy@", "policy@-1"])
+def test_a_pinned_version_that_is_not_an_ascii_number_is_a_400(
+    proxy: RunningProxy, fake_vllm: FakeVLLM, model: str
+) -> None:
+    """'²' and '٣' pass str.isdigit(); int() refuses the first and reads the second as 3."""
+    r = proxy.client().post("/v1/chat/completions", json={**CHAT, "model": model})
+    assert assert_openai_error(r, 400)["code"] == "invalid_model"
+    assert fake_vllm.requests == []
+
+
+def test_a_version_beyond_any_adapter_is_a_404(proxy: RunningProxy) -> None:
+    r = proxy.client().post("/v1/chat/completions", json={**CHAT, "model": "policy@" + "9" * 30})
+    assert assert_openai_error(r, 404)["code"] == "model_not_found"
+
+
+def test_a_pinned_version_during_an_outage(
+    own_postgres: Any, make_proxy: Any, fake_vllm: FakeVLLM
+) -> None:
+    """A version the proxy knows is served from its cache; one it must look up is a clear 503
+    while Postgres is down, not a 500."""
+    proxy: RunningProxy = make_proxy(database_url=own_postgres.url)
+    fake_vllm.loras["policy-v1"] = "/adapters/policy-v1"
+    with psycopg.connect(proxy.database_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO adapter_version (version, name, path, base_model, is_current) "
+            "VALUES (1, 'policy-v1', '/adapters/policy-v1', 'demo', true)"
+        )
+
+    def ask(model: str) -> Any:
+        return proxy.client().post("/v1/chat/completions", json={**CHAT, "model": model})
+
+    deadline = time.monotonic() + 10
+    while ask("policy").headers["x-policy-version"] != "1":  # the alias has seen it
+        assert time.monotonic() < deadline
+    own_postgres.stop()
+    r = ask("policy@1")
+    assert r.status_code == 200 and r.headers["x-policy-version"] == "1"
+    error = assert_openai_error(ask("policy@2"), 503)
+    assert error["code"] == "database_unavailable" and "policy@2" in error["message"]
+    assert assert_openai_error(ask("policy@\u00b2"), 400)["code"] == "invalid_model"
+    own_postgres.start()
+    assert assert_openai_error(ask("policy@2"), 404)["code"] == "model_not_found"
 
 
 def test_models_lists_the_alias(proxy: RunningProxy) -> None:
