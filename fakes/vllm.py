@@ -7,7 +7,8 @@ code tested against it works against vLLM. tests/test_fake_vllm.py keeps it hone
 
 What it samples, and when it calls a tool, is fakes/engine.py's (deterministic); `/v1/responses`
 lives in fakes/responses.py. Knobs: `latency_s` (before each answer), `token_delay_s` (between
-stream chunks), `end_delay_s` (between a stream's last event and its end), `always_detail`
+stream chunks), `end_delay_s` (between a stream's last event and its end), `scoring_delay_s`
+(before a `prompt_logprobs` answer), `always_detail`
 (token ids and logprobs whether asked or not: benchmarks), `fail_next(n, status, body)`,
 `replies` (scripted contents for the next chat answers: what a judge model would say),
 `judge_answers` (scores that fit a judge's JSON schema, as guided decoding gives them), and
@@ -597,6 +598,9 @@ async def completions(state: FakeState, body: Json, request: web.Request) -> Any
             )
         return await send_sse(state, request, chunks)
     scores = body.get("prompt_logprobs") is not None
+    started = time.monotonic()
+    while scores and time.monotonic() - started < state.scoring_delay_s:  # 0 ends the wait
+        await asyncio.sleep(0.05)
     out = [
         {
             "index": i,

@@ -190,8 +190,9 @@ class ProxySettings(DatabaseSettings):
     shutdown_flush_s: float = Field(
         10.0,
         gt=0,
-        description="Then how long the writer may take to get its queue into Postgres before the "
-        "rest goes to the journal. The pod's termination grace must exceed drain + flush.",
+        description="Then how long the rest of the shutdown may take: scoring in flight (half of "
+        "it at most), then the writer getting its queue into Postgres before the rest goes to "
+        "the journal. The pod's termination grace must exceed drain + flush.",
     )
     replica_probe_s: float = Field(
         2.0,
