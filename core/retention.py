@@ -124,6 +124,8 @@ def retain(
         result.decisions.append(decision)
         on_decision(decision)
     result.seconds["days"] = time.perf_counter() - started
+    if stop.is_set():
+        return result
     if not dry_run:
         started = time.perf_counter()
         result.episodes, rewards = _prune_episodes(engine, cutoff, stop)
