@@ -6,14 +6,17 @@ database (configured or embedded), migrate it (or, if Postgres does not answer, 
 journal and migrate once it does: proxy/record/migrator.py), start the background writer
 (replaying any journal left from before), the upstream client, the alias, the replica probes
 and the housekeeping of partitions and retention (proxy/record/maintenance.py).
-Shutdown, in reverse: probes stop, records still being scored (proxy/relay/scoring.py) are handed to
-the writer, the alias stops, then every recorded transition is flushed (to Postgres, or to the
-journal if Postgres can't take them), then connections close.
+Shutdown, in reverse, within FLYWHEEL_SHUTDOWN_FLUSH_S (after uvicorn's drain of the calls in
+flight): housekeeping stops (a round in progress is left behind), probes stop, records still being
+scored (proxy/relay/scoring.py) are handed to the writer (half the flush time at most), the alias
+stops, then every recorded transition is flushed (to Postgres, or to the journal if Postgres can't
+take them in what is left), then connections close.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -44,6 +47,9 @@ from proxy.relay.scoring import Scorer
 from proxy.relay.upstream import Upstream
 
 MAX_EXPORTS = 2  # GET /v1/export streams running at once per proxy
+# Of the shutdown's flush time, what scoring in flight may take (one short call to vLLM each);
+# the writer has the rest, and at least this much.
+SCORING_SHARE = 0.5
 
 
 @dataclass(frozen=True, kw_only=True)  # built once, by name
@@ -147,13 +153,16 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
             spans=spans,
         )
     finally:
-        await maintenance.stop()
+        # uvicorn gave the calls in flight shutdown_drain_s; all of this fits in shutdown_flush_s.
+        deadline = time.monotonic() + settings.shutdown_flush_s
+        await maintenance.stop()  # at once, even in the middle of a round
         await migrator.stop()
         await keys.stop()
         await keeper.stop()
-        await scorer.stop()  # hands its last records to the writer
+        # Scoring in flight gets part of the flush; its records go to the writer however it ends.
+        await scorer.stop(settings.shutdown_flush_s * SCORING_SHARE)
         await alias.stop()
-        await recorder.stop(settings.shutdown_flush_s)
+        await recorder.stop(max(0.0, deadline - time.monotonic()))
         if spans is not None:
             await asyncio.to_thread(spans.close)  # exports what is queued
         await upstream.close()
