@@ -16,6 +16,7 @@ import argparse
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 import psycopg
 
@@ -24,6 +25,14 @@ from bench.chaos import Traffic, lost, stack
 from fakes import processes
 
 RESULTS = Path(__file__).with_suffix(".md")
+
+
+def memo_mib(url: str) -> float:
+    """The writer's prompt memo, as the proxy reports it (flywheel_writer_memo_bytes)."""
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith("flywheel_writer_memo_bytes "):
+            return float(line.split()[1]) / 2**20
+    return float("nan")
 
 
 def sample(pid: int, db: str) -> tuple[float, int, int, int]:
@@ -49,7 +58,7 @@ def main() -> None:
     args = parser.parse_args()
     work = processes.WORK / "soak"
     work.mkdir(parents=True, exist_ok=True)
-    samples: list[tuple[float, float, int, int, int, int]] = []
+    samples: list[tuple[float, float, int, int, int, float, int]] = []
     with stack(work) as s:
         assert s.proxy is not None
         traffic = Traffic(s.url, args.clients, pause_s=args.pause_s).start()
@@ -57,10 +66,11 @@ def main() -> None:
         while (elapsed := time.monotonic() - started) < args.minutes * 60:
             time.sleep(args.sample_s)
             rss, fds, tcp, pg = sample(s.proxy.process.pid, s.pg.url)
-            samples.append((elapsed + args.sample_s, rss, fds, tcp, pg, traffic.calls))
+            memo = memo_mib(s.url)
+            samples.append((elapsed + args.sample_s, rss, fds, tcp, pg, memo, traffic.calls))
             print(
                 f"{samples[-1][0]:6.0f} s  RSS {rss:6.1f} MiB  fds {fds:4d}  tcp {tcp:4d}  "
-                f"postgres {pg:3d}  calls {traffic.calls}",
+                f"postgres {pg:3d}  memo {memo:5.1f} MiB  calls {traffic.calls}",
                 flush=True,
             )
         traffic.stop()
@@ -71,11 +81,12 @@ def main() -> None:
         f"{seconds / 60:.1f} min; fake vLLM 5 ms x 2 replicas."
         + (f" {args.note}" if args.note else ""),
         "",
-        "| s | proxy RSS MiB | open fds | TCP connections | Postgres connections | calls so far |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| s | proxy RSS MiB | open fds | TCP connections | Postgres connections | memo MiB "
+        "| calls so far |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
         *(
-            f"| {t:.0f} | {rss:.1f} | {fds} | {tcp} | {pg} | {calls} |"
-            for t, rss, fds, tcp, pg, calls in samples
+            f"| {t:.0f} | {rss:.1f} | {fds} | {tcp} | {pg} | {memo:.2f} | {calls} |"
+            for t, rss, fds, tcp, pg, memo, calls in samples
         ),
         "",
         f"{traffic.calls / seconds:.0f} calls/s; RSS {samples[0][1]:.1f} -> {samples[-1][1]:.1f} "

@@ -50,6 +50,11 @@ writer_queue_bytes = Gauge(
     "About how much memory the writer's queue holds; past FLYWHEEL_WRITER_QUEUE_MAX_BYTES it "
     "spills to the journal.",
 )
+writer_memo_bytes = Gauge(
+    "flywheel_writer_memo_bytes",
+    "What the writer's prompt memo holds (core/codecs.py PromptMemo), at most "
+    "FLYWHEEL_WRITER_MEMO_MAX_BYTES.",
+)
 journal_pending = Gauge(
     "flywheel_journal_pending", "Transitions in the disk journal not yet replayed into Postgres."
 )

@@ -268,6 +268,7 @@ class Recorder:
             self._known.forget()
             raise
         self._known.committed(sent, today)  # the block above exited cleanly
+        metrics.writer_memo_bytes.set(self._memo.nbytes)
         for r in records:
             metrics.transitions_recorded.labels(r.status).inc()
 
