@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import os
 import random
@@ -47,6 +48,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -56,6 +58,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import httpx
@@ -114,6 +117,7 @@ class Stack:
     port: int = field(default_factory=free_port)
     proxy: processes.Server | None = None
     trainer: processes.Server | None = None
+    proxy_python: str = sys.executable  # (proxy-oom: one that joins a memory cgroup first)
 
     @property
     def url(self) -> str:
@@ -126,6 +130,7 @@ class Stack:
             home=self.home,
             settings=self.settings,
             port=self.port,
+            python=self.proxy_python,
         )
 
     def start_trainer(self) -> None:
@@ -167,6 +172,7 @@ def stack(
     pg_tcp: bool = False,
     pg_disk_mb: int | None = None,
     token_delay_s: float = 0.0,
+    proxy_python: str = sys.executable,
 ) -> Iterator[Stack]:
     home = Path(tempfile.mkdtemp(prefix="flywheel-chaos-", dir=work))
     journal = home / "journal"
@@ -184,7 +190,7 @@ def stack(
     settings = {"FLYWHEEL_JOURNAL_RETRY_S": "0.5", "FLYWHEEL_REPLICA_PROBE_S": "0.5"}
     if durable:
         settings["FLYWHEEL_DURABLE"] = "true"
-    s = Stack(pg, fakes, home, settings)
+    s = Stack(pg, fakes, home, settings, proxy_python=proxy_python)
     try:
         s.start_proxy()
         if trainer:
@@ -350,7 +356,7 @@ def lost(
 
 
 def run_fault(fault: str, args: argparse.Namespace, work: Path) -> Outcome:
-    options = {
+    options: dict[str, Any] = {
         "durable": fault == "proxy-kill-durable",
         "journal_tmpfs": fault in JOURNAL_TMPFS,
         "trainer": fault in TRAINER_FAULTS,
@@ -358,7 +364,17 @@ def run_fault(fault: str, args: argparse.Namespace, work: Path) -> Outcome:
         "pg_disk_mb": chaos_more.PG_DISK_MB if fault == "pg-disk-full" else None,
         "token_delay_s": chaos_more.STREAM_TOKEN_DELAY_S if fault == "vllm-partition" else 0.0,
     }
-    with stack(work, **options) as s:  # type: ignore[arg-type]
+    with contextlib.ExitStack() as cgroup:
+        if fault == "proxy-oom":
+            python = cgroup.enter_context(chaos_more.memory_cgroup(args.oom_limit_mb, work))
+            options["proxy_python"] = python
+        return run_in(stack(work, **options), fault, args)
+
+
+def run_in(
+    the_stack: contextlib.AbstractContextManager[Stack], fault: str, args: argparse.Namespace
+) -> Outcome:
+    with the_stack as s:
         traffic = Traffic(s.url, args.clients, long_prompts=fault == "proxy-oom").start()
         time.sleep(args.warm_s)
         started = time.monotonic()

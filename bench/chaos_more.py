@@ -25,6 +25,7 @@ import contextlib
 import os
 import re
 import signal
+import sys
 import time
 import uuid
 from collections.abc import Iterator
@@ -66,7 +67,7 @@ def inject(fault: str, s: Stack, args: argparse.Namespace, traffic: Traffic) -> 
     if fault == "journal-full+proxy-kill":
         return journal_full_proxy_kill(s, outage_s)
     if fault == "proxy-oom":
-        return proxy_oom(s, args.oom_s, args.oom_limit_mb)
+        return proxy_oom(s, args.oom_s, args.oom_limit_mb)  # (run_fault made the group)
     raise ValueError(f"unknown fault {fault!r}")
 
 
@@ -211,25 +212,32 @@ def journal_full_proxy_kill(s: Stack, outage_s: float) -> str:
 # --- the proxy out of memory -------------------------------------------------------------------
 
 
+GROUP = CGROUP_ROOT / f"flywheel-chaos-{os.getpid()}"
+
+
 @contextlib.contextmanager
-def memory_cgroup(pid: int, limit_mb: int) -> Iterator[Path]:
-    """`pid` in a v1 memory cgroup of its own, limited to `limit_mb` (swap off)."""
-    group = CGROUP_ROOT / f"flywheel-chaos-{os.getpid()}"
-    group.mkdir(exist_ok=True)
+def memory_cgroup(limit_mb: int, work: Path) -> Iterator[str]:
+    """A v1 memory cgroup limited to `limit_mb` (swap off); yields an interpreter that runs in
+    it, for the stack's proxy (Stack.proxy_python): it joins the group before it allocates
+    anything, as cgroup v1 charges a process's memory where it was when it allocated it."""
+    GROUP.mkdir(exist_ok=True)
+    python = work / f"python-in-{GROUP.name}"
     try:
-        (group / "memory.limit_in_bytes").write_text(str(limit_mb * 2**20))
+        (GROUP / "memory.limit_in_bytes").write_text(str(limit_mb * 2**20))
         with contextlib.suppress(OSError):  # (absent without swap accounting)
-            (group / "memory.memsw.limit_in_bytes").write_text(str(limit_mb * 2**20))
-        # (v1 leaves what a process had charged where it was, unless told to move it)
-        (group / "memory.move_charge_at_immigrate").write_text("3")
-        (group / "cgroup.procs").write_text(str(pid))
-        yield group
+            (GROUP / "memory.memsw.limit_in_bytes").write_text(str(limit_mb * 2**20))
+        python.write_text(
+            f'#!/bin/sh\necho $$ > {GROUP / "cgroup.procs"}\nexec {sys.executable} "$@"\n'
+        )
+        python.chmod(0o755)
+        yield str(python)
     finally:
-        for child in (group / "cgroup.procs").read_text().split():
+        for pid in (GROUP / "cgroup.procs").read_text().split():
             with contextlib.suppress(OSError):  # back to the root group, or gone
-                (CGROUP_ROOT / "cgroup.procs").write_text(child)
+                (CGROUP_ROOT / "cgroup.procs").write_text(pid)
         with contextlib.suppress(OSError):
-            group.rmdir()
+            GROUP.rmdir()
+        python.unlink(missing_ok=True)
 
 
 def proxy_oom(s: Stack, seconds: float, limit_mb: int) -> str:
@@ -238,21 +246,22 @@ def proxy_oom(s: Stack, seconds: float, limit_mb: int) -> str:
     start_rss = psutil.Process(proc.pid).memory_info().rss / 2**20
     rss: list[tuple[float, float]] = []
     started = time.monotonic()
-    with memory_cgroup(proc.pid, limit_mb) as group:
-        while (t := time.monotonic() - started) < seconds and proc.poll() is None:
-            with contextlib.suppress(psutil.Error):
-                rss.append((t, psutil.Process(proc.pid).memory_info().rss / 2**20))
-            time.sleep(1.0)
-        failcnt = int((group / "memory.failcnt").read_text())
-        oom = (group / "memory.oom_control").read_text().split()
-        kills = int(oom[oom.index("oom_kill") + 1]) if "oom_kill" in oom else -1
-        code = proc.poll()
+    while (t := time.monotonic() - started) < seconds and proc.poll() is None:
+        with contextlib.suppress(psutil.Error):
+            rss.append((t, psutil.Process(proc.pid).memory_info().rss / 2**20))
+        time.sleep(1.0)
+    failcnt = int((GROUP / "memory.failcnt").read_text())
+    peak = int((GROUP / "memory.max_usage_in_bytes").read_text()) / 2**20
+    oom = (GROUP / "memory.oom_control").read_text().split()
+    kills = int(oom[oom.index("oom_kill") + 1]) if "oom_kill" in oom else -1
+    code = proc.poll()
     if code is not None:  # killed: a new one replays what its predecessor journaled
         s.start_proxy()
     curve = ", ".join(f"{t:.0f} s {m:.0f}" for t, m in rss[:: max(1, len(rss) // 8)])
     return (
         f"limit {limit_mb} MiB; RSS MiB {start_rss:.0f} at the start, then {curve}; "
-        f"peak {max((m for _, m in rss), default=0):.0f}; failcnt {failcnt}, oom_kill {kills}; "
+        f"peak {max((m for _, m in rss), default=0):.0f} (the group's {peak:.0f}); "
+        f"failcnt {failcnt}, oom_kill {kills}; "
         + (f"the proxy died ({code}) after {rss[-1][0]:.0f} s" if code is not None else "alive")
     )
 
