@@ -79,6 +79,16 @@ def flat(values: list[float], ratio: float, slack: float = 0.0) -> tuple[bool, s
     return ok, f"{low:g}..{high:g}"
 
 
+def trend(points: list[tuple[float, float]]) -> float:
+    """The least-squares slope (per second): a short run's ratio can hide a steady climb."""
+    if len(points) < 2:
+        return 0.0
+    mean_t = sum(t for t, _ in points) / len(points)
+    mean_v = sum(v for _, v in points) / len(points)
+    var = sum((t - mean_t) ** 2 for t, _ in points)
+    return sum((t - mean_t) * (v - mean_v) for t, v in points) / var if var else 0.0
+
+
 def verdict(samples: list[Sample], warmup_s: float, ratio: float) -> tuple[bool, list[str]]:
     after = [s for s in samples if s.at_s > warmup_s] or samples[-1:]
     checks = {
@@ -92,6 +102,7 @@ def verdict(samples: list[Sample], warmup_s: float, ratio: float) -> tuple[bool,
     lines = [
         f"{name} {span}: {'flat' if ok else 'NOT flat'}" for name, (ok, span) in checks.items()
     ]
+    lines.append(f"RSS trend {trend([(x.at_s, x.rss_mib) for x in after]) * 3600:+.0f} MiB/h")
     return all(ok for ok, _ in checks.values()), lines
 
 
