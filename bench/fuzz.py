@@ -105,6 +105,8 @@ def _fuzz_operation(
         kwargs = case.as_transport_kwargs(base_url=base_url)
         headers = {k: str(v) for k, v in (kwargs.get("headers") or {}).items()}
         body = kwargs.get("json")
+        if body is not None and "content-type" not in {k.lower() for k in headers}:
+            headers["Content-Type"] = "application/json"  # as json= would: the proxy wants it
         content = _dumps(body) if body is not None else kwargs.get("data")
         response = _send(
             client,
@@ -207,7 +209,8 @@ def fuzz_completions(base_url: str, examples: int, tally: Tally) -> None:
         def call(request: tuple[str, bytes], headers: dict[str, str], prefix: list[Any]) -> None:
             path, body = request
             tags = "".join(f"/{k}/{quote(v, safe='')}" for k, v in prefix if v)
-            raw = {k: v.encode() for k, v in headers.items()}  # UTF-8 bytes, as some clients do
+            raw = {"Content-Type": b"application/json"}  # unless the case sends its own
+            raw |= {k: v.encode() for k, v in headers.items()}  # UTF-8 bytes, as some clients do
             response = _send(client, "POST", tags + path, content=body, headers=raw)
             tally.record(f"POST {tags}{path} {headers} {body[:120]!r}", response)
 

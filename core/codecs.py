@@ -73,26 +73,61 @@ def split_blocks(
 
 
 class _LastPrompt(NamedTuple):
-    size: int  # about the bytes it holds: the blocks' ids and the messages' text
-    messages: list[Any]
-    digests: list[bytes]
+    size: int  # what it holds, in bytes (_entry_bytes)
+    messages: list[Any]  # the prompt's leading {role, content: str} messages: only those match
+    digests: list[bytes]  # theirs
     blocks: bytes  # the prompt's whole blocks of packed ids
     block_digests: list[bytes]
+
+
+# What an entry holds beyond its message texts and blocks, in bytes as tracemalloc counts them
+# (CPython 3.11, 64-bit): the entry and its lists, the OrderedDict slot and the episode id
+# (~450 B); a kept message's dict and its role (~250 B); a 16-byte digest as a bytes object and
+# its list slot (~60 B). tests/test_prompt_memo.py holds the total to within 1.25x under and
+# 1.5x over tracemalloc's count, for every shape of prompt.
+ENTRY_BYTES, MESSAGE_BYTES, DIGEST_BYTES = 500, 250, 60
+# The default bounds (FLYWHEEL_WRITER_MEMO_MAX_BYTES, _MAX_ENTRIES): a proxy has hundreds of
+# conversations going at 100 calls/s; each entry of an 8k-token one holds ~60 KB.
+PROMPT_MEMO_BYTES, PROMPT_MEMO_ENTRIES = 64 * 2**20, 10_000
 
 
 class PromptMemo:
     """Each episode's last prompt with its digests: the next call of a conversation repeats
     that prompt and adds to it, so only its new messages and token blocks need hashing (a
-    20-turn episode would otherwise hash its history 20 times). Bounded by the bytes it holds,
-    the least recently used episodes forgotten first. Pure content: never stale."""
+    20-turn episode would otherwise hash its history 20 times). Pure content: never stale.
 
-    def __init__(self, max_bytes: int = 64 * 2**20) -> None:
-        self._max_bytes = max_bytes
-        self._bytes = 0
-        self._last: OrderedDict[str, _LastPrompt] = OrderedDict()
+    Bounded by what it holds (`max_bytes`, each entry charged `ENTRY_BYTES` plus the sizes of
+    the texts, digests and blocks it keeps) and by `max_entries`. It keeps only what can be
+    reused: the leading chat messages with string content (the only ones compared) and the
+    whole token blocks; a prompt with neither (a short prompt of list content, a completions or
+    a typed Responses prompt under one block) is not kept at all, nor one over a quarter of
+    `max_bytes`.
+
+    One-call episodes (a call without X-Episode-Id gets a fresh id) go first: an episode's
+    first prompt is kept on probation, and only an episode that calls again moves to the
+    protected part (at most 3/4 of each bound; its least recently used move back to
+    probation). The writer cannot tell a one-call episode at its first call (the client may
+    reuse the id it is given), so it is kept, but a stream of them only churns probation.
+    """
+
+    def __init__(
+        self, max_bytes: int = PROMPT_MEMO_BYTES, max_entries: int = PROMPT_MEMO_ENTRIES
+    ) -> None:
+        self._max_bytes, self._max_entries = max_bytes, max_entries
+        self._probation: OrderedDict[str, _LastPrompt] = OrderedDict()  # seen once
+        self._protected: OrderedDict[str, _LastPrompt] = OrderedDict()  # called again
+        self.nbytes = 0  # what both parts hold
+        self._protected_bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._probation) + len(self._protected)
+
+    def _get(self, episode_id: str) -> _LastPrompt | None:
+        last = self._protected.get(episode_id)
+        return last if last is not None else self._probation.get(episode_id)
 
     def message_digests(self, episode_id: str, messages: list[Any]) -> list[bytes]:
-        last = self._last.get(episode_id)
+        last = self._get(episode_id)
         if last is None:
             return [message_digest(m) for m in messages]
         same = 0
@@ -103,7 +138,7 @@ class PromptMemo:
         return last.digests[:same] + [message_digest(m) for m in messages[same:]]
 
     def known_blocks(self, episode_id: str) -> tuple[bytes, list[bytes]]:
-        last = self._last.get(episode_id)
+        last = self._get(episode_id)
         return (last.blocks, last.block_digests) if last is not None else (b"", [])
 
     def remember(
@@ -115,17 +150,55 @@ class PromptMemo:
         block_digests: list[bytes],
     ) -> None:
         blocks = packed[: _BLOCK_BYTES * len(block_digests)] if packed else b""
-        size = len(blocks) + sum(
-            len(m["content"]) for m in messages if type(m) is dict and type(m.get("content")) is str
+        chat = texts = 0  # the leading messages a next prompt can match (_same_chat_message)
+        for m in messages:  # (one loop, no calls: this runs for every message of every call)
+            if type(m) is not dict or len(m) != 2:
+                break
+            role, content = m.get("role"), m.get("content")
+            if type(role) is not str or type(content) is not str:
+                break
+            texts += sys.getsizeof(content)
+            chat += 1
+        size = (
+            ENTRY_BYTES
+            + sys.getsizeof(blocks)
+            + DIGEST_BYTES * (chat + len(block_digests))
+            + MESSAGE_BYTES * chat
+            + texts
         )
-        old = self._last.pop(episode_id, None)
-        if old is not None:
-            self._bytes -= old.size
-        self._last[episode_id] = _LastPrompt(size, messages, digests, blocks, block_digests)
-        self._bytes += size
-        while self._bytes > self._max_bytes:
-            _, dropped = self._last.popitem(last=False)
-            self._bytes -= dropped.size
+        kept = messages[:chat]
+        again = self._pop(episode_id)  # the episode called before: it is not a one-call one
+        if not (kept or block_digests) or size > self._max_bytes // 4:
+            return  # nothing to reuse, or it would push out everything else
+        entry = _LastPrompt(size, kept, digests[:chat], blocks, block_digests)
+        (self._protected if again else self._probation)[episode_id] = entry
+        self.nbytes += size
+        self._protected_bytes += size if again else 0
+        while (
+            self._protected_bytes > self._max_bytes * 3 // 4
+            or len(self._protected) > self._max_entries * 3 // 4
+        ):  # the least recently used of them on probation again
+            demoted, last = self._protected.popitem(last=False)
+            self._protected_bytes -= last.size
+            self._probation[demoted] = last
+        while self.nbytes > self._max_bytes or len(self) > self._max_entries:
+            part = self._probation or self._protected
+            _, dropped = part.popitem(last=False)
+            self.nbytes -= dropped.size
+            if part is self._protected:
+                self._protected_bytes -= dropped.size
+
+    def _pop(self, episode_id: str) -> bool:
+        """Forget the episode's entry; True if it had one."""
+        last = self._protected.pop(episode_id, None)
+        if last is not None:
+            self._protected_bytes -= last.size
+        else:
+            last = self._probation.pop(episode_id, None)
+        if last is None:
+            return False
+        self.nbytes -= last.size
+        return True
 
 
 def _same_chat_message(before: Any, now: Any) -> bool:

@@ -8,9 +8,10 @@ SQL that both processes run (the adapter lifecycle, `core/policy.py`) is written
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -137,6 +138,13 @@ def migrate(url: str) -> None:
     command.upgrade(alembic_config(url), "head")
 
 
+class PostgresRefused(Exception):
+    """Postgres answered but refused for a reason of its own, not the row's: a read-only standby
+    after a failover (SQLSTATE 25006), a missing privilege (42501), a table or column not
+    migrated yet (42P01, 42703). Treated as an outage: the rows wait (journaled) and are tried
+    again; they are not the rows' fault. Raised by `refusals_as_outage`."""
+
+
 # Errors that mean "Postgres is not there right now", as opposed to "Postgres refused this row".
 # psycopg's own: COPY runs on the driver's connection, unwrapped by SQLAlchemy. Its
 # OperationalError includes a deadlock or a lock timeout: the batch is fine, only unlucky.
@@ -152,7 +160,45 @@ OUTAGE_ERRORS = (
     psycopg.OperationalError,
     OSError,
     TimeoutError,
+    PostgresRefused,
 )
+
+
+# SQLSTATE classes that are the row's fault: 22 (data exception: a value out of range, bad
+# encoding) and 23 (integrity constraint violation). Retrying such a row never helps: it is set
+# aside (the journal's rejected/). psycopg's OperationalError (classes 08, 40, 53-58, and so 54,
+# program limit exceeded, too) stays an outage, as before.
+ROW_FAULT_CLASSES = ("22", "23")
+
+
+def sqlstate(error: BaseException) -> str | None:
+    """The SQLSTATE Postgres answered with (through SQLAlchemy's wrapper or psycopg's own)."""
+    orig = error.orig if isinstance(error, sa_exc.DBAPIError) else error
+    return orig.sqlstate if isinstance(orig, psycopg.Error) else None
+
+
+def is_outage(error: BaseException) -> bool:
+    """Whether `error` means "not now" (retry later) rather than "not this row": Postgres
+    unreachable (OUTAGE_ERRORS), or an answer whose SQLSTATE is outside ROW_FAULT_CLASSES. An
+    error without one (our own code refusing a value) is the row's."""
+    if isinstance(error, OUTAGE_ERRORS):
+        return True
+    state = sqlstate(error)
+    return state is not None and state[:2] not in ROW_FAULT_CLASSES
+
+
+@contextlib.asynccontextmanager
+async def refusals_as_outage() -> AsyncIterator[None]:
+    """Around a write: a refusal that is not the rows' fault (`is_outage`) is raised as
+    PostgresRefused, so that `except OUTAGE_ERRORS` waits and retries it."""
+    try:
+        yield
+    except OUTAGE_ERRORS:
+        raise
+    except Exception as e:
+        if is_outage(e):
+            raise PostgresRefused(f"{type(e).__name__} (SQLSTATE {sqlstate(e)}): {e}") from e
+        raise
 
 
 # Both engines: pool_pre_ping, so that a Postgres restart does not leave dead connections that

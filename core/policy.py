@@ -16,8 +16,8 @@ sequence for all lineages, so `N` names one adapter everywhere (`<lineage>-vN`).
                         `unpin` lets the trainer go on from the pinned version
     retire   (trainer)  mark_retired (under the lock) -> unload_everywhere -> delete the directory
 
-Whoever moves `is_current` or retires a version holds PUBLISH_LOCK for that transaction; a move
-NOTIFYs POLICY_CHANNEL, which every proxy's alias (proxy/relay/alias.py) follows at once.
+Whoever moves `is_current` or retires a version holds Lock.PUBLISH (core/locks.py) for that
+transaction; a move NOTIFYs POLICY_CHANNEL, which every proxy's alias follows at once.
 Because retiring marks the row before anything is unloaded, and `make_current` refuses a retired
 row under the same lock, a rollback racing a retirement either wins (the version is current, so
 it is not retired) or gets `RetiredVersion`; never an alias on an unloaded adapter.
@@ -39,6 +39,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.orm import Session
 
 from core import canary
+from core.locks import Lock
 from core.tables import AdapterVersion, LineagePin
 from core.tables import Canary as CanaryRow
 
@@ -47,7 +48,6 @@ MAX_VERSION = 2**31 - 1  # versions are int4 columns (adapter_version, transitio
 DEFAULT_LINEAGE = "policy"
 # Lineage names appear in adapter names, directories, model names and metric labels.
 LINEAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
-PUBLISH_LOCK = 7239012  # transaction-level advisory lock of everyone who moves `is_current`
 POLICY_CHANNEL = "flywheel_policy"  # NOTIFY'd (delivered on commit) when `is_current` moves
 
 
@@ -185,7 +185,7 @@ def next_version(*, session: Session) -> int:
 
 def _lock(session: Session) -> None:
     # Without it two publishers both clear the flag, then collide on setting it.
-    session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": PUBLISH_LOCK})
+    session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": int(Lock.PUBLISH)})
 
 
 def publish(

@@ -21,6 +21,7 @@ writer behind it.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -99,8 +100,11 @@ def retain(
     dry_run: bool = False,
     lock_timeout_s: float = partitions.LOCK_TIMEOUT_S,
     on_decision: Callable[[Decision], None] = lambda d: None,
+    stop: threading.Event | None = None,
 ) -> Retained:
-    """Keep the last `days` whole UTC days (and today); see the module's doc for what goes."""
+    """Keep the last `days` whole UTC days (and today); see the module's doc for what goes.
+    `stop`: once set, return after the step in progress (what is done so far)."""
+    stop = stop or threading.Event()
     if days < 1:
         raise ValueError("days must be at least 1")
     today = (now or datetime.now(UTC)).astimezone(UTC).date()
@@ -112,20 +116,26 @@ def retain(
         old = [p for p in partitions.partitions(conn) if p.hi <= cutoff]
     started = time.perf_counter()
     for p in old:
+        if stop.is_set():
+            return result
         decision = _decide(engine, p, include_untrained)
         if decision.action == "drop" and not dry_run:
             decision = _drop(engine, database_url, decision, archive, lock_timeout_s)
         result.decisions.append(decision)
         on_decision(decision)
     result.seconds["days"] = time.perf_counter() - started
+    if stop.is_set():
+        return result
     if not dry_run:
         started = time.perf_counter()
-        result.episodes, rewards = _prune_episodes(engine, cutoff)
+        result.episodes, rewards = _prune_episodes(engine, cutoff, stop)
         result.rewards = rewards + sum(d.rewards for d in result.decisions)
         result.seconds["episodes"] = time.perf_counter() - started
         started = time.perf_counter()
         keep_from = _content_kept_from(engine, today)
-        result.messages, result.blocks = (_prune_content(engine, t, keep_from) for t in CONTENT)
+        result.messages, result.blocks = (
+            _prune_content(engine, t, keep_from, stop) for t in CONTENT
+        )
         result.seconds["messages"] = time.perf_counter() - started
     result.bytes_after = sizes(engine)
     return result
@@ -193,11 +203,11 @@ _DOOMED_QUERIES = (
 )
 
 
-def _prune_episodes(engine: Engine, cutoff: datetime) -> tuple[int, int]:
+def _prune_episodes(engine: Engine, cutoff: datetime, stop: threading.Event) -> tuple[int, int]:
     """Episodes begun before the cutoff with no call left, their rewards and judgements."""
     episodes = rewards = 0
     for doomed in _DOOMED_QUERIES:
-        while True:
+        while not stop.is_set():
             with engine.begin() as conn:
                 ids = list(conn.exec_driver_sql(doomed, {"cutoff": cutoff, "n": BATCH}).scalars())
                 rewards += conn.exec_driver_sql(
@@ -222,9 +232,9 @@ def _content_kept_from(engine: Engine, today: date) -> date:
     return min(today, oldest.astimezone(UTC).date() if oldest else today) - DAY
 
 
-def _prune_content(engine: Engine, table: str, keep_from: date) -> int:
+def _prune_content(engine: Engine, table: str, keep_from: date, stop: threading.Event) -> int:
     deleted = 0
-    while True:
+    while not stop.is_set():
         with engine.begin() as conn:
             n = conn.exec_driver_sql(
                 f"DELETE FROM {table} WHERE ctid = ANY(ARRAY(SELECT ctid FROM {table} "
@@ -233,4 +243,5 @@ def _prune_content(engine: Engine, table: str, keep_from: date) -> int:
             ).rowcount
         deleted += n
         if n < BATCH:
-            return deleted
+            break
+    return deleted

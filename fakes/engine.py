@@ -125,6 +125,10 @@ class FakeState:
     model: str = "demo"
     latency_s: float = 0.0
     token_delay_s: float = 0.0
+    # After a stream's last event, before its end (the chunked terminator): the end of a stream is
+    # read apart from its last event, as from a busy vLLM or a slow network.
+    end_delay_s: float = 0.0
+    scoring_delay_s: float = 0.0  # before a `prompt_logprobs` answer (the proxy's scoring call)
     check_lora_paths: bool = True  # vLLM answers 404 when the adapter directory is missing
     max_lora_rank: int = 8  # vLLM's --max-lora-rank: larger adapters are refused with a 400
     load_delay_s: float = 0.0  # before each adapter load answers (a big adapter, a slow disk)

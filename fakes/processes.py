@@ -6,6 +6,7 @@ answers; its output goes to a log under .flywheel/bench/.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 import subprocess
@@ -153,15 +154,21 @@ def start_trainer(
     return server
 
 
+LITELLM_LOCK = ROOT / "constraints-litellm.txt"
+
+
 @one_build_at_a_time
-def build_litellm_venv(target: Path) -> Path:
+def build_litellm_venv(target: Path, *, locked: bool = True) -> Path:
     """A venv for `flywheel judge` and for a proxy with routes: litellm at the `litellm` extra's
     pin, with the openai<3 it needs, in its own site-packages, over this venv's (a .pth adds
     those after its own): they run there as in their images, while the tests' clients keep
     today's openai 3."""
     with open(ROOT / "pyproject.toml", "rb") as f:
         (pin,) = tomllib.load(f)["project"]["optional-dependencies"]["litellm"]
-    stamp = target / f".built-{pin}"
+    # Its packages at the versions of constraints-litellm.txt (`make lock` refreshes it).
+    lock = ["-c", str(LITELLM_LOCK)] if locked else []
+    digest = hashlib.sha1(LITELLM_LOCK.read_bytes()).hexdigest()[:12] if locked else "unlocked"
+    stamp = target / f".built-{pin}-{digest}"
     if stamp.exists():
         return target
     shutil.rmtree(target, ignore_errors=True)
@@ -172,7 +179,7 @@ def build_litellm_venv(target: Path) -> Path:
     pip = [str(target / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", "-q"]
     # pip sees the project's packages through the .pth and installs only what differs (openai
     # 2, litellm); it then says openai-agents wants openai 3: true, and not this venv's concern.
-    subprocess.run([*pip, "install", pin], check=True, capture_output=True)
+    subprocess.run([*pip, "install", *lock, pin], check=True, capture_output=True)
     subprocess.run(
         [
             str(target / "bin" / "python"),

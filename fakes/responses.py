@@ -269,6 +269,8 @@ async def responses(state: engine.FakeState, body: Json, request: web.Request) -
             await asyncio.sleep(state.token_delay_s)
         event = dict(sorted({**event, "sequence_number": number}.items()))  # vLLM's order
         await response.write(f"event: {event['type']}\ndata: {engine.compact(event)}\n\n".encode())
+    if state.end_delay_s:
+        await asyncio.sleep(state.end_delay_s)
     await response.write_eof()
     return response
 

@@ -7,10 +7,12 @@ code tested against it works against vLLM. tests/test_fake_vllm.py keeps it hone
 
 What it samples, and when it calls a tool, is fakes/engine.py's (deterministic); `/v1/responses`
 lives in fakes/responses.py. Knobs: `latency_s` (before each answer), `token_delay_s` (between
-stream chunks), `always_detail` (token ids and logprobs whether asked or not: benchmarks),
-`fail_next(n, status, body)`, `replies` (scripted contents for the next chat answers: what a
-judge model would say), `judge_answers` (scores that fit a judge's JSON schema, as guided
-decoding gives them), and `requests` (every JSON body received, for assertions).
+stream chunks), `end_delay_s` (between a stream's last event and its end), `scoring_delay_s`
+(before a `prompt_logprobs` answer), `always_detail`
+(token ids and logprobs whether asked or not: benchmarks), `fail_next(n, status, body)`,
+`replies` (scripted contents for the next chat answers: what a judge model would say),
+`judge_answers` (scores that fit a judge's JSON schema, as guided decoding gives them), and
+`requests` (every JSON body received, for assertions).
 
     with FakeVLLM() as fake:            # background thread, free port
         httpx.post(fake.url + "/v1/chat/completions", json={...})
@@ -524,6 +526,8 @@ async def send_sse(
             await asyncio.sleep(state.token_delay_s)
         await response.write(f"data: {compact(chunk)}\n\n".encode())
     await response.write(b"data: [DONE]\n\n")
+    if state.end_delay_s:
+        await asyncio.sleep(state.end_delay_s)
     await response.write_eof()
     return response
 
@@ -594,6 +598,9 @@ async def completions(state: FakeState, body: Json, request: web.Request) -> Any
             )
         return await send_sse(state, request, chunks)
     scores = body.get("prompt_logprobs") is not None
+    started = time.monotonic()
+    while scores and time.monotonic() - started < state.scoring_delay_s:  # 0 ends the wait
+        await asyncio.sleep(0.05)
     out = [
         {
             "index": i,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import create_engine, pool
 
+from core.locks import Lock
 from core.partitions import is_partition
 from core.tables import Base
 
@@ -18,7 +19,7 @@ if not url:
 engine = create_engine(url, poolclass=pool.NullPool)
 with engine.connect() as connection:
     # One migrator at a time: several proxies may start together against one database.
-    connection.exec_driver_sql("SELECT pg_advisory_lock(7239011)")
+    connection.exec_driver_sql(f"SELECT pg_advisory_lock({int(Lock.MIGRATE)})")
     connection.commit()  # the lock is the session's; Alembic opens its own transactions
     # One transaction per migration, so one may build an index CONCURRENTLY outside any (0008).
     context.configure(
@@ -30,6 +31,6 @@ with engine.connect() as connection:
     )
     with context.begin_transaction():
         context.run_migrations()
-    connection.exec_driver_sql("SELECT pg_advisory_unlock(7239011)")
+    connection.exec_driver_sql(f"SELECT pg_advisory_unlock({int(Lock.MIGRATE)})")
     connection.commit()
 engine.dispose()

@@ -17,7 +17,7 @@ import orjson
 from pydantic import BaseModel, ByteSize, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from core import policy
+from core import codecs, policy
 from core.settings import DatabaseSettings, split_commas, vllm_base_urls
 
 # No `/`: a tenant's ids are stored as `<tenant>/<id>` (core/tenants.py), so no tag names another's.
@@ -38,6 +38,10 @@ class ProviderModel(BaseModel, extra="forbid", frozen=True):
     @property
     def provider(self) -> str:
         return self.model.split("/", 1)[0]
+
+
+# The Host names a proxy listening on loopback answers to by default (proxy/hosts.py).
+LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
 
 
 class ProxySettings(DatabaseSettings):
@@ -64,6 +68,13 @@ class ProxySettings(DatabaseSettings):
         False,
         description="Listen on a non-loopback address with auth off: anyone who can reach the "
         "port reads every transcript and posts rewards. Refused unless this is set.",
+    )
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Host names the proxy answers to (the Host header, any port), "
+        "comma-separated; `*.example.com` for its subdomains, `*` for any. Unset: localhost, "
+        "127.0.0.1 and [::1] when listening on loopback (so a web page cannot reach it by DNS "
+        "rebinding), any name otherwise. /livez, /healthz and /metrics answer to any.",
     )
     upstream_api_key: SecretStr | None = Field(None, description="Bearer key sent to vLLM.")
     admin_key: SecretStr | None = Field(
@@ -169,6 +180,37 @@ class ProxySettings(DatabaseSettings):
         description="Memory the writer's queue may hold (e.g. 256MiB) before it spills to the "
         "journal: a slow database must not get the proxy OOM-killed with its queue.",
     )
+    writer_memo_max_bytes: ByteSize = Field(
+        ByteSize(codecs.PROMPT_MEMO_BYTES),
+        ge=0,
+        description="Memory the writer's memo of each episode's last prompt may hold (its "
+        "digests, so that the next call hashes only what is new); 0 turns it off.",
+    )
+    writer_memo_max_entries: int = Field(
+        codecs.PROMPT_MEMO_ENTRIES,
+        ge=0,
+        description="Most episodes the writer's prompt memo keeps, the least recently used "
+        "forgotten first, episodes of one call (no X-Episode-Id) before conversations.",
+    )
+    writer_write_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        description="A database write taking longer is an outage: its transitions go to the "
+        "journal. Journal replays size their chunks to finish well within it.",
+    )
+    journal_replay_chunk_bytes: ByteSize = Field(
+        ByteSize(32 * 2**20),
+        ge=1,
+        description="Most transitions' memory (as FLYWHEEL_WRITER_QUEUE_MAX_BYTES counts it) "
+        "replayed from the journal in one transaction; halved while writes are slow.",
+    )
+    writer_unstored_max_ids: int = Field(
+        50_000,
+        ge=0,
+        description="Journaled transitions the writer tracks one by one (~0.5 KB each) for "
+        "rewards and episode reads; past it, a 1 MiB summary that may answer 'not stored yet' "
+        "(a 503 to retry) until the journal is replayed.",
+    )
     durable: bool = Field(
         False,
         description="Release a successful answer only once its transitions are committed or "
@@ -190,8 +232,9 @@ class ProxySettings(DatabaseSettings):
     shutdown_flush_s: float = Field(
         10.0,
         gt=0,
-        description="Then how long the writer may take to get its queue into Postgres before the "
-        "rest goes to the journal. The pod's termination grace must exceed drain + flush.",
+        description="Then how long the rest of the shutdown may take: scoring in flight (half of "
+        "it at most), then the writer getting its queue into Postgres before the rest goes to "
+        "the journal. The pod's termination grace must exceed drain + flush.",
     )
     replica_probe_s: float = Field(
         2.0,
@@ -204,7 +247,19 @@ class ProxySettings(DatabaseSettings):
         description="Fallback poll of the current adapter version (a NOTIFY moves it at once).",
     )
 
-    _split = field_validator("upstream", "api_keys", mode="before")(split_commas)
+    _split = field_validator("upstream", "api_keys", "allowed_hosts", mode="before")(split_commas)
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _check_hosts(cls, names: list[str]) -> list[str]:
+        for name in names:
+            if not re.fullmatch(r"\*|(\*\.)?[A-Za-z0-9_.-]+|\[[0-9A-Fa-f:.]+\]", name):
+                raise ValueError(
+                    f"FLYWHEEL_ALLOWED_HOSTS: {name!r} is not a host name: give names without "
+                    "scheme or port (any port is allowed), e.g. proxy.example.com,*.internal,"
+                    "[::1], or * for any"
+                )
+        return names
 
     @field_validator("adapter_per_agent", mode="before")
     @classmethod
@@ -299,6 +354,13 @@ class ProxySettings(DatabaseSettings):
                 "FLYWHEEL_DANGEROUSLY_SERVE_WITHOUT_KEYS=true if a network policy guards it."
             )
         return self
+
+    @property
+    def host_names(self) -> list[str]:
+        """The Host names it answers to (FLYWHEEL_ALLOWED_HOSTS, or its default: proxy/hosts.py)."""
+        if self.allowed_hosts:
+            return self.allowed_hosts
+        return list(LOOPBACK_NAMES) if _loopback(self.host) else ["*"]
 
     @property
     def journal_dir(self) -> Path:

@@ -1,6 +1,7 @@
 """The first thing every request meets: the outermost ASGI app, in front of FastAPI.
 
 - path-form tags: `/episode/e1/task/t1/v1/...` is served as `/v1/...` with the tags kept aside;
+- the Host check (proxy/hosts.py: a 421 for a name not allowed, against DNS rebinding);
 - auth: with keys on (FLYWHEEL_API_KEYS or FLYWHEEL_AUTH=keys), `/v1/*` needs
   `Authorization: Bearer <key>` (never logged) with the route's scope; the caller's Principal
   (its tenant: proxy/auth.py, core/tenants.py) goes into the scope as `flywheel.principal`;
@@ -9,6 +10,7 @@
   `routes.completions.complete`, not through FastAPI's middleware stack, router and exception
   handlers (about 5% of the proxy's busy samples at 64 clients, by py-spy); their errors get the
   same OpenAI-shaped answers here;
+- the dashboard's headers: `/ui` may only be framed by no one and load only its own scripts;
 - the per-route request counter (labelled with the route's path template).
 """
 
@@ -28,17 +30,26 @@ from proxy import metrics
 from proxy.auth import require
 from proxy.config import ProxySettings
 from proxy.errors import ApiError, error_response, unexpected_error
+from proxy.hosts import HostCheck
 from proxy.relay import wire
 from proxy.relay.tags import split_path
 from proxy.routes.completions import complete
 from proxy.services import services_of
 
 _COMPLETIONS = {endpoint.path: endpoint for endpoint in wire.ENDPOINTS}
+# The dashboard loads only its own files (no inline script or style: proxy/ui/), is framed by no
+# page (clickjacking its adapter buttons), and its files are taken for what they are declared.
+UI_HEADERS = [
+    (b"content-security-policy", b"default-src 'self'; frame-ancestors 'none'; base-uri 'none'"),
+    (b"x-frame-options", b"DENY"),
+    (b"x-content-type-options", b"nosniff"),
+]
 
 
 class Edge:
     def __init__(self, app: FastAPI, settings: ProxySettings) -> None:
         self.app = app
+        self._hosts = HostCheck(settings.host_names)
         self._auth_on = settings.auth_on
         self._admin_key = (
             settings.admin_key.get_secret_value().encode() if settings.admin_key else None
@@ -63,10 +74,14 @@ class Edge:
                 await response(scope, receive, send)
                 return
 
+            dashboard = scope["path"].startswith("/ui")
+
             async def send_counting(message: Message) -> None:
                 nonlocal status
                 if message["type"] == "http.response.start":
                     status = message["status"]
+                    if dashboard:
+                        message = {**message, "headers": [*message["headers"], *UI_HEADERS]}
                 await send(message)
 
             await self.app(scope, receive, send_counting)
@@ -96,7 +111,8 @@ class Edge:
         return "other"
 
     def _admit(self, scope: Scope) -> Scope:
-        """Path-form tags taken off the path, then the caller's keys checked."""
+        """The Host checked, path-form tags taken off the path, then the caller's keys."""
+        self._hosts.check(scope)
         split = split_path(scope["path"])
         if split is not None:
             tags, path = split

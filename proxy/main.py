@@ -11,16 +11,21 @@ import uvicorn
 
 from proxy.app import create_app
 from proxy.config import ProxySettings
+from proxy.edge import Edge
 
 
 def run(settings: ProxySettings) -> None:
-    app = create_app(settings)
+    config = server_config(settings, create_app(settings))
     # Per-call garbage is short-lived; the ~10^5 objects of the imported libraries are not. Keep
     # the collector off the latter (freeze) and run it less often: it took ~20% of the proxy's
     # CPU at 64 clients (py-spy, bench/scaling.md).
     gc.freeze()
     gc.set_threshold(20_000, 20, 20)
-    uvicorn.run(
+    uvicorn.Server(config).run()
+
+
+def server_config(settings: ProxySettings, app: Edge) -> uvicorn.Config:
+    return uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
@@ -29,7 +34,9 @@ def run(settings: ProxySettings) -> None:
         log_level=settings.log_level.lower(),
         access_log=False,  # requests are counted in /metrics; an access log costs per request
         proxy_headers=False,  # nothing reads the client's address; one ASGI layer less per call
-        # In-flight calls finish (up to drain), then the writer flushes (up to flush).
-        timeout_graceful_shutdown=int(settings.shutdown_drain_s),
+        # In-flight calls finish (up to drain), then the app's shutdown (up to flush:
+        # proxy/services.py). uvicorn annotates an int but hands it to asyncio.wait_for: the
+        # float is exact, where int() cut 0.5 s to no drain at all.
+        timeout_graceful_shutdown=settings.shutdown_drain_s,  # type: ignore[arg-type]
         timeout_keep_alive=settings.keep_alive_s,
     )

@@ -6,14 +6,17 @@ database (configured or embedded), migrate it (or, if Postgres does not answer, 
 journal and migrate once it does: proxy/record/migrator.py), start the background writer
 (replaying any journal left from before), the upstream client, the alias, the replica probes
 and the housekeeping of partitions and retention (proxy/record/maintenance.py).
-Shutdown, in reverse: probes stop, records still being scored (proxy/relay/scoring.py) are handed to
-the writer, the alias stops, then every recorded transition is flushed (to Postgres, or to the
-journal if Postgres can't take them), then connections close.
+Shutdown, in reverse, within FLYWHEEL_SHUTDOWN_FLUSH_S (after uvicorn's drain of the calls in
+flight): housekeeping stops (a round in progress is left behind), probes stop, records still being
+scored (proxy/relay/scoring.py) are handed to the writer (half the flush time at most), the alias
+stops, then every recorded transition is flushed (to Postgres, or to the journal if Postgres can't
+take them in what is left), then connections close.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -22,6 +25,7 @@ from typing import Annotated, cast
 from fastapi import Depends, FastAPI, Request
 
 from core import database
+from core.codecs import PromptMemo
 from core.database import AsyncSessions
 from proxy.auth import KeyRing
 from proxy.config import ProxySettings
@@ -31,6 +35,7 @@ from proxy.record.journal import Journal
 from proxy.record.maintenance import Maintenance
 from proxy.record.migrator import Migrator
 from proxy.record.recorder import Recorder
+from proxy.record.replay import ReplayChunks
 from proxy.record.tracing import Spans
 from proxy.relay.alias import PolicyAlias
 from proxy.relay.forward import Forwarder
@@ -42,6 +47,9 @@ from proxy.relay.scoring import Scorer
 from proxy.relay.upstream import Upstream
 
 MAX_EXPORTS = 2  # GET /v1/export streams running at once per proxy
+# Of the shutdown's flush time, what scoring in flight may take (one short call to vLLM each);
+# the writer has the rest, and at least this much.
+SCORING_SHARE = 0.5
 
 
 @dataclass(frozen=True, kw_only=True)  # built once, by name
@@ -80,9 +88,12 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
         if settings.otel_endpoint
         else None
     )
+    journal = Journal(settings.journal_dir)
+    with journal.guard("redrive"):  # rows refused before a fix or a migration: once more
+        journal.redrive_rejected()
     recorder = Recorder(
         sessionmaker,
-        Journal(settings.journal_dir),
+        journal,
         batch_size=settings.writer_batch_size,
         linger_s=settings.writer_linger_s,
         queue_max_bytes=settings.writer_queue_max_bytes,
@@ -90,6 +101,11 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
         gamma=settings.credit_gamma,
         air_penalty=settings.air_penalty,
         spans=spans,
+        memo=PromptMemo(settings.writer_memo_max_bytes, settings.writer_memo_max_entries),
+        replay=ReplayChunks(
+            settings.journal_replay_chunk_bytes, timeout_s=settings.writer_write_timeout_s
+        ),
+        unstored_max_ids=settings.writer_unstored_max_ids,
     )
     recorder.start()
     keys = KeyRing(
@@ -137,13 +153,16 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
             spans=spans,
         )
     finally:
-        await maintenance.stop()
+        # uvicorn gave the calls in flight shutdown_drain_s; all of this fits in shutdown_flush_s.
+        deadline = time.monotonic() + settings.shutdown_flush_s
+        await maintenance.stop()  # at once, even in the middle of a round
         await migrator.stop()
         await keys.stop()
         await keeper.stop()
-        await scorer.stop()  # hands its last records to the writer
+        # Scoring in flight gets part of the flush; its records go to the writer however it ends.
+        await scorer.stop(settings.shutdown_flush_s * SCORING_SHARE)
         await alias.stop()
-        await recorder.stop(settings.shutdown_flush_s)
+        await recorder.stop(max(0.0, deadline - time.monotonic()))
         if spans is not None:
             await asyncio.to_thread(spans.close)  # exports what is queued
         await upstream.close()

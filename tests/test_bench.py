@@ -369,3 +369,15 @@ def test_soak_smoke(tmp_path: Path) -> None:
     samples = [r for r in _table(report, tuple(str(s) for s in range(1, 100))) if len(r) == 7]
     assert len(samples) >= 2 and all(_number(r[1]) > 0 and int(r[2]) > 0 for r in samples)
     assert "missing from Postgres: 0 and 0" in run.stdout
+
+
+def test_memo_soak_smoke(tmp_path: Path) -> None:
+    report = tmp_path / "memo_soak.md"
+    _bench(
+        "bench.memo_soak",
+        *("--calls", "3000", "--sample-every", "500", "--max-entries", "400"),
+        *("--results", str(report)),
+    )
+    samples = _table(report, tuple(str(n) for n in range(500, 3001, 500)))
+    assert len(samples) == 6 and all(_number(r[1]) > 0 for r in samples)
+    assert all(int(r[3]) <= 400 for r in samples) and samples[-1][3] == "400"  # the cap holds

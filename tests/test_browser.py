@@ -147,11 +147,13 @@ def page(tmp_path: Path) -> Iterator[Any]:
         page = browser.new_page(viewport={"width": 1360, "height": 900})
         errors: list[str] = []
         page.on("pageerror", lambda e: errors.append(str(e)))
+        # What the dashboard's Content-Security-Policy refused (an inline style, say): console only.
+        page.on("console", lambda m: "Content Security Policy" in m.text and errors.append(m.text))
         # "Serve v1 as the current policy?" - yes; "Pin ...: why?" - a note.
         page.on("dialog", lambda d: d.accept("known good" if d.type == "prompt" else None))
         yield page
         browser.close()
-        assert errors == [], errors  # no script error on any page
+        assert errors == [], errors  # no script error and nothing refused, on any page
 
 
 def shot(page: Any, name: str, tmp_path: Path) -> None:

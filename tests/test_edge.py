@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
+import orjson
 import psycopg
 import pytest
 
 from fakes.vllm import FakeVLLM
+from proxy.config import ProxySettings
 from tests.conftest import RunningProxy
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+JSON = {"Content-Type": "application/json"}
 
 
 def assert_openai_error(response: Any, status: int) -> dict[str, Any]:
@@ -67,7 +71,7 @@ def test_body_over_the_limit_is_413(make_proxy: Any, fake_vllm: FakeVLLM) -> Non
     assert error["code"] == "payload_too_large"
     # Without a Content-Length (chunked), the limit holds too.
     chunks = (b"x" * 1024 for _ in range(10))
-    r = proxy.client().post("/v1/rewards", content=chunks)
+    r = proxy.client().post("/v1/rewards", content=chunks, headers=JSON)
     assert_openai_error(r, 413)
     assert fake_vllm.requests == [] and stored(proxy) == 0
 
@@ -174,8 +178,6 @@ def test_policy_alias_follows_the_current_adapter(proxy: RunningProxy, fake_vllm
             "VALUES (1, 'policy-v1', '/adapters/policy-v1', 'demo', true)"
         )
     proxy.wait_rows("SELECT 1", 1)
-    import time
-
     deadline = time.monotonic() + 5
     while ask("policy").headers["x-policy-version"] != "1" and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -190,6 +192,50 @@ def test_policy_alias_follows_the_current_adapter(proxy: RunningProxy, fake_vllm
         "SELECT policy_version FROM transition WHERE model_used = 'policy-v1'", 2
     )
     assert {r[0] for r in rows} == {1}
+
+
+@pytest.mark.parametrize("model", ["policy@\u00b2", "policy@\u0663", "policy@", "policy@-1"])
+def test_a_pinned_version_that_is_not_an_ascii_number_is_a_400(
+    proxy: RunningProxy, fake_vllm: FakeVLLM, model: str
+) -> None:
+    """'²' and '٣' pass str.isdigit(); int() refuses the first and reads the second as 3."""
+    r = proxy.client().post("/v1/chat/completions", json={**CHAT, "model": model})
+    assert assert_openai_error(r, 400)["code"] == "invalid_model"
+    assert fake_vllm.requests == []
+
+
+def test_a_version_beyond_any_adapter_is_a_404(proxy: RunningProxy) -> None:
+    r = proxy.client().post("/v1/chat/completions", json={**CHAT, "model": "policy@" + "9" * 30})
+    assert assert_openai_error(r, 404)["code"] == "model_not_found"
+
+
+def test_a_pinned_version_during_an_outage(
+    own_postgres: Any, make_proxy: Any, fake_vllm: FakeVLLM
+) -> None:
+    """A version the proxy knows is served from its cache; one it must look up is a clear 503
+    while Postgres is down, not a 500."""
+    proxy: RunningProxy = make_proxy(database_url=own_postgres.url)
+    fake_vllm.loras["policy-v1"] = "/adapters/policy-v1"
+    with psycopg.connect(proxy.database_url, autocommit=True) as conn:
+        conn.execute(
+            "INSERT INTO adapter_version (version, name, path, base_model, is_current) "
+            "VALUES (1, 'policy-v1', '/adapters/policy-v1', 'demo', true)"
+        )
+
+    def ask(model: str) -> Any:
+        return proxy.client().post("/v1/chat/completions", json={**CHAT, "model": model})
+
+    deadline = time.monotonic() + 10
+    while ask("policy").headers["x-policy-version"] != "1":  # the alias has seen it
+        assert time.monotonic() < deadline
+    own_postgres.stop()
+    r = ask("policy@1")
+    assert r.status_code == 200 and r.headers["x-policy-version"] == "1"
+    error = assert_openai_error(ask("policy@2"), 503)
+    assert error["code"] == "database_unavailable" and "policy@2" in error["message"]
+    assert assert_openai_error(ask("policy@\u00b2"), 400)["code"] == "invalid_model"
+    own_postgres.start()
+    assert assert_openai_error(ask("policy@2"), 404)["code"] == "model_not_found"
 
 
 def test_models_lists_the_alias(proxy: RunningProxy) -> None:
@@ -227,7 +273,7 @@ def test_completion_errors_are_answered_and_counted_at_the_edge(
     route = "/v1/chat/completions"
     before = {s: _count(proxy, route, s) for s in (200, 400, 500)}
     assert proxy.client().post(route, json=CHAT).status_code == 200
-    assert_openai_error(proxy.client().post(route, content=b"{", headers={}), 400)
+    assert_openai_error(proxy.client().post(route, content=b"{", headers=JSON), 400)
 
     async def broken(*args: Any, **kwargs: Any) -> None:
         raise RuntimeError("a bug")
@@ -238,3 +284,98 @@ def test_completion_errors_are_answered_and_counted_at_the_edge(
     assert "a bug" not in error["message"]  # the log has it, not the client
     after = {s: _count(proxy, route, s) for s in (200, 400, 500)}
     assert {s: after[s] - before[s] for s in after} == {200: 1, 400: 1, 500: 1}
+
+
+# --- what a web page could send (issue 31): the body's type, the Host, the dashboard's headers --
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/rewards"])
+@pytest.mark.parametrize(
+    "content_type",
+    [None, "text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded"],
+)
+def test_a_body_not_declared_json_is_a_415(
+    proxy: RunningProxy, fake_vllm: FakeVLLM, route: str, content_type: str | None
+) -> None:
+    """A page may post text/plain anywhere without a preflight (a CORS simple request)."""
+    transition = proxy.client().post("/v1/chat/completions", json=CHAT).headers["x-transition-id"]
+    fake_vllm.requests.clear()
+    body = CHAT if route != "/v1/rewards" else {"episode_id": "e", "reward": 1.0}
+    body = body | {"transition_id": transition} if route == "/v1/rewards" else body
+    headers = {"Content-Type": content_type} if content_type else {}
+    r = proxy.client().post(route, content=orjson.dumps(body), headers=headers)
+    error = assert_openai_error(r, 415)
+    assert error["code"] == "unsupported_media_type"
+    assert "Content-Type: application/json" in error["message"]
+    assert fake_vllm.requests == []
+    assert proxy.query("SELECT count(*) FROM reward") == [(0,)]
+
+
+@pytest.mark.parametrize(
+    "content_type", ["application/json; charset=utf-8", "Application/JSON", "application/x+json"]
+)
+def test_json_by_any_of_its_names_is_taken(proxy: RunningProxy, content_type: str) -> None:
+    r = proxy.client().post(
+        "/v1/chat/completions", content=orjson.dumps(CHAT), headers={"Content-Type": content_type}
+    )
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    ("method", "path"),
+    [
+        ("POST", "/v1/chat/completions"),
+        ("POST", "/v1/rewards"),
+        ("GET", "/ui/api/overview"),
+        ("GET", "/v1/episodes/e"),
+        ("GET", "/ui/"),
+    ],
+)
+def test_a_loopback_proxy_answers_only_to_loopback_names(
+    proxy: RunningProxy, fake_vllm: FakeVLLM, method: str, path: str
+) -> None:
+    """DNS rebinding: evil.example resolves to 127.0.0.1, and the page's requests carry its name."""
+    r = proxy.client().request(method, path, json=CHAT, headers={"Host": "evil.example:8000"})
+    error = assert_openai_error(r, 421)
+    assert error["code"] == "host_not_allowed" and "FLYWHEEL_ALLOWED_HOSTS" in error["message"]
+    assert fake_vllm.requests == []
+    for host in ("localhost", "LOCALHOST:1234", "127.0.0.1", "[::1]:8000", "localhost."):
+        r = proxy.client().get("/v1/models", headers={"Host": host})
+        assert r.status_code == 200, (host, r.text)
+    for path in ("/livez", "/healthz", "/metrics"):  # probes and scrapes call by address
+        assert proxy.client().get(path, headers={"Host": "10.0.0.7:8000"}).status_code == 200
+
+
+def test_allowed_hosts_replace_the_default(make_proxy: Any) -> None:
+    proxy = make_proxy(allowed_hosts=["proxy.example", "*.internal"])
+    for host, status in [
+        ("proxy.example:8000", 200),
+        ("a.b.internal", 200),
+        ("internal", 421),
+        ("127.0.0.1", 421),
+        ("evil.example", 421),
+    ]:
+        assert proxy.client().get("/v1/models", headers={"Host": host}).status_code == status
+    anyone = make_proxy(allowed_hosts=["*"])
+    assert anyone.client().get("/v1/models", headers={"Host": "evil.example"}).status_code == 200
+
+
+def test_allowed_hosts_defaults_and_bad_values() -> None:
+    assert ProxySettings(host="127.0.0.1").host_names == ["localhost", "127.0.0.1", "[::1]"]
+    assert ProxySettings(host="0.0.0.0", api_keys=["k"]).host_names == ["*"]
+    given = ProxySettings(host="0.0.0.0", api_keys=["k"], allowed_hosts="a.example, b.example")
+    assert given.host_names == ["a.example", "b.example"]
+    with pytest.raises(ValueError, match=r"FLYWHEEL_ALLOWED_HOSTS.*without scheme or port"):
+        ProxySettings(allowed_hosts="http://a.example:8000")
+
+
+@pytest.mark.parametrize("path", ["/ui/", "/ui/static/app.js", "/ui/api/overview"])
+def test_the_dashboard_may_not_be_framed_or_load_foreign_scripts(
+    proxy: RunningProxy, path: str
+) -> None:
+    r = proxy.client().get(path)
+    assert r.status_code == 200
+    csp = r.headers["content-security-policy"]
+    assert "default-src 'self'" in csp and "frame-ancestors 'none'" in csp
+    assert r.headers["x-frame-options"] == "DENY"
+    assert r.headers["x-content-type-options"] == "nosniff"

@@ -47,9 +47,9 @@ def test_postgres_stopped_under_traffic_loses_nothing(own_postgres: Any, make_pr
     time.sleep(1.5)
     assert health(proxy)["database"] != "up"
     assert health(proxy)["journal_pending"] > 0
-    # Rewards need the database: a clear 503, nothing half-stored.
+    # A reward waits in the journal with the transitions (202), applied when it is replayed.
     r = proxy.client().post("/v1/rewards", json={"episode_id": "outage", "reward": 1.0})
-    assert r.status_code == 503, r.text
+    assert r.status_code == 202 and r.json()["status"] == "journaled", r.text
     stop.set()
     for t in threads:
         t.join()
@@ -71,5 +71,6 @@ def test_postgres_stopped_under_traffic_loses_nothing(own_postgres: Any, make_pr
         "SELECT id::text FROM transition WHERE episode_id = 'outage'", len(served), timeout=30
     )
     assert sorted(r[0] for r in rows) == sorted(served)
+    assert second.wait_rows("SELECT 1 FROM episode WHERE final_reward = 1.0", 1) == [(1,)]
     assert not list(journal.glob("segment-*.jsonl"))
     assert health(second)["database"] == "up"

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import struct
 import uuid
+from collections.abc import Iterator
 from typing import Any
 
 import orjson
+import pytest
 
 from fakes.vllm import FakeVLLM
 from tests.conftest import RunningProxy
@@ -100,6 +102,52 @@ def test_streaming_chat_is_recorded_when_the_stream_ends(proxy: RunningProxy) ->
     [t] = proxy.client().get("/v1/episodes/e4?tokens=true").json()["transitions"]
     assert t["status"] == "ok" and t["text"] == text
     assert len(t["completion_token_ids"]) == 5 and len(t["logprobs"]) == 5 and t["prompt_token_ids"]
+
+
+def read_until_end_event(lines: Iterator[str]) -> None:
+    """Read a stream up to its terminal event ([DONE], or the Responses API's
+    `response.completed`), and no further: the stream itself may not have ended yet. (The caller
+    holds `lines`: a line iterator dropped early closes the connection.)"""
+    event = ""
+    for line in lines:
+        if line.startswith("event: "):
+            event = line
+        elif line == "data: [DONE]" or event == "event: response.completed":
+            return
+    raise AssertionError("the stream ended without its terminal event")
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses"])
+@pytest.mark.parametrize("end_delay_s", [0.0, 1.0])
+def test_a_stream_is_recorded_before_its_end_event_reaches_the_client(
+    proxy: RunningProxy, fake_vllm: FakeVLLM, route: str, end_delay_s: float
+) -> None:
+    """A step reward posted (or the episode read) the moment the client reads a stream's end
+    event always finds the transition. vLLM may end the stream (its chunked terminator) a while
+    after that event: `end_delay_s` makes that wait long enough to be seen every time."""
+    fake_vllm.end_delay_s = end_delay_s
+    body: dict[str, Any] = {"model": "demo", "stream": True}
+    if route == "/v1/responses":
+        body |= {"input": "What is 3 + 4?", "max_output_tokens": 5}
+    else:
+        body |= {"messages": CHAT["messages"], "max_tokens": 5}
+    rounds = 3 if end_delay_s else 20
+    with proxy.client() as c, proxy.client() as other:
+        for n in range(rounds):
+            episode = f"end-{n}"
+            with c.stream("POST", route, json=body, headers={"X-Episode-Id": episode}) as r:
+                assert r.status_code == 200
+                lines = r.iter_lines()
+                read_until_end_event(lines)
+                [transition_id] = r.headers["x-transition-id"].split(",")
+                reward = {"episode_id": episode, "transition_id": transition_id, "reward": 1.0}
+                posted = other.post("/v1/rewards", json=reward)
+                assert posted.status_code == 200, posted.text
+                assert posted.json()["status"] == "accepted", posted.json()
+                read = other.get(f"/v1/episodes/{episode}").json()
+                assert [t["id"] for t in read["transitions"]] == [transition_id]
+                assert [t["status"] for t in read["transitions"]] == ["ok"]
+                assert not [line for line in lines if line]  # nothing after the end event
 
 
 def test_completions_route_records_each_prompt(proxy: RunningProxy) -> None:

@@ -89,9 +89,16 @@ class TrainerSettings(DatabaseSettings):
     max_train_attempts: int = Field(
         3,
         ge=1,
-        description="A transition claimed this often without being trained (its batch failed "
-        "the step, or kept being lost) is set aside as `train_failed`.",
+        description="A transition whose batch failed the step this often (an error building or "
+        "training it; an outage or a lost claim does not count) is set aside as `train_failed`.",
     )
+    backoff_s: float = Field(
+        1.0,
+        gt=0,
+        description="After a step fails on Postgres or vLLM (not on its batch), wait this long, "
+        "doubling each failure in a row up to backoff_max_s; the batch keeps its attempts.",
+    )
+    backoff_max_s: float = Field(60.0, gt=0, description="The longest back-off between tries.")
 
     # --- how to train (TRL's GRPO loss, PEFT LoRA) -------------------------------------------
     lora_rank: int = Field(8, description="LoRA rank (vLLM needs --max-lora-rank >= this).")
@@ -195,6 +202,10 @@ class TrainerSettings(DatabaseSettings):
     def _check_combinations(self) -> TrainerSettings:
         if self.lora_rank not in VLLM_LORA_RANKS:
             raise ValueError(f"lora_rank must be one vLLM accepts: {VLLM_LORA_RANKS}")
+        if self.backoff_max_s < self.backoff_s:
+            raise ValueError(
+                "backoff_max_s must be at least backoff_s: raise it or lower backoff_s"
+            )
         if not (self.model / "config.json").exists():
             raise ValueError(f"--model {self.model} has no config.json: give the model directory")
         return self

@@ -12,8 +12,9 @@ expire, partial directories are swept, and versions not recorded in Postgres are
 
 The publish is a compare-and-set on the version the step started from: after a rollback (or
 another trainer's publish) the trainer takes over the new current version's weights and trains
-its batch again from there. A step that raises gives its batch back (a batch that keeps failing
-is set aside after --max-train-attempts); SIGTERM gives back every claim before exiting.
+its batch again from there. A step that raises gives its batch back: a batch that keeps failing
+the step is set aside after --max-train-attempts, but Postgres or vLLM failing costs it nothing
+and the trainer backs off instead (trainer/faults.py); SIGTERM gives back every claim at once.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from prometheus_client import start_http_server
 from core import database, policy
 from core.database import Sessions
 from core.vllm import VLLMError
-from trainer import metrics, report, store
+from trainer import faults, metrics, report, store
 from trainer.advantages import RunningBaseline
 from trainer.batch import Batch, build_batch, staleness_in
 from trainer.canary_watch import CanaryWatch
@@ -102,13 +103,23 @@ class Trainer:
         )
         self.steps = 0
         self._was_pinned = False
+        self.backoff = faults.Backoff(
+            settings.backoff_s, settings.backoff_max_s, self.metrics.backoff
+        )
+        self.claims = faults.Claims(sessions, settings.trainer_id)
 
     def run(self) -> None:
         """Steps until max_steps, or until SIGTERM/SIGINT (Stopping): then the claims go back."""
         try:
             while self.settings.max_steps is None or self.steps < self.settings.max_steps:
-                self.housekeeper.reconcile_if_due()
-                if not self.step():
+                try:
+                    self.housekeeper.reconcile_if_due()
+                    published = self.step()
+                except faults.INFRASTRUCTURE as e:  # the batch went back uncharged (step)
+                    self.backoff.wait_after(e)
+                    continue
+                self.backoff.reset()
+                if not published:
                     time.sleep(self.settings.poll_s)
         finally:
             self.release_claims()
@@ -116,8 +127,11 @@ class Trainer:
     # --- one step ---------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """Train and publish one batch if there is one. True when a new version was published."""
+        """Train and publish one batch if there is one. True when a new version was published.
+        Postgres or vLLM failing (faults.INFRASTRUCTURE) raises, the batch given back first
+        without counting an attempt."""
         s = self.settings
+        self.claims.release_held()
         if self._pinned() or self.canary.holds():
             return False
         with self.sessions.begin() as session:
@@ -141,20 +155,27 @@ class Trainer:
             )
         if not claimed:
             return False
-        version = current.version if current else None
+        try:
+            published = self._train_from(current.version if current else None, claimed)
+        except faults.INFRASTRUCTURE as e:
+            self._give_back([c.id for c in claimed], reason=faults.reason(e), attempt=False)
+            raise
+        if published:
+            self.steps += 1
+            self.housekeeper.retire_old_versions()
+        return published
+
+    def _train_from(self, version: int | None, claimed: list[store.Claimed]) -> bool:
         for _ in range(1 + MOVED_RETRIES):
             self._follow(version)
             try:
-                published = self._train(claimed)
+                return self._train(claimed)
             except policy.PolicyMoved as moved:
                 log.warning("%s: training the batch again from there", moved)
                 self.metrics.step_failure("policy_moved")
                 version = moved.current
-                continue
-            if published:
-                self.steps += 1
-            return published
-        self._give_back([c.id for c in claimed], reason="policy_moved")
+        # Rolled back under every try: a race, no fault of the batch's.
+        self._give_back([c.id for c in claimed], reason="policy_moved", attempt=False)
         return False
 
     def _pinned(self) -> bool:
@@ -176,13 +197,11 @@ class Trainer:
         """One update on the claimed rows from the engine's current weights, then publish."""
         s = self.settings
         ids = [c.id for c in claimed]
+        with self.sessions.begin() as session:
+            lineage = [a.version for a in policy.versions(session=session, lineage=self.lineage)]
+        staleness = staleness_in(lineage, self.parent or policy.BASE_VERSION)
         before = self.engine.snapshot()
-        try:
-            with self.sessions.begin() as session:
-                lineage = [
-                    a.version for a in policy.versions(session=session, lineage=self.lineage)
-                ]
-            staleness = staleness_in(lineage, self.parent or policy.BASE_VERSION)
+        try:  # only what fails here is the batch's fault
             batch = build_batch(
                 claimed,
                 s,
@@ -196,18 +215,22 @@ class Trainer:
             sampled = [staleness(c.policy_version) for c in claimed if c.policy_version is not None]
             if sampled:
                 self.metrics.staleness.set(sum(sampled) / len(sampled))
-            if not batch.samples:
-                with self.sessions.begin() as session:
-                    store.set_aside(batch.skipped, session=session, trainer_id=s.trainer_id)
-                self.metrics.batch(0, len(batch.skipped))
-                return False
-            stats = self.engine.step(batch.samples)
+            stats = self.engine.step(batch.samples) if batch.samples else None
         except Exception:  # a bad batch must not stop training: it has max_train_attempts
             log.exception("the step failed on a batch of %d transitions; giving it back", len(ids))
             self.engine.restore(before)
             self._give_back(ids, reason="error")
             return False
-        return self._publish(batch, stats, before)
+        if stats is None:
+            with self.sessions.begin() as session:
+                store.set_aside(batch.skipped, session=session, trainer_id=s.trainer_id)
+            self.metrics.batch(0, len(batch.skipped))
+            return False
+        try:
+            return self._publish(batch, stats, before)
+        except faults.INFRASTRUCTURE:
+            self.engine.restore(before)  # the step's caller gives the batch back
+            raise
 
     def _follow(self, version: int | None) -> None:
         """Make the engine start from `version` (None: the base model) if it is not there: after
@@ -245,13 +268,15 @@ class Trainer:
 
         try:
             rollout = self.vllm.load_everywhere(name, str(final))
-        except VLLMError as e:
-            log.error("vLLM rejected %s; the alias stays where it was: %s", name, e)
-            self._abandon(batch, final, before, reason="adapter_rejected")
-            return False
+        except VLLMError as e:  # NoReplica, AdapterRejected: the batch is not to blame
+            log.error("could not load %s; the alias stays where it was: %s", name, e)
+            shutil.rmtree(final, ignore_errors=True)
+            raise
         for url in rollout.unreachable:
             log.warning("vLLM %s unreachable, %s not loaded there (reconcile will)", url, name)
         swap_s = rollout.seconds
+        # Postgres failing in here raises: whether it committed is unknown, so `final` stays
+        # (committed: the next step follows it; not: reconcile unloads and deletes it).
         try:
             with self.sessions.begin() as session:
                 store.finish(
@@ -277,17 +302,11 @@ class Trainer:
                 self.engine.restore(before)
                 shutil.rmtree(final, ignore_errors=True)
                 raise
-            # A canary opened or a pin came meanwhile: the batch goes back to be trained after
-            # the decision or the unpin, and that is no fault of the batch's.
-            held = isinstance(e, policy.CanaryOpen | policy.Pinned)
+            # A reward moved a return, another trainer took over, a canary opened or a pin
+            # came: the batch goes back (to be trained at once, or after the decision or the
+            # unpin), and none of it is the batch's fault.
             reason = {policy.CanaryOpen: "canary_open", policy.Pinned: "pinned"}
-            self._abandon(
-                batch,
-                final,
-                before,
-                reason=reason.get(type(e), "lost_claim"),
-                attempt=not held,
-            )
+            self._abandon(batch, final, before, reason=reason.get(type(e), "lost_claim"))
             return False
 
         self.parent = version
@@ -300,38 +319,27 @@ class Trainer:
             swap_s=swap_s,
             canary_rule=s.canary_rule,
         )
-        self.housekeeper.retire_old_versions()
         return True
 
-    def _abandon(
-        self,
-        batch: Batch,
-        adapter_dir: Path,
-        before: Snapshot,
-        *,
-        reason: str,
-        attempt: bool = True,
-    ) -> None:
-        """Undo the step: weights back, batch back to the queue, adapter directory gone."""
+    def _abandon(self, batch: Batch, adapter_dir: Path, before: Snapshot, *, reason: str) -> None:
+        """Undo a step lost to a race: weights back, batch back uncharged, directory gone."""
         self.engine.restore(before)
-        self._give_back(list(batch.trained) + list(batch.skipped), reason=reason, attempt=attempt)
+        self._give_back(list(batch.trained) + list(batch.skipped), reason=reason, attempt=False)
         shutil.rmtree(adapter_dir, ignore_errors=True)
 
     def _give_back(self, ids: list[str], *, reason: str, attempt: bool = True) -> None:
-        """`attempt`: the claim counts towards max_train_attempts (not when the step failed for
-        a reason that is not the batch's)."""
-        with self.sessions.begin() as session:
-            store.release(
-                ids, session=session, trainer_id=self.settings.trainer_id, attempt=attempt
-            )
+        """`attempt`: the claim counts towards max_train_attempts (only when the batch itself
+        failed the step). With Postgres down the claims are held, given back once it answers."""
         self.metrics.step_failure(reason)
+        self.claims.give_back(ids, attempt=attempt)
 
     def reconcile(self) -> None:
         self.housekeeper.reconcile()
 
     def release_claims(self) -> None:
         """At shutdown: whatever we still hold goes back to the queue at once, not after the
-        lease (and it does not count as an attempt)."""
+        lease (and it does not count as an attempt, unless its batch failed the step)."""
+        self.claims.release_held()
         with self.sessions.begin() as session:
             n = store.release_all(session=session, trainer_id=self.settings.trainer_id)
         if n:

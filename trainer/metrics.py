@@ -62,6 +62,12 @@ _PINNED = Gauge(
     "1 while the lineage is pinned by hand (the trainer waits, its queue kept), else 0.",
     ["lineage"],
 )
+_BACKOFF = Gauge(
+    "flywheel_trainer_backoff_seconds",
+    "The wait after a step failed on Postgres or vLLM (doubling while they keep failing; "
+    "flywheel_trainer_step_failures_total says which); 0 once a step gets through.",
+    ["lineage"],
+)
 _STEP_SECONDS = Histogram(
     "flywheel_trainer_step_seconds",
     "Time to train one batch.",
@@ -110,6 +116,7 @@ class LineageMetrics:
         self.queue = _QUEUE.labels(lineage)
         self.current_version = _CURRENT_VERSION.labels(lineage)
         self.pinned = _PINNED.labels(lineage)
+        self.backoff = _BACKOFF.labels(lineage)
         self.step_seconds = _STEP_SECONDS.labels(lineage)
         self.swap_seconds = _SWAP_SECONDS.labels(lineage)
 

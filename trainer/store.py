@@ -5,8 +5,10 @@ Claims are leases: `claimed_by` + `claim_expires_at`, taken with FOR UPDATE SKIP
 trainers never take the same rows and a crashed trainer's rows come back when its lease runs out.
 A batch becomes `trained_at` in the same transaction that records the adapter version trained on it,
 and only if every return it trained on is still the stored one (a reward may have moved it).
-Every claim counts an attempt; a row claimed `max_attempts` times without being trained (its batch
-crashed the step, or kept losing) is set aside as `train_failed` instead of stalling the queue.
+Every claim counts an attempt (a trainer that crashes mid-step has used it), given back when the
+step failed for a reason not the batch's (trainer/faults.py: an outage, a lost race); a row
+whose batch failed the step `max_attempts` times is set aside as `train_failed` instead of
+stalling the queue.
 """
 
 from __future__ import annotations
@@ -213,7 +215,8 @@ def set_aside(skipped: dict[str, str], *, session: Session, trainer_id: str) -> 
 
 def release(ids: list[str], *, session: Session, trainer_id: str, attempt: bool = True) -> None:
     """Give a batch back (the step failed): the next claim may take it at once. `attempt`:
-    the claim counts as one of its train attempts (it was counted when claimed)."""
+    the claim counts as one of its train attempts (it was counted when claimed); False when
+    the failure was not the batch's."""
     uncount = "" if attempt else ", train_attempts = greatest(train_attempts - 1, 0)"
     session.execute(
         text(

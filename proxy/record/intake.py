@@ -41,11 +41,6 @@ class Intake:
         self._tool_check = tool_check  # AIR (air.py); None: off
         self._durable_wait_s = durable_wait_s  # None: durable mode off
 
-    @property
-    def durable(self) -> bool:
-        """Durable mode: a successful answer waits until its records are safe."""
-        return self._durable_wait_s is not None
-
     def watch(self, records: list[TransitionRecord]) -> list[asyncio.Future[None]]:
         """Durable mode, a successful call: futures done once its records are safe (none else).
         Before `submit`: a spill to the journal may settle them at once."""

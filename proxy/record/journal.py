@@ -8,6 +8,12 @@ crash at any point repeats rows at worst and never loses one. Rows that Postgres
 segment holding a line that does not parse (a damaged disk, a hand-edited file) is copied whole
 to `quarantine/` and rewritten with its good lines, which replay as usual.
 
+Rewards posted while Postgres is unreachable wait here too, in `rewards-*.jsonl` segments (one
+post a line: proxy/record/reward_journal.py), and are replayed after the transition segments.
+At start-up, `redrive_rejected` puts what `rejected/` holds back into the journal: a row refused
+before a fix or a migration is tried once more, and is rejected again (with the new error) if
+Postgres still refuses it.
+
 Every method may raise `OSError` (disk full, read-only, I/O error): the recorder runs each in
 `guard()`, which keeps the failure (`error`, for /healthz) until the operation works again, and
 decides what then happens to the records.
@@ -19,8 +25,10 @@ import contextlib
 import logging
 import os
 import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import orjson
 
@@ -37,7 +45,7 @@ class Journal:
         self.rejected_dir.mkdir(parents=True, exist_ok=True)
         self.quarantine_dir = directory / "quarantine"
         self._seq = 0
-        self.pending = sum(_count_lines(p) for p in self.segments())
+        self.pending = sum(_count_lines(p) for p in [*self.segments(), *self.reward_segments()])
         self._errors: dict[str, str] = {}  # operation -> its last failure, until it works
 
     @property
@@ -121,6 +129,73 @@ class Journal:
         path = self.rejected_dir / f"{record.id}.json"
         _write_durably(path, orjson.dumps({"error": error, "record": record}))
 
+    # --- rewards, and rejected rows tried again ------------------------------------------------
+
+    def reward_segments(self, *, before: list[Path] | None = None) -> list[Path]:
+        """Reward posts' segments, oldest first; with `before` (transition segments), only those
+        written before all of them: replay applies a reward after the transitions ahead of it."""
+        found = sorted(self.directory.glob("rewards-*.jsonl"), key=_written_at)
+        if before:
+            first = min(map(_written_at, before))
+            found = [p for p in found if _written_at(p) < first]
+        return found
+
+    def append_rewards(self, posts: list[dict[str, Any]]) -> None:
+        """Reward posts (JSON objects, one a line), fsync'd like transitions."""
+        self._seq += 1
+        name = f"rewards-{time.time_ns():020d}-{os.getpid()}-{self._seq:06d}.jsonl"
+        _write_durably(self.directory / name, b"".join(orjson.dumps(p) + b"\n" for p in posts))
+        self.pending += len(posts)
+
+    def read_rewards(self, segment: Path) -> list[dict[str, Any]]:
+        """A rewards segment's posts; lines that do not parse are copied to quarantine/ first."""
+        data = segment.read_bytes()
+        lines = data.splitlines()
+        good = []
+        for line in lines:
+            with contextlib.suppress(orjson.JSONDecodeError):
+                if isinstance(post := orjson.loads(line), dict):
+                    good.append(post)
+        if bad := len(lines) - len(good):
+            self.quarantine_dir.mkdir(exist_ok=True)
+            _write_durably(self.quarantine_dir / segment.name, data)
+            _write_durably(segment, b"".join(orjson.dumps(p) + b"\n" for p in good))
+            self.pending = max(0, self.pending - bad)
+            metrics.journal_quarantined.inc(bad)
+            log.error("journal segment %s: %d line(s) unreadable, quarantined", segment.name, bad)
+        return good
+
+    def reject_rewards(self, post: dict[str, Any], error: str) -> None:
+        path = self.rejected_dir / f"rewards-{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.json"
+        _write_durably(path, orjson.dumps({"error": error, "post": post}))
+
+    def redrive_rejected(self) -> int:
+        """Everything `rejected/` holds back into the journal, to be tried once more (after a fix
+        or a migration); returns how many. Written durably before the files are removed (a crash
+        in between only repeats rows, and replays are idempotent)."""
+        files = sorted(self.rejected_dir.glob("*.json"))
+        records: list[TransitionRecord] = []
+        posts: list[dict[str, Any]] = []
+        for path in list(files):
+            try:
+                kept = orjson.loads(path.read_bytes())
+                if "post" in kept:
+                    posts.append(kept["post"])
+                else:
+                    records.append(TransitionRecord.from_json(kept["record"]))
+            except (orjson.JSONDecodeError, TypeError, KeyError, AttributeError):
+                log.error("rejected/%s does not parse; left there", path.name)
+                files.remove(path)
+        if records:
+            self.append(records)
+        if posts:
+            self.append_rewards(posts)
+        for path in files:
+            path.unlink()
+        if files:
+            log.warning("%d rejected row(s) from %s are tried again", len(files), self.rejected_dir)
+        return len(files)
+
 
 def _write_durably(path: Path, data: bytes) -> None:
     tmp = path.with_suffix(".tmp")
@@ -134,6 +209,11 @@ def _write_durably(path: Path, data: bytes) -> None:
         os.fsync(dir_fd)
     finally:
         os.close(dir_fd)
+
+
+def _written_at(segment: Path) -> int:
+    """`segment-<ns>-...` or `rewards-<ns>-...`: when it was written (time.time_ns())."""
+    return int(segment.name.split("-")[1])
 
 
 def _count_lines(path: Path) -> int:

@@ -7,8 +7,8 @@
   or when someone waits for the records: a reward, an episode read, durable mode, shutdown.
 - Postgres unreachable (or a write hanging): the batch goes to the disk journal, later batches
   follow it there, and the journal is replayed once Postgres answers again.
-- Postgres refusing a row as data (a bug, not an outage) isolates that row into the journal's
-  `rejected/` folder; its neighbours are written and the writer keeps going.
+- Postgres refusing a row as data (SQLSTATE class 22, 23) isolates it in the journal's rejected/;
+  its neighbours are written. Other refusals (read-only, privileges) are outages: core/database.py
 - The journal failing (disk full, read-only, I/O error): the records go back to the queue, in
   memory, and are tried again (Postgres first) every `retry_s`; `journal_error` says why, for
   /healthz. Nothing acknowledged is dropped while the process lives.
@@ -22,32 +22,27 @@ import asyncio
 import contextlib
 import logging
 import time
-from datetime import UTC, date, datetime
 
 import orjson
 
 from core.codecs import PromptMemo
-from core.database import OUTAGE_ERRORS, AsyncSessions
+from core.database import OUTAGE_ERRORS, AsyncSessions, refusals_as_outage
 from core.record import TransitionRecord
 from proxy import metrics
+from proxy.record import reward_journal
 from proxy.record.journal import Journal
-from proxy.record.pending import Pending
+from proxy.record.known import KnownDigests
+from proxy.record.pending import UNSTORED_MAX_IDS, Pending
 from proxy.record.queue import RecordQueue
+from proxy.record.replay import ReplayChunks
 from proxy.record.store.transitions import insert_transitions
 from proxy.record.tracing import Spans
 
 log = logging.getLogger(__name__)
 
-WRITE_TIMEOUT_S = 15.0  # a write hanging longer than this is an outage: journal and move on
-REPLAY_CHUNK = 5000
 # Batches written at once, each on its own connection: while Postgres writes one, Python packs
 # the next (either side alone leaves the other idle for about half of the time).
 WRITERS = 2
-# Digests of messages and token id blocks this process knows are committed, so it does not send
-# them again (a system prompt or an episode's history repeats in batch after batch). Forgotten
-# when full or after an outage (the database may come back restored from a backup) and when the
-# UTC day changes (retention deletes them by their `last_used` day: core/retention.py).
-STORED_MAX = 200_000
 # How long a reward or an episode read waits for this process's transitions to leave the queue.
 STORED_WAIT_S = 10.0
 
@@ -65,6 +60,9 @@ class Recorder:
         gamma: float | None,
         air_penalty: float | None = None,
         spans: Spans | None = None,
+        memo: PromptMemo | None = None,  # (its bounds: FLYWHEEL_WRITER_MEMO_*)
+        replay: ReplayChunks | None = None,  # (and every write's timeout)
+        unstored_max_ids: int = UNSTORED_MAX_IDS,
     ) -> None:
         self._sessionmaker = sessionmaker
         self._spans = spans  # every record accepted is also a span (FLYWHEEL_OTEL_ENDPOINT)
@@ -76,12 +74,13 @@ class Recorder:
         self._gamma = gamma
         self._air_penalty = air_penalty
         self._queue = RecordQueue()
-        self._pending = Pending()  # what is not in Postgres yet, and who waits for it
+        self._pending = Pending(journal, unstored_max_ids)  # not in Postgres yet, who waits
         self._inflight: dict[int, list[TransitionRecord]] = {}  # writer -> its batch
         self._replaying = False
-        self._known: set[bytes] = set()  # digests known committed (STORED_MAX)
-        self._memo = PromptMemo()  # each episode's last prompt, hashed (core/codecs.py)
-        self._stored_day = date.min  # the UTC day the cache above holds for
+        self._known = KnownDigests()  # what need not be sent again (proxy/record/known.py)
+        self._memo = PromptMemo() if memo is None else memo  # each episode's last prompt, hashed
+        self._chunks = replay or ReplayChunks()  # how much of the journal one write replays
+        self._timeout_s = self._chunks.timeout_s
         self._wake = asyncio.Event()
         self._hurry = asyncio.Event()  # "write now": see _urgent()
         self._stopping = False
@@ -91,7 +90,7 @@ class Recorder:
         self._journal_retry_at = 0.0
         for segment in journal.segments():  # an unreadable one is replayed later, or fails then
             with self.journal.guard("read"):
-                self._pending.track(journal.read(segment))
+                self._pending.journaled(journal.read(segment))
         metrics.journal_pending.set(journal.pending)
         metrics.journal_ok.set(1)
 
@@ -249,31 +248,26 @@ class Recorder:
         return True
 
     async def _insert(self, records: list[TransitionRecord]) -> None:
-        # The cache of stored messages and blocks holds for one UTC day: what it was sent on
-        # marks each used until at least that day, and retention keeps every one used within a
-        # day of the oldest transition it keeps (core/retention.py).
-        today = datetime.now(UTC).date()
-        if today != self._stored_day:
-            self._known.clear()
-            self._stored_day = today
+        today = self._known.today()
         try:
-            async with asyncio.timeout(WRITE_TIMEOUT_S), self._sessionmaker.begin() as session:
+            async with (
+                refusals_as_outage(),  # a read-only standby, say: wait, it is not the rows' fault
+                asyncio.timeout(self._timeout_s),
+                self._sessionmaker.begin() as session,
+            ):
                 sent = await insert_transitions(
                     records,
                     session=session,
                     gamma=self._gamma,
                     air_penalty=self._air_penalty,
-                    stored=self._known,
+                    stored=self._known.digests,
                     today=today,
                     memo=self._memo,
                 )
         except OUTAGE_ERRORS:
-            self._known.clear()
+            self._known.forget()
             raise
-        if len(self._known) + len(sent) > STORED_MAX:
-            self._known.clear()
-        if today == self._stored_day:  # (another writer may have begun the next day meanwhile)
-            self._known.update(sent)  # committed: the block above exited cleanly
+        self._known.committed(sent, today)  # the block above exited cleanly
         for r in records:
             metrics.transitions_recorded.labels(r.status).inc()
 
@@ -300,8 +294,19 @@ class Recorder:
         self._replaying = True
         try:
             await self._replay_segments()
+            if time.monotonic() >= self._next_replay and not await reward_journal.replay_rewards(
+                self.journal, self._sessionmaker, gamma=self._gamma, timeout_s=self._timeout_s
+            ):
+                self._next_replay = time.monotonic() + self._retry_s
         finally:
             self._replaying = False
+
+    def journal_rewards(self, post: reward_journal.Entry) -> bool:
+        """A reward post to the journal, behind the queued transitions (False: journal failing)."""
+        if self._queue and not self._journal(self._queue.take_all()):
+            return False
+        self._wake.set()  # a writer idle on an empty queue replays it once Postgres answers
+        return reward_journal.append(self.journal, post)
 
     async def _replay_segments(self) -> None:
         for segment in self.journal.segments():
@@ -310,16 +315,14 @@ class Recorder:
             if self.journal.failing("read"):
                 self._next_replay = time.monotonic() + self._retry_s
                 return
-            try:
-                for i in range(0, len(records), REPLAY_CHUNK):
-                    await self._insert(records[i : i + REPLAY_CHUNK])
+            try:  # chunk by chunk, sized by bytes and time (proxy/record/replay.py)
+                await self._chunks.insert(segment, records, self._insert, self._pending.stored)
             except OUTAGE_ERRORS:
                 self._next_replay = time.monotonic() + self._retry_s
                 self._database_ok = False
                 return
             except Exception:
-                await self._isolate(records)
-            self._pending.stored(records)  # committed, whatever happens to the segment now
+                await self._isolate(records)  # (each one stored, rejected or journaled again)
             with self.journal.guard("remove"):  # a segment left behind only replays again
                 self.journal.remove(segment, len(records))
             metrics.journal_pending.set(self.journal.pending)
@@ -327,15 +330,13 @@ class Recorder:
         self._database_ok = True
         metrics.database_up.set(1)
 
-    # --- bookkeeping ----------------------------------------------------------------------
-
     def _journal(self, records: list[TransitionRecord]) -> bool:
         """To disk; if the journal fails, back to the front of the queue (False)."""
         with self.journal.guard("append"):
             self.journal.append(records)
             metrics.transitions_journaled.inc(len(records))
             metrics.journal_pending.set(self.journal.pending)
-            self._pending.settle(records)
+            self._pending.journaled(records)
             return True
         self._queue.put_back(records)
         self._queue.report()

@@ -11,7 +11,9 @@ chosen by a hash of the episode id: every call of an episode, on every replica, 
 Whoever moves the current version or opens or closes a canary (the trainer, a rollback) NOTIFYs
 `flywheel_policy` in the same transaction; a listening connection re-reads the versions the moment
 that commits, so the next call already uses the new adapter. A poll every `alias_refresh_s` is the
-fallback for while the listening connection is down. No database round trip per request either way.
+fallback for while the listening connection is down. No database round trip per request either way,
+except the first call to a pinned version this proxy has not seen (`policy@N`: one row, then cached;
+a 503 while Postgres is down).
 
 Each lineage's current version is also kept in a file (`snapshot`, under FLYWHEEL_HOME): a proxy
 that starts while Postgres is unreachable serves the versions it last knew, not the base model,
@@ -30,13 +32,18 @@ import orjson
 import psycopg
 
 from core import canary, policy
-from core.database import AsyncSessions, run_sync
+from core.database import OUTAGE_ERRORS, AsyncSessions, run_sync
 from core.policy import BASE_VERSION
 from core.vllm import VLLMError
 from proxy.errors import ApiError
 from proxy.relay.upstream import Replica, Upstream
 
 log = logging.getLogger(__name__)
+
+MAX_VERSION = 2**31 - 1  # adapter_version.version is an integer column: no version beyond it
+# Looking up one adapter row by key takes milliseconds; longer, Postgres is unreachable (dropped
+# packets hang a connect) and the client is better told so than kept waiting.
+LOOKUP_TIMEOUT_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -228,7 +235,7 @@ class PolicyAlias:
     async def _pinned(self, model: str) -> tuple[str, str]:
         """`policy@N`: the adapter's name and lineage (the base model's name for N = 0)."""
         suffix = model.partition("@")[2]
-        if not suffix.isdigit():
+        if not (suffix.isascii() and suffix.isdigit()):  # ('²' and '٣' pass isdigit())
             raise ApiError(
                 400,
                 f"model {model!r}: the version after '@' must be a number, e.g. {self.alias}@3",
@@ -239,8 +246,7 @@ class PolicyAlias:
         if version == BASE_VERSION:
             return await self._base(), policy.DEFAULT_LINEAGE
         if version not in self._names:
-            async with self._sessionmaker() as session:
-                adapter = await run_sync(session, policy.get, version=version)
+            adapter = await self._lookup(model, version) if version <= MAX_VERSION else None
             if adapter is None:
                 raise ApiError(
                     404,
@@ -251,6 +257,23 @@ class PolicyAlias:
                 )
             self._remember(version, adapter.name, adapter.lineage)
         return self._names[version]
+
+    async def _lookup(self, model: str, version: int) -> policy.Adapter | None:
+        """A version this proxy has not served yet (every current and canary one is cached):
+        one row by its key. Postgres down: a 503 that says so, not an error of our own."""
+        try:
+            async with asyncio.timeout(LOOKUP_TIMEOUT_S), self._sessionmaker() as session:
+                return await run_sync(session, policy.get, version=version)
+        except OUTAGE_ERRORS as e:
+            raise ApiError(
+                503,
+                f"model {model!r}: version {version} is not known to this proxy yet and the "
+                f"database is unavailable ({type(e).__name__}) to look it up; retry later, or "
+                f"call `{self.alias}`",
+                type="service_unavailable",
+                param="model",
+                code="database_unavailable",
+            ) from e
 
     async def _base(self) -> str:
         if self.base_model is None:

@@ -9,10 +9,13 @@ the record wing (handoff.py; never awaited here).
 
 A provider model (FLYWHEEL_ROUTES) goes to forward_provider.py instead.
 
+A stream's terminal event (`[DONE]`, or the Responses API's `response.completed`) reaches the
+client only after the call's records are queued for the writer, as a non-streaming body does: a
+reward or an episode read sent the moment the client has the answer waits for them.
+
 Durable mode (FLYWHEEL_DURABLE): a successful answer is released only once its transitions are
 committed or fsync'd to the journal: a non-streaming body after that, a stream's terminal event
-(`[DONE]`, or the Responses API's `response.completed`) held until then (proxy/record/intake.py
-says how long).
+held until then (proxy/record/intake.py says how long).
 """
 
 from __future__ import annotations
@@ -57,7 +60,6 @@ class Forwarder:
         self._upstream = upstream
         self._alias = alias
         self._handoff = handoff  # the records, to the record wing
-        self._durable = handoff.durable  # hold a stream's terminal event until it is safe
         self._providers = providers  # FLYWHEEL_ROUTES; None: none
 
     async def handle(
@@ -204,29 +206,29 @@ class Forwarder:
     ) -> AsyncGenerator[bytes]:
         """Pass SSE events through as they come, collecting each choice's tokens on the way.
         The events that arrived together leave together: one write to the client per block
-        read from vLLM, not one per event (a socket write each, the relay's largest cost)."""
+        read from vLLM, not one per event (a socket write each, the relay's largest cost).
+
+        The block holding the terminal event (`[DONE]`, or the Responses API's `response.*` end)
+        leaves only once the call's records are queued for the writer (durable mode: safe), so a
+        reward or an episode read sent the moment the client sees the end finds the call."""
         collected: dict[int, wire.Choice] = {}
         status, error = "aborted", None
         detailed = call.wants_logprobs and call.wants_token_ids
-        held = b""  # durable mode: the terminal event, sent once the transitions are safe
         try:
             async for events in sse_events(response):
-                out = []
+                out, ended = [], False
                 for name, data_bytes in events:
                     if data_bytes == b"[DONE]":  # chat and completions
-                        status = "ok" if error is None else "failed"
-                        if not self._durable:
-                            out.append(b"data: [DONE]\n\n")
-                        else:
-                            held = b"data: [DONE]\n\n"
+                        status, ended = ("ok" if error is None else "failed"), True
+                        out.append(b"data: [DONE]\n\n")
                         continue
                     chunk = orjson.loads(data_bytes)
                     if call.endpoint is wire.RESPONSES:
-                        ended = responses.read_event(chunk, collected.setdefault(0, wire.Choice()))
-                        if ended is not None:
-                            status = ended
+                        end = responses.read_event(chunk, collected.setdefault(0, wire.Choice()))
+                        if end is not None:
+                            status, ended = end, True
                             call.response_id = (chunk.get("response") or {}).get("id")
-                            if ended == "failed":
+                            if end == "failed":
                                 error = responses.error_of(chunk)
                     elif "error" in chunk:
                         error = chunk
@@ -236,31 +238,40 @@ class Forwarder:
                         _strip(call, chunk)
                         data_bytes = orjson.dumps(chunk)
                     head = b"event: " + name + b"\ndata: " if name else b"data: "
-                    if self._durable and status == "ok" and not held:
-                        held = head + data_bytes + b"\n\n"  # the Responses API's response.completed
-                        continue
                     out.append(head + data_bytes + b"\n\n")
+                if ended and not call.recorded:
+                    self._hand_over_stream(call, collected, status, error, sent)
+                    await self._handoff.safe(call)  # durable mode (else at once)
                 if out:
                     yield b"".join(out)
         except UPSTREAM_ERRORS as e:
             status, error = "failed", {"error": {"message": f"upstream stream broke: {e}"}}
             log.warning("upstream stream broke: %s", e)
         finally:
-            # Reached on [DONE], on an upstream error, and when the client disconnects (the
-            # response task is cancelled): closing the connection makes vLLM abort the request.
+            # Reached at the stream's end, on an upstream error, and when the client disconnects
+            # (the response task is cancelled): closing the connection makes vLLM abort the
+            # request. The records of a stream that ended are handed over already.
             if status == "ok":
                 response.release()
             else:
                 response.close()
-            call.upstream_s = time.perf_counter() - sent
-            if error is not None:
-                records = failure(call, 200, orjson.dumps(error), partial=collected)
-            else:
-                records = transitions(call, collected, status)
-            self._handoff.hand_over(call, records)
-        if held:
-            await self._handoff.safe(call)
-            yield held
+            if not call.recorded:
+                self._hand_over_stream(call, collected, status, error, sent)
+
+    def _hand_over_stream(
+        self,
+        call: Call,
+        collected: dict[int, wire.Choice],
+        status: str,
+        error: dict[str, Any] | None,
+        sent: float,
+    ) -> None:
+        call.upstream_s = time.perf_counter() - sent
+        if error is not None:
+            records = failure(call, 200, orjson.dumps(error), partial=collected)
+        else:
+            records = transitions(call, collected, status)
+        self._handoff.hand_over(call, records)
 
     def _end_stream(self, call: Call, response: UpstreamResponse) -> None:
         self._free(call)

@@ -28,11 +28,6 @@ class Handoff:
         self._upstream = upstream
         self._scorer = scorer
 
-    @property
-    def durable(self) -> bool:
-        """Durable mode: hold a successful answer (a stream's terminal event) until `safe`."""
-        return self._intake.durable
-
     def hand_over(self, call: Call, records: list[TransitionRecord]) -> None:
         """Once per call, however it ended; never awaited."""
         call.recorded = True

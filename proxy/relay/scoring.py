@@ -67,8 +67,9 @@ class Scorer:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def stop(self, timeout: float = 10.0) -> None:
-        """Let the scoring in flight finish (each record is handed over however it ends)."""
+    async def stop(self, timeout: float) -> None:
+        """Let the scoring in flight finish for up to `timeout` (each record is handed over
+        however it ends: unscored when cancelled)."""
         if self._tasks:
             _, pending = await asyncio.wait(set(self._tasks), timeout=timeout)
             for task in pending:

@@ -1,4 +1,10 @@
-"""Reading a JSON request body: the size limit, and whether it holds a U+0000."""
+"""Reading a JSON request body: its Content-Type, the size limit, and whether it holds a U+0000.
+
+The body must be declared JSON (`application/json`, or `application/*+json`, any parameters):
+a web page can send `text/plain` to any address without the browser asking first (a CORS "simple
+request"), so a body taken as JSON whatever its type lets any page post to a proxy on loopback.
+Every client library (openai, httpx `json=`, requests, LangChain, litellm) declares it.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from proxy.errors import ApiError
 
 async def read_json(request: Request, max_bytes: int) -> tuple[Any, bool]:
     """The parsed body, and whether it holds a U+0000 (which Postgres cannot store)."""
+    check_json_type(request.headers.get("content-type"))
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise ApiError(
@@ -36,3 +43,17 @@ async def read_json(request: Request, max_bytes: int) -> tuple[Any, bool]:
         return orjson.loads(raw), b"\\u0000" in raw
     except orjson.JSONDecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from e
+
+
+def check_json_type(content_type: str | None) -> None:
+    media = (content_type or "").partition(";")[0].strip().lower()
+    if media == "application/json" or (
+        media.startswith("application/") and media.endswith("+json")
+    ):
+        return
+    given = f"Content-Type {content_type!r}" if content_type else "no Content-Type"
+    raise ApiError(
+        415,
+        f"the request body must be JSON sent with `Content-Type: application/json` ({given})",
+        code="unsupported_media_type",
+    )

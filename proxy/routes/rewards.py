@@ -8,10 +8,16 @@ A reward for an episode whose transitions are still in this process's writer que
 (`Recorder.wait_stored`), so a reward posted after its completion's response always joins it. A
 step reward whose transition another replica recorded and has not stored yet is kept "pending"
 and joins its transition when that replica's writer stores it (`rewards.attach_pending_rewards`).
+
+Postgres unreachable or refusing (not as data), or the writer's journal not replayed yet: a valid
+post is journaled behind the transitions (fsync'd) and answered 202 with `"status": "journaled"`,
+`"stored": false`; the writer applies it when the journal is replayed
+(proxy/record/reward_journal.py). Validation is the same either way: a bad post is a 4xx at once.
 """
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import orjson
@@ -19,11 +25,12 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from starlette.responses import Response
 
-from core.database import OUTAGE_ERRORS
+from core.database import is_outage
 from core.tenants import DEFAULT, Principal
 from proxy import metrics
 from proxy.auth import principal_of
 from proxy.errors import ApiError
+from proxy.record import reward_journal
 from proxy.record.recorder import STORED_WAIT_S
 from proxy.record.schemas import MAX_REWARDS_PER_POST, RewardIn
 from proxy.record.storable import pg_safe
@@ -32,6 +39,10 @@ from proxy.routes.body import read_json
 from proxy.services import Services, ServicesDep
 
 router = APIRouter()
+# A reward's status in a 202: in the journal, applied (and its status known) at replay.
+JOURNALED = "journaled"
+# While a reward waits for its transitions: how often it looks whether the writer is journaling.
+OUTAGE_CHECK_S = 0.25
 
 
 # The body is read by hand (read_json: size limit, U+0000, clear errors); this documents it.
@@ -55,32 +66,36 @@ _BODY = {
 }
 
 
-@router.post("/v1/rewards", openapi_extra={"requestBody": _BODY})
+@router.post(
+    "/v1/rewards",
+    openapi_extra={"requestBody": _BODY},
+    responses={
+        202: {
+            "description": "Journaled (Postgres unreachable or refusing): the same shape, "
+            'with "status": "journaled" and "stored": false; applied when the journal is replayed'
+        }
+    },
+)
 async def post_rewards(request: Request, services: ServicesDep) -> Response:
     body, nul = await read_json(request, services.settings.max_body_bytes)
     principal = principal_of(request.scope)
-    out = await store_rewards(pg_safe(body) if nul else body, services, principal)
-    return Response(orjson.dumps(out), media_type="application/json")
+    status, out = await store_rewards(pg_safe(body) if nul else body, services, principal)
+    return Response(orjson.dumps(out), status_code=status, media_type="application/json")
 
 
 async def store_rewards(
     body: Any, services: Services, principal: Principal = DEFAULT
-) -> dict[str, Any]:
-    """Store every reward of the body or none; episode ids are the caller's (its tenant's)."""
+) -> tuple[int, dict[str, Any]]:
+    """Store every reward of the body or none (200), or journal them all (202: Postgres cannot
+    take them now); episode ids are the caller's (its tenant's)."""
     items = parse_rewards(body)
     if principal.tenant is not None:  # the tenant's own episodes (core/tenants.py)
         items = [r.model_copy(update={"episode_id": principal.own(r.episode_id)}) for r in items]
     recorder = services.recorder
     if not recorder.database_up:
-        # The writer is journaling: Postgres was unreachable moments ago. Say so at once rather
-        # than wait; the client retries with the same idempotency key once it is back.
-        raise ApiError(
-            503,
-            "database unavailable (transitions are being journaled); nothing was stored, "
-            "retry with the same idempotency_key",
-            type="service_unavailable",
-            code="database_unavailable",
-        )
+        # The writer is journaling (Postgres was unreachable moments ago) or replaying: the
+        # rewards go behind its transitions, so that replay keeps their order and their keys'.
+        return journaled(items, body, services, principal)
     by_episode: dict[str, list[RewardIn]] = {}
     for r in items:
         by_episode.setdefault(r.episode_id, []).append(r)
@@ -89,7 +104,9 @@ async def store_rewards(
         # A tool call id may be any of the episode's transitions: wait for all of them.
         by_call = any(r.tool_call_id is not None for r in mine)
         wanted = None if by_call else step_ids or None
-        stored = await recorder.wait_stored(episode_id, wanted, timeout=STORED_WAIT_S)
+        stored = await _wait_stored(services, episode_id, wanted)
+        if not stored and not recorder.database_up:  # Postgres went away meanwhile
+            return journaled(items, body, services, principal)
         if not stored and (step_ids or by_call):
             raise ApiError(
                 503,
@@ -116,32 +133,77 @@ async def store_rewards(
                 raise ApiError(
                     409, str(e), param="idempotency_key", code="idempotency_key_reused"
                 ) from e
-    except OUTAGE_ERRORS as e:
+    except Exception as e:
+        if not is_outage(e):  # (a refusal above is an ApiError: not an outage)
+            raise
+        # Unreachable, or refusing for a reason of its own (a read-only standby): the rewards
+        # wait in the journal. (Had the commit gone through unseen, a keyed reward replays as a
+        # duplicate; an unkeyed one would be stored twice.)
+        return journaled(items, body, services, principal)
+    results = []
+    for r, s in zip(items, saved, strict=True):
+        results.append(_result(r, principal, s.transition_id, s.status, s.credited))
+        metrics.rewards_ingested.labels(_kind(r), s.status).inc()
+    return 200, _shaped(body, results)
+
+
+async def _wait_stored(services: Services, episode_id: str, wanted: list[str] | None) -> bool:
+    """`Recorder.wait_stored`, given up once the writer journals: the transitions will not be
+    stored before Postgres is back, and the reward goes behind them in the journal at once."""
+    recorder = services.recorder
+    deadline = time.monotonic() + STORED_WAIT_S
+    while recorder.database_up:
+        remaining = deadline - time.monotonic()
+        if await recorder.wait_stored(
+            episode_id, wanted, timeout=max(0.0, min(OUTAGE_CHECK_S, remaining))
+        ):
+            return True
+        if remaining <= OUTAGE_CHECK_S:
+            return False
+    return False
+
+
+def journaled(
+    items: list[RewardIn], body: Any, services: Services, principal: Principal
+) -> tuple[int, dict[str, Any]]:
+    """202: the rewards are in the journal (fsync'd), to be applied when it is replayed."""
+    if not services.recorder.journal_rewards(reward_journal.journal_entry(items)):
         raise ApiError(
             503,
-            f"database unavailable ({type(e).__name__}); nothing was stored, "
+            "database unavailable and the journal failing "
+            f"({services.recorder.journal_error}); nothing was stored, "
             "retry with the same idempotency_key",
             type="service_unavailable",
             code="database_unavailable",
-        ) from e
-    results = [
-        {
-            "object": "reward",
-            "episode_id": principal.public(r.episode_id),
-            "transition_id": str(s.transition_id) if s.transition_id else None,
-            "reward": r.reward,
-            "source": r.source,
-            "status": s.status,
-            "credited_transitions": s.credited,
-        }
-        for r, s in zip(items, saved, strict=True)
-    ]
-    for r, s in zip(items, saved, strict=True):
-        step = r.transition_id is not None or r.tool_call_id is not None
-        metrics.rewards_ingested.labels("step" if step else "final", s.status).inc()
+        )
+    for r in items:
+        metrics.rewards_ingested.labels(_kind(r), JOURNALED).inc()
+    return 202, _shaped(body, [_result(r, principal, r.transition_id, JOURNALED, 0) for r in items])
+
+
+def _result(
+    r: RewardIn, principal: Principal, transition_id: Any, status: str, credited: int
+) -> dict[str, Any]:
+    return {
+        "object": "reward",
+        "episode_id": principal.public(r.episode_id),
+        "transition_id": str(transition_id) if transition_id else None,
+        "reward": r.reward,
+        "source": r.source,
+        "status": status,
+        "stored": status != JOURNALED,
+        "credited_transitions": credited,
+    }
+
+
+def _shaped(body: Any, results: list[dict[str, Any]]) -> dict[str, Any]:
     if isinstance(body, dict):
         return results[0]
     return {"object": "list", "data": results}
+
+
+def _kind(r: RewardIn) -> str:
+    return "step" if r.transition_id is not None or r.tool_call_id is not None else "final"
 
 
 def parse_rewards(body: Any) -> list[RewardIn]:

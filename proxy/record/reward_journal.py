@@ -1,0 +1,138 @@
+"""Rewards through an outage: a reward post Postgres cannot take now is journaled (fsync'd, in the
+writer's journal, behind the transitions queued before it) and answered 202; the writer's replay
+applies it once Postgres answers, after every transition journaled before it
+(proxy/record/recorder.py). What Postgres refuses at replay is set aside, never dropped.
+
+- Idempotency across the outage: a reward without a key is given one (`journal:<uuid>`) before it
+  is journaled, so a replay that repeats it (a crash between its commit and the segment's removal)
+  stores it once. A key posted again during the outage, or once during and once after it, is
+  stored once: while anything waits in the journal every reward goes there too, in order, and the
+  later one replays as a "duplicate".
+- What only Postgres can tell is known at replay: a key reused with another value, a transition of
+  another episode, a tool call id several steps share, a return already trained on. The post is
+  then applied reward by reward, and each refused one goes to the journal's `rejected/` with the
+  reason (`flywheel_rewards_ingested_total{outcome="rejected"}`, and the log); the next start-up
+  tries it once more (`Journal.redrive_rejected`).
+- A reward for an episode not seen yet is what it is when Postgres is up: a final reward is kept
+  on the episode's row and credits its transitions when they are stored; a step reward is
+  "pending" until its transition is stored.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from typing import Any
+
+import orjson
+
+from core.database import OUTAGE_ERRORS, AsyncSessions, refusals_as_outage
+from proxy import metrics
+from proxy.record.journal import Journal
+from proxy.record.schemas import RewardIn
+from proxy.record.store.rewards import add_rewards
+
+log = logging.getLogger(__name__)
+
+Entry = dict[str, Any]  # one post as journaled: {"posted_at": unix s, "rewards": [RewardIn JSON]}
+
+
+def journal_entry(rewards: list[RewardIn]) -> Entry:
+    """One post as the journal keeps it: every reward with an idempotency key (see above)."""
+    keyed = [
+        r
+        if r.idempotency_key
+        else r.model_copy(update={"idempotency_key": f"journal:{uuid.uuid4()}"})
+        for r in rewards
+    ]
+    return {"posted_at": time.time(), "rewards": [r.model_dump(mode="json") for r in keyed]}
+
+
+def append(journal: Journal, entry: Entry) -> bool:
+    """To disk (fsync'd); False: the journal fails (the caller says 503, nothing kept)."""
+    with journal.guard("append"):
+        journal.append_rewards([entry])
+        metrics.journal_pending.set(journal.pending)
+        return True
+    return False
+
+
+async def replay_rewards(
+    journal: Journal, sessionmaker: AsyncSessions, *, gamma: float | None, timeout_s: float
+) -> bool:
+    """Apply the journaled posts older than every transition segment still waiting, in order;
+    False when Postgres cannot take them yet (they stay, and the writer tries again later)."""
+    for segment in journal.reward_segments(before=journal.segments()):
+        with journal.guard("read"):
+            posts = journal.read_rewards(segment)
+        if journal.failing("read"):
+            return False
+        try:
+            for post in posts:
+                await _apply(post, journal, sessionmaker, gamma=gamma, timeout_s=timeout_s)
+        except OUTAGE_ERRORS as e:
+            log.warning("journaled rewards wait: Postgres cannot take them (%s)", e)
+            return False
+        with journal.guard("remove"):  # a segment left behind replays again: keys make it safe
+            journal.remove(segment, len(posts))
+        metrics.journal_pending.set(journal.pending)
+    return True
+
+
+async def _apply(
+    post: dict[str, Any],
+    journal: Journal,
+    sessionmaker: AsyncSessions,
+    *,
+    gamma: float | None,
+    timeout_s: float,
+) -> None:
+    """One post, all of it if Postgres takes it; else reward by reward, the refused ones set
+    aside. Raises OUTAGE_ERRORS (nothing of it is then stored)."""
+    try:
+        items = [RewardIn.model_validate(r) for r in post["rewards"]]
+        async with (
+            refusals_as_outage(),
+            asyncio.timeout(timeout_s),
+            sessionmaker.begin() as session,
+        ):
+            saved = await add_rewards(items, session=session, gamma=gamma)
+    except OUTAGE_ERRORS:
+        raise
+    except Exception as e:  # refused as data, or not a post at all: not the database's fault
+        if isinstance(rewards := post.get("rewards"), list) and len(rewards) > 1:
+            for reward in rewards:
+                await _apply(
+                    {**post, "rewards": [reward]},
+                    journal,
+                    sessionmaker,
+                    gamma=gamma,
+                    timeout_s=timeout_s,
+                )
+            return
+        _reject(post, e, journal)
+        return
+    for r, s in zip(items, saved, strict=True):
+        metrics.rewards_ingested.labels(_kind(r), s.status).inc()
+    log.info("journaled rewards stored: %s", [s.status for s in saved])
+
+
+def _reject(post: dict[str, Any], error: Exception, journal: Journal) -> None:
+    log.error("a journaled reward was refused at replay (%r); kept in rejected/", error)
+    for r in rewards if isinstance(rewards := post.get("rewards"), list) else ():
+        metrics.rewards_ingested.labels(_kind(r), "rejected").inc()
+    with journal.guard("reject"):
+        journal.reject_rewards(post, repr(error))
+    if journal.failing("reject"):  # the log is the last place it can go
+        log.error("rejected reward post: %s", orjson.dumps(post).decode())
+
+
+def _kind(reward: Any) -> str:
+    """ "step" or "final", for the metric (of a hand-edited line too: it is only counted)."""
+    fields = vars(reward) if isinstance(reward, RewardIn) else reward
+    if not isinstance(fields, dict):
+        return "final"
+    step = fields.get("transition_id") is not None or fields.get("tool_call_id") is not None
+    return "step" if step else "final"

@@ -1,0 +1,141 @@
+"""Rewards through an outage (issue 31): a reward posted while Postgres is down is journaled and
+answered 202, applied when the journal is replayed (after the transitions it names), its
+idempotency key honoured across the outage; a bad post is still refused at once.
+
+Uses its own embedded PostgreSQL, stopped with `pg_ctl stop -m fast` as in tests/test_outage.py.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+import orjson
+import pytest
+
+from proxy.record import reward_journal
+from proxy.record.journal import Journal
+from tests.conftest import RunningProxy
+
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+
+
+def wait_for(condition: Callable[[], Any], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+def health(proxy: RunningProxy) -> dict[str, Any]:
+    return httpx.get(proxy.url + "/healthz").json()  # type: ignore[no-any-return]
+
+
+def call(proxy: RunningProxy, episode_id: str) -> str:
+    with proxy.client(**{"X-Episode-Id": episode_id}) as c:
+        r = c.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 200, r.text
+    return r.headers["x-transition-id"]
+
+
+def post(proxy: RunningProxy, body: Any) -> httpx.Response:
+    with proxy.client() as c:
+        return c.post("/v1/rewards", json=body)
+
+
+@pytest.mark.slow
+def test_a_reward_posted_during_an_outage_is_journaled_and_stored_after_it(
+    own_postgres: Any, make_proxy: Any
+) -> None:
+    proxy = make_proxy(database_url=own_postgres.url, journal_retry_s=0.2)
+    before = [call(proxy, "ep"), call(proxy, "ep")]
+    proxy.wait_rows("SELECT 1 FROM transition WHERE episode_id = 'ep'", 2)
+
+    own_postgres.stop()
+    during = call(proxy, "ep")  # recorded while Postgres is down: journaled
+    wait_for(lambda: health(proxy)["database"] != "up")
+    final = {"episode_id": "ep", "reward": 1.0, "idempotency_key": "final"}
+    r = post(proxy, final)
+    assert r.status_code == 202, r.text
+    assert r.json() == {
+        "object": "reward",
+        "episode_id": "ep",
+        "transition_id": None,
+        "reward": 1.0,
+        "source": None,
+        "status": "journaled",
+        "stored": False,
+        "credited_transitions": 0,
+    }
+    assert post(proxy, final).status_code == 202  # the same key again: stored once
+    step = {"episode_id": "ep", "transition_id": during, "reward": 0.5, "idempotency_key": "s"}
+    listed = post(proxy, [step, {"episode_id": "ep", "reward": 0.25, "source": "judge"}])
+    assert listed.status_code == 202, listed.text
+    assert [d["status"] for d in listed.json()["data"]] == ["journaled", "journaled"]
+    # Validation needs no database: still a 400 at once, nothing journaled.
+    bad = post(proxy, {"episode_id": "ep", "reward": "high"})
+    assert bad.status_code == 400 and bad.json()["error"]["code"] == "invalid_reward"
+    # A key reused with another value can only be known at replay: set aside there.
+    assert post(proxy, {**final, "reward": -1.0}).status_code == 202
+
+    # A graceful stop while Postgres is down keeps them on disk; the next proxy replays them.
+    proxy.stop()
+    journal = proxy.settings.journal_dir
+    assert list(journal.glob("rewards-*.jsonl"))
+    own_postgres.start()
+    second = make_proxy(database_url=own_postgres.url, home=proxy.settings.home)
+    wait_for(lambda: health(second)["database"] == "up")
+
+    again = post(second, final)  # once during the outage, once after: a duplicate
+    assert again.status_code == 200 and again.json()["status"] == "duplicate", again.text
+    assert again.json()["stored"] is True
+    rewards = second.query(
+        "SELECT idempotency_key, value, transition_id::text, source FROM reward "
+        "WHERE episode_id = 'ep' ORDER BY value"
+    )
+    assert [(k, v, t) for k, v, t, _ in rewards if not k.startswith("journal:")] == [
+        ("s", 0.5, during),  # joined to the transition it names: replayed after it
+        ("final", 1.0, None),
+    ]
+    assert [(v, s) for k, v, _, s in rewards if k.startswith("journal:")] == [(0.25, "judge")]
+    episode = second.query("SELECT final_reward FROM episode WHERE id = 'ep'")
+    assert episode == [(0.25,)]  # the later final reward of the list replaced the first
+    credited = second.query(
+        "SELECT id::text FROM transition WHERE episode_id = 'ep' AND \"return\" IS NOT NULL"
+    )
+    assert sorted(t for (t,) in credited) == sorted([*before, during])
+    refused = [orjson.loads(p.read_bytes()) for p in (journal / "rejected").iterdir()]
+    assert len(refused) == 1 and "KeyReused" in refused[0]["error"]
+    assert refused[0]["post"]["rewards"][0]["reward"] == -1.0
+
+
+def test_replay_applies_a_reward_only_after_the_transitions_journaled_before_it(
+    tmp_path: Path,
+) -> None:
+    journal = Journal(tmp_path)
+    journal.append_rewards([{"rewards": []}])
+    first_transitions = tmp_path / f"segment-{time.time_ns():020d}-1-000001.jsonl"
+    first_transitions.write_bytes(b"")
+    journal.append_rewards([{"rewards": []}])
+    older, newer = journal.reward_segments()
+    assert journal.reward_segments(before=[first_transitions]) == [older]
+    assert journal.reward_segments(before=[]) == [older, newer]
+
+
+async def test_a_damaged_reward_line_is_quarantined_and_a_malformed_post_set_aside(
+    tmp_path: Path,
+) -> None:
+    """Neither stops the replay (no database is reached: both fail before it)."""
+    journal = Journal(tmp_path)
+    journal.append_rewards([{"posted_at": 0, "rewards": "not a list"}])
+    (segment,) = journal.reward_segments()
+    segment.write_bytes(segment.read_bytes() + b'{"posted_at": 1, "rewa\n')
+    journal.pending += 1
+    assert await reward_journal.replay_rewards(journal, None, gamma=None, timeout_s=1)  # type: ignore[arg-type]
+    assert journal.pending == 0 and not journal.reward_segments()
+    assert (journal.quarantine_dir / segment.name).exists()
+    (kept,) = [orjson.loads(p.read_bytes()) for p in journal.rejected_dir.iterdir()]
+    assert kept["post"]["rewards"] == "not a list" and "validation error" in kept["error"]
