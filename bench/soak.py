@@ -40,7 +40,7 @@ class Sample:
     fds: int
     tcp: int
     postgres: int
-    memo: float | None  # the writer memo's metric(s), None where the proxy exports none
+    memo: float | None  # the writer memo's MiB (its metric), None where the proxy exports none
     calls: int
 
 
@@ -64,14 +64,16 @@ def sample(at_s: float, pid: int, url: str, db: str, calls: int) -> Sample:
 
 
 def memo_metric(url: str) -> float | None:
-    """The sum of the proxy's `flywheel_*memo*` gauges (bytes or entries: whatever it exports)."""
+    """The writer's prompt memo in MiB, as the proxy reports it (`flywheel_*memo*_bytes`)."""
     text = httpx.get(url + "/metrics", timeout=10).text
     values = [
         float(line.rsplit(" ", 1)[1])
         for line in text.splitlines()
-        if line.startswith("flywheel_") and "memo" in line.split(" ", 1)[0].split("{", 1)[0]
+        if (name := line.split(" ", 1)[0].split("{", 1)[0]).startswith("flywheel_")
+        and "memo" in name
+        and name.endswith("_bytes")
     ]
-    return sum(values) if values else None
+    return sum(values) / 2**20 if values else None
 
 
 def flat(values: list[float], ratio: float, slack: float = 0.0) -> tuple[bool, str]:
@@ -133,7 +135,7 @@ def main() -> None:
             x = samples[-1]
             print(
                 f"{x.at_s:6.0f} s  RSS {x.rss_mib:6.1f} MiB  fds {x.fds:4d}  tcp {x.tcp:4d}  "
-                f"postgres {x.postgres:3d}  memo {x.memo if x.memo is not None else '-'}  "
+                f"postgres {x.postgres:3d}  memo {'-' if x.memo is None else f'{x.memo:.2f}'} MiB  "
                 f"calls {x.calls}",
                 flush=True,
             )
@@ -146,12 +148,12 @@ def main() -> None:
         f"{seconds / 60:.1f} min, a sample every {args.sample_s:g} s; fake vLLM 5 ms x 2 "
         "replicas." + (f" {args.note}" if args.note else ""),
         "",
-        "| s | proxy RSS MiB | open fds | TCP connections | Postgres connections | writer memo "
+        "| s | proxy RSS MiB | open fds | TCP connections | Postgres connections | memo MiB "
         "| calls so far |",
         "|---:|---:|---:|---:|---:|---:|---:|",
         *(
             f"| {x.at_s:.0f} | {x.rss_mib:.1f} | {x.fds} | {x.tcp} | {x.postgres} "
-            f"| {'-' if x.memo is None else f'{x.memo:g}'} | {x.calls} |"
+            f"| {'-' if x.memo is None else f'{x.memo:.2f}'} | {x.calls} |"
             for x in samples
         ),
         "",
