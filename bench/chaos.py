@@ -27,7 +27,10 @@ Faults (`--faults`, all by default):
                         a claimed batch, and started again
   trainer-kill-publish  the same while it publishes (its adapter written and loading into
                         vLLM, not yet recorded: the fakes take 2 s per load here)
-The journal faults need root (a tmpfs mount) and are skipped without it. For the trainer faults
+And the faults of bench/chaos_more.py (its docstring): pg-disk-full, pg-partition,
+vllm-partition, pg-stop+proxy-term, journal-full+proxy-kill, proxy-oom.
+The journal faults need root (a tmpfs mount) and are skipped without it, as are
+chaos_more's (iptables, cgroups). For the trainer faults
 the note says what became of the killed trainer's claims and its half-published adapter, and
 whether the versions still form one chain; anything wrong there starts with "FAILED".
 
@@ -38,12 +41,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import itertools
 import os
+import random
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -53,16 +59,17 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 import httpx
 import orjson
 import psycopg
 
-from bench import common
+from bench import chaos_more, common
 from demo.tiny_model import build_demo_model
 from demo.vllm_server import free_port
-from fakes import processes
+from fakes import netfault, processes
 from fakes.pg import OwnPostgres
 
 RESULTS = Path(__file__).with_suffix(".md")
@@ -82,8 +89,10 @@ FAULTS = (
     "reward-burst",
     "trainer-kill-step",
     "trainer-kill-publish",
+    *chaos_more.FAULTS,
 )
-NEEDS_ROOT = ("journal-full", "journal-ro")
+NEEDS_ROOT = ("journal-full", "journal-ro", *chaos_more.FAULTS)
+JOURNAL_TMPFS = ("journal-full", "journal-ro", "journal-full+proxy-kill")
 TRAINER_FAULTS = ("trainer-kill-step", "trainer-kill-publish")
 TRAINER_SETTINGS = {  # small steps, a short lease and frequent reconciles: the fault's effects
     "FLYWHEEL_LEASE_S": "10",  # show within the run
@@ -109,6 +118,7 @@ class Stack:
     port: int = field(default_factory=free_port)
     proxy: processes.Server | None = None
     trainer: processes.Server | None = None
+    proxy_python: str = sys.executable  # (proxy-oom: one that joins a memory cgroup first)
 
     @property
     def url(self) -> str:
@@ -121,6 +131,7 @@ class Stack:
             home=self.home,
             settings=self.settings,
             port=self.port,
+            python=self.proxy_python,
         )
 
     def start_trainer(self) -> None:
@@ -154,7 +165,15 @@ class Stack:
 
 @contextmanager
 def stack(
-    work: Path, *, durable: bool = False, journal_tmpfs: bool = False, trainer: bool = False
+    work: Path,
+    *,
+    durable: bool = False,
+    journal_tmpfs: bool = False,
+    trainer: bool = False,
+    pg_tcp: bool = False,
+    pg_disk_mb: int | None = None,
+    token_delay_s: float = 0.0,
+    proxy_python: str = sys.executable,
 ) -> Iterator[Stack]:
     home = Path(tempfile.mkdtemp(prefix="flywheel-chaos-", dir=work))
     journal = home / "journal"
@@ -163,13 +182,16 @@ def stack(
         subprocess.run(
             ["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(journal)], check=True
         )
-    pg = OwnPostgres(work)
+    pg = OwnPostgres(work, tcp_port=free_port() if pg_tcp else None, disk_mb=pg_disk_mb)
     delay = LOAD_DELAY_S if trainer else 0.0
-    fakes = [processes.start_fake(0.005, always_detail=False, load_delay_s=delay) for _ in range(2)]
+    fakes = [
+        processes.start_fake(0.005, token_delay_s, always_detail=False, load_delay_s=delay)
+        for _ in range(2)
+    ]
     settings = {"FLYWHEEL_JOURNAL_RETRY_S": "0.5", "FLYWHEEL_REPLICA_PROBE_S": "0.5"}
     if durable:
         settings["FLYWHEEL_DURABLE"] = "true"
-    s = Stack(pg, fakes, home, settings)
+    s = Stack(pg, fakes, home, settings, proxy_python=proxy_python)
     try:
         s.start_proxy()
         if trainer:
@@ -193,6 +215,7 @@ class Traffic:
     url: str
     clients: int
     pause_s: float = 0.0  # between a client's episodes (a steady rate for the soak)
+    long_prompts: bool = False  # 20-50 KB prompts, no X-Episode-Id, no rewards (proxy-oom)
     transitions: set[str] = field(default_factory=set)  # acknowledged
     rewards: set[str] = field(default_factory=set)  # episode ids whose reward was acknowledged
     errors: Counter[str] = field(default_factory=Counter)  # what the clients were told instead
@@ -224,6 +247,8 @@ class Traffic:
             i += 1
             for stream in (False, True):
                 await self._call(session, episode, stream, task=f"chaos-{i % 8}")
+            if self.long_prompts:
+                continue
             # (half rewarded 1, half 0: GRPO groups with something to learn, for the trainer)
             task = asyncio.create_task(self._reward(session, episode, float(i % 2)))
             rewards.add(task)
@@ -235,8 +260,12 @@ class Traffic:
     async def _call(
         self, session: aiohttp.ClientSession, episode: str, stream: bool, task: str
     ) -> None:
-        body = common.chat_body(PROMPT, stream=stream, max_tokens=8, model="policy")
-        headers = {**JSON, "X-Episode-Id": episode, "X-Task-Id": task}
+        prompt, headers = PROMPT, {**JSON, "X-Episode-Id": episode, "X-Task-Id": task}
+        if self.long_prompts:  # each one different: nothing shared to deduplicate
+            size = random.randrange(20_000, 50_000)
+            text = (episode + " " + uuid.uuid4().hex + " ") * (size // 45)
+            prompt, headers = [{"role": "user", "content": text}], JSON
+        body = common.chat_body(prompt, stream=stream, max_tokens=8, model="policy")
         self.calls += 1
         try:
             async with session.post(
@@ -328,14 +357,36 @@ def lost(
 
 
 def run_fault(fault: str, args: argparse.Namespace, work: Path) -> Outcome:
-    durable = fault == "proxy-kill-durable"
-    tmpfs = fault in NEEDS_ROOT
-    with stack(work, durable=durable, journal_tmpfs=tmpfs, trainer=fault in TRAINER_FAULTS) as s:
-        traffic = Traffic(s.url, args.clients).start()
+    options: dict[str, Any] = {
+        "durable": fault == "proxy-kill-durable",
+        "journal_tmpfs": fault in JOURNAL_TMPFS,
+        "trainer": fault in TRAINER_FAULTS,
+        "pg_tcp": fault == "pg-partition",
+        "pg_disk_mb": chaos_more.PG_DISK_MB if fault == "pg-disk-full" else None,
+        "token_delay_s": chaos_more.STREAM_TOKEN_DELAY_S if fault == "vllm-partition" else 0.0,
+    }
+    with contextlib.ExitStack() as cgroup:
+        if fault == "proxy-oom":
+            python = cgroup.enter_context(chaos_more.memory_cgroup(args.oom_limit_mb, work))
+            options["proxy_python"] = python
+        return run_in(stack(work, **options), fault, args)
+
+
+def run_in(
+    the_stack: contextlib.AbstractContextManager[Stack], fault: str, args: argparse.Namespace
+) -> Outcome:
+    with the_stack as s:
+        traffic = Traffic(s.url, args.clients, long_prompts=fault == "proxy-oom").start()
         time.sleep(args.warm_s)
         started = time.monotonic()
         extra: set[str] = set()
-        note = inject(fault, s, args.outage_s, extra)
+        if fault in chaos_more.FAULTS:
+            try:
+                note = chaos_more.inject(fault, s, args, traffic)
+            finally:
+                netfault.clear_partitions()
+        else:
+            note = inject(fault, s, args.outage_s, extra)
         time.sleep(args.warm_s)  # traffic on the healed stack
         traffic.stop()
         seconds = time.monotonic() - started
@@ -364,7 +415,7 @@ def inject(fault: str, s: Stack, outage_s: float, extra_rewards: set[str]) -> st
         s.pg.kill()
         time.sleep(short)
         s.pg.start()
-    elif fault in NEEDS_ROOT:
+    elif fault in ("journal-full", "journal-ro"):
         if fault == "journal-ro":
             subprocess.run(["mount", "-o", "remount,ro", str(s.home / "journal")], check=True)
         s.pg.stop()
@@ -520,15 +571,20 @@ def main() -> None:
     parser.add_argument("--outage-s", type=float, default=60.0)
     parser.add_argument("--warm-s", type=float, default=3.0)
     parser.add_argument("--clients", type=int, default=8)
+    parser.add_argument("--oom-s", type=float, default=120.0, help="proxy-oom's traffic")
+    parser.add_argument("--oom-limit-mb", type=int, default=512, help="proxy-oom's cgroup")
     parser.add_argument("--note")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
+    unknown = set(args.faults) - set(FAULTS)
+    if unknown:
+        parser.error(f"unknown faults {sorted(unknown)}; known: {', '.join(FAULTS)}")
     work = processes.WORK / "chaos"
     work.mkdir(parents=True, exist_ok=True)
     rows = []
     for fault in args.faults:
         if fault in NEEDS_ROOT and os.geteuid() != 0:
-            rows.append(f"| {fault} | - | skipped: needs root for a tmpfs mount |||||||")
+            rows.append(f"| {fault} | - | skipped: needs root (tmpfs, iptables, cgroups) |||||||")
             continue
         outcome = run_fault(fault, args, work)
         rows.append(outcome.row())

@@ -222,10 +222,37 @@ class GatedSessions(async_sessionmaker[AsyncSession]):
         return super().__call__(**local_kw)
 
 
+# A Postgres that stops answering without closing the connection (a network partition, a host
+# gone, a failover behind a dead address) must be an error within seconds, not a hang: without
+# these, a connect waits for the kernel's SYN retries (~2 min), and a query on an open connection
+# for its retransmissions (~15 min): the writer's 15 s write timeout covered only the writer, while
+# a reward's transaction hung past every client's timeout (bench/chaos.py pg-partition).
+# libpq's own options (https://www.postgresql.org/docs/current/libpq-connect.html), each only
+# where the URL does not set it; on a Unix socket libpq ignores the TCP ones.
+CONNECT_TIMEOUT_S = 5  # connecting (TCP, TLS, start-up): a live Postgres answers in milliseconds
+TCP_USER_TIMEOUT_MS = 10_000  # data sent and not acknowledged: the peer is gone (< WRITE_TIMEOUT)
+TCP_OPTIONS = {
+    "connect_timeout": CONNECT_TIMEOUT_S,
+    "tcp_user_timeout": TCP_USER_TIMEOUT_MS,
+    "keepalives": 1,  # an idle pooled connection to a vanished peer is found out, too
+    "keepalives_idle": 10,
+    "keepalives_interval": 5,
+    "keepalives_count": 3,
+}
+
+
+def connect_args(url: str) -> dict[str, Any]:
+    """TCP_OPTIONS less those the URL's query sets itself (a user's choice wins)."""
+    query = url.partition("?")[2]
+    given = {part.split("=", 1)[0] for part in query.split("&") if part}
+    return {k: v for k, v in TCP_OPTIONS.items() if k not in given}
+
+
 def create_async_sessions(url: str, *, pool_size: int = 10) -> tuple[AsyncEngine, GatedSessions]:
     """The proxy's engine and sessions (dispose the engine at shutdown)."""
     engine = create_async_engine(
         sqlalchemy_url(url),
+        connect_args=connect_args(url),
         pool_size=pool_size,
         max_overflow=pool_size,
         pool_pre_ping=True,
@@ -239,6 +266,7 @@ def create_sessions(url: str) -> tuple[Engine, Sessions]:
     """The trainer's (and the tools') engine and sessions: synchronous, like the trainer."""
     engine = create_engine(
         sqlalchemy_url(url),
+        connect_args=connect_args(url),
         pool_pre_ping=True,
         json_serializer=_json,
         json_deserializer=orjson.loads,

@@ -11,6 +11,7 @@ import importlib
 import os
 import shutil
 import signal
+import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -21,11 +22,26 @@ PG_USER = "embedded_postgres" if os.geteuid() == 0 else None  # it will not run 
 
 
 class OwnPostgres:
-    def __init__(self, parent: Path) -> None:
+    """`tcp_port`: listen on 127.0.0.1:PORT as well, and `url` connects there (a network between
+    proxy and Postgres, to partition: fakes/netfault.py); `disk_mb`: the data directory on a
+    tmpfs of that size (to fill: Postgres's own disk full). Both need root for theirs."""
+
+    def __init__(
+        self, parent: Path, *, tcp_port: int | None = None, disk_mb: int | None = None
+    ) -> None:
         self.home = parent / f"pg-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self.home.mkdir(parents=True)
+        self.disk = self.home if disk_mb else None
+        if disk_mb:  # before initdb: the whole data directory, WAL included, on the small disk
+            mount = ["mount", "-t", "tmpfs", "-o", f"size={disk_mb}m,mode=0755"]
+            subprocess.run([*mount, "tmpfs", str(self.home)], check=True)
         self.url = database.embedded_postgres_url(self.home)
         self.pgdata = self.home / "postgres"
+        self.tcp_port = tcp_port
+        if tcp_port:
+            self.stop()
+            self.start()
+            self.url = f"postgresql://postgres@127.0.0.1:{tcp_port}/postgres"
 
     def stop(self) -> None:
         _pg_ctl(["-w", "-m", "fast", "stop"], self.pgdata)
@@ -38,7 +54,7 @@ class OwnPostgres:
                     [
                         "-w",
                         "-o",
-                        '-h ""',
+                        f"-h 127.0.0.1 -p {self.tcp_port}" if self.tcp_port else '-h ""',
                         "-o",
                         f"-k {self.pgdata}",
                         "-l",
@@ -73,6 +89,8 @@ class OwnPostgres:
         if self.running:
             with contextlib.suppress(Exception):  # cleaning up: a server already gone is fine
                 self.stop()
+        if self.disk:
+            subprocess.run(["umount", "-l", str(self.disk)], check=False)
         shutil.rmtree(self.home, ignore_errors=True)
 
 

@@ -365,6 +365,7 @@ def test_soak_smoke(tmp_path: Path) -> None:
         "--results",
         str(report),
     )
+    assert "of warm-up (flat: max" in run.stdout  # the verdict
     samples = [r for r in _table(report, tuple(str(s) for s in range(1, 100))) if len(r) == 7]
     assert len(samples) >= 2 and all(_number(r[1]) > 0 and int(r[2]) > 0 for r in samples)
     memo = [_number(r[5]) for r in samples]  # the writer's memo, as the proxy reports it (MiB)

@@ -12,7 +12,14 @@ import pytest
 pytestmark = pytest.mark.slow
 
 # (the 10k burst: test_rewards.py; the trainer killed mid-step: test_trainer_loop.py)
-FAULTS = ("pg-kill", "journal-full", "proxy-kill-durable", "trainer-kill-publish")
+FAULTS = (
+    "pg-kill",
+    "journal-full",
+    "proxy-kill-durable",
+    "trainer-kill-publish",
+    "pg-partition",  # packets dropped, not refused: iptables, fakes/netfault.py
+    "pg-stop+proxy-term",  # two at once: SIGTERM and a start while Postgres is down
+)
 
 
 def test_faults_under_traffic_lose_nothing_acknowledged(tmp_path: Path) -> None:
