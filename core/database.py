@@ -160,6 +160,7 @@ OUTAGE_ERRORS = (
     psycopg.OperationalError,
     OSError,
     TimeoutError,
+    sa_exc.TimeoutError,  # no pooled connection free within pool_timeout: Postgres lags
     PostgresRefused,
 )
 

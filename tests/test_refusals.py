@@ -144,6 +144,8 @@ def test_errors_are_classified_by_sqlstate() -> None:
     assert is_outage(psycopg.errors.InsufficientPrivilege())  # COPY's errors come unwrapped
     assert is_outage(refused(psycopg.errors.UndefinedTable()))
     assert is_outage(PostgresRefused("read-only"))
+    # A pool with no connection free for pool_timeout (Postgres hanging): a 503, not a 500.
+    assert is_outage(sa_exc.TimeoutError("QueuePool limit of size 10 overflow 10 reached"))
     assert not is_outage(refused(psycopg.errors.NumericValueOutOfRange()))  # 22
     assert not is_outage(psycopg.errors.UniqueViolation())  # 23
     assert not is_outage(ValueError("year 31688738 is out of range"))  # our own encoding
