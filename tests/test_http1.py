@@ -93,6 +93,31 @@ async def test_keep_alive_reuses_one_connection(ok_server: Server) -> None:
     assert body == b'{"a": 1}'
 
 
+async def test_a_bursts_extra_connections_are_closed_once_too_old_to_reuse(
+    ok_server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Seen in the hour-long soak: after each burst the proxy kept its extra keep-alive
+    connections open (to a server that does not close idle ones), never to use them again."""
+    monkeypatch.setattr(http1, "IDLE_S", 0.2)
+    pool = http1.Pool(ok_server.url, {})
+
+    async def call() -> None:
+        response = await pool.post("/x", b"", timeout_s=5)
+        await response.read()
+        response.release()
+
+    await asyncio.gather(*(call() for _ in range(8)))  # a burst: eight connections
+    assert len(pool._open) == 8
+    # Steady traffic again, one call at a time, for longer than the idle limit: it reuses the
+    # newest connection, so the others sit under it in the idle stack.
+    steady_until = asyncio.get_running_loop().time() + 0.5
+    while asyncio.get_running_loop().time() < steady_until:
+        await call()
+        await asyncio.sleep(0.01)
+    assert len(pool._open) == 1
+    pool.close()
+
+
 async def test_a_closed_connection_is_not_reused() -> None:
     async def close_after(
         _: bytes, __: int, ___: asyncio.StreamReader, w: asyncio.StreamWriter

@@ -98,8 +98,12 @@ class Pool:
         return None
 
     def _give_back(self, connection: _Connection) -> None:
-        connection.idle_since = time.monotonic()
+        now = connection.idle_since = time.monotonic()
         self._idle.append(connection)
+        # The oldest idle ones are never taken again (newest first, and too old once taken): a
+        # burst's extra connections are closed here, not kept open until the server closes them.
+        while now - self._idle[0].idle_since >= IDLE_S:
+            self._idle.pop(0).close()
 
     async def _connect(self) -> _Connection:
         loop = asyncio.get_running_loop()
