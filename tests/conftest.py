@@ -9,7 +9,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +22,7 @@ import pytest
 import uvicorn
 
 from core import database
+from core.database import AsyncSessions
 from demo.tiny_model import build_demo_model
 from demo.vllm_server import free_port, start_vllm, stop_vllm, wait_ready
 from fakes.pg import OwnPostgres
@@ -309,6 +310,16 @@ def sessions(database_url: str) -> Iterator[database.Sessions]:
     engine, sessions = database.create_sessions(database_url)
     yield sessions
     engine.dispose()
+
+
+@pytest.fixture
+async def postgres_down() -> AsyncIterator[AsyncSessions]:
+    """Sessions on a port nothing listens on: every write is an outage."""
+    engine, sessionmaker = database.create_async_sessions(
+        f"postgresql+psycopg://x@127.0.0.1:{free_port()}/x"
+    )
+    yield sessionmaker
+    await engine.dispose()
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ import logging
 import random
 import time
 import tracemalloc
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,6 @@ from sqlalchemy import text
 from core import database
 from core.database import AsyncSessions
 from core.record import TransitionRecord
-from demo.vllm_server import free_port
 from fakes.traffic import episode_records
 from fakes.vllm import FakeVLLM
 from proxy.record.journal import Journal
@@ -48,16 +46,6 @@ def disk_full(*_: Any) -> None:
 
 def metric(name: str, **labels: str) -> float:
     return REGISTRY.get_sample_value(name, labels) or 0.0
-
-
-@pytest.fixture
-async def postgres_down() -> AsyncIterator[AsyncSessions]:
-    """Sessions on a port nothing listens on: every write is an outage."""
-    engine, sessionmaker = database.create_async_sessions(
-        f"postgresql+psycopg://x@127.0.0.1:{free_port()}/x"
-    )
-    yield sessionmaker
-    await engine.dispose()
 
 
 async def settle(condition: Any, timeout: float = 10) -> None:

@@ -14,17 +14,14 @@ import dataclasses
 import random
 import tracemalloc
 import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
-import pytest
 
 from core import database
 from core.database import AsyncSessions
 from core.record import TransitionRecord
-from demo.vllm_server import free_port
 from fakes.traffic import episode_records
 from proxy.record.journal import Journal
 from proxy.record.pending import Pending
@@ -60,16 +57,6 @@ async def settle(condition: Any, timeout: float) -> None:
     async with asyncio.timeout(timeout):
         while not condition():
             await asyncio.sleep(0.05)
-
-
-@pytest.fixture
-async def postgres_down() -> AsyncIterator[AsyncSessions]:
-    """Sessions on a port nothing listens on: every write is an outage."""
-    engine, sessionmaker = database.create_async_sessions(
-        f"postgresql+psycopg://x@127.0.0.1:{free_port()}/x"
-    )
-    yield sessionmaker
-    await engine.dispose()
 
 
 async def test_a_journal_of_long_prompts_replays_under_a_short_write_timeout(

@@ -7,7 +7,6 @@ Each test has its own embedded PostgreSQL, stopped before the proxy starts.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +23,6 @@ CHAT = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max
 
 def health(proxy: RunningProxy) -> dict[str, Any]:
     return httpx.get(proxy.url + "/healthz").json()  # type: ignore[no-any-return]
-
-
-def wait_until(condition: Any, timeout: float = 30) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.05)
 
 
 def served(proxy: RunningProxy, episode: str, n: int) -> list[str]:
@@ -59,13 +51,13 @@ def test_a_proxy_starts_while_postgres_is_down_and_migrates_once_it_answers(
     proxy = make_proxy(database_url=url, journal_retry_s=0.2)
     assert health(proxy)["database"] != "up"
     ids = served(proxy, "started-in-an-outage", 5)
-    wait_until(lambda: health(proxy)["journal_pending"] == 5)
+    proxy.wait_until(lambda: health(proxy)["journal_pending"] == 5, "5 journaled", timeout=30)
     # Reads need the schema: a clear 503, not a 500 on a missing table.
     r = proxy.client().get("/v1/episodes/started-in-an-outage")
     assert r.status_code == 503, r.text
 
     own_postgres.start()
-    wait_until(lambda: health(proxy)["database"] == "up")  # migrated, journal replayed
+    proxy.wait_until(lambda: health(proxy)["database"] == "up", "migrated, replayed", timeout=30)
     rows = proxy.query("SELECT id::text FROM transition WHERE episode_id = 'started-in-an-outage'")
     assert sorted(r[0] for r in rows) == sorted(ids)
     assert not list(proxy.settings.journal_dir.glob("segment-*.jsonl"))
