@@ -85,6 +85,8 @@ test: lint
 	@# tests/test_browser.py drives the dashboard in Debian's chromium (Playwright's own
 	@# browser download cannot work here).
 	command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
+	@# The partition tests drop packets on loopback with iptables (they skip where not root).
+	command -v iptables >/dev/null || [ "$$(id -u)" != 0 ] || { apt-get update -qq && apt-get install -y -qq iptables >/dev/null; }
 	$(BIN)/pytest
 
 clean:

@@ -119,6 +119,13 @@ class ProxySettings(DatabaseSettings):
         gt=0,
         description="Total time allowed for one upstream call (generation can be slow).",
     )
+    upstream_dead_after_s: float = Field(
+        30.0,
+        ge=1,
+        description="A connection to vLLM whose packets go unanswered this long (a network "
+        "partition, a vanished host) is dropped: the call goes to another replica, a stream "
+        "under way ends failed. TCP keepalives probe it, so a long silent generation is not cut.",
+    )
     credit_gamma: float | None = Field(
         None,
         gt=0,

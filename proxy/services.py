@@ -82,7 +82,12 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
     migrator = Migrator(url, sessionmaker, retry_s=settings.journal_retry_s)
     await migrator.start()  # Postgres unreachable: serve on the journal, migrate when it answers
     api_key = settings.upstream_api_key.get_secret_value() if settings.upstream_api_key else None
-    upstream = Upstream(settings.upstream, api_key=api_key, timeout_s=settings.upstream_timeout_s)
+    upstream = Upstream(
+        settings.upstream,
+        api_key=api_key,
+        timeout_s=settings.upstream_timeout_s,
+        dead_after_s=settings.upstream_dead_after_s,
+    )
     spans = (
         Spans(settings.otel_endpoint, settings.otel_service_name)
         if settings.otel_endpoint

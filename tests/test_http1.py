@@ -353,3 +353,58 @@ async def test_https_upstream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         response.release()
         pool.close()
     assert server.requests[-1].endswith(b"\r\n\r\n{}")
+
+
+async def held_stream(
+    _: bytes, __: int, reader: asyncio.StreamReader, w: asyncio.StreamWriter
+) -> bool:
+    """A stream's first event, then nothing more until the client hangs up."""
+    w.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n")
+    w.write(b"Transfer-Encoding: chunked\r\n\r\n6\r\ndata 1\r\n")
+    await w.drain()
+    await reader.read()
+    return False
+
+
+@pytest.mark.skipif(not shutil.which("iptables"), reason="a partition drops packets: iptables")
+async def test_a_stream_cut_off_by_a_partition_fails_after_dead_after_s_not_the_deadline() -> None:
+    """Seen in bench/chaos.py vllm-partition: a stream under way on a replica cut off by the
+    network waited for the whole upstream timeout (600 s), its client long gone."""
+    from fakes import netfault
+
+    if subprocess.run(["iptables", "-S", "INPUT"], capture_output=True).returncode != 0:
+        pytest.skip("iptables needs root")
+    server, listening = await start(held_stream)
+    port = int(server.url.rsplit(":", 1)[1])
+    async with listening:
+        pool = http1.Pool(server.url, {}, dead_after_s=2)
+        response = await pool.post("/x", b"", timeout_s=60)
+        blocks = response.iter_any()
+        assert await anext(blocks) == b"data 1"
+        started = asyncio.get_running_loop().time()
+        try:
+            with netfault.partition(port), pytest.raises(http1.UpstreamBroken):
+                await asyncio.wait_for(anext(blocks), timeout=30)
+        finally:
+            netfault.clear_partitions()
+        assert asyncio.get_running_loop().time() - started < 15
+        response.close()
+        pool.close()
+
+
+async def test_a_silent_replica_that_still_answers_probes_is_not_cut() -> None:
+    """Keepalives, not an idle timer: vLLM may say nothing for minutes while it generates."""
+
+    async def slow(_: bytes, __: int, ___: asyncio.StreamReader, w: asyncio.StreamWriter) -> bool:
+        await asyncio.sleep(4)  # four times dead_after_s, silent
+        w.write(OK)
+        await w.drain()
+        return True
+
+    server, listening = await start(slow)
+    async with listening:
+        pool = http1.Pool(server.url, {}, dead_after_s=1)
+        response = await pool.post("/x", b"", timeout_s=30)
+        assert await response.read() == b'{"ok":true}'
+        response.release()
+        pool.close()

@@ -4,10 +4,11 @@ Every agent call passes through here, so it does only what those calls need, che
 written in one piece; the answer parsed by httptools (the parser uvicorn uses), with a
 Content-Length or chunked body, read whole or as it arrives (with flow control for streams);
 keep-alive connections reused newest-first and dropped before vLLM's own idle timeout; TLS for
-https; one deadline for the whole exchange. aiohttp's client cost ~175 µs of CPU per call here,
-this one ~30 µs (docs/benchmarks.md). The rare calls (models, adapters, probes) stay on aiohttp
-(core/vllm.py). At ~310 lines this file is over the usual size on purpose: it is one protocol, and
-its parser callbacks, connection and pool only make sense read together.
+https; one deadline for the whole exchange; TCP keepalives, so a replica cut off by the network
+is found out in `dead_after_s`, not at the deadline. aiohttp's client cost ~175 µs of CPU per
+call here, this one ~30 µs (docs/benchmarks.md). The rare calls (models, adapters, probes) stay
+on aiohttp (core/vllm.py). At ~340 lines this file is over the usual size on purpose: it is one
+protocol, and its parser callbacks, connection and pool only make sense read together.
 
     pool = Pool("http://vllm:8000", {"Content-Type": "application/json"})
     response = await pool.post("/v1/chat/completions", body, timeout_s=600)
@@ -18,6 +19,7 @@ its parser callbacks, connection and pool only make sense read together.
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -29,6 +31,7 @@ import httptools
 CONNECT_TIMEOUT_S = 10.0  # vLLM on the same network answers a TCP connect in milliseconds
 IDLE_S = 4.0  # uvicorn (vLLM's server) closes keep-alive connections idle for 5 s
 HIGH_WATER, LOW_WATER = 1 << 20, 1 << 18  # unread stream bytes: pause reading / resume
+DEAD_AFTER_S = 30.0  # unanswered packets (a partition, a vanished host): the connection is dead
 
 
 class UpstreamBroken(ConnectionError):
@@ -44,6 +47,7 @@ class Pool:
         headers: dict[str, str],
         *,
         connect_timeout_s: float = CONNECT_TIMEOUT_S,
+        dead_after_s: float = DEAD_AFTER_S,
     ) -> None:
         url = urlsplit(base_url)
         if url.scheme not in ("http", "https") or not url.hostname:
@@ -56,6 +60,7 @@ class Pool:
         lines = [f"Host: {host}", *(f"{k}: {v}" for k, v in headers.items())]
         self._headers = "".join(line + "\r\n" for line in lines).encode("latin-1")
         self._connect_timeout_s = connect_timeout_s
+        self._dead_after_s = dead_after_s
         self._idle: list[_Connection] = []  # newest last
         self._open: set[_Connection] = set()
 
@@ -114,9 +119,33 @@ class Pool:
                 )
         except (OSError, TimeoutError) as e:
             raise UpstreamBroken(f"cannot connect to {self.base_url}: {e!r}") from e
+        sock = connection.transport.get_extra_info("socket") if connection.transport else None
+        if sock is not None:
+            keep_probing(sock, self._dead_after_s)
         self._open.add(connection)
         connection.on_close = self._open.discard
         return connection
+
+
+def keep_probing(sock: socket.socket, dead_after_s: float) -> None:
+    """Drop the connection once the peer has acknowledged nothing for `dead_after_s`.
+
+    vLLM can be silent for minutes while it generates (a non-streamed answer, a long prefill),
+    and silence is no sign of trouble: the peer's kernel still answers keepalive probes, however
+    busy vLLM is. Packets that go unanswered are: the connection fails (ETIMEDOUT), the call
+    goes to another replica if nothing reached the client yet, and a stream ends `failed`.
+    Without this a partitioned replica held each call until the whole deadline (600 s).
+    """
+    idle = max(1, int(dead_after_s / 3))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", idle),  # silent this long: start probing
+        ("TCP_KEEPINTVL", max(1, idle // 2)),
+        ("TCP_KEEPCNT", 3),
+        ("TCP_USER_TIMEOUT", int(dead_after_s * 1000)),  # Linux: the bound, probes or data
+    ):
+        if hasattr(socket, name):  # (not every platform has each)
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
 
 
 class Response:

@@ -49,7 +49,14 @@ class Replica:
 
 
 class Upstream:
-    def __init__(self, urls: list[str], *, api_key: str | None, timeout_s: float) -> None:
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        api_key: str | None,
+        timeout_s: float,
+        dead_after_s: float = http1.DEAD_AFTER_S,
+    ) -> None:
         if not urls:
             raise ValueError("no upstream: pass --upstream URL (or FLYWHEEL_UPSTREAM)")
         self.replicas = [Replica(url) for url in dict.fromkeys(urls)]
@@ -58,7 +65,10 @@ class Upstream:
             headers["Authorization"] = f"Bearer {api_key}"
         self._timeout_s = timeout_s
         # No connection limit: vLLM, not the proxy, decides how many requests it batches.
-        self._pools = {r.base_url: http1.Pool(r.base_url, headers) for r in self.replicas}
+        self._pools = {
+            r.base_url: http1.Pool(r.base_url, headers, dead_after_s=dead_after_s)
+            for r in self.replicas
+        }
         self.vllm = VLLMAdmin(api_key=api_key)  # models, adapters, probes
         self._homes: OrderedDict[str, Replica] = OrderedDict()  # response id -> its replica
 
