@@ -166,10 +166,11 @@ OUTAGE_ERRORS = (
 
 
 # SQLSTATE classes that are the row's fault: 22 (data exception: a value out of range, bad
-# encoding) and 23 (integrity constraint violation). Retrying such a row never helps: it is set
-# aside (the journal's rejected/). psycopg's OperationalError (classes 08, 40, 53-58, and so 54,
-# program limit exceeded, too) stays an outage, as before.
-ROW_FAULT_CLASSES = ("22", "23")
+# encoding), 23 (integrity constraint violation) and 54 (program limit exceeded: a value too
+# large for an index row, an array too long). Retrying such a row never helps: it is set aside
+# (the journal's rejected/), the rest of its batch stored. psycopg raises class 54 as an
+# OperationalError, like a lost connection: the SQLSTATE decides, not the class.
+ROW_FAULT_CLASSES = ("22", "23", "54")
 
 
 def sqlstate(error: BaseException) -> str | None:
@@ -179,26 +180,35 @@ def sqlstate(error: BaseException) -> str | None:
 
 
 def is_outage(error: BaseException) -> bool:
-    """Whether `error` means "not now" (retry later) rather than "not this row": Postgres
-    unreachable (OUTAGE_ERRORS), or an answer whose SQLSTATE is outside ROW_FAULT_CLASSES. An
-    error without one (our own code refusing a value) is the row's."""
-    if isinstance(error, OUTAGE_ERRORS):
-        return True
+    """Whether `error` means "not now" (retry later) rather than "not this row": an answer whose
+    SQLSTATE is outside ROW_FAULT_CLASSES, or Postgres unreachable (OUTAGE_ERRORS, no SQLSTATE).
+    An error without either (our own code refusing a value) is the row's."""
     state = sqlstate(error)
-    return state is not None and state[:2] not in ROW_FAULT_CLASSES
+    if state is not None:
+        return state[:2] not in ROW_FAULT_CLASSES
+    return isinstance(error, OUTAGE_ERRORS)
+
+
+class RowRefused(Exception):
+    """Postgres refused the rows themselves with an error psycopg files under OperationalError
+    (SQLSTATE class 54: a value too large for an index row). Not an outage: retrying never
+    helps. Raised by `refusals_as_outage`."""
 
 
 @contextlib.asynccontextmanager
 async def refusals_as_outage() -> AsyncIterator[None]:
-    """Around a write: a refusal that is not the rows' fault (`is_outage`) is raised as
-    PostgresRefused, so that `except OUTAGE_ERRORS` waits and retries it."""
+    """Around a write, the SQLSTATE decides (`is_outage`): a refusal that is not the rows' fault
+    is raised as PostgresRefused, so that `except OUTAGE_ERRORS` waits and retries it; a refusal
+    that is, whatever its exception class, as something `except OUTAGE_ERRORS` lets through."""
     try:
         yield
-    except OUTAGE_ERRORS:
-        raise
     except Exception as e:
         if is_outage(e):
+            if isinstance(e, OUTAGE_ERRORS):
+                raise
             raise PostgresRefused(f"{type(e).__name__} (SQLSTATE {sqlstate(e)}): {e}") from e
+        if isinstance(e, OUTAGE_ERRORS):
+            raise RowRefused(f"{type(e).__name__} (SQLSTATE {sqlstate(e)}): {e}") from e
         raise
 
 

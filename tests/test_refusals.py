@@ -10,6 +10,7 @@ read-only with `ALTER DATABASE ... SET default_transaction_read_only`, or its ta
 from __future__ import annotations
 
 import random
+import secrets
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -136,6 +137,31 @@ def test_rejected_rows_are_tried_again_at_start_up(make_proxy: Any, tmp_path: Pa
     assert not proxy.query("SELECT 1 FROM transition WHERE id = %s", bad.id)
 
 
+def test_a_row_past_a_postgres_limit_is_set_aside_and_its_neighbours_stored(
+    make_proxy: Any,
+) -> None:
+    """SQLSTATE 54000 (a value too large for an index row) comes as psycopg's OperationalError,
+    as a lost connection does: it was taken for an outage, and the row's whole batch went round
+    the journal for ever, the writer "down" while Postgres was up."""
+    proxy: RunningProxy = make_proxy(journal_retry_s=0.2, writer_linger_s=0.2)
+    rejected = proxy.settings.journal_dir / "rejected"
+    execute(proxy.database_url, "CREATE INDEX refusals_model ON transition (model_requested)")
+    too_long = secrets.token_hex(3000)  # 6,000 incompressible bytes: past a btree row's 2,704
+    served: list[str] = []
+    with proxy.client(**{"X-Episode-Id": "limit"}) as c:
+        for model in ("demo", too_long, "demo"):  # one batch (the writer lingers 200 ms)
+            r = c.post("/v1/chat/completions", json={**CHAT, "model": model})
+            served.append(r.headers["x-transition-id"])
+    bad = served[1]
+    wait_for(lambda: (rejected / f"{bad}.json").exists())
+    error = orjson.loads((rejected / f"{bad}.json").read_bytes())["error"]
+    assert "54000" in error, error
+    rows = proxy.wait_rows("SELECT id::text FROM transition WHERE episode_id = 'limit'", 2)
+    assert sorted(r[0] for r in rows) == sorted([served[0], served[2]])
+    wait_for(lambda: health(proxy)["database"] == "up")
+    assert proxy.services.recorder.journal.pending == 0
+
+
 def test_errors_are_classified_by_sqlstate() -> None:
     def refused(error: psycopg.Error) -> sa_exc.DBAPIError:
         return sa_exc.DBAPIError("INSERT ...", None, error)  # as SQLAlchemy wraps it
@@ -149,3 +175,7 @@ def test_errors_are_classified_by_sqlstate() -> None:
     assert not is_outage(refused(psycopg.errors.NumericValueOutOfRange()))  # 22
     assert not is_outage(psycopg.errors.UniqueViolation())  # 23
     assert not is_outage(ValueError("year 31688738 is out of range"))  # our own encoding
+    # 54: psycopg files it under OperationalError, as it does a lost connection; the SQLSTATE wins.
+    assert not is_outage(refused(psycopg.errors.ProgramLimitExceeded()))
+    assert not is_outage(psycopg.errors.ProgramLimitExceeded())
+    assert is_outage(psycopg.OperationalError("server closed the connection unexpectedly"))

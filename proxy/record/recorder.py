@@ -7,7 +7,7 @@
   or when someone waits for the records: a reward, an episode read, durable mode, shutdown.
 - Postgres unreachable (or a write hanging): the batch goes to the disk journal, later batches
   follow it there, and the journal is replayed once Postgres answers again.
-- Postgres refusing a row as data (SQLSTATE class 22, 23) isolates it in the journal's rejected/;
+- Postgres refusing a row as data (SQLSTATE 22, 23, 54) isolates it in the journal's rejected/;
   its neighbours are written. Other refusals (read-only, privileges) are outages: core/database.py
 - The journal failing (disk full, read-only, I/O error): the records go back to the queue, in
   memory, and are tried again (Postgres first) every `retry_s`; `journal_error` says why, for
