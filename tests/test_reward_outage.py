@@ -14,8 +14,10 @@ from typing import Any
 
 import httpx
 import orjson
+import psycopg
 import pytest
 
+from core import database
 from proxy.record import reward_journal
 from proxy.record.journal import Journal
 from tests.conftest import RunningProxy
@@ -139,3 +141,49 @@ async def test_a_damaged_reward_line_is_quarantined_and_a_malformed_post_set_asi
     assert (journal.quarantine_dir / segment.name).exists()
     (kept,) = [orjson.loads(p.read_bytes()) for p in journal.rejected_dir.iterdir()]
     assert kept["post"]["rewards"] == "not a list" and "validation error" in kept["error"]
+
+
+async def test_replay_applies_journaled_posts_in_batches_judging_repeated_keys_as_posted(
+    tmp_path: Path, database_url: str
+) -> None:
+    """bench/chaos.py pg-stop (60 s, 8 clients): 28,896 reward posts journaled, one transaction
+    each at replay, far slower than they came; 120 s after the traffic stopped 22,720 were still
+    waiting. Now consecutive posts share a transaction, and a repeated key starts a new one so
+    that it is judged as it was when posted (a duplicate, or a key reused: rejected/)."""
+    journal = Journal(tmp_path)
+    posts = [
+        {
+            "posted_at": 0,
+            "rewards": [{"episode_id": f"b{i}", "reward": 1.0, "idempotency_key": "f"}],
+        }
+        for i in range(2500)
+    ]
+    posts[1200]["rewards"][0]["episode_id"] = "b7"  # the same key and value: a duplicate
+    posts[2000]["rewards"][0].update(episode_id="b8", reward=-1.0)  # reused: set aside
+    for post in posts:
+        journal.append_rewards([post])
+    engine, sessionmaker = database.create_async_sessions(database_url)
+    try:
+        with psycopg.connect(database_url, autocommit=True) as db:
+            before = commits(db)
+            assert await reward_journal.replay_rewards(
+                journal, sessionmaker, gamma=None, timeout_s=15
+            )
+            transactions = commits(db) - before
+            stored = db.execute("SELECT episode_id, value FROM reward").fetchall()
+    finally:
+        await engine.dispose()
+    # 2,500 one post at a time; the reused key is found by halving its batch (with pings)
+    assert transactions <= 60, transactions
+    assert len(stored) == 2498 and ("b8", -1.0) not in stored
+    (kept,) = [orjson.loads(p.read_bytes()) for p in journal.rejected_dir.iterdir()]
+    assert "KeyReused" in kept["error"] and kept["post"]["rewards"][0]["episode_id"] == "b8"
+    assert journal.pending == 0
+
+
+def commits(db: psycopg.Connection[Any]) -> int:
+    row = db.execute(
+        "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
+    ).fetchone()
+    db.execute("SELECT pg_stat_clear_snapshot()")
+    return int(row[0])  # type: ignore[index]
