@@ -9,18 +9,23 @@ import asyncio
 import os
 import shutil
 import time
+from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from sqlalchemy import text
 
 from core import database
+from demo.vllm_server import free_port
 from fakes import netfault
+from fakes.pg import OwnPostgres
 
 pytestmark = pytest.mark.skipif(
     os.geteuid() != 0 or not shutil.which("iptables"),
     reason="a partition drops packets with iptables (root)",
 )
+CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 HANG_S = 40.0  # far past the options' 5-15 s; without them the query waits ~15 min
 
 
@@ -69,3 +74,29 @@ async def test_a_partitioned_postgres_is_an_outage_within_seconds(database_url: 
         await engine.dispose()
         await relay.close()
     assert pooled_s < HANG_S and fresh_s < HANG_S
+
+
+def test_a_reward_posted_into_a_partition_is_journaled_within_the_write_timeout(
+    tmp_path: Path, make_proxy: Any
+) -> None:
+    """bench/chaos.py pg-partition: the first reward posted after the partition began waited on
+    the writer, then on a dead pooled connection (libpq's 10 s) and a new one (5 s), and answered
+    202 after 35 s, past its client's 30 s. Its transaction is bounded like the writer's now.
+    (psycopg logs "query cancellation failed" here: it cannot reach the server to cancel.)"""
+    pg = OwnPostgres(tmp_path, tcp_port=free_port())
+    try:
+        proxy = make_proxy(database_url=pg.url, writer_write_timeout_s=1)
+        with proxy.client(**{"X-Episode-Id": "cut"}) as c:
+            assert c.post("/v1/chat/completions", json=CHAT).status_code == 200
+            proxy.wait_rows("SELECT 1 FROM transition WHERE episode_id = 'cut'", 1)
+            with netfault.partition(pg.tcp_port):  # its transitions all stored: no wait
+                started = time.monotonic()
+                r = c.post("/v1/rewards", json={"episode_id": "cut", "reward": 1.0}, timeout=60)
+                took = time.monotonic() - started
+        assert r.status_code == 202, r.text
+        # The write timeout, then psycopg's cancel of the query (up to 5 s to ask, 5 s to see
+        # it end; its warnings in the log); before: libpq's 10 s and a new connection's 5 s.
+        assert took < 1 + 10, took
+    finally:
+        netfault.clear_partitions()
+        pg.close()

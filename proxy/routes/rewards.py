@@ -17,6 +17,7 @@ post is journaled behind the transitions (fsync'd) and answered 202 with `"statu
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -116,7 +117,12 @@ async def store_rewards(
                 code="not_stored_yet",
             )
     try:
-        async with services.sessionmaker.begin() as session:
+        # Bounded like the writer's writes: a partition holds a pooled connection for libpq's
+        # 10 s and a new one for 5 s more; the rewards are journaled instead (bench/chaos.py).
+        async with (
+            asyncio.timeout(services.settings.writer_write_timeout_s),
+            services.sessionmaker.begin() as session,
+        ):
             try:
                 saved = await rewards.add_rewards(
                     items, session=session, gamma=services.settings.credit_gamma
