@@ -197,7 +197,7 @@ def journal_full_proxy_kill(s: Stack, outage_s: float) -> str:
     assert s.proxy is not None
     s.pg.stop()
     time.sleep(max(1.0, outage_s / 4))
-    held = metric(s.url, "flywheel_writer_queue_depth")
+    held = metric(s.url, "flywheel_writer_unsaved_transitions")  # queued + in flight
     errors = metric(s.url, "flywheel_journal_errors_total")
     s.proxy.process.send_signal(signal.SIGKILL)
     s.proxy.process.wait()

@@ -41,6 +41,11 @@ transitions_rejected = Counter(
 writer_queue_depth = Gauge(
     "flywheel_writer_queue_depth", "Transitions waiting in memory for the background writer."
 )
+writer_unsaved = Gauge(
+    "flywheel_writer_unsaved_transitions",
+    "Transitions answered but neither in Postgres nor in the journal yet (queued, or in a batch "
+    "being written): what a kill -9 would lose now, unless FLYWHEEL_DURABLE.",
+)
 durable_timeouts = Counter(
     "flywheel_durable_timeouts_total",
     "Durable mode: responses released before their transitions were committed or journaled.",

@@ -82,6 +82,35 @@ async def test_journal_and_postgres_both_failing_keep_records_in_memory_until_on
     assert sorted(kept) == sorted(r.id for r in batch)
 
 
+async def test_what_a_kill_would_lose_counts_the_batches_being_written(
+    postgres_down: AsyncSessions, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """bench/chaos.py journal-full+proxy-kill lost 915 transitions where the queue gauge said
+    405: each of the two writers held a batch of 500 it was trying to write, in no gauge."""
+    recorder = Recorder(
+        postgres_down,
+        Journal(tmp_path),
+        batch_size=4,
+        queue_max_bytes=2**30,
+        retry_s=0.2,
+        gamma=None,
+    )
+    hang = asyncio.Event()
+
+    async def hanging_insert(_: list[TransitionRecord]) -> None:
+        await hang.wait()  # Postgres holding the write
+
+    monkeypatch.setattr(recorder, "_insert", hanging_insert)
+    recorder.start()
+    recorder.submit(records(10))
+    await settle(lambda: len(recorder._queue.in_flight) == 2)  # a batch of 4 each
+    assert recorder.queue_depth == 2
+    assert metric("flywheel_writer_unsaved_transitions") == 10
+    hang.set()
+    await settle(lambda: metric("flywheel_writer_unsaved_transitions") == 0)
+    await recorder.stop(timeout=2)
+
+
 async def test_a_failed_spill_keeps_the_queue_and_the_request_is_not_failed(
     postgres_down: AsyncSessions,
     tmp_path: Path,

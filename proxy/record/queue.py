@@ -17,9 +17,16 @@ class RecordQueue:
         self._items: deque[TransitionRecord] = deque()
         self.nbytes = 0
         self.since = 0.0  # monotonic time the oldest record in the queue arrived (about)
+        self.in_flight: dict[int, list[TransitionRecord]] = {}  # writer -> the batch it writes
 
     def __len__(self) -> int:
         return len(self._items)
+
+    @property
+    def unsaved(self) -> int:
+        """Answered but neither in Postgres nor in the journal: queued, or in a batch being
+        written. What a kill -9 would lose now (durable mode aside)."""
+        return len(self._items) + sum(map(len, self.in_flight.values()))
 
     def extend(self, records: list[TransitionRecord]) -> None:
         if not self._items:

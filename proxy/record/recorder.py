@@ -75,7 +75,6 @@ class Recorder:
         self._air_penalty = air_penalty
         self._queue = RecordQueue()
         self._pending = Pending(journal, unstored_max_ids)  # not in Postgres yet, who waits
-        self._inflight: dict[int, list[TransitionRecord]] = {}  # writer -> its batch
         self._replaying = False
         self._known = KnownDigests()  # what need not be sent again (proxy/record/known.py)
         self._memo = PromptMemo() if memo is None else memo  # each episode's last prompt, hashed
@@ -109,6 +108,7 @@ class Recorder:
         return len(self._queue)
 
     def start(self) -> None:
+        metrics.writer_unsaved.set_function(lambda: self._queue.unsaved)
         self._task = asyncio.create_task(self._run(), name="flywheel-writer")
 
     def expect(self, records: list[TransitionRecord]) -> None:
@@ -162,9 +162,9 @@ class Recorder:
                 await self._task
         except Exception:  # the writer should not die; if it did, still save what is left
             log.exception("the writer failed; saving what is left to the journal")
-        leftover = [r for batch in self._inflight.values() for r in batch]
+        leftover = [r for batch in self._queue.in_flight.values() for r in batch]
         leftover += self._queue.take_all()
-        self._inflight.clear()
+        self._queue.in_flight.clear()
         if leftover and not self._journal(leftover):
             log.critical(
                 "%d recorded transitions could be written neither to Postgres nor to the journal "
@@ -187,7 +187,7 @@ class Recorder:
                     return
             except Exception:  # a bug: the batch goes back, the writer lives on
                 log.exception("writer %d failed; its batch goes back to the queue", index)
-                self._queue.put_back(self._inflight.pop(index, []))
+                self._queue.put_back(self._queue.in_flight.pop(index, []))
                 await asyncio.sleep(self._retry_s)
 
     async def _writer_step(self, index: int) -> bool:
@@ -205,12 +205,12 @@ class Recorder:
         if self._queue:
             self._wake.set()  # more than one batch waiting: wake the other writer too
         if batch:
-            self._inflight[index] = batch
+            self._queue.in_flight[index] = batch
             if self.journal.pending and not self.journal.failing("append"):
                 kept = self._journal(batch)  # keep going behind the journal until it is replayed
             else:
                 kept = await self._write(batch)
-            del self._inflight[index]  # written, journaled, or back in the queue
+            del self._queue.in_flight[index]  # written, journaled, or back in the queue
             if not kept:
                 await asyncio.sleep(self._retry_s)  # neither works: try Postgres again then
         return self._stopping and not self._queue
