@@ -1,0 +1,38 @@
+"""CrewAI: one agent, one task, one crew, its LLM at the proxy's base URL with the tags as default
+headers; `litellm` in the config routes it through litellm (is_litellm=True) rather than CrewAI's
+own OpenAI provider, which it picks for an `openai/` model with a custom base URL. Run by
+tests/client_runs.py in the frameworks venv.
+
+    python crewai_crew.py '{"base_url": ..., "headers": {...}, "litellm": true}'
+"""
+
+import json
+import os
+import sys
+
+os.environ["CREWAI_DISABLE_TELEMETRY"] = "true"
+os.environ["OTEL_SDK_DISABLED"] = "true"
+os.environ["CREWAI_TRACING_ENABLED"] = "false"
+
+from crewai import LLM, Agent, Crew, Task
+
+config = json.loads(sys.argv[1])
+extra: dict[str, object] = (
+    {"is_litellm": True, "extra_headers": config["headers"]}
+    if config.get("litellm")
+    else {"default_headers": config["headers"]}
+)
+if config.get("extra_body"):
+    extra["extra_body"] = config["extra_body"]
+llm = LLM(
+    model="openai/" + config.get("model", "demo"),
+    base_url=config["base_url"],
+    api_key="x",
+    max_tokens=config.get("max_tokens", 32),
+    temperature=0,
+    **extra,
+)
+agent = Agent(role="Calculator", goal="Answer sums", backstory="You add numbers.", llm=llm)
+task = Task(description="What is 3 + 4?", expected_output="A number", agent=agent)
+result = Crew(agents=[agent], tasks=[task], verbose=False).kickoff()
+print(json.dumps({"answer": result.raw, "llm": type(llm).__name__}))
