@@ -39,7 +39,9 @@ else:
         return f"Sunny in {city}."
 
     tool = FunctionTool.from_defaults(fn=get_weather)
-    response = llm.chat_with_tools([tool], user_msg=question, tool_required=True)
+    response = llm.chat_with_tools(
+        [tool], user_msg=question, tool_required=config.get("tool_required", True)
+    )
     calls = llm.get_tool_calls_from_response(response, error_on_no_tool_call=True)
     out["calls"] = [
         {"id": call.tool_id, "name": call.tool_name, "arguments": call.tool_kwargs}
