@@ -13,9 +13,10 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from pydantic_ai import Agent
+from pydantic_ai import Agent, RunContext
 from pydantic_ai.models.openai import OpenAIChatModel
 from pydantic_ai.providers.openai import OpenAIProvider
+from pydantic_ai.settings import ModelSettings
 from smolagents import OpenAIServerModel, ToolCallingAgent, tool
 from smolagents.models import REMOVE_PARAMETER
 
@@ -55,18 +56,40 @@ def assert_greedy_ids(t: dict[str, Any], vllm_url: str, extra: dict[str, Any]) -
     assert t["completion_token_ids"] == direct["choices"][0]["token_ids"]
 
 
-def test_pydantic_ai_agent(real_proxy: RunningProxy) -> None:
-    provider = OpenAIProvider(base_url=real_proxy.v1, api_key="x")
+def test_pydantic_ai_agent_with_a_tool(real_proxy: RunningProxy) -> None:
+    """Pydantic AI's dynamic model settings (a function of the run) pick the regex per request:
+    the forced call first, the answer "7" once the tool's result is in the messages."""
     headers = {"X-Episode-Id": "e-pyd", "X-Agent-Name": "pyd"}
-    agent = Agent(
-        OpenAIChatModel("policy", provider=provider),
-        model_settings={"max_tokens": 8, "extra_headers": headers, "extra_body": ANSWER},
-    )
-    result = agent.run_sync("What is 3 + 4?")
-    assert result.output == "7"
-    [t] = recorded(real_proxy, "e-pyd")
-    assert_exact(t, "pyd")
-    assert t["text"] == "7" and t["policy_version"] == 0
+
+    def settings(ctx: RunContext[None]) -> ModelSettings:
+        answered = any(p.part_kind == "tool-return" for m in ctx.messages for p in m.parts)
+        return {
+            "max_tokens": MAX_CALL_TOKENS,
+            "extra_headers": headers,
+            "extra_body": ANSWER if answered else FORCED_WEATHER,
+        }
+
+    provider = OpenAIProvider(base_url=real_proxy.v1, api_key="x")
+    agent = Agent(OpenAIChatModel("policy", provider=provider), model_settings=settings)
+    cities: list[str] = []
+
+    # Pydantic AI marks the tool `strict`, and vLLM then holds the arguments to the tool's schema
+    # with its own grammar instead of the regex (the random model writes a random city).
+    @agent.tool_plain(strict=False)
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        cities.append(city)
+        return f"Sunny in {city}."
+
+    result = agent.run_sync("What is the weather in Paris?")
+    assert result.output == "7" and cities == ["Paris"]
+    first, second = recorded(real_proxy, "e-pyd", 2)
+    for t in (first, second):
+        assert_exact(t, "pyd")
+    [call] = first["tool_calls"]
+    assert first["finish_reason"] == "tool_calls" and first["policy_version"] == 0
+    assert json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert second["messages"][-1]["tool_call_id"] == call["id"] and second["text"] == "7"
 
 
 def test_smolagents_tool_call(real_proxy: RunningProxy) -> None:
