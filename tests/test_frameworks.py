@@ -217,3 +217,23 @@ def test_openai_node(proxy: RunningProxy, mode: str) -> None:
         assert out["text"] and t["text"] == out["text"]
     if mode != "stream":
         assert out["transition_id"] == t["id"]
+
+
+@pytest.mark.models("frameworks-venv")
+def test_crewai_agent_with_a_tool(proxy: RunningProxy, fake_vllm: FakeVLLM) -> None:
+    """CrewAI's own OpenAI provider calls tools natively: the fake calls get_weather, CrewAI runs
+    it and sends its result back, and the next answer is the task's."""
+    run = config(proxy, "crew-tool", "crew", tool=True, question=CALL_A_TOOL)
+    out = client_runs.python_client("crewai_crew.py", run)
+    assert out["cities"] == ["Paris"]
+    assert [len(body.get("tools", [])) for body in chat_bodies(fake_vllm)] == [1, 1]
+
+    first, second = recorded(proxy, "crew-tool", 2)
+    for t in (first, second):
+        assert_complete(t, agent="crew")
+    [stored] = first["tool_calls"]
+    assert stored["function"]["name"] == "get_weather"
+    assert {"role": "tool", "tool_call_id": stored["id"], "content": "Sunny in Paris."} in [
+        {k: m.get(k) for k in ("role", "tool_call_id", "content")} for m in second["messages"]
+    ]
+    assert second["text"] == out["answer"]

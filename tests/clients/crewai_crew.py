@@ -3,7 +3,7 @@ headers; `litellm` in the config routes it through litellm (is_litellm=True) rat
 own OpenAI provider, which it picks for an `openai/` model with a custom base URL. Run by
 tests/client_runs.py in the frameworks venv.
 
-    python crewai_crew.py '{"base_url": ..., "headers": {...}, "litellm": true}'
+    python crewai_crew.py '{"base_url": ..., "headers": {...}, "litellm": true, "tool": true}'
 """
 
 import json
@@ -15,6 +15,7 @@ os.environ["OTEL_SDK_DISABLED"] = "true"
 os.environ["CREWAI_TRACING_ENABLED"] = "false"
 
 from crewai import LLM, Agent, Crew, Task
+from crewai.tools import tool
 
 config = json.loads(sys.argv[1])
 extra: dict[str, object] = (
@@ -32,7 +33,19 @@ llm = LLM(
     temperature=0,
     **extra,
 )
-agent = Agent(role="Calculator", goal="Answer sums", backstory="You add numbers.", llm=llm)
-task = Task(description="What is 3 + 4?", expected_output="A number", agent=agent)
+cities: list[str] = []
+
+
+@tool("get_weather")
+def get_weather(city: str) -> str:
+    """The weather in a city."""
+    cities.append(city)
+    return f"Sunny in {city}."
+
+
+tools = [get_weather] if config.get("tool") else []
+agent = Agent(role="Helper", goal="Answer", backstory="You answer.", llm=llm, tools=tools)
+question = config.get("question", "What is 3 + 4?")
+task = Task(description=question, expected_output="A short answer", agent=agent)
 result = Crew(agents=[agent], tasks=[task], verbose=False).kickoff()
-print(json.dumps({"answer": result.raw, "llm": type(llm).__name__}))
+print(json.dumps({"answer": result.raw, "llm": type(llm).__name__, "cities": cities}))
