@@ -1,7 +1,7 @@
 """More agent frameworks against a running proxy on the fake vLLM, each unchanged but for its base
 URL (and the tag headers, where it takes headers): Pydantic AI and smolagents here, in this venv;
 DSPy, CrewAI and LlamaIndex (they need litellm or openai<3) in the frameworks venv and the `openai`
-npm package in Node, each as a script of tests/clients/ run as a child (tests/clients.py).
+npm package in Node, each as a script of tests/clients/ run as a child (tests/client_runs.py).
 
 As tests/test_clients.py, each checks what the framework handed back and what the proxy stored:
 tags, status, token ids, logprobs, text, tool calls.
