@@ -142,7 +142,7 @@ def test_dspy_predict(proxy: RunningProxy, fake_vllm: FakeVLLM) -> None:
     """Through litellm's OpenAI provider: the proxy asks vLLM for the token ids itself."""
     fake_vllm.replies = [ANSWER_FIELDS]
     out = client_runs.python_client("dspy_predict.py", config(proxy, "dspy", "dspy"))
-    assert out == {"answer": "7", "history": 1}
+    assert out == {"answer": "7", "history": 1, "cities": []}
     [body] = chat_bodies(fake_vllm)
     assert body["return_token_ids"] is True and body["logprobs"] is True
 
@@ -150,6 +150,35 @@ def test_dspy_predict(proxy: RunningProxy, fake_vllm: FakeVLLM) -> None:
     assert_complete(t, agent="dspy")
     assert t["text"] == ANSWER_FIELDS
     assert "What is 3 + 4?" in t["messages"][-1]["content"]
+
+
+def dspy_fields(**fields: str) -> str:
+    return "".join(f"[[ ## {k} ## ]]\n{v}\n\n" for k, v in fields.items()) + "[[ ## completed ## ]]"
+
+
+@pytest.mark.models("frameworks-venv")
+def test_dspy_react_agent_with_a_tool(proxy: RunningProxy, fake_vllm: FakeVLLM) -> None:
+    """DSPy's ReAct writes its tool calls as fields of its text format (native tool calls it
+    sends only for models litellm knows to support them): the tool runs, and its observation is
+    in the next call's prompt."""
+    call = {"next_thought": "The weather.", "next_tool_name": "get_weather"}
+    fake_vllm.replies = [
+        dspy_fields(**call, next_tool_args='{"city": "Paris"}'),
+        dspy_fields(next_thought="Done.", next_tool_name="finish", next_tool_args="{}"),
+        dspy_fields(reasoning="It said so.", answer="Sunny in Paris."),
+    ]
+    out = client_runs.python_client(
+        "dspy_predict.py", config(proxy, "dspy-react", "dspy", react=True)
+    )
+    assert out == {"answer": "Sunny in Paris.", "history": 3, "cities": ["Paris"]}
+
+    first, second, third = recorded(proxy, "dspy-react", 3)
+    for t in (first, second, third):
+        assert_complete(t, agent="dspy")
+    assert "get_weather" in first["text"]
+    assert "Sunny in Paris." not in json.dumps(first["messages"])
+    assert "Sunny in Paris." in json.dumps(second["messages"])
+    assert third["text"].endswith("[[ ## completed ## ]]")
 
 
 @pytest.mark.models("frameworks-venv")

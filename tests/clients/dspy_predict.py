@@ -1,5 +1,6 @@
-"""DSPy: a `Predict` module through its LM client (litellm's OpenAI provider at the proxy's base
-URL, the tags as litellm's extra_headers). Run by tests/client_runs.py in the frameworks venv.
+"""DSPy: a `Predict` module (or, with `react`, a `ReAct` agent with a tool) through its LM
+client: litellm's OpenAI provider at the proxy's base URL, the tags as litellm's extra_headers.
+Run by tests/client_runs.py in the frameworks venv.
 
     python dspy_predict.py '{"base_url": ..., "headers": {...}, "extra_body": {...}}'
 """
@@ -20,6 +21,19 @@ lm = dspy.LM(
     extra_headers=config["headers"],
     extra_body=config.get("extra_body"),
 )
+cities: list[str] = []
+
+
+def get_weather(city: str) -> str:
+    """The weather in a city."""
+    cities.append(city)
+    return f"Sunny in {city}."
+
+
 with dspy.context(lm=lm):
-    prediction = dspy.Predict("question -> answer")(question="What is 3 + 4?")
-print(json.dumps({"answer": prediction.answer, "history": len(lm.history)}))
+    if config.get("react"):  # DSPy's agent: its tool calls are fields of its text format
+        module = dspy.ReAct("question -> answer", tools=[get_weather], max_iters=2)
+        prediction = module(question="What is the weather in Paris?")
+    else:
+        prediction = dspy.Predict("question -> answer")(question="What is 3 + 4?")
+print(json.dumps({"answer": prediction.answer, "history": len(lm.history), "cities": cities}))
