@@ -61,7 +61,17 @@ lock: | $(BIN)/python
 	  $(LOCK_VENV)-litellm/bin/python -m pip freeze \
 		--path $$(echo $(LOCK_VENV)-litellm/lib/python3*/site-packages) | grep -v "^#"; \
 	} > constraints-litellm.txt
+	@# The tests' frameworks venv (DSPy, CrewAI, LlamaIndex: the `frameworks` extra, over the above).
+	$(LOCK_VENV)/bin/python -c "import pathlib, fakes.processes as p; \
+		p.build_frameworks_venv(pathlib.Path('$(LOCK_VENV)-frameworks'), \
+			litellm=pathlib.Path('$(LOCK_VENV)-litellm'), locked=False)"
+	{ echo "# The tests' frameworks venv's own packages (fakes/processes.py installs with -c this)."; \
+	  echo "# Made by 'make lock'; do not edit."; \
+	  $(LOCK_VENV)-frameworks/bin/python -m pip freeze \
+		--path $$(echo $(LOCK_VENV)-frameworks/lib/python3*/site-packages) | grep -v "^#"; \
+	} > constraints-frameworks.txt
 	rm -rf $(LOCK_VENV) $(LOCK_VENV)-litellm $(LOCK_VENV)-litellm.lock
+	rm -rf $(LOCK_VENV)-frameworks $(LOCK_VENV)-frameworks.lock
 
 up: install
 	$(BIN)/flywheel up

@@ -155,6 +155,41 @@ def start_trainer(
 
 
 LITELLM_LOCK = ROOT / "constraints-litellm.txt"
+FRAMEWORKS_LOCK = ROOT / "constraints-frameworks.txt"
+
+
+def extra_pins(extra: str) -> list[str]:
+    """pyproject.toml's pins of one optional extra."""
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        return list(tomllib.load(f)["project"]["optional-dependencies"][extra])
+
+
+def overlay_venv(target: Path, over: str, pins: list[str], locks: list[Path], check: str) -> Path:
+    """A venv at `target` whose .pth adds the site-packages `over` after its own, with `pins`
+    installed into its own (pip sees what `over` has and installs only what differs), at the
+    versions of `locks[0]` where given; `check` (Python) must then run. A stamp names the pins
+    and the locks' digest: built once, rebuilt when either changes."""
+    digest = hashlib.sha1(b"".join(lock.read_bytes() for lock in locks)).hexdigest()[:12]
+    stamp = target / f".built-{hashlib.sha1(repr(pins).encode()).hexdigest()[:8]}-{digest}"
+    if stamp.exists():
+        return target
+    shutil.rmtree(target, ignore_errors=True)
+    subprocess.run([sys.executable, "-m", "venv", str(target)], check=True)
+    (site,) = (target / "lib").glob("python3*/site-packages")
+    (site / "zz_flywheel.pth").write_text(f"import site; site.addsitedir({over!r})\n")
+    python = str(target / "bin" / "python")
+    lock = ["-c", str(locks[0])] if locks else []
+    pip = [python, "-m", "pip", "--disable-pip-version-check", "-q", "install", *lock, *pins]
+    subprocess.run(pip, check=True, capture_output=True)
+    env = {**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"}
+    subprocess.run([python, "-c", check], check=True, env=env)
+    stamp.touch()
+    return target
+
+
+def site_packages(venv: Path) -> str:
+    (site,) = (venv / "lib").glob("python3*/site-packages")
+    return str(site.resolve())
 
 
 @one_build_at_a_time
@@ -162,32 +197,24 @@ def build_litellm_venv(target: Path, *, locked: bool = True) -> Path:
     """A venv for `flywheel judge` and for a proxy with routes: litellm at the `litellm` extra's
     pin, with the openai<3 it needs, in its own site-packages, over this venv's (a .pth adds
     those after its own): they run there as in their images, while the tests' clients keep
-    today's openai 3."""
-    with open(ROOT / "pyproject.toml", "rb") as f:
-        (pin,) = tomllib.load(f)["project"]["optional-dependencies"]["litellm"]
-    # Its packages at the versions of constraints-litellm.txt (`make lock` refreshes it).
-    lock = ["-c", str(LITELLM_LOCK)] if locked else []
-    digest = hashlib.sha1(LITELLM_LOCK.read_bytes()).hexdigest()[:12] if locked else "unlocked"
-    stamp = target / f".built-{pin}-{digest}"
-    if stamp.exists():
-        return target
-    shutil.rmtree(target, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "venv", str(target)], check=True)
-    (site,) = (target / "lib").glob("python3*/site-packages")
+    today's openai 3. Its packages at the versions of constraints-litellm.txt (`make lock`
+    refreshes it); pip then says openai-agents wants openai 3: true, and not this venv's concern."""
     here = sysconfig.get_paths()["purelib"]
-    (site / "zz_flywheel.pth").write_text(f"import site; site.addsitedir({here!r})\n")
-    pip = [str(target / "bin" / "python"), "-m", "pip", "--disable-pip-version-check", "-q"]
-    # pip sees the project's packages through the .pth and installs only what differs (openai
-    # 2, litellm); it then says openai-agents wants openai 3: true, and not this venv's concern.
-    subprocess.run([*pip, "install", *lock, pin], check=True, capture_output=True)
-    subprocess.run(
-        [
-            str(target / "bin" / "python"),
-            "-c",
-            "import litellm, judge.worker, proxy.relay.providers",
-        ],
-        check=True,
-        env={**os.environ, "LITELLM_LOCAL_MODEL_COST_MAP": "True"},
-    )
-    stamp.touch()
-    return target
+    check = "import litellm, judge.worker, proxy.relay.providers"
+    locks = [LITELLM_LOCK] if locked else []
+    return overlay_venv(target, here, extra_pins("litellm"), locks, check)
+
+
+@one_build_at_a_time
+def build_frameworks_venv(
+    target: Path, *, litellm: Path | None = None, locked: bool = True
+) -> Path:
+    """The agent frameworks that reach a model through litellm or need openai<3 (DSPy, CrewAI,
+    LlamaIndex: the `frameworks` extra), for tests/test_frameworks.py to run its clients in: a
+    venv over the litellm venv (`litellm`, by default `target`'s sibling litellm-venv, built
+    first), so they get its litellm and openai 2, and this venv's packages below those. Their
+    own packages (an older pydantic for CrewAI, ...) at constraints-frameworks.txt's versions."""
+    litellm = build_litellm_venv(litellm or target.with_name("litellm-venv"), locked=locked)
+    check = "import dspy, crewai, llama_index.llms.openai_like"
+    locks = [FRAMEWORKS_LOCK, LITELLM_LOCK] if locked else []
+    return overlay_venv(target, site_packages(litellm), extra_pins("frameworks"), locks, check)

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from demo.stack import TASKS
-from fakes.processes import build_litellm_venv
+from fakes.processes import build_frameworks_venv, build_litellm_venv
 from tests.conftest import TEST_HOME
 
 BUILDERS: dict[str, Callable[[Path], Path]] = {
@@ -25,6 +25,7 @@ BUILDERS: dict[str, Callable[[Path], Path]] = {
     "calc-tools": TASKS["calc-tools"].build_model,
     "sql": TASKS["sql"].build_model,
     "litellm-venv": build_litellm_venv,  # the judge's and routed proxies' install (openai 2)
+    "frameworks-venv": build_frameworks_venv,  # DSPy, CrewAI, LlamaIndex over litellm-venv
 }
 
 
