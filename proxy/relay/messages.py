@@ -205,7 +205,7 @@ def _convert_block(
         parts.append({"type": "text", "text": block["text"]})
     elif kind == "image" and block.get("source"):
         parts.append({"type": "image_url", "image_url": {"url": _image_url(block["source"])}})
-    elif kind == "thinking" and block.get("thinking") is not None:
+    elif kind == "thinking" and isinstance(block.get("thinking"), str):
         reasoning.append(block["thinking"])
     elif kind == "tool_use":
         arguments = json.dumps(block.get("input") or {})  # vLLM's json.dumps, spaces and all
@@ -230,7 +230,8 @@ def _tool_result(block: dict[str, Any], out: list[dict[str, Any]]) -> None:
         text = content
     elif isinstance(content, list):
         items = [item for item in content if isinstance(item, dict)]
-        text = "\n".join(item.get("text", "") for item in items if item.get("type") == "text")
+        texts = [item.get("text") for item in items if item.get("type") == "text"]
+        text = "\n".join(t for t in texts if isinstance(t, str))
         images = [
             _image_url(item.get("source") or {}) for item in items if item.get("type") == "image"
         ]
