@@ -32,6 +32,11 @@ ROLES = ("user", "assistant", "system")  # vLLM also takes a system message amon
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # and "tool": a named one
 # (Anthropic's field, the chat request's): sent when given
 SAMPLING = (("stop_sequences", "stop"), ("temperature",) * 2, ("top_p",) * 2, ("top_k",) * 2)
+# The content blocks taken (vLLM's, but its tool search's tool_addition, tool_removal and
+# tool_reference), and the types of their fields, as vLLM's request model checks them.
+BLOCKS = ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking")
+BLOCK_FIELDS: dict[str, Any] = {"source": dict, "input": dict, "content": (str, list)}
+BLOCK_FIELDS |= dict.fromkeys(("text", "id", "tool_use_id", "name", "thinking", "data"), str)
 BILLING = "x-anthropic-billing-header"  # Claude Code's per-request line, skipped as vLLM does
 
 
@@ -77,16 +82,19 @@ def _check_content(content: Any, where: str) -> None:
     if not isinstance(content, list):
         raise ApiError(400, f"`{where}` must be a string or a list of content blocks", param=where)
     for n, block in enumerate(content):
-        if not isinstance(block, dict) or not isinstance(block.get("type"), str):
-            raise ApiError(
-                400, f"`{where}[{n}]` must be a block with a `type`", param=f"{where}[{n}]"
-            )
+        at = f"{where}[{n}]"
+        if not isinstance(block, dict) or block.get("type") not in BLOCKS:
+            kinds = ", ".join(BLOCKS)
+            raise ApiError(400, f"`{at}` must be a content block of type {kinds}", param=at)
         if block["type"] == "text" and not isinstance(block.get("text"), str):
-            raise ApiError(400, f"`{where}[{n}].text` must be a string", param=f"{where}[{n}].text")
-        if block["type"] == "tool_use" and not isinstance(block.get("input", {}), dict):
-            raise ApiError(
-                400, f"`{where}[{n}].input` must be an object", param=f"{where}[{n}].input"
-            )
+            raise ApiError(400, f"`{at}.text` must be a string", param=f"{at}.text")
+        for key, kinds in BLOCK_FIELDS.items():
+            value = block.get(key)
+            if value is not None and not isinstance(value, kinds):
+                raise ApiError(400, f"`{at}.{key}` is of the wrong type", param=f"{at}.{key}")
+        items = block.get("content")
+        if isinstance(items, list) and not all(isinstance(i, dict) for i in items):
+            raise ApiError(400, f"`{at}.content` must hold blocks", param=f"{at}.content")
 
 
 def _check_tools(tools: Any, tool_choice: Any) -> None:
