@@ -40,6 +40,8 @@ LITELLM_PIN = "litellm[proxy]==1.106.2"
 LITELLM_VENV = WORK / "litellm-venv"
 REQUEST_TIMEOUT_S = 60.0  # a request slower than this counts as failed (LiteLLM at 256 clients)
 MODEL = "demo"
+# a stream's last event but for chat's `[DONE]`: the Responses API's, Anthropic Messages'
+STREAM_ENDS = (b'"type":"response.completed"', b'"type":"message_stop"')
 # LiteLLM's proxy refuses to start without a master key; every target gets the same header
 # (the fake and Flywheel, with no API keys configured, ignore it).
 MASTER_KEY = "sk-" + secrets.token_hex(32)
@@ -68,13 +70,16 @@ def quantile(values: list[float], q: float) -> float:
 
 
 def first_content(data: bytes) -> bool:
-    """Whether an SSE data payload carries generated text (chat delta, completions text, or a
-    Responses output_text.delta event)."""
+    """Whether an SSE data payload carries generated text (chat delta, completions text, a
+    Responses output_text.delta event, or a Messages content_block_delta)."""
     if data == b"[DONE]":
         return False
     event = orjson.loads(data)
     if event.get("type") == "response.output_text.delta":
         return bool(event.get("delta"))
+    if event.get("type") == "content_block_delta":
+        delta = event.get("delta") or {}
+        return bool(delta.get("text") or delta.get("partial_json"))
     for choice in event.get("choices") or ():
         if (choice.get("delta") or {}).get("content") or choice.get("text"):
             return True
@@ -105,7 +110,7 @@ async def _one(
                 last = event[data + 5 :].strip()
                 if ttft is None and first_content(last):
                     ttft = time.perf_counter() - started
-        finished = last == b"[DONE]" or b'"type":"response.completed"' in last
+        finished = last == b"[DONE]" or any(end in last for end in STREAM_ENDS)
         if not finished or ttft is None:
             return None
         return time.perf_counter() - started, ttft

@@ -41,7 +41,7 @@ from fakes import processes
 
 RESULTS = Path(__file__).with_suffix(".md")
 TIMEOUT_S = 10.0
-COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+COMPLETION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages")
 
 
 @dataclass
@@ -142,6 +142,11 @@ _message = st.fixed_dictionaries(
     {"role": st.sampled_from(["user", "system", "assistant", "tool", "bogus"]) | _scalars},
     optional={"content": _json, "tool_calls": _json, "name": _json, "tool_call_id": _json},
 )
+_block = st.fixed_dictionaries(  # an Anthropic Messages content block
+    {"type": st.sampled_from(["text", "image", "tool_use", "tool_result", "thinking"]) | _json},
+    optional={k: _json for k in ("text", "source", "id", "name", "input", "tool_use_id")}
+    | {"content": _json | st.lists(_json, max_size=3), "thinking": _json},
+)
 _field_values = {
     "model": st.sampled_from(["demo", "policy", "policy@0", "policy@99", "nope"]) | _json,
     "messages": st.lists(_message, max_size=3) | _json,
@@ -154,6 +159,12 @@ _field_values = {
     "temperature": st.floats(min_value=-1, max_value=3, allow_nan=False) | _json,
     "tools": _json,
     "previous_response_id": _json,
+    "system": st.text(max_size=20) | st.lists(_block, max_size=2) | _json,
+    "stop_sequences": st.lists(st.text(max_size=5), max_size=2) | _json,
+    "tool_choice": _json,
+    "top_k": _json,
+    "metadata": _json,
+    "thinking": _json,
 }
 _bodies = (
     st.fixed_dictionaries({}, optional=_field_values).map(lambda b: _dumps(b))
@@ -167,6 +178,13 @@ _PROMPTS = {
     ),
     "/v1/completions": ("prompt", st.text(min_size=1, max_size=30)),
     "/v1/responses": ("input", st.text(min_size=1, max_size=30)),
+    "/v1/messages": (
+        "messages",
+        st.builds(
+            lambda c: [{"role": "user", "content": c}],
+            st.text(max_size=30) | st.lists(_block, min_size=1, max_size=3),
+        ),
+    ),
 }
 
 

@@ -9,10 +9,12 @@ streaming calls, the targets run interleaved (direct, flywheel, litellm, then th
 drift hits all alike. Everything shares the machine's cores: saturated latency is mostly queueing.
 
     PYTHONPATH=. .venv/bin/python -m bench.proxy_overhead [--concurrency 1,16,64,256]
-        [--seconds 5] [--rounds 2] [--no-litellm] [--route chat|responses] [--note "..."]
+        [--seconds 5] [--rounds 2] [--no-litellm] [--route chat|responses|messages] [--note "..."]
 
 `--route responses` measures `POST /v1/responses` the same way (direct and Flywheel only: the
-LiteLLM baseline is measured on chat).
+LiteLLM baseline is measured on chat). `--route messages` measures Anthropic's `POST /v1/messages`
+against the chat call the proxy makes of it, sent to the fake directly (vLLM serves Messages by
+converting to chat too, so that is the upstream's own cost).
 
 Prints the tables and the goals of issue 16, appends a dated section (with this command) to
 bench/proxy_overhead.md and writes docs/img/proxy_overhead_{latency,throughput}.png.
@@ -32,7 +34,8 @@ RESULTS = Path(__file__).with_suffix(".md")  # this script's own report
 IMG_DIR = processes.ROOT / "docs" / "img"
 MODES = ("non-streaming", "streaming")
 PROMPT = [{"role": "user", "content": "What is 3 + 4?"}]
-PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses"}
+PATHS = {"chat": "/v1/chat/completions", "responses": "/v1/responses", "messages": "/v1/messages"}
+DIRECTLY = {"messages": "chat"}  # what the direct baseline calls instead of the route
 # Issue 16's goals for Flywheel's proxy (milliseconds added over calling the upstream directly).
 GOAL_P50_5MS_MS, GOAL_P99_5MS_MS = 0.5, 1.0  # 1 client, 5 ms upstream (TTFT alike)
 GOAL_P50_ZERO_MS = 1.0  # 1 client, any faster upstream
@@ -72,7 +75,12 @@ def body_for(route: str, mode: str) -> bytes:
     stream = mode == "streaming"
     if route == "responses":
         return common.responses_body(PROMPT[0]["content"], stream=stream)
-    return common.chat_body(PROMPT, stream=stream)
+    return common.chat_body(PROMPT, stream=stream)  # Messages: the same fields
+
+
+def route_of(route: str, target: str) -> str:
+    """The route a target is called on: the direct baseline calls the upstream's."""
+    return DIRECTLY.get(route, route) if target == "direct" else route
 
 
 def measure(
@@ -83,7 +91,7 @@ def measure(
     rounds: int,
     route: str = "chat",
 ) -> list[Cell]:
-    bodies = {mode: body_for(route, mode) for mode in MODES}
+    bodies = {(t, mode): body_for(route_of(route, t), mode) for t in urls for mode in MODES}
     cells: list[Cell] = []
     for clients in concurrencies:
         for mode in MODES:
@@ -95,7 +103,11 @@ def measure(
                     meter = meters.get(target)
                     cpu_before = meter.cpu_s() if meter else 0.0
                     run = common.load(
-                        urls[target], constant(bodies[mode]), clients, seconds, stream=stream
+                        urls[target],
+                        constant(bodies[target, mode]),
+                        clients,
+                        seconds,
+                        stream=stream,
                     )
                     cell = here[target]
                     cell.latencies += run.latencies
@@ -129,7 +141,7 @@ def warm_up(urls: dict[str, str], route: str = "chat") -> dict[str, int]:
     calls = dict.fromkeys(urls, 0)
     for target, url in urls.items():
         for mode in MODES:
-            body = constant(body_for(route, mode))
+            body = constant(body_for(route_of(route, target), mode))
             run = common.load(url, body, 4, 0.5, stream=mode == "streaming")
             calls[target] += len(run.latencies) + run.failed
     return calls
@@ -299,7 +311,7 @@ def main() -> None:
                 servers.append(litellm)
                 urls["litellm"] = litellm.url
                 meters["litellm"] = common.ProcessMeter(litellm.process.pid)
-            urls = {t: u + PATHS[args.route] for t, u in urls.items()}
+            urls = {t: u + PATHS[route_of(args.route, t)] for t, u in urls.items()}
             warm = warm_up(urls, args.route)["flywheel"]
             cells = measure(urls, meters, concurrencies, args.seconds, args.rounds, args.route)
             calls = warm + sum(len(c.latencies) + c.failed for c in cells if c.target == "flywheel")

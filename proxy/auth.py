@@ -28,6 +28,7 @@ SCOPE_OF = {
     "chat": "infer",
     "completions": "infer",
     "responses": "infer",
+    "messages": "infer",
     "models": "infer",
     "rewards": "reward",
     "episodes": "read",

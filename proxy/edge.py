@@ -5,11 +5,12 @@
 - auth: with keys on (FLYWHEEL_API_KEYS or FLYWHEEL_AUTH=keys), `/v1/*` needs
   `Authorization: Bearer <key>` (never logged) with the route's scope; the caller's Principal
   (its tenant: proxy/auth.py, core/tenants.py) goes into the scope as `flywheel.principal`;
+  Anthropic's Messages route takes the key as `x-api-key` too, as Anthropic's clients send it;
   the dashboard's `/ui/api/*` takes the same keys, or the admin key for every tenant's rows;
 - the fast lane: the completion routes (`wire.ENDPOINTS`, every agent call) go straight to
   `routes.completions.complete`, not through FastAPI's middleware stack, router and exception
   handlers (about 5% of the proxy's busy samples at 64 clients, by py-spy); their errors get the
-  same OpenAI-shaped answers here;
+  same OpenAI-shaped answers here (Anthropic-shaped at `/v1/messages`, the tags' path form too);
 - the dashboard's headers: `/ui` may only be framed by no one and load only its own scripts;
 - the per-route request counter (labelled with the route's path template).
 """
@@ -29,7 +30,7 @@ from core.tenants import OPERATOR, Principal
 from proxy import metrics
 from proxy.auth import require
 from proxy.config import ProxySettings
-from proxy.errors import ApiError, error_response, unexpected_error
+from proxy.errors import ApiError, unexpected_error
 from proxy.hosts import HostCheck
 from proxy.relay import wire
 from proxy.relay.tags import split_path
@@ -65,7 +66,7 @@ class Edge:
                 scope = self._admit(scope)
             except ApiError as e:
                 status = e.status
-                await e.response()(scope, receive, send)
+                await e.response(anthropic=_anthropic(scope))(scope, receive, send)
                 return
             endpoint = _COMPLETIONS.get(scope["path"])
             if endpoint is not None:
@@ -90,15 +91,16 @@ class Edge:
 
     async def _complete(self, endpoint: wire.Endpoint, scope: Scope, receive: Receive) -> Response:
         """The completion route's response, or the error answer the app's handlers would give."""
+        anthropic = endpoint is wire.MESSAGES
         if scope["method"] != "POST":
             message = f"{scope['method']} {scope['path']}: Method Not Allowed"
-            return error_response(405, message, headers={"Allow": "POST"})
+            return ApiError(405, message).response({"Allow": "POST"}, anthropic=anthropic)
         try:
             return await complete(endpoint, services_of(self.app), scope, receive)
         except ApiError as e:
-            return e.response()
+            return e.response(anthropic=anthropic)
         except Exception:
-            return unexpected_error()
+            return unexpected_error(anthropic=anthropic)
 
     def _route_label(self, scope: Scope) -> str:
         """The path template of the route that served it (a bounded set of labels)."""
@@ -119,7 +121,10 @@ class Edge:
             scope = dict(scope, path=path, raw_path=path.encode())
             scope["flywheel.path_tags"] = tags
         if self._auth_on and scope["path"].startswith("/v1/"):
-            header = dict(scope["headers"]).get(b"authorization", b"")
+            headers = dict(scope["headers"])
+            header = headers.get(b"authorization", b"")
+            if not header and scope["path"] == wire.MESSAGES.path and b"x-api-key" in headers:
+                header = b"Bearer " + headers[b"x-api-key"]
             principal = services_of(self.app).keys.authenticate(header)
             require(principal, scope["path"])
             scope["flywheel.principal"] = principal
@@ -149,6 +154,11 @@ class Edge:
         principal = services_of(self.app).keys.authenticate(header)
         require(principal, "/v1/episodes")
         return principal
+
+
+def _anthropic(scope: Scope) -> bool:
+    """Whether the request is at Anthropic's Messages route (its tags' path form too)."""
+    return str(scope["path"]).endswith(wire.MESSAGES.path)
 
 
 def _authorize(scope: Scope, keys: list[bytes], setting: str) -> None:

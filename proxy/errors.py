@@ -1,4 +1,6 @@
-"""Errors at the HTTP edge, in OpenAI's shape: {"error": {"message", "type", "param", "code"}}."""
+"""Errors at the HTTP edge, in OpenAI's shape: {"error": {"message", "type", "param", "code"}};
+at the Anthropic Messages route (`/v1/messages`) in Anthropic's: {"type": "error", "error":
+{"type", "message"}}, the type following the status code as Anthropic's API has it."""
 
 from __future__ import annotations
 
@@ -32,7 +34,11 @@ class ApiError(Exception):
             code,
         )
 
-    def response(self, headers: dict[str, str] | None = None) -> Response:
+    def response(
+        self, headers: dict[str, str] | None = None, *, anthropic: bool = False
+    ) -> Response:
+        if anthropic:
+            return anthropic_error_response(self.status, self.message, headers=headers)
         return error_response(
             self.status,
             self.message,
@@ -58,10 +64,39 @@ def error_response(
     )
 
 
-def unexpected_error() -> Response:
+def unexpected_error(*, anthropic: bool = False) -> Response:
     """A bug, not the client's fault: logged with an id the client gets to quote."""
     error_id = uuid.uuid4().hex[:12]
     log.exception("unexpected error %s", error_id)
-    return error_response(
-        500, f"internal error {error_id} (see the proxy's log)", type="server_error"
+    message = f"internal error {error_id} (see the proxy's log)"
+    if anthropic:
+        return anthropic_error_response(500, message)
+    return error_response(500, message, type="server_error")
+
+
+# Anthropic's error type for each status (others: invalid_request_error below 500, else api_error)
+ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    503: "overloaded_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_body(status: int, message: str) -> bytes:
+    kind = ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
+
+
+def anthropic_error_response(
+    status: int, message: str, *, headers: dict[str, str] | None = None
+) -> Response:
+    return Response(
+        anthropic_body(status, message),
+        status_code=status,
+        media_type="application/json",
+        headers=headers,
     )

@@ -81,6 +81,17 @@ def test_the_responses_tool_shape_is_read_too() -> None:
     assert kinds(errors) == ["schema_violation"]
 
 
+def test_the_messages_tool_shape_is_read_too() -> None:
+    """Anthropic's Messages API declares {name, input_schema}; a server tool (a `type` of its
+    own) cannot be judged."""
+    tools: list[Any] = [{"name": "calculator", "input_schema": PARAMETERS}]
+    assert ToolCheck().errors(tools, record(("calculator", '{"expression": "1"}'))) is None
+    errors = ToolCheck().errors(tools, record(("calculator", '{"x": 1}'), ("add", "{}")))
+    assert kinds(errors) == ["schema_violation", "undeclared_tool"]
+    tools.append({"type": "web_search_20250305", "name": "web_search"})
+    assert ToolCheck().errors(tools, record(("calculator", '{"x": 1}'))) is None
+
+
 def test_a_call_the_server_could_not_parse_is_found_by_its_marker() -> None:
     bad = '<tool_call>\n{"name": "calculator", "arguments": {"expression": 3 + 4}}\n</tool_call>'
     assert kinds(ToolCheck().errors(CHAT_TOOLS, record(text=bad))) == ["unparsed_call"]
@@ -122,13 +133,21 @@ def episode(proxy: RunningProxy, episode_id: str) -> dict[str, Any]:
     return proxy.client().get(f"/v1/episodes/{episode_id}").json()  # type: ignore[no-any-return]
 
 
-@pytest.mark.parametrize("route", ["chat", "responses"])
+@pytest.mark.parametrize("route", ["chat", "responses", "messages"])
 def test_a_bad_call_is_penalised_and_the_penalty_is_in_the_return(
     make_proxy: Any, route: str
 ) -> None:
     proxy = make_proxy(air_penalty=0.5)
     if route == "chat":
         path, body = "/v1/chat/completions", ASK
+    elif route == "messages":
+        path = "/v1/messages"
+        body = {
+            "model": "demo",
+            "messages": ASK["messages"],
+            "max_tokens": 40,
+            "tools": [{"name": "calculator", "input_schema": PARAMETERS}],
+        }
     else:
         path = "/v1/responses"
         body = {

@@ -54,7 +54,7 @@ def _number(cell: str) -> float:
     return float("nan") if cell == "-" else float(cell.replace(",", ""))
 
 
-@pytest.mark.parametrize("route", ["chat", "responses"])
+@pytest.mark.parametrize("route", ["chat", "responses", "messages"])
 def test_proxy_overhead_smoke(postgres_url: str, tmp_path: Path, route: str) -> None:
     report = tmp_path / "overhead.md"
     run = _bench(

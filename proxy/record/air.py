@@ -110,16 +110,19 @@ class ToolCheck:
 
 
 def declared_functions(tools: Any) -> dict[str, Any] | None:
-    """name -> parameters schema of the request's function tools, in either wire shape (chat:
-    {"type": "function", "function": {...}}; Responses: {"type": "function", "name": ...}).
-    None when the request declared no tools, or tools of kinds whose calls cannot be checked."""
+    """name -> parameters schema of the request's function tools, in any of the wire shapes (chat:
+    {"type": "function", "function": {...}}; Responses: {"type": "function", "name": ...};
+    Anthropic's Messages: {"name", "input_schema"}, `type` absent or "custom"). None when the
+    request declared no tools, or tools of kinds whose calls cannot be checked."""
     if not isinstance(tools, list) or not tools:
         return None
     declared: dict[str, Any] = {}
     for tool in tools:
         if not isinstance(tool, dict):
             continue
-        if tool.get("type") != "function":
+        if "input_schema" in tool and tool.get("type") in (None, "custom"):
+            tool = {"name": tool.get("name"), "parameters": tool["input_schema"]}
+        elif tool.get("type") != "function":
             return None  # built-in or custom tools: a call may name them, we cannot tell
         nested = tool.get("function")
         function: dict[str, Any] = nested if isinstance(nested, dict) else tool

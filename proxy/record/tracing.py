@@ -25,7 +25,12 @@ from typing import Any
 from core.record import TransitionRecord
 
 # The GenAI operation name of each endpoint (proxy/relay/wire.py's Endpoint names).
-_OPERATIONS = {"chat": "chat", "completions": "text_completion", "responses": "chat"}
+_OPERATIONS = {
+    "chat": "chat",
+    "completions": "text_completion",
+    "responses": "chat",
+    "messages": "chat",
+}
 
 
 def _ids(episode_id: str) -> tuple[int, int]:

@@ -18,7 +18,7 @@ import orjson
 
 from core.record import TransitionRecord
 from proxy.errors import ApiError
-from proxy.relay import responses, wire
+from proxy.relay import messages, responses, wire
 from proxy.relay.tags import Tags
 from proxy.relay.upstream import Replica
 
@@ -128,11 +128,14 @@ def _record(
     prompt_key = call.endpoint.prompt_key
     unrecorded: tuple[str, ...] = (prompt_key,)  # params: the request minus the prompt
     if call.endpoint is wire.CHAT:
-        messages = body.get(prompt_key)
-        prompt_messages = messages if isinstance(messages, list) else []
+        sent = body.get(prompt_key)
+        prompt_messages = sent if isinstance(sent, list) else []
     elif call.endpoint is wire.RESPONSES:
         prompt_messages = responses.prompt_messages(body)
         unrecorded = (prompt_key, "instructions")
+    elif call.endpoint is wire.MESSAGES:
+        prompt_messages = messages.prompt_messages(body)
+        unrecorded = (prompt_key, "system")
     else:
         prompts = wire.prompts(body.get(prompt_key))
         n = len(call.transition_ids) // max(1, len(prompts))

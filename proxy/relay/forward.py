@@ -1,11 +1,12 @@
 """Forwarding one completion call to vLLM, and its answer back to the client.
 
-The request goes upstream as the client wrote it, except: the model alias is resolved, and vLLM
-is always asked for token ids and sampled-token logprobs (`return_token_ids` and `logprobs` on
-chat and completions; `enable_response_messages` and output logprobs on the Responses API, see
-responses.py). On the way back those are removed again where the client did not ask for them, so
-the client sees what vLLM would have sent it. Each choice becomes one transition, handed over to
-the record wing (handoff.py; never awaited here).
+The request goes upstream as the client wrote it (an Anthropic Messages call as a chat call:
+messages.py), except: the model alias is resolved, and vLLM is always asked for token ids and
+sampled-token logprobs (`return_token_ids` and `logprobs` on chat and completions;
+`enable_response_messages` and output logprobs on the Responses API, see responses.py). On the
+way back those are removed again where the client did not ask for them, so the client sees what
+vLLM would have sent it (Messages: its answer in Anthropic's shape, messages_answer.py). Each
+choice becomes one transition, handed over to the record wing (handoff.py; never awaited here).
 
 A provider model (FLYWHEEL_ROUTES) goes to forward_provider.py instead.
 
@@ -30,8 +31,8 @@ import orjson
 from starlette.responses import Response
 
 from proxy import metrics
-from proxy.errors import ApiError, error_response
-from proxy.relay import responses, wire
+from proxy.errors import ApiError, anthropic_error_response, error_response
+from proxy.relay import messages, messages_answer, responses, wire
 from proxy.relay.alias import PolicyAlias
 from proxy.relay.call import Call, choice_count, failure, random_uuids, transitions
 from proxy.relay.forward_provider import ProviderForwarder
@@ -88,6 +89,8 @@ class Forwarder:
         choices = 1
         if endpoint is wire.RESPONSES:
             responses.check(body)  # one model call, one transition
+        elif endpoint is wire.MESSAGES:
+            messages.check(body)  # no `n`: one transition
         else:
             choices = choice_count(endpoint, body)
 
@@ -132,17 +135,20 @@ class Forwarder:
             if call.endpoint is wire.RESPONSES:
                 payload = responses.unknown_previous(call.body, response.status, payload) or payload
             self._handoff.hand_over(call, failure(call, response.status, payload))
+            media_type = response.content_type
+            if call.endpoint is wire.MESSAGES:
+                payload = messages_answer.error_body(response.status, payload)
+                media_type = "application/json"
             return Response(
-                payload,
-                status_code=response.status,
-                media_type=response.content_type,
-                headers=call.headers(),
+                payload, status_code=response.status, media_type=media_type, headers=call.headers()
             )
         data = orjson.loads(payload)
         collected = _collect(call.endpoint, data)
         if call.endpoint is wire.RESPONSES:
             call.response_id = data.get("id")
-        if not (call.wants_logprobs and call.wants_token_ids):
+        if call.endpoint is wire.MESSAGES:
+            payload = orjson.dumps(messages_answer.message(call.request_id, data))
+        elif not (call.wants_logprobs and call.wants_token_ids):
             _strip(call, data)
             payload = orjson.dumps(data)
         self._handoff.hand_over(call, transitions(call, collected, "ok"))
@@ -186,13 +192,14 @@ class Forwarder:
         raise UpstreamBroken("no vLLM replica to send to")
 
     async def _post(self, call: Call, replica: Replica, body: bytes) -> UpstreamResponse:
-        response = await self._upstream.post(replica, call.endpoint.path, body)
+        path = call.endpoint.upstream_path
+        response = await self._upstream.post(replica, path, body)
         if response.status == 404 and call.policy_version:
             # A restarted vLLM has none of our adapters: load this one again and retry once.
             await response.read()  # kept: the 404 can still be passed through
             response.release()
             if await self._alias.restore(replica, call.model_used):
-                response = await self._upstream.post(replica, call.endpoint.path, body)
+                response = await self._upstream.post(replica, path, body)
         return response
 
     def _free(self, call: Call) -> None:
@@ -214,13 +221,18 @@ class Forwarder:
         collected: dict[int, wire.Choice] = {}
         status, error = "aborted", None
         detailed = call.wants_logprobs and call.wants_token_ids
+        anthropic = None  # the Messages API: Anthropic's events made of the chat chunks
+        if call.endpoint is wire.MESSAGES:
+            anthropic = messages_answer.Stream(
+                call.request_id, collected.setdefault(0, wire.Choice())
+            )
         try:
             async for events in sse_events(response):
                 out, ended = [], False
                 for name, data_bytes in events:
                     if data_bytes == b"[DONE]":  # chat and completions
                         status, ended = ("ok" if error is None else "failed"), True
-                        out.append(b"data: [DONE]\n\n")
+                        out.append(anthropic.end() if anthropic else b"data: [DONE]\n\n")
                         continue
                     chunk = orjson.loads(data_bytes)
                     if call.endpoint is wire.RESPONSES:
@@ -234,6 +246,9 @@ class Forwarder:
                         error = chunk
                     else:
                         wire.collect_chunk(call.endpoint, chunk, collected)
+                    if anthropic is not None:
+                        out.append(anthropic.event(chunk))
+                        continue
                     if not detailed and error is None:
                         _strip(call, chunk)
                         data_bytes = orjson.dumps(chunk)
@@ -286,6 +301,8 @@ class Forwarder:
         message = f"upstream vLLM {'timed out' if timeout else 'unreachable'}"
         detail = {"error": {"message": f"{message}: {e!r}"}}  # recorded; the client gets no URL
         self._handoff.hand_over(call, failure(call, status, orjson.dumps(detail)))
+        if call.endpoint is wire.MESSAGES:
+            return anthropic_error_response(status, message, headers=call.headers())
         return error_response(
             status,
             message,
@@ -299,8 +316,9 @@ def _upstream_body(call: Call, model_used: str) -> dict[str, Any]:
     """The request as vLLM gets it: the alias resolved, token ids and logprobs always asked for."""
     if call.endpoint is wire.RESPONSES:
         return {**responses.upstream_body(call.body), "model": model_used}
-    upstream_body = {**call.body, "model": model_used, "return_token_ids": True}
-    if call.endpoint is wire.CHAT:
+    body = messages.chat_request(call.body) if call.endpoint is wire.MESSAGES else call.body
+    upstream_body = {**body, "model": model_used, "return_token_ids": True}
+    if call.endpoint.chat_answers:
         upstream_body["logprobs"] = True
     elif not call.wants_logprobs:
         upstream_body["logprobs"] = 0  # completions: 0 = the sampled token's logprob only

@@ -1,6 +1,7 @@
 """The completion endpoints the proxy records, and vLLM's answers on chat and completions (0.32, see
 tests/data/vllm_wire/): reading each choice's tokens out of a response or its stream chunks, and
-removing what the client did not ask for. The Responses API's answers are read in responses.py.
+removing what the client did not ask for. The Responses API's answers are read in responses.py;
+the Anthropic Messages API goes to vLLM as a chat call (messages.py, messages_answer.py).
 
 `ENDPOINTS` is the one table of them (an `Endpoint`: a completion API's path and wire shape): the
 edge (which answers their routes entirely) and the forwarder read it.
@@ -23,14 +24,26 @@ class Endpoint:
     """An OpenAI-compatible completion API, forwarded to vLLM and recorded."""
 
     name: str  # recorded as transition.route, and the metrics' `route` label
-    path: str  # the same path on the proxy and on vLLM
+    path: str  # the path on the proxy
     prompt_key: str  # the request field holding the prompt (recorded by message digest)
+    upstream: str | None = None  # the path on vLLM, when not the same
+
+    @property
+    def upstream_path(self) -> str:
+        return self.upstream or self.path
+
+    @property
+    def chat_answers(self) -> bool:
+        """vLLM answers it as a chat completion."""
+        return self.upstream_path == "/v1/chat/completions"
 
 
 CHAT = Endpoint("chat", "/v1/chat/completions", "messages")
 COMPLETIONS = Endpoint("completions", "/v1/completions", "prompt")
 RESPONSES = Endpoint("responses", "/v1/responses", "input")  # `instructions` is recorded with it
-ENDPOINTS = (CHAT, COMPLETIONS, RESPONSES)
+# Anthropic's, sent to vLLM as a chat call (messages.py); `system` is recorded with the prompt
+MESSAGES = Endpoint("messages", "/v1/messages", "messages", upstream=CHAT.path)
+ENDPOINTS = (CHAT, COMPLETIONS, RESPONSES, MESSAGES)
 
 
 @dataclass
@@ -53,7 +66,7 @@ def collect(endpoint: Endpoint, data: dict[str, Any]) -> dict[int, Choice]:
         choice.prompt_token_ids = c.get("prompt_token_ids") or prompt_ids
         choice.token_ids = list(c.get("token_ids") or ())
         choice.finish_reason = c.get("finish_reason")
-        if endpoint is CHAT:
+        if endpoint.chat_answers:
             message = c.get("message") or {}
             choice.text.append(message.get("content") or "")
             for i, tool_call in enumerate(message.get("tool_calls") or ()):
@@ -75,7 +88,7 @@ def collect_chunk(endpoint: Endpoint, chunk: dict[str, Any], collected: dict[int
         choice.token_ids.extend(c.get("token_ids") or ())
         if c.get("finish_reason") is not None:
             choice.finish_reason = c["finish_reason"]
-        if endpoint is CHAT:
+        if endpoint.chat_answers:
             delta = c.get("delta") or {}
             if delta.get("content"):
                 choice.text.append(delta["content"])

@@ -1,6 +1,7 @@
-"""POST /v1/chat/completions, /v1/completions and /v1/responses (a route per `wire.ENDPOINTS`):
-forwarded to vLLM and recorded by `Forwarder`. The edge calls `complete` directly, without
-FastAPI's middleware, router and dependency machinery: every agent call comes this way.
+"""POST /v1/chat/completions, /v1/completions, /v1/responses and /v1/messages (a route per
+`wire.ENDPOINTS`): forwarded to vLLM and recorded by `Forwarder`. The edge calls `complete`
+directly, without FastAPI's middleware, router and dependency machinery: every agent call comes
+this way.
 """
 
 from __future__ import annotations
