@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Path, Query
 from starlette.responses import Response
 
 from core import canary, policy, rollout
@@ -33,10 +33,13 @@ from proxy.errors import ApiError
 from proxy.services import Services, ServicesDep
 
 router = APIRouter()
+# What could name a lineage or a version (the columns' own limits): anything else is a 400.
+LINEAGE = Query(None, pattern=f"^{policy.LINEAGE_NAME.pattern}$")
+VERSION = Path(ge=policy.BASE_VERSION, le=policy.MAX_VERSION)
 
 
 @router.get("/admin/adapters")
-async def list_adapters(services: ServicesDep, lineage: str | None = None) -> Response:
+async def list_adapters(services: ServicesDep, lineage: str | None = LINEAGE) -> Response:
     async with services.sessionmaker() as session:
         adapters = await run_sync(session, policy.versions, lineage=lineage)
     body = {"object": "list", "data": [adapter_json(a) for a in adapters]}
@@ -45,7 +48,7 @@ async def list_adapters(services: ServicesDep, lineage: str | None = None) -> Re
 
 @router.get("/admin/canaries")
 async def list_canaries(
-    services: ServicesDep, lineage: str | None = None, limit: int = 100
+    services: ServicesDep, lineage: str | None = LINEAGE, limit: int = 100
 ) -> Response:
     if not 1 <= limit <= 1000:
         raise ApiError(400, "`limit` must be between 1 and 1000", param="limit")
@@ -78,15 +81,15 @@ async def list_lineages(services: ServicesDep) -> Response:
 
 @router.post("/admin/adapters/{version}/activate")
 async def activate(
-    version: int, services: ServicesDep, lineage: str = policy.DEFAULT_LINEAGE
+    services: ServicesDep, version: int = VERSION, lineage: str = policy.DEFAULT_LINEAGE
 ) -> Response:
     return await _activate(version, lineage, services)
 
 
 @router.post("/admin/adapters/{version}/pin")
 async def pin(
-    version: int,
     services: ServicesDep,
+    version: int = VERSION,
     lineage: str = policy.DEFAULT_LINEAGE,
     note: str | None = Query(None, max_length=500, pattern=r"^[^\x00-\x1f]*$"),
 ) -> Response:
