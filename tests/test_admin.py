@@ -202,3 +202,23 @@ def test_every_proxy_follows_a_publish_at_once_not_at_its_next_poll(
         ) != "1":
             assert time.monotonic() < deadline, f"the follower still serves v{version}"
             time.sleep(0.01)
+
+
+def test_the_admin_routes_answer_503_while_postgres_is_down(
+    own_postgres: Any, make_proxy: Any
+) -> None:
+    """Found by the Schemathesis run through an outage (tests/test_openapi.py): they were 500s."""
+    proxy = make_proxy(database_url=own_postgres.url, admin_key="root")
+    own_postgres.stop()
+    admin = proxy.client(Authorization="Bearer root")
+    for method, url in [
+        ("GET", "/admin/adapters"),
+        ("GET", "/admin/canaries"),
+        ("GET", "/admin/lineages"),
+        ("POST", "/admin/adapters/1/activate"),
+        ("POST", "/admin/adapters/1/pin"),
+        ("POST", "/admin/lineages/policy/unpin"),
+    ]:
+        r = admin.request(method, url)
+        assert r.status_code == 503, (url, r.text)
+        assert r.json()["error"]["message"] == "database unavailable"
