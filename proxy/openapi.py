@@ -55,11 +55,15 @@ BODY = {
 }
 QUERY = {400: "A parameter is invalid (`param` names it)."}
 DATABASE = {503: "Postgres is unreachable."}
-ACTIVATE = QUERY | {
-    404: "No such adapter version.",
-    409: "The version is retired, or its lineage is pinned.",
-    502: "A vLLM replica refused the adapter, or none could be reached; the alias did not move.",
-}
+ACTIVATE = (
+    QUERY
+    | DATABASE
+    | {
+        404: "No such adapter version.",
+        409: "The version is retired, or its lineage is pinned.",
+        502: "A vLLM replica refused the adapter, or none answered; the alias did not move.",
+    }
+)
 _JOURNALED = {
     "description": "Postgres unreachable or refusing: the rewards are journaled (fsync'd), "
     'with "status": "journaled" and "stored": false, and applied when the journal is replayed.',
@@ -89,12 +93,12 @@ ROUTES: dict[str, Route] = {
     "GET /v1/models": Route(
         s.listing(s.ref("Model")), {502: "vLLM unreachable (its other answers pass through)."}
     ),
-    "GET /admin/adapters": Route(s.listing(s.ref("Adapter")), QUERY),
-    "GET /admin/canaries": Route(s.listing(s.ref("Canary")), QUERY),
-    "GET /admin/lineages": Route(s.listing(s.LINEAGE)),
+    "GET /admin/adapters": Route(s.listing(s.ref("Adapter")), QUERY | DATABASE),
+    "GET /admin/canaries": Route(s.listing(s.ref("Canary")), QUERY | DATABASE),
+    "GET /admin/lineages": Route(s.listing(s.LINEAGE), DATABASE),
     "POST /admin/adapters/{version}/activate": Route(s.ref("Adapter"), ACTIVATE),
     "POST /admin/adapters/{version}/pin": Route(s.ref("Adapter"), ACTIVATE),
-    "POST /admin/lineages/{lineage}/unpin": Route(s.UNPINNED, QUERY),
+    "POST /admin/lineages/{lineage}/unpin": Route(s.UNPINNED, QUERY | DATABASE),
     "GET /healthz": Route(
         s.ref("Health"),
         more={

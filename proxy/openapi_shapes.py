@@ -259,8 +259,14 @@ COMPLETION_ANSWER = shape(
     "id", "object", "choices", id=STRING, object={"const": "text_completion"}, choices=ANY_ARRAY
 )
 RESPONSE_ANSWER = shape("id", "object", "output", id=STRING, object={"const": "response"})
-EVENT_STREAM: Schema = {
-    "type": "string",
-    "description": "Server-sent events (`data: <JSON>` lines), as vLLM sends them.",
-}
+# One server-sent event (OpenAPI 3.1 reads a text/event-stream schema as each event's).
+EVENT_STREAM: Schema = shape(
+    "data",
+    event={"type": "string", "description": "The Responses API's event type."},
+    data={
+        "type": "string",
+        "contentMediaType": "application/json",
+        "description": "A chunk or event as vLLM sends it; chat and completions end with `[DONE]`.",
+    },
+)
 TAG: Schema = {"type": "string", "pattern": TAG_PATTERN}

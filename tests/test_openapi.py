@@ -23,6 +23,7 @@ from schemathesis import GenerationMode
 from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (
     content_type_conformance,
+    response_headers_conformance,
     response_schema_conformance,
     status_code_conformance,
 )
@@ -43,8 +44,17 @@ CHECKS = [
     content_type_conformance,
     response_schema_conformance,
 ]
+OUTAGE_CHECKS = CHECKS[1:]  # the documented 503s are the answers expected
 # What the proxy serves outside the document: the dashboard's page and static files.
 NOT_DOCUMENTED = {"/ui", "/ui/", "/ui/static"}
+COMPLETION_PATHS = {endpoint.path for endpoint in wire.ENDPOINTS}
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+# A call each completion route answers with 200 (a new endpoint needs one).
+VALID = {
+    wire.CHAT.name: {"messages": [{"role": "user", "content": "hi"}]},
+    wire.COMPLETIONS.name: {"prompt": "hi"},
+    wire.RESPONSES.name: {"input": "hi"},
+}
 
 
 def _document() -> dict[str, Any]:
@@ -112,15 +122,31 @@ def _keys(path: str) -> dict[str, str]:
 def test_schemathesis_finds_the_proxy_answering_as_documented(
     running: RunningProxy, label: str
 ) -> None:
-    method, path = label.split(" ")
-    doc = running.server.config.app.app.openapi()  # with keys on it is not served
-    operation = schemathesis.openapi.from_dict(doc)[path][method]
-    keys = _keys(path)
 
-    for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+    fuzz(running, label, (GenerationMode.POSITIVE, GenerationMode.NEGATIVE), EXAMPLES)
+
+
+def _operation(running: RunningProxy, method: str, path: str) -> Any:
+    doc = running.server.config.app.app.openapi()  # with keys on it is not served
+    return schemathesis.openapi.from_dict(doc)[path][method]
+
+
+def fuzz(
+    running: RunningProxy,
+    label: str,
+    modes: tuple[GenerationMode, ...],
+    examples: int,
+    checks: list[Any] = CHECKS,
+) -> None:
+    """Schemathesis' cases for one operation, each sent with the route's key, none or another,
+    and checked (CHECKS)."""
+    method, path = label.split(" ")
+    operation = _operation(running, method, path)
+    keys = _keys(path)
+    for mode in modes:
 
         @settings(
-            max_examples=EXAMPLES,
+            max_examples=examples,
             deadline=None,
             database=None,
             suppress_health_check=list(HealthCheck),
@@ -128,13 +154,57 @@ def test_schemathesis_finds_the_proxy_answering_as_documented(
         @given(
             case=operation.as_strategy(generation_mode=mode),
             key=st.sampled_from(["right", "right", "right", "wrong", None]),
+            model=st.sampled_from([None, "policy", "demo"]),
         )
-        def call(case: Any, key: str | None) -> None:
+        def call(case: Any, key: str | None, model: str | None) -> None:
             headers = {"Authorization": f"Bearer {keys[key]}"} if key else {}
             if key is None and case.headers:
                 case.headers.pop("Authorization", None)
+            if model and path in COMPLETION_PATHS and isinstance(case.body, dict):
+                case.body["model"] = model  # a model that is served: answers, not only 404s
             response = case.call(base_url=running.url, headers=headers, timeout=10)
-            case.validate_response(response, checks=CHECKS)
+            case.validate_response(response, checks=checks)
 
         with contextlib.suppress(Unsatisfiable):  # nothing to make invalid
             call()
+
+
+@pytest.mark.slow
+def test_through_a_database_outage_every_answer_is_documented(
+    own_postgres: Any, make_proxy: Any
+) -> None:
+    """Postgres stopped: the routes that read it answer 503, a reward is journaled (202). (A 500
+    is no documented status: status_code_conformance fails it.)"""
+    proxy = make_proxy(database_url=own_postgres.url, api_keys=[API_KEY], admin_key=ADMIN_KEY)
+    own_postgres.stop()
+    for label in OPERATIONS:
+        fuzz(proxy, label, (GenerationMode.POSITIVE,), 5, checks=OUTAGE_CHECKS)
+    reward = {"episode_id": "e1", "reward": 1.0}
+    case = _operation(proxy, "POST", "/v1/rewards").Case(body=reward, media_type="application/json")
+    response = case.call(base_url=proxy.url, headers=AUTH)
+    assert response.status_code == 202, response.text
+    case.validate_response(response, checks=OUTAGE_CHECKS)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
+@pytest.mark.parametrize("endpoint", wire.ENDPOINTS, ids=lambda e: e.name)
+def test_a_completion_answers_as_documented_also_through_the_path_form(
+    running: RunningProxy, endpoint: wire.Endpoint, stream: bool
+) -> None:
+    operation = _operation(running, "POST", endpoint.path)
+    body = {"model": "policy", "max_tokens": 3, "stream": stream, **VALID[endpoint.name]}
+    case = operation.Case(body=body, media_type="application/json")
+    checks = [*CHECKS, response_headers_conformance]
+    response = case.call(base_url=running.url, headers=AUTH | {"X-Episode-Id": "e-doc"})
+    assert response.status_code == 200, response.text
+    media = response.headers["content-type"][0]
+    assert media.startswith("text/event-stream" if stream else "application/json"), media
+    case.validate_response(response, checks=checks)
+    # The path form, as the document's server describes it (its variables' defaults).
+    servers = running.server.config.app.app.openapi()["paths"][endpoint.path]["servers"]
+    (server,) = [s for s in servers if s["url"] != "/"]
+    prefix = server["url"].format(**{k: v["default"] for k, v in server["variables"].items()})
+    response = case.call(base_url=running.url + prefix, headers=AUTH)
+    assert response.status_code == 200, response.text
+    assert response.headers["x-episode-id"] == ["e1"]
+    case.validate_response(response, checks=checks)
