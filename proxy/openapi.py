@@ -183,12 +183,20 @@ PATH_FORM = {
     "routes read them; the other `/v1/` routes accept and ignore them).",
     "variables": {key: {"default": key[0] + "1"} for key in PATH_KEYS},
 }
+DESCRIPTION = (
+    "An OpenAI-compatible proxy in front of vLLM that records every completion call (one "
+    "transition per choice) for training, and takes rewards for them. The completion routes "
+    "forward everything in the body to vLLM; vLLM's answers and errors pass through unchanged. "
+    "Every error has OpenAI's shape (`Error`)."
+)
 
 
 def document(app: FastAPI) -> dict[str, Any]:
     """The whole API's OpenAPI document (cached on the app, as FastAPI caches its own)."""
     if app.openapi_schema is None:
-        doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        doc = get_openapi(
+            title=app.title, version=app.version, description=DESCRIPTION, routes=app.routes
+        )
         for path, operations in doc["paths"].items():
             for method, operation in operations.items():
                 row = ROUTES.get(f"{method.upper()} {path}")
@@ -196,7 +204,9 @@ def document(app: FastAPI) -> dict[str, Any]:
                     raise LookupError(f"{method.upper()} {path} has no row in proxy/openapi.py")
                 _describe(operation, path, row)
         for endpoint in wire.ENDPOINTS:
-            request, row = COMPLETIONS[endpoint.name]  # a new endpoint needs its row
+            if endpoint.name not in COMPLETIONS:
+                raise LookupError(f"POST {endpoint.path} has no row in proxy/openapi.py")
+            request, row = COMPLETIONS[endpoint.name]
             doc["paths"][endpoint.path] = {"post": _completion(endpoint, request, row)}
         for path, operations in doc["paths"].items():
             if path.startswith("/v1/"):
@@ -233,7 +243,7 @@ def _completion(endpoint: wire.Endpoint, request: Schema, row: Route) -> dict[st
     }
     tags = [
         {
-            "name": header,
+            "name": header.title(),  # X-Episode-Id
             "in": "header",
             "required": False,
             "schema": s.TAG,
@@ -269,7 +279,7 @@ def _errors(path: str, row: Route) -> dict[str, Any]:
 
 def _edge_errors(path: str) -> dict[int, str]:
     """What edge.py answers before a route sees the request."""
-    errors = {} if path in ANY_NAME_PATHS else {421: "The Host is not allowed (a 421)."}
+    errors = {} if path in ANY_NAME_PATHS else {421: "The Host is not one this proxy answers to."}
     if path.startswith(("/v1/", "/ui/api/")):
         errors[401] = "No valid key (keys are on)."
         errors[403] = "The key lacks the scope the route needs."

@@ -45,6 +45,10 @@ CHECKS = [
     response_schema_conformance,
 ]
 OUTAGE_CHECKS = CHECKS[1:]  # the documented 503s are the answers expected
+# Schemathesis' negative cases draw from `random` inside strategies (Hypothesis warns).
+SCHEMATHESIS_RANDOM = pytest.mark.filterwarnings(
+    "ignore::hypothesis.errors.HypothesisDeprecationWarning"
+)
 # What the proxy serves outside the document: the dashboard's page and static files.
 NOT_DOCUMENTED = {"/ui", "/ui/", "/ui/static"}
 COMPLETION_PATHS = {endpoint.path for endpoint in wire.ENDPOINTS}
@@ -56,10 +60,12 @@ VALID = {
     wire.RESPONSES.name: {"input": "hi"},
 }
 
+# Enough to build the app (and its document) without starting it.
+SETTINGS = ProxySettings(upstream=["http://127.0.0.1:9"], database_url="postgresql://-/x")
+
 
 def _document() -> dict[str, Any]:
-    settings = ProxySettings(upstream=["http://127.0.0.1:9"], database_url="postgresql://-/x")
-    return create_app(settings).app.openapi()
+    return create_app(SETTINGS).app.openapi()
 
 
 OPERATIONS = [
@@ -71,8 +77,7 @@ OPERATIONS = [
 
 
 def test_the_document_lists_every_route_the_proxy_serves() -> None:
-    settings = ProxySettings(upstream=["http://127.0.0.1:9"], database_url="postgresql://-/x")
-    app = create_app(settings).app
+    app = create_app(SETTINGS).app
     served = {endpoint.path: {"POST"} for endpoint in wire.ENDPOINTS}  # the edge's
     for route in app.routes:
         if isinstance(route, Mount):
@@ -87,6 +92,19 @@ def test_the_document_lists_every_route_the_proxy_serves() -> None:
         for path, operations in app.openapi()["paths"].items()
     }
     assert documented == {path: methods - {"HEAD"} for path, methods in served.items()}
+
+
+def test_a_route_without_its_row_in_proxy_openapi_fails_the_build(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    app = create_app(SETTINGS).app
+    app.add_api_route("/v1/new", lambda: None, methods=["GET"])
+    with pytest.raises(LookupError, match="GET /v1/new has no row"):
+        app.openapi()
+    new = wire.Endpoint("new", "/v1/new", "input")
+    monkeypatch.setattr(wire, "ENDPOINTS", (*wire.ENDPOINTS, new))
+    with pytest.raises(LookupError, match="POST /v1/new has no row"):
+        create_app(SETTINGS).app.openapi()
 
 
 @pytest.fixture(scope="module")
@@ -118,6 +136,7 @@ def _keys(path: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
+@SCHEMATHESIS_RANDOM
 @pytest.mark.parametrize("label", OPERATIONS)
 def test_schemathesis_finds_the_proxy_answering_as_documented(
     running: RunningProxy, label: str
@@ -170,6 +189,7 @@ def fuzz(
 
 
 @pytest.mark.slow
+@SCHEMATHESIS_RANDOM
 def test_through_a_database_outage_every_answer_is_documented(
     own_postgres: Any, make_proxy: Any
 ) -> None:
