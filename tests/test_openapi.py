@@ -94,6 +94,23 @@ def test_the_document_lists_every_route_the_proxy_serves() -> None:
     assert documented == {path: methods - {"HEAD"} for path, methods in served.items()}
 
 
+def test_the_document_is_valid_openapi_and_every_error_is_openai_shaped() -> None:
+    doc = _document()
+    schemathesis.openapi.from_dict(doc).validate()  # against the OpenAPI 3.1 meta-schema
+    for label in OPERATIONS:
+        method, path = label.split(" ")
+        responses = doc["paths"][path][method.lower()]["responses"]
+        assert "422" not in responses  # FastAPI's: the app answers 400
+        for status, response in responses.items():
+            if int(status) >= 400 and path != "/healthz":  # (its 503 is the health report)
+                error = response["content"]["application/json"]["schema"]
+                assert error == {"$ref": "#/components/schemas/Error"}, (label, status)
+        if path.startswith("/v1/"):
+            assert "401" in responses and "ApiKey" in str(doc["paths"][path][method.lower()])
+    assert set(doc["components"]["securitySchemes"]) == {"ApiKey", "AdminKey"}
+    assert doc["paths"]["/v1/rewards"]["post"]["responses"]["202"]  # journaled
+
+
 def test_a_route_without_its_row_in_proxy_openapi_fails_the_build(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
