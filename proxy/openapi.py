@@ -14,7 +14,8 @@ FastAPI generates what its router serves; `document(app)` adds what it cannot se
   described as a server: it is a prefix of the base URL, not a route of its own.
 
 A route without a row fails the build (tests/test_openapi.py builds it): a new route is one more
-row here. Shapes are in openapi_shapes.py.
+row here (a completion API with errors of another shape, Anthropic's, names its own component in
+`error_shape`, and its key header in `security`). The JSON Schemas are in openapi_shapes.py.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ Schema = dict[str, Any]
 @dataclass(frozen=True)
 class Route:
     """One operation's answers: its success (status, media type, schema) and its own errors
-    (status -> when), whose bodies have the shape of components/schemas/`error_shape`."""
+    (status -> when); every error body of the route (the edge's too) has the shape of
+    components/schemas/`error_shape`."""
 
     answer: Schema | None = None  # the success body's schema (None: none documented)
     errors: dict[int, str] = field(default_factory=dict)
@@ -45,6 +47,7 @@ class Route:
     media: str = JSON
     more: dict[int, Schema] = field(default_factory=dict)  # other non-error answers
     error_shape: str = "Error"
+    security: list[dict[str, list[str]]] | None = None  # None: the path's (`_security`)
 
 
 # Statuses several routes share (the edge's own are added from its rules, see `_edge_errors`).
@@ -225,7 +228,7 @@ def _describe(operation: dict[str, Any], path: str, row: Route) -> None:
     responses |= {str(k): v for k, v in row.more.items()}
     responses |= _errors(path, row)
     operation["responses"] = responses
-    security = _security(path)
+    security = row.security or _security(path)
     if security is not None:
         operation["security"] = security
 
@@ -257,7 +260,7 @@ def _completion(endpoint: wire.Endpoint, request: Schema, row: Route) -> dict[st
         "parameters": tags,
         "requestBody": {"required": True, "content": {JSON: {"schema": request}}},
         "responses": {"200": ok} | _errors(endpoint.path, row),
-        "security": _security(endpoint.path),
+        "security": row.security or _security(endpoint.path),
     }
 
 
@@ -267,11 +270,10 @@ def _errors(path: str, row: Route) -> dict[str, Any]:
     for table in (row.errors, _edge_errors(path)):
         for status, why in table.items():
             whys.setdefault(status, []).append(why)
-    shape = {status: row.error_shape if status in row.errors else "Error" for status in whys}
     return {
         str(status): {
             "description": " ".join(whys[status]),
-            "content": {JSON: {"schema": s.ref(shape[status])}},
+            "content": {JSON: {"schema": s.ref(row.error_shape)}},
         }
         for status in sorted(whys)
     }

@@ -37,7 +37,7 @@ from proxy.relay import wire
 from tests.conftest import RunningProxy, fresh_database, start_proxy
 
 API_KEY, ADMIN_KEY = "sk-openapi-test", "admin-openapi-test"
-EXAMPLES = 20  # per operation and generation mode (bench/fuzz.py: 500)
+EXAMPLES = 50  # per operation and generation mode (bench/fuzz.py: 500)
 CHECKS = [
     not_a_server_error,
     status_code_conformance,
