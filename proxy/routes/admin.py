@@ -37,6 +37,7 @@ from proxy.services import Services, ServicesDep
 router = APIRouter()
 # What could name a lineage or a version (the columns' own limits): anything else is a 400.
 LINEAGE = Query(None, pattern=f"^{policy.LINEAGE_NAME.pattern}$")
+LINEAGE_OR_POLICY = Query(policy.DEFAULT_LINEAGE, pattern=f"^{policy.LINEAGE_NAME.pattern}$")
 VERSION = Path(ge=policy.BASE_VERSION, le=policy.MAX_VERSION)
 
 
@@ -92,7 +93,7 @@ async def list_lineages(services: ServicesDep) -> Response:
 
 @router.post("/admin/adapters/{version}/activate")
 async def activate(
-    services: ServicesDep, version: int = VERSION, lineage: str = policy.DEFAULT_LINEAGE
+    services: ServicesDep, version: int = VERSION, lineage: str = LINEAGE_OR_POLICY
 ) -> Response:
     return await _activate(version, lineage, services)
 
@@ -101,7 +102,7 @@ async def activate(
 async def pin(
     services: ServicesDep,
     version: int = VERSION,
-    lineage: str = policy.DEFAULT_LINEAGE,
+    lineage: str = LINEAGE_OR_POLICY,
     note: str | None = Query(None, max_length=500, pattern=r"^[^\x00-\x1f]*$"),
 ) -> Response:
     return await _activate(version, lineage, services, pin=True, note=note or None)
