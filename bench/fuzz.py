@@ -2,11 +2,11 @@
 
     PYTHONPATH=. .venv/bin/python -m bench.fuzz [--examples 500] [--note "..."]
 
-- The routes the proxy's OpenAPI describes (rewards, episodes, admin, models, health), by
-  Schemathesis from `/openapi.json`, valid and invalid ("negative") cases.
-- The completion routes (the proxy's fast lane, answered by the fake vLLM here), by Hypothesis:
-  JSON of every shape and type, bodies that are not JSON, and arbitrary episode/task/agent tags
-  in headers and in the path.
+- Every route the proxy's OpenAPI document describes (proxy/openapi.py: the completion routes
+  too), by Schemathesis from `/openapi.json`, valid and invalid ("negative") cases.
+- The completion routes again (the proxy's fast lane, answered by the fake vLLM here), by
+  Hypothesis: JSON of every shape and type, bodies that are not JSON, and arbitrary
+  episode/task/agent tags in headers and in the path.
 
 Counted: cases, answers by status class, server errors (5xx: must be 0), hangs (no answer in
 10 s: must be 0), and whether Postgres holds exactly what was acknowledged: every transition id
@@ -103,7 +103,9 @@ def _fuzz_operation(
     @given(case=operation.as_strategy(generation_mode=mode))
     def call(case: Any) -> None:
         kwargs = case.as_transport_kwargs(base_url=base_url)
-        headers = {k: str(v) for k, v in (kwargs.get("headers") or {}).items()}
+        # Whitespace around a header value is no part of it (RFC 9110), and httpx refuses to send
+        # it (the security schemes' generated `Authorization: Bearer `).
+        headers = {k: str(v).strip() for k, v in (kwargs.get("headers") or {}).items()}
         body = kwargs.get("json")
         if body is not None and "content-type" not in {k.lower() for k in headers}:
             headers["Content-Type"] = "application/json"  # as json= would: the proxy wants it

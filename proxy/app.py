@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -19,6 +20,7 @@ from starlette.staticfiles import StaticFiles
 from proxy.config import ProxySettings
 from proxy.edge import Edge
 from proxy.errors import ApiError, error_response, unexpected_error
+from proxy.openapi import document
 from proxy.routes import admin, episodes, export, ops, rewards, ui
 from proxy.services import running
 
@@ -42,6 +44,8 @@ def create_app(settings: ProxySettings) -> Edge:
     _add_error_handlers(app)
     for module in (rewards, episodes, export, admin, ops, ui):
         app.include_router(module.router)
+    # The whole API's document: FastAPI's routes and the edge's (proxy/openapi.py).
+    app.openapi = partial(document, app)  # type: ignore[method-assign]
     app.mount("/ui/static", StaticFiles(directory=ui.STATIC), name="ui-static")
     return Edge(app, settings)
 

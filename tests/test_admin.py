@@ -36,6 +36,25 @@ def test_admin_is_off_without_a_key_and_guarded_with_one(make_proxy: Any) -> Non
     assert on.client(Authorization="Bearer root").get("/admin/adapters").status_code == 200
 
 
+def test_what_cannot_name_a_version_or_a_lineage_is_a_400_not_a_server_error(
+    make_proxy: Any,
+) -> None:
+    """Found by the Schemathesis run (tests/test_openapi.py): a version beyond int4 and a lineage
+    with a NUL reached Postgres, and the database's refusal was a 500."""
+    admin = make_proxy(admin_key="root").client(Authorization="Bearer root")
+    for method, url in [
+        ("POST", "/admin/adapters/2147483648/activate"),
+        ("POST", "/admin/adapters/99999999999999/pin"),
+        ("POST", "/admin/adapters/-1/activate"),
+        ("GET", "/admin/adapters?lineage=a%00b"),
+        ("GET", "/admin/canaries?lineage=a%00b"),
+    ]:
+        r = admin.request(method, url)
+        assert r.status_code == 400, (url, r.text)
+        assert r.json()["error"]["param"] in ("path.version", "query.lineage")
+    assert admin.post("/admin/adapters/2147483647/activate").status_code == 404  # the last one
+
+
 def test_activate_loads_into_vllm_then_moves_the_alias(
     make_proxy: Any, fake_vllm: FakeVLLM, tmp_path: Path
 ) -> None:
@@ -183,3 +202,23 @@ def test_every_proxy_follows_a_publish_at_once_not_at_its_next_poll(
         ) != "1":
             assert time.monotonic() < deadline, f"the follower still serves v{version}"
             time.sleep(0.01)
+
+
+def test_the_admin_routes_answer_503_while_postgres_is_down(
+    own_postgres: Any, make_proxy: Any
+) -> None:
+    """Found by the Schemathesis run through an outage (tests/test_openapi.py): they were 500s."""
+    proxy = make_proxy(database_url=own_postgres.url, admin_key="root")
+    own_postgres.stop()
+    admin = proxy.client(Authorization="Bearer root")
+    for method, url in [
+        ("GET", "/admin/adapters"),
+        ("GET", "/admin/canaries"),
+        ("GET", "/admin/lineages"),
+        ("POST", "/admin/adapters/1/activate"),
+        ("POST", "/admin/adapters/1/pin"),
+        ("POST", "/admin/lineages/policy/unpin"),
+    ]:
+        r = admin.request(method, url)
+        assert r.status_code == 503, (url, r.text)
+        assert r.json()["error"]["message"] == "database unavailable"

@@ -19,25 +19,40 @@ that cannot be reached is ejected here; it rejoins once it has the current adapt
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Path, Query
 from starlette.responses import Response
 
 from core import canary, policy, rollout
-from core.database import run_sync
+from core.database import OUTAGE_ERRORS, run_sync
 from core.tables import Canary as CanaryRow
 from core.vllm import AdapterRejected
 from proxy.errors import ApiError
 from proxy.services import Services, ServicesDep
 
 router = APIRouter()
+# What could name a lineage or a version (the columns' own limits): anything else is a 400.
+LINEAGE = Query(None, pattern=f"^{policy.LINEAGE_NAME.pattern}$")
+LINEAGE_OR_POLICY = Query(policy.DEFAULT_LINEAGE, pattern=f"^{policy.LINEAGE_NAME.pattern}$")
+VERSION = Path(ge=policy.BASE_VERSION, le=policy.MAX_VERSION)
+
+
+@contextlib.asynccontextmanager
+async def database() -> AsyncIterator[None]:
+    """Postgres unreachable: a 503 that says so, as every route that reads it answers."""
+    try:
+        yield
+    except OUTAGE_ERRORS as e:
+        raise ApiError(503, "database unavailable", type="service_unavailable") from e
 
 
 @router.get("/admin/adapters")
-async def list_adapters(services: ServicesDep, lineage: str | None = None) -> Response:
-    async with services.sessionmaker() as session:
+async def list_adapters(services: ServicesDep, lineage: str | None = LINEAGE) -> Response:
+    async with database(), services.sessionmaker() as session:
         adapters = await run_sync(session, policy.versions, lineage=lineage)
     body = {"object": "list", "data": [adapter_json(a) for a in adapters]}
     return Response(orjson.dumps(body), media_type="application/json")
@@ -45,11 +60,11 @@ async def list_adapters(services: ServicesDep, lineage: str | None = None) -> Re
 
 @router.get("/admin/canaries")
 async def list_canaries(
-    services: ServicesDep, lineage: str | None = None, limit: int = 100
+    services: ServicesDep, lineage: str | None = LINEAGE, limit: int = 100
 ) -> Response:
     if not 1 <= limit <= 1000:
         raise ApiError(400, "`limit` must be between 1 and 1000", param="limit")
-    async with services.sessionmaker() as session:
+    async with database(), services.sessionmaker() as session:
         rows = await run_sync(session, canary.history, lineage=lineage, limit=limit)
     data = [canary_json(r) for r in rows]
     return Response(orjson.dumps({"object": "list", "data": data}), media_type="application/json")
@@ -57,7 +72,7 @@ async def list_canaries(
 
 @router.get("/admin/lineages")
 async def list_lineages(services: ServicesDep) -> Response:
-    async with services.sessionmaker() as session:
+    async with database(), services.sessionmaker() as session:
         adapters = await run_sync(session, policy.versions)
         pins = await run_sync(session, policy.pins)
         tests = await run_sync(session, canary.opened)
@@ -78,16 +93,16 @@ async def list_lineages(services: ServicesDep) -> Response:
 
 @router.post("/admin/adapters/{version}/activate")
 async def activate(
-    version: int, services: ServicesDep, lineage: str = policy.DEFAULT_LINEAGE
+    services: ServicesDep, version: int = VERSION, lineage: str = LINEAGE_OR_POLICY
 ) -> Response:
     return await _activate(version, lineage, services)
 
 
 @router.post("/admin/adapters/{version}/pin")
 async def pin(
-    version: int,
     services: ServicesDep,
-    lineage: str = policy.DEFAULT_LINEAGE,
+    version: int = VERSION,
+    lineage: str = LINEAGE_OR_POLICY,
     note: str | None = Query(None, max_length=500, pattern=r"^[^\x00-\x1f]*$"),
 ) -> Response:
     return await _activate(version, lineage, services, pin=True, note=note or None)
@@ -100,7 +115,7 @@ async def unpin(lineage: str, services: ServicesDep) -> Response:
         policy.check_lineage(lineage)
     except ValueError as e:
         raise ApiError(400, str(e), param="lineage") from e
-    async with services.sessionmaker.begin() as session:
+    async with database(), services.sessionmaker.begin() as session:
         was = await run_sync(session, policy.unpin, lineage=lineage)
     body = {"lineage": lineage, "pinned": None, "was": pin_json(was)}
     return Response(orjson.dumps(body), media_type="application/json")
@@ -115,15 +130,16 @@ async def _activate(
     except ValueError as e:
         raise ApiError(400, str(e), param="lineage") from e
     try:
-        adapter, went = await rollout.activate(
-            version,
-            sessions=services.sessionmaker,
-            vllm=upstream.vllm,
-            urls=[r.base_url for r in upstream.replicas],
-            lineage=lineage,
-            pin=pin,
-            note=note,
-        )
+        async with database():
+            adapter, went = await rollout.activate(
+                version,
+                sessions=services.sessionmaker,
+                vllm=upstream.vllm,
+                urls=[r.base_url for r in upstream.replicas],
+                lineage=lineage,
+                pin=pin,
+                note=note,
+            )
     except policy.UnknownVersion as e:
         raise ApiError(404, str(e), code="adapter_not_found") from e
     except policy.RetiredVersion as e:
@@ -152,7 +168,7 @@ async def _activate(
     else:
         body = adapter_json(adapter) | {"is_current": True}
     if pin:
-        async with services.sessionmaker() as session:
+        async with database(), services.sessionmaker() as session:
             body["pinned"] = pin_json(
                 await run_sync(session, policy.pin_of, lineage=body["lineage"])
             )
