@@ -405,3 +405,47 @@ def test_errors_say_what_to_do(make_proxy: Any, monkeypatch: pytest.MonkeyPatch)
         with pytest.raises(ValueError, match="transition_id or tool_call_id"):
             fw.step_reward(1.0, episode_id="e-key")
 
+
+# --- the demo agents post through it -------------------------------------------------------
+
+
+def test_the_demo_agent_tags_its_calls_and_posts_its_rewards_with_the_client(
+    proxy: RunningProxy,
+) -> None:
+    from demo.agent import Agent
+
+    agent = Agent(proxy.url, concurrency=2)
+    try:
+        episodes = agent.round(questions=1, samples=2)
+    finally:
+        agent.close()
+    assert [e.failed for e in episodes] == [None, None]
+    for e in episodes:
+        assert [(a, t) for a, t, _ in rows(proxy, e.episode_id, 1)] == [("calculator", e.task_id)]
+        stored = proxy.query(
+            "SELECT value, idempotency_key FROM reward WHERE episode_id = %s", e.episode_id
+        )
+        assert stored == [(e.reward, e.episode_id)]
+
+
+async def test_the_tool_agent_tags_its_calls_and_posts_its_rewards_with_the_client(
+    proxy: RunningProxy,
+) -> None:
+    from demo.tool_agent import AGENT_NAME, ToolAgent
+
+    agent = ToolAgent(proxy.url, concurrency=2)
+    try:
+        episodes = await agent.round(questions=1, samples=2)
+    finally:
+        await agent.close()
+    assert [e.failed for e in episodes] == [None, None]
+    for e in episodes:
+        assert e.turns >= 1
+        calls = rows(proxy, e.episode_id, e.turns)
+        assert [(a, t) for a, t, _ in calls] == [(AGENT_NAME, e.task_id)] * e.turns
+        stored = proxy.query(
+            "SELECT value FROM reward WHERE episode_id = %s AND idempotency_key = %s",
+            e.episode_id,
+            e.episode_id,
+        )
+        assert stored == [(e.reward,)]
