@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -30,9 +31,9 @@ from flywheel.client import (
     Flywheel,
     IdempotencyKeyReused,
     ProxyUnavailable,
+    RequestRejected,
     Retry,
     Reward,
-    RewardRejected,
     current,
 )
 from flywheel.client import episode as client_episode
@@ -41,6 +42,7 @@ from proxy.config import TAG_PATTERN
 from tests.conftest import RunningProxy
 
 CHAT: dict[str, Any] = {"model": "policy", "messages": [{"role": "user", "content": "hi"}]}
+SLOW_S = 1.5  # a "slow" answer of the front: past a client's timeout of 0.5 s
 FAST = Retry(attempts=4, backoff_s=0.01, backoff_max_s=0.05)
 
 
@@ -62,12 +64,14 @@ def rows(proxy: RunningProxy, episode_id: str, n: int) -> list[Any]:
 
 class Front:
     """Answers each request by the next of `script`: "503", "429" (Retry-After: 0), "drop" (pass
-    it to the proxy, then close the connection unanswered: the answer lost), "pass"; once the
-    script is spent, every request passes. `seen` keeps each request's (path, body)."""
+    it to the proxy, then close the connection unanswered: the answer lost), "slow" (pass it
+    after SLOW_S), "pass"; once the script is spent, every request passes. `seen` keeps each
+    request's (path, body)."""
 
     def __init__(self, target: str, script: list[str]) -> None:
         self.target, self.script = target, list(script)
         self.seen: list[tuple[str, Any]] = []
+        self.done = 0  # requests handled to the end (a "slow" one after its client left)
         front = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -78,7 +82,10 @@ class Front:
                 front.handle(self, b"")
 
             def do_POST(self) -> None:
-                front.handle(self, self.rfile.read(int(self.headers["Content-Length"])))
+                try:
+                    front.handle(self, self.rfile.read(int(self.headers["Content-Length"])))
+                finally:
+                    front.done += 1
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_port}"
@@ -97,6 +104,8 @@ class Front:
             h.end_headers()
             h.wfile.write(out)
             return
+        if step == "slow":
+            time.sleep(SLOW_S)
         headers = {
             k: v for k, v in h.headers.items() if k.lower() in ("content-type", "authorization")
         }
@@ -341,6 +350,17 @@ async def test_a_reward_whose_answer_was_lost_is_stored_once(
     ]
 
 
+def test_a_reward_that_timed_out_is_retried_and_stored_once(
+    proxy: RunningProxy, front: Any
+) -> None:
+    slow = front(["slow"])
+    with Flywheel(slow.url, retry=FAST, timeout=0.5) as fw:
+        result = fw.reward(1.0, episode_id="e-slow")
+    assert result.status in ("accepted", "duplicate") and len(slow.seen) >= 2
+    proxy.wait_until(lambda: slow.done == len(slow.seen), "the first try reaching the proxy")
+    assert proxy.query("SELECT value FROM reward WHERE episode_id = 'e-slow'") == [(1.0,)]
+
+
 def test_an_unreachable_or_ever_busy_proxy_is_named_after_the_retries(front: Any) -> None:
     url = f"http://127.0.0.1:{free_port()}"
     with Flywheel(url, retry=FAST) as fw, pytest.raises(ProxyUnavailable) as lost:
@@ -397,7 +417,7 @@ def test_errors_say_what_to_do(make_proxy: Any, monkeypatch: pytest.MonkeyPatch)
         assert fw.reward(1.0, episode_id="e-key", idempotency_key="k").status == "duplicate"
         with pytest.raises(IdempotencyKeyReused, match="needs its own idempotency_key"):
             fw.reward(0.0, episode_id="e-key", idempotency_key="k")
-        with pytest.raises(RewardRejected, match="400") as bad:
+        with pytest.raises(RequestRejected, match="400") as bad:
             fw.reward(1.0, episode_id="e-key", source="air")
         assert bad.value.status == 400
         with pytest.raises(ValueError, match="no episode"):

@@ -22,7 +22,7 @@ from flywheel.client.errors import (
     FlywheelError,
     IdempotencyKeyReused,
     ProxyUnavailable,
-    RewardRejected,
+    RequestRejected,
 )
 from flywheel.client.records import (
     EpisodeView,
@@ -44,9 +44,9 @@ __all__ = [
     "FlywheelError",
     "IdempotencyKeyReused",
     "ProxyUnavailable",
+    "RequestRejected",
     "Retry",
     "Reward",
-    "RewardRejected",
     "RewardResult",
     "RewardStatus",
     "RewardView",

@@ -103,7 +103,9 @@ class AsyncFlywheel(ClientBase):
         return (await self.rewards([item]))[0]
 
     async def rewards(self, items: Sequence[Reward]) -> list[RewardResult]:
-        episode_id = items[0].episode_id if items else None
+        if not items:
+            raise ValueError("rewards([]): nothing to post")
+        episode_id = items[0].episode_id
         body = await self._send("POST", "/v1/rewards", episode_id, json=single(list(items)))
         return reward_results(body)
 

@@ -26,9 +26,9 @@ class IdempotencyKeyReused(FlywheelError):
     """409: this idempotency key was used for another value in the same episode."""
 
 
-class RewardRejected(FlywheelError):
-    """Any other refusal: a bad value (400), a step reward that would change a trained return or
-    a tool call id that names two calls (409)."""
+class RequestRejected(FlywheelError):
+    """Any other refusal: a bad reward (400), a step reward that would change a trained return
+    or a tool call id that names two calls (409), ..."""
 
 
 class ProxyUnavailable(FlywheelError):
@@ -70,7 +70,7 @@ def from_response(status: int, body: Any, url: str, *, episode_id: str | None) -
             status=status,
             code=code,
         )
-    return RewardRejected(said, status=status, code=code)
+    return RequestRejected(said, status=status, code=code)
 
 
 def unreachable(url: str, attempts: int, last: str) -> ProxyUnavailable:

@@ -112,7 +112,9 @@ class Flywheel(ClientBase):
 
     def rewards(self, items: Sequence[Reward]) -> list[RewardResult]:
         """Several rewards in one post: all stored (or journaled), or none."""
-        episode_id = items[0].episode_id if items else None
+        if not items:
+            raise ValueError("rewards([]): nothing to post")
+        episode_id = items[0].episode_id
         body = self._send("POST", "/v1/rewards", episode_id, json=single(list(items)))
         return reward_results(body)
 
