@@ -15,11 +15,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import httpx
-from openai import OpenAI
-
 from demo.calculator import QUESTIONS, messages, reward, task_id
 from demo.rounds import command_line, print_line
+from flywheel.client import Flywheel
 
 TEMPERATURE = 1.0  # any works (docs/off_policy.md); 1.0 explores most for the demo
 MAX_TOKENS = 8
@@ -37,15 +35,15 @@ class Episode:
 class Agent:
     def __init__(self, base_url: str, *, concurrency: int = 8, seed: int = 0) -> None:
         self.base_url = base_url.rstrip("/")
-        self._openai = OpenAI(base_url=self.base_url + "/v1", api_key="unused", max_retries=0)
-        self._http = httpx.Client(base_url=self.base_url, timeout=60)
+        self._flywheel = Flywheel(self.base_url)
+        self._openai = self._flywheel.openai(max_retries=0)
         self._pool = ThreadPoolExecutor(concurrency)
         self._rng = random.Random(seed)
 
     def close(self) -> None:
         self._pool.shutdown()
         self._openai.close()
-        self._http.close()
+        self._flywheel.close()
 
     def round(self, *, questions: int = 8, samples: int = 8) -> list[Episode]:
         chosen = self._rng.sample(QUESTIONS, questions)
@@ -55,24 +53,16 @@ class Agent:
     def episode(self, a: int, b: int) -> Episode:
         episode_id, task = f"calc-{uuid.uuid4().hex[:12]}", task_id(a, b)
         try:
-            raw = self._openai.chat.completions.with_raw_response.create(
-                model="policy",
-                messages=messages(a, b),  # type: ignore[arg-type]
-                max_tokens=MAX_TOKENS,
-                temperature=TEMPERATURE,
-                extra_headers={
-                    "X-Episode-Id": episode_id,
-                    "X-Task-Id": task,
-                    "X-Agent-Name": "calculator",
-                },
-            )
-            answer = raw.parse().choices[0].message.content or ""
-            score = reward(answer, a, b)
-            posted = self._http.post(
-                "/v1/rewards",
-                json={"episode_id": episode_id, "reward": score, "idempotency_key": episode_id},
-            )
-            posted.raise_for_status()
+            with self._flywheel.episode(task, "calculator", episode_id):  # tags every call
+                raw = self._openai.chat.completions.with_raw_response.create(
+                    model="policy",
+                    messages=messages(a, b),  # type: ignore[arg-type]
+                    max_tokens=MAX_TOKENS,
+                    temperature=TEMPERATURE,
+                )
+                answer = raw.parse().choices[0].message.content or ""
+                score = reward(answer, a, b)
+                self._flywheel.reward(score, idempotency_key=episode_id)  # retried if need be
         except Exception as e:  # counted, never hidden: the e2e test asserts there are none
             return Episode(episode_id, task, 0.0, "?", failed=repr(e))
         return Episode(episode_id, task, score, raw.headers.get("x-policy-version", "?"))

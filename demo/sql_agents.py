@@ -26,14 +26,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-import httpx
 from langchain_core.messages import HumanMessage, SystemMessage
 from langchain_openai import ChatOpenAI
 from langgraph.graph import END, START, StateGraph
+from openai import DefaultAsyncHttpxClient
 
 from demo import sql_env
 from demo.rounds import command_line, print_line
 from demo.sql_env import approves, checker_messages, rewriter_messages, writer_messages
+from flywheel.client import AsyncFlywheel, FlywheelError, tag_client
 
 TEMPERATURE = 1.0  # any works (docs/off_policy.md); 1.0 explores most for the demo
 MAX_TOKENS = 48
@@ -69,12 +70,17 @@ class Team:
         self.base_url = base_url.rstrip("/")
         self.database = database
         self.api_key = api_key
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=120)
+        self._flywheel = AsyncFlywheel(self.base_url, api_key, timeout=120)
+        # One model per agent, shared by every episode: each call's tags come from the episode
+        # (and the agent) open where it is made, through the hooks of this httpx client.
+        self._http = tag_client(DefaultAsyncHttpxClient())
+        self._models = {a: self._model() for a in AGENTS}
 
     async def close(self) -> None:
         await self._http.aclose()
+        await self._flywheel.aclose()
 
-    def _model(self, agent: str, episode_id: str, task_id: str) -> ChatOpenAI:
+    def _model(self) -> ChatOpenAI:
         return ChatOpenAI(
             model="policy",
             base_url=f"{self.base_url}/v1",
@@ -83,21 +89,19 @@ class Team:
             max_completion_tokens=MAX_TOKENS,
             max_retries=0,
             include_response_headers=True,
-            default_headers={
-                "X-Episode-Id": episode_id,
-                "X-Task-Id": task_id,
-                "X-Agent-Name": agent,
-            },
+            http_async_client=self._http,
         )
 
     async def play(self, question: sql_env.Question) -> Episode:
-        episode_id = f"sql-{uuid.uuid4().hex[:12]}"
-        models = {a: self._model(a, episode_id, question.task_id) for a in AGENTS}
+        episode = self._flywheel.episode(
+            question.task_id, episode_id=f"sql-{uuid.uuid4().hex[:12]}"
+        )
         served: dict[str, tuple[str, str]] = {}
 
         async def ask(agent: str, messages: list[tuple[str, str]]) -> str:
             chat = [SystemMessage(m) if r == "system" else HumanMessage(m) for r, m in messages]
-            answer = await models[agent].ainvoke(chat)
+            async with episode.agent(agent):  # this call is `agent`'s, in the same episode
+                answer = await self._models[agent].ainvoke(chat)
             headers = answer.response_metadata.get("headers", {})
             served[agent] = (
                 headers.get("x-policy-version", "?"),
@@ -136,7 +140,7 @@ class Team:
         except Exception as e:  # a failed call: the episode ends unrewarded, and says so
             return Episode(question, "", "", "", 0.0, False, served, failed=repr(e))
         value = sql_env.reward(self.database, question, final["sql"])
-        episode = Episode(
+        played = Episode(
             question,
             writer_sql=final["writer_sql"],
             verdict=final["verdict"],
@@ -145,14 +149,11 @@ class Team:
             rewritten=bool(final.get("rewritten")),
             served=served,
         )
-        r = await self._http.post(
-            "/v1/rewards",
-            json={"episode_id": episode_id, "reward": value, "idempotency_key": "final"},
-            headers={"Authorization": f"Bearer {self.api_key}"},
-        )
-        if r.status_code != 200:
-            episode.failed = f"reward: {r.status_code} {r.text[:200]}"
-        return episode
+        try:
+            await self._flywheel.reward(value, episode_id=episode.id, idempotency_key="final")
+        except FlywheelError as e:
+            played.failed = f"reward: {e}"
+        return played
 
     async def round(self, questions: int = 8, samples: int = 8, *, seed: int) -> list[Episode]:
         """`questions` questions, each played `samples` times at once (a GRPO group each)."""

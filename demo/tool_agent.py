@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import orjson
 from agents import (
     Agent,
@@ -35,7 +34,7 @@ from agents import (
     set_tracing_disabled,
 )
 from agents.tool_context import ToolContext
-from openai import APIError, AsyncOpenAI, DefaultAsyncHttpxClient
+from openai import APIError, DefaultAsyncHttpxClient
 
 from demo.calc_tools import (
     INSTRUCTIONS,
@@ -49,13 +48,13 @@ from demo.calc_tools import (
     task_id,
 )
 from demo.rounds import command_line, print_line
+from flywheel.client import AsyncFlywheel, FlywheelError, Reward
 
 TEMPERATURE = 1.0  # any works (docs/off_policy.md); 1.0 explores most for the demo
 MAX_TOKENS = 48  # a call is ~25 tokens; a cut answer fails the SDK's run
 MAX_TURNS = 3  # call, answer, and one more chance
 FAILED_TOOL_RUN = -0.5  # the step reward for a call the calculator could not run
 AGENT_NAME = "calculator-agent"
-REWARD_ATTEMPTS = 3  # a reward post lost on the way is sent again
 
 
 @dataclass
@@ -108,9 +107,8 @@ class ToolAgent:
         self.base_url = base_url.rstrip("/")
         self._versions: dict[str, str] = {}  # episode id -> policy version of its first call
         self._turns: dict[str, int] = {}
-        self._openai = AsyncOpenAI(
-            base_url=self.base_url + "/v1",
-            api_key="unused",
+        self._flywheel = AsyncFlywheel(self.base_url)  # rewards, retried; tags from its episodes
+        self._openai = self._flywheel.openai(
             max_retries=0,
             timeout=120,
             http_client=DefaultAsyncHttpxClient(event_hooks={"response": [self._seen]}),
@@ -120,14 +118,13 @@ class ToolAgent:
         self._agent: Agent[EpisodeState] = Agent(
             name=AGENT_NAME, instructions=INSTRUCTIONS, model="policy", tools=[CALCULATOR]
         )
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=60)
         self._limit = asyncio.Semaphore(concurrency)
         self._rng = random.Random(seed)
         self._questions = questions()
 
     async def close(self) -> None:
         await self._openai.close()
-        await self._http.aclose()
+        await self._flywheel.aclose()
 
     async def _seen(self, response: Any) -> None:  # an httpx2.Response (openai's httpx)
         episode = response.request.headers.get("x-episode-id")
@@ -143,13 +140,10 @@ class ToolAgent:
     async def episode(self, question: str) -> Episode:
         state = EpisodeState(f"tools-{uuid.uuid4().hex[:12]}")
         task = task_id(question)
-        headers = {"X-Episode-Id": state.episode_id, "X-Task-Id": task, "X-Agent-Name": AGENT_NAME}
-        settings = ModelSettings(
-            temperature=TEMPERATURE, max_tokens=MAX_TOKENS, extra_headers=headers
-        )
+        settings = ModelSettings(temperature=TEMPERATURE, max_tokens=MAX_TOKENS)
         error = failed = None
         score = 0.0
-        async with self._limit:
+        async with self._limit, self._flywheel.episode(task, AGENT_NAME, state.episode_id):
             try:
                 result = await Runner.run(
                     self._agent,
@@ -177,29 +171,23 @@ class ToolAgent:
         )
 
     async def _post_rewards(self, state: EpisodeState, score: float) -> str | None:
-        rewards: list[dict[str, Any]] = [
-            {
-                "episode_id": state.episode_id,
-                "tool_call_id": call_id,
-                "reward": FAILED_TOOL_RUN,
-                "source": "tool",
-                "idempotency_key": f"{state.episode_id}:{call_id}",
-            }
+        """The failed tool runs' step rewards and the final one, all or nothing (each with its
+        own key: the client's retries store them once)."""
+        steps = [
+            Reward(
+                state.episode_id,
+                FAILED_TOOL_RUN,
+                tool_call_id=call_id,
+                source="tool",
+                idempotency_key=f"{state.episode_id}:{call_id}",
+            )
             for call_id in state.failed_calls
         ]
-        rewards.append(
-            {"episode_id": state.episode_id, "reward": score, "idempotency_key": state.episode_id}
-        )
-        for attempt in range(REWARD_ATTEMPTS):  # safe to repeat: every reward has its key
-            try:
-                posted = await self._http.post("/v1/rewards", json=rewards)
-                posted.raise_for_status()
-                return None
-            except httpx.TransportError as e:
-                if attempt == REWARD_ATTEMPTS - 1:
-                    return repr(e)
-            except httpx.HTTPError as e:
-                return repr(e)
+        final = Reward(state.episode_id, score, idempotency_key=state.episode_id)
+        try:
+            await self._flywheel.rewards([*steps, final])
+        except FlywheelError as e:
+            return repr(e)
         return None
 
 

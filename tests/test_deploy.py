@@ -246,6 +246,9 @@ IMAGE_PACKAGES = {
 # Imported by an image's code but not installable beside the tests' clients (litellm 1.106.2
 # needs openai<3: tests/models.py builds its own venv): module -> distribution.
 ELSEWHERE = {"litellm": "litellm"}
+# flywheel/client/ is the applications' library, in the wheel but never run by an image: its
+# `fw.openai()` / `fw.anthropic()` import the SDK the application itself has installed.
+APPLICATION_SDKS = ("flywheel/client", {"openai", "anthropic"})
 
 
 def imported_distributions(packages: tuple[str, ...]) -> set[str]:
@@ -267,11 +270,16 @@ def imported_distributions(packages: tuple[str, ...]) -> set[str]:
     for package in packages:
         path = ROOT / package
         for source in path.rglob("*.py") if path.is_dir() else [path]:  # statements, not prose
+            found: set[str] = set()
             for node in ast.walk(ast.parse(source.read_text())):
                 if isinstance(node, ast.Import):
-                    modules |= {alias.name.split(".")[0] for alias in node.names}
+                    found |= {alias.name.split(".")[0] for alias in node.names}
                 elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                    modules.add(node.module.split(".")[0])
+                    found.add(node.module.split(".")[0])
+            where, sdks = APPLICATION_SDKS
+            if source.is_relative_to(ROOT / where):
+                found -= sdks
+            modules |= found
     third_party = modules - ours - set(sys.stdlib_module_names) - {"__future__"}
     known = {**packages_distributions(), **{m: [d] for m, d in ELSEWHERE.items()}}
     missing = third_party - set(known)

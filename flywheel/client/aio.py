@@ -1,0 +1,134 @@
+"""`AsyncFlywheel`: the client for asyncio, the same methods as `Flywheel` (flywheel/client/sync.py)
+awaited. An episode is entered with `async with`; each asyncio task sees its own."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from flywheel.client.base import TRANSIENT, ClientBase, single
+from flywheel.client.episode import Episode, tag_client
+from flywheel.client.records import EpisodeView, Reward, RewardResult, reward_results
+
+if TYPE_CHECKING:
+    import anthropic
+    import openai
+
+
+class AsyncFlywheel(ClientBase):
+    """`AsyncFlywheel(base_url=None, api_key=None, *, retry=Retry(), timeout=60.0)`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, headers=self.config.headers(), timeout=self.timeout
+        )
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncFlywheel:
+        return self
+
+    async def __aexit__(
+        self,
+        kind: type[BaseException] | None,
+        error: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    def episode(
+        self,
+        task: str | None = None,
+        agent: str | None = None,
+        episode_id: str | None = None,
+        *,
+        on_error: float | None = None,
+    ) -> Episode:
+        """A new episode to enter with `async with` (`with` too, without on_error)."""
+        episode = self._episode(task, agent, episode_id, on_error)
+
+        async def post(value: float, source: str) -> None:
+            await self.reward(value, episode_id=episode.id, source=source)
+
+        episode.post_async = post
+        return episode
+
+    def openai(self, **kwargs: Any) -> openai.AsyncOpenAI:
+        """An `openai.AsyncOpenAI` on the proxy whose calls carry the current episode's tags."""
+        import openai
+
+        kwargs.setdefault("base_url", self.base_url + "/v1")
+        kwargs.setdefault("api_key", self.config.api_key or "unused")
+        http = kwargs.pop("http_client", None) or openai.DefaultAsyncHttpxClient()
+        return openai.AsyncOpenAI(http_client=tag_client(http), **kwargs)
+
+    def anthropic(self, **kwargs: Any) -> anthropic.AsyncAnthropic:
+        """An `anthropic.AsyncAnthropic` on the proxy (key as `Authorization: Bearer`)."""
+        import anthropic
+
+        kwargs.setdefault("base_url", self.base_url)
+        kwargs.setdefault("auth_token", self.config.api_key or "unused")
+        http = kwargs.pop("http_client", None) or anthropic.DefaultAsyncHttpxClient()
+        return anthropic.AsyncAnthropic(http_client=tag_client(http), **kwargs)
+
+    async def reward(
+        self,
+        value: float,
+        *,
+        episode_id: str | None = None,
+        source: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> RewardResult:
+        return (await self.rewards([self._reward(value, episode_id, source, idempotency_key)]))[0]
+
+    async def step_reward(
+        self,
+        value: float,
+        *,
+        transition_id: str | None = None,
+        tool_call_id: str | None = None,
+        episode_id: str | None = None,
+        source: str | None = None,
+        idempotency_key: str | None = None,
+    ) -> RewardResult:
+        if (transition_id is None) == (tool_call_id is None):
+            raise ValueError("step_reward: give transition_id or tool_call_id (one of them)")
+        item = self._reward(value, episode_id, source, idempotency_key, transition_id, tool_call_id)
+        return (await self.rewards([item]))[0]
+
+    async def rewards(self, items: Sequence[Reward]) -> list[RewardResult]:
+        if not items:
+            raise ValueError("rewards([]): nothing to post")
+        episode_id = items[0].episode_id
+        body = await self._send("POST", "/v1/rewards", episode_id, json=single(list(items)))
+        return reward_results(body)
+
+    async def episode_view(
+        self, episode_id: str | None = None, *, tokens: bool = False
+    ) -> EpisodeView:
+        episode_id = self._episode_id(episode_id)
+        params = {"tokens": "true"} if tokens else None
+        body = await self._send("GET", f"/v1/episodes/{episode_id}", episode_id, params=params)
+        return EpisodeView.from_json(body)
+
+    async def _send(self, method: str, path: str, episode_id: str | None, **kwargs: Any) -> Any:
+        last: httpx.Response | None = None
+        last_error = ""
+        for attempt in range(1, self.retry.attempts + 1):
+            try:
+                last = await self._http.request(method, path, **kwargs)
+            except TRANSIENT as e:
+                last, last_error = None, f"{type(e).__name__}: {e}"
+            else:
+                if not self._retryable(last):
+                    return self._answer(last, episode_id)
+            if attempt < self.retry.attempts:
+                retry_after = last.headers.get("retry-after") if last is not None else None
+                await asyncio.sleep(self.retry.delay(attempt, retry_after))
+        raise self._give_up(path, last, last_error)
