@@ -157,9 +157,21 @@ COMPLETIONS: dict[str, tuple[Schema, Route]] = {
             },
         ),
     ),
+    wire.MESSAGES.name: (
+        s.MESSAGES_REQUEST,
+        Route(
+            s.MESSAGE_ANSWER,
+            BODY
+            | UPSTREAM
+            | {400: "As above; or an Anthropic server tool, a block kind not served."},
+            error_shape="AnthropicError",  # Anthropic's, at this route (the edge's errors too)
+            security=[{"ApiKey": []}, {"AnthropicKey": []}, {}],
+        ),
+    ),
 }
 COMPONENTS: dict[str, Schema] = {
     "Error": s.ERROR,
+    "AnthropicError": s.ANTHROPIC_ERROR,
     "Reward": s.REWARD,
     "RewardsAnswer": s.REWARDS_ANSWER,
     "Episode": s.EPISODE,
@@ -178,6 +190,12 @@ SECURITY_SCHEMES = {
         "served: `app.openapi()` builds it).",
     },
     "AdminKey": {"type": "http", "scheme": "bearer", "description": "FLYWHEEL_ADMIN_KEY."},
+    "AnthropicKey": {
+        "type": "apiKey",
+        "in": "header",
+        "name": "x-api-key",
+        "description": "An API key as Anthropic's SDK sends it (`/v1/messages` only).",
+    },
 }
 PATH_FORM = {
     "url": "/episode/{episode}/task/{task}/agent/{agent}",
@@ -190,7 +208,8 @@ DESCRIPTION = (
     "An OpenAI-compatible proxy in front of vLLM that records every completion call (one "
     "transition per choice) for training, and takes rewards for them. The completion routes "
     "forward everything in the body to vLLM; vLLM's answers and errors pass through unchanged. "
-    "Every error has OpenAI's shape (`Error`)."
+    "Every error has OpenAI's shape (`Error`), but those of `/v1/messages`: Anthropic's "
+    "(`AnthropicError`)."
 )
 
 

@@ -270,3 +270,38 @@ EVENT_STREAM: Schema = shape(
     },
 )
 TAG: Schema = {"type": "string", "pattern": TAG_PATTERN}
+
+# Anthropic's Messages API (proxy/relay/messages.py): what the proxy checks; the rest is
+# converted as vLLM converts it (unknown fields recorded, not sent).
+_BLOCK = shape("type", type=STRING)
+_CONTENT: Schema = {"anyOf": [STRING, {"type": "array", "items": _BLOCK}]}
+MESSAGES_REQUEST = shape(
+    "model",
+    "max_tokens",
+    "messages",
+    model=MODEL_FIELD,
+    max_tokens={"type": "integer", "minimum": 1},
+    messages={
+        "type": "array",
+        "minItems": 1,
+        "items": shape(
+            "role", "content", role={"enum": ["user", "assistant", "system"]}, content=_CONTENT
+        ),
+    },
+    system={"anyOf": [STRING, {"type": "array", "items": _BLOCK}, {"type": "null"}]},
+    stop_sequences={"type": ["array", "null"], "items": STRING},
+    stream=STREAM_FIELD,
+    tools={
+        "type": ["array", "null"],
+        "items": shape("name", "input_schema", name=STRING, input_schema=ANY_OBJECT),
+    },
+)
+MESSAGE_ANSWER = shape(
+    "id", "type", "role", "content", type={"const": "message"}, id=STRING, content=ANY_ARRAY
+)
+ANTHROPIC_ERROR = shape(
+    "type",
+    "error",
+    type={"const": "error"},
+    error=shape("type", "message", type=STRING, message=STRING),
+)

@@ -58,6 +58,7 @@ VALID = {
     wire.CHAT.name: {"messages": [{"role": "user", "content": "hi"}]},
     wire.COMPLETIONS.name: {"prompt": "hi"},
     wire.RESPONSES.name: {"input": "hi"},
+    wire.MESSAGES.name: {"messages": [{"role": "user", "content": "hi"}]},
 }
 
 # Enough to build the app (and its document) without starting it.
@@ -104,10 +105,11 @@ def test_the_document_is_valid_openapi_and_every_error_is_openai_shaped() -> Non
         for status, response in responses.items():
             if int(status) >= 400 and path != "/healthz":  # (its 503 is the health report)
                 error = response["content"]["application/json"]["schema"]
-                assert error == {"$ref": "#/components/schemas/Error"}, (label, status)
+                shape = "AnthropicError" if path == wire.MESSAGES.path else "Error"
+                assert error == {"$ref": f"#/components/schemas/{shape}"}, (label, status)
         if path.startswith("/v1/"):
             assert "401" in responses and "ApiKey" in str(doc["paths"][path][method.lower()])
-    assert set(doc["components"]["securitySchemes"]) == {"ApiKey", "AdminKey"}
+    assert set(doc["components"]["securitySchemes"]) == {"ApiKey", "AdminKey", "AnthropicKey"}
     assert doc["paths"]["/v1/rewards"]["post"]["responses"]["202"]  # journaled
 
 
