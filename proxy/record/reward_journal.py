@@ -132,12 +132,7 @@ async def _apply_batch(
         return await _apply(posts[0], journal, sessionmaker, gamma=gamma, timeout_s=timeout_s)
     try:
         items = [RewardIn.model_validate(r) for post in posts for r in post["rewards"]]
-        async with (
-            refusals_as_outage(),
-            asyncio.timeout(timeout_s),
-            sessionmaker.begin() as session,
-        ):
-            saved = await add_rewards(items, session=session, gamma=gamma)
+        await _store(items, sessionmaker, gamma=gamma, timeout_s=timeout_s)
     except OUTAGE_ERRORS:
         raise
     except Exception:  # one of them is refused: find it by halving, the rest stored in order
@@ -145,8 +140,6 @@ async def _apply_batch(
         for part in (posts[:half], posts[half:]):
             await _apply_batch(part, journal, sessionmaker, gamma=gamma, timeout_s=timeout_s)
         return
-    for r, s in zip(items, saved, strict=True):
-        metrics.rewards_ingested.labels(_kind(r), s.status).inc()
     log.info("%d journaled rewards of %d posts stored", len(items), len(posts))
 
 
@@ -162,12 +155,7 @@ async def _apply(
     aside. Raises OUTAGE_ERRORS (nothing of it is then stored)."""
     try:
         items = [RewardIn.model_validate(r) for r in post["rewards"]]
-        async with (
-            refusals_as_outage(),
-            asyncio.timeout(timeout_s),
-            sessionmaker.begin() as session,
-        ):
-            saved = await add_rewards(items, session=session, gamma=gamma)
+        await _store(items, sessionmaker, gamma=gamma, timeout_s=timeout_s)
     except OUTAGE_ERRORS:
         raise
     except Exception as e:  # refused as data, or not a post at all: not the database's fault
@@ -183,9 +171,17 @@ async def _apply(
             return
         _reject(post, e, journal)
         return
+    log.info("%d journaled rewards of one post stored", len(items))
+
+
+async def _store(
+    items: list[RewardIn], sessionmaker: AsyncSessions, *, gamma: float | None, timeout_s: float
+) -> None:
+    """One transaction for these rewards (both replay paths), counted once committed."""
+    async with refusals_as_outage(), asyncio.timeout(timeout_s), sessionmaker.begin() as session:
+        saved = await add_rewards(items, session=session, gamma=gamma)
     for r, s in zip(items, saved, strict=True):
         metrics.rewards_ingested.labels(_kind(r), s.status).inc()
-    log.info("journaled rewards stored: %s", [s.status for s in saved])
 
 
 def _reject(post: dict[str, Any], error: Exception, journal: Journal) -> None:
