@@ -210,15 +210,19 @@ def opened(*, session: Session, lineage: str | None = None) -> dict[str, Canary]
 
 
 def evidence_rows(canary: Canary, *, session: Session) -> tuple[list[ArmEpisode], list[ArmEpisode]]:
-    """The rewarded episodes each arm served since the canary opened. An episode with calls
-    from both (a pin, say) counts for neither."""
+    """The rewarded episodes each arm served since the canary opened, as the split assigned
+    them: an episode with calls from both (a pin, say) counts for neither, and one served the
+    arm its hash does not pick (`policy@N` or an adapter named by hand) is not evidence either. A
+    tenant's lineage counts only that tenant's episodes (a shared lineage: its sharers')."""
+    tenant = canary.lineage.partition(".")[0] if "." in canary.lineage else None
     rows = session.execute(
         text(
-            "SELECT min(t.policy_version), extract(epoch FROM min(t.requested_at)), e.task_id, "
-            "e.final_reward "
+            "SELECT e.id, min(t.policy_version), extract(epoch FROM min(t.requested_at)), "
+            "e.task_id, e.final_reward "
             "FROM transition t JOIN episode e ON e.id = t.episode_id "
             "WHERE t.policy_version IN (:candidate, :baseline) AND t.requested_at >= :opened "
             "AND t.lineage = :lineage AND e.final_reward IS NOT NULL "
+            "AND (CAST(:prefix AS text) IS NULL OR starts_with(e.id, CAST(:prefix AS text))) "
             "GROUP BY e.id, e.task_id, e.final_reward "
             "HAVING count(DISTINCT t.policy_version) = 1"
         ),
@@ -227,11 +231,14 @@ def evidence_rows(canary: Canary, *, session: Session) -> tuple[list[ArmEpisode]
             "baseline": canary.baseline,
             "opened": canary.opened_at,
             "lineage": canary.lineage,
+            "prefix": None if tenant is None else f"{tenant}/",
         },
     ).all()
     arms: dict[int, list[ArmEpisode]] = {canary.candidate: [], canary.baseline: []}
-    for version, started, task, reward in rows:
-        arms[version].append(ArmEpisode(float(started), task, float(reward)))
+    for episode, version, started, task, reward in rows:
+        assigned = in_canary(episode, canary.candidate, canary.fraction)
+        if assigned == (version == canary.candidate):
+            arms[version].append(ArmEpisode(float(started), task, float(reward)))
     return arms[canary.candidate], arms[canary.baseline]
 
 

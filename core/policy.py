@@ -2,7 +2,10 @@
 
 A *lineage* is one line of versions with its own current version: `policy` by default, or one per
 agent role (`writer`, `rewriter`: proxy/config.py's `adapter_per_agent` says which agent's calls
-each serves; a trainer trains one, trainer/config.py's `lineage`). Version numbers come from one
+each serves; a trainer trains one, trainer/config.py's `lineage`). Lineages belong to tenants: a
+tenant's are named `<tenant>.<role>` (`acme.policy`, `acme.writer`), trained only on its calls and
+served only to it; the names without a tenant are the default tenant's, and the shared ones for
+tenants the proxy's FLYWHEEL_SHARED_LINEAGES lets in (`sees`). Version numbers come from one
 sequence for all lineages, so `N` names one adapter everywhere (`<lineage>-vN`).
 
     publish  (trainer)  save policy-vN/ -> load_everywhere -> one transaction: the batch trained,
@@ -42,12 +45,16 @@ from core import canary
 from core.locks import Lock
 from core.tables import AdapterVersion, LineagePin
 from core.tables import Canary as CanaryRow
+from core.tenants import TENANT_PATTERN
 
 BASE_VERSION = 0  # the policy before any training: the base model itself
 MAX_VERSION = 2**31 - 1  # versions are int4 columns (adapter_version, transition.policy_version)
 DEFAULT_LINEAGE = "policy"
-# Lineage names appear in adapter names, directories, model names and metric labels.
-LINEAGE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,62}")
+# Lineage names appear in adapter names, directories, model names and metric labels: a role,
+# after its tenant and a dot for a tenant's own lineage (the dot is nowhere else).
+ROLE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
+LINEAGE_NAME = re.compile(rf"(?:{TENANT_PATTERN}\.)?{ROLE_NAME.pattern}")
+ADAPTER_NAME = re.compile(rf"({LINEAGE_NAME.pattern})-v([0-9]{{1,10}})")  # `adapter_name`
 POLICY_CHANNEL = "flywheel_policy"  # NOTIFY'd (delivered on commit) when `is_current` moves
 
 
@@ -55,10 +62,37 @@ def check_lineage(name: str) -> str:
     """A valid lineage name, or ValueError saying what one is."""
     if not LINEAGE_NAME.fullmatch(name):
         raise ValueError(
-            f"{name!r} is not a lineage name: 1-63 letters, digits, '_', '.' or '-', "
-            "starting with a letter or digit"
+            f"{name!r} is not a lineage name: a role (1-63 letters, digits, '_' or '-', starting "
+            "with a letter or digit), after `<tenant>.` for a tenant's own lineage"
         )
     return name
+
+
+def check_role(name: str) -> str:
+    """A lineage name without a tenant (what FLYWHEEL_ADAPTER_PER_AGENT names), or ValueError."""
+    if not ROLE_NAME.fullmatch(name):
+        raise ValueError(
+            f"{name!r} is not a lineage name: 1-63 letters, digits, '_' or '-', starting with a "
+            "letter or digit (a tenant's lineages are named `<tenant>.<name>` by the proxy)"
+        )
+    return name
+
+
+def tenant_of_lineage(lineage: str) -> str | None:
+    """The tenant whose lineage this is (None: the default tenant's, or shared)."""
+    return lineage.partition(".")[0] if "." in lineage else None
+
+
+def lineage_for(tenant: str | None, role: str, *, shared: bool) -> str:
+    """The lineage serving `role` to `tenant`: its own, or the shared one it opted into."""
+    return role if tenant is None or shared else f"{tenant}.{role}"
+
+
+def sees(tenant: str | None, lineage: str, *, shared: bool) -> bool:
+    """Whether `tenant` may be served (or name) a version of `lineage`: its own lineages, and
+    the shared ones (the default tenant's) when it opted into them."""
+    owner = tenant_of_lineage(lineage)
+    return owner == tenant or (owner is None and shared)
 
 
 def adapter_name(lineage: str, version: int) -> str:

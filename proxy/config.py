@@ -19,6 +19,7 @@ from pydantic_settings import NoDecode
 
 from core import codecs, policy
 from core.settings import DatabaseSettings, split_commas, vllm_base_urls
+from core.tenants import TENANT_PATTERN
 
 # No `/`: a tenant's ids are stored as `<tenant>/<id>` (core/tenants.py), so no tag names another's.
 TAG_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,199}$"
@@ -87,6 +88,13 @@ class ProxySettings(DatabaseSettings):
         "of their own, each trained by its own trainer (FLYWHEEL_LINEAGE): `writer,rewriter` "
         "(a lineage per agent, named after it) or `sql=writer+rewriter` (one lineage for a "
         "group). Other agents get the default lineage `policy`.",
+    )
+    shared_lineages: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Tenants served by, and training, the shared lineages (`policy`, and each "
+        "FLYWHEEL_ADAPTER_PER_AGENT lineage) instead of their own (`<tenant>.policy`): tenant "
+        "names, comma-separated, or `*` for every tenant. Empty: each tenant's calls are served "
+        "and trained apart from every other tenant's.",
     )
     base_model: str | None = Field(
         None,
@@ -254,7 +262,21 @@ class ProxySettings(DatabaseSettings):
         description="Fallback poll of the current adapter version (a NOTIFY moves it at once).",
     )
 
-    _split = field_validator("upstream", "api_keys", "allowed_hosts", mode="before")(split_commas)
+    _split = field_validator(
+        "upstream", "api_keys", "allowed_hosts", "shared_lineages", mode="before"
+    )(split_commas)
+
+    @field_validator("shared_lineages")
+    @classmethod
+    def _check_shared(cls, tenants: list[str]) -> list[str]:
+        for tenant in tenants:
+            if tenant != "*" and not re.fullmatch(TENANT_PATTERN, tenant):
+                raise ValueError(f"{tenant!r} is not a tenant name (or `*`, every tenant)")
+        return tenants
+
+    def shares(self, tenant: str | None) -> bool:
+        """Whether `tenant`'s calls go to the shared lineages (the default tenant's always do)."""
+        return tenant is None or "*" in self.shared_lineages or tenant in self.shared_lineages
 
     @field_validator("allowed_hosts")
     @classmethod
@@ -290,7 +312,7 @@ class ProxySettings(DatabaseSettings):
         for agent, lineage in lineages.items():
             if not re.fullmatch(TAG_PATTERN, agent):
                 raise ValueError(f"{agent!r} is not an agent name (X-Agent-Name)")
-            policy.check_lineage(lineage)
+            policy.check_role(lineage)
         return lineages
 
     @field_validator("routes", mode="before")

@@ -127,6 +127,7 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
         base_model=settings.base_model,
         refresh_s=settings.alias_refresh_s,
         lineages=settings.adapter_per_agent,
+        shares=settings.shares,
         listen_url=database.libpq_url(url),
         snapshot=settings.home / "policy-alias.json",
     )

@@ -33,7 +33,8 @@ class TrainerSettings(DatabaseSettings):
     lineage: str = Field(
         "policy",
         description="The adapter lineage it trains (named `<lineage>-vN`): the transitions the "
-        "proxy served from it (its FLYWHEEL_ADAPTER_PER_AGENT). One trainer per lineage.",
+        "proxy served from it (its FLYWHEEL_ADAPTER_PER_AGENT). A tenant's own lineage is "
+        "`<tenant>.<lineage>` (`acme.policy`): only that tenant's calls. One trainer per lineage.",
     )
     trainer_id: str = Field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
@@ -208,4 +209,12 @@ class TrainerSettings(DatabaseSettings):
             )
         if not (self.model / "config.json").exists():
             raise ValueError(f"--model {self.model} has no config.json: give the model directory")
+        owner = policy.tenant_of_lineage(self.lineage)
+        if owner is not None:  # a tenant's lineage: its calls only, whatever else is recorded
+            if self.tenants not in ([], [owner]):
+                raise ValueError(
+                    f"lineage {self.lineage!r} is tenant {owner!r}'s: it trains on that tenant's "
+                    f"calls only, not on tenants {','.join(self.tenants)}"
+                )
+            self.tenants = [owner]
         return self

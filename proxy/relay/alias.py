@@ -5,6 +5,11 @@ Each lineage has its own current version (core/policy.py). Agents named in `adap
 are served by their lineage; every other call (no agent tag, or another agent) by the default
 lineage `policy` — with per-agent lineages and no trainer on `policy`, that is the base model.
 
+Lineages belong to tenants (core/policy.py): a tenant's `policy` is its own lineage
+(`acme.policy`), unless `shares` says it opted into the shared ones. A version of a lineage the
+caller may not see, named by `policy@N` or by its adapter name, is a 404 exactly like a version
+that does not exist.
+
 A lineage with an open canary (core/canary.py) serves its candidate to a fraction of episodes,
 chosen by a hash of the episode id: every call of an episode, on every replica, gets the same one.
 
@@ -25,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -63,11 +69,13 @@ class PolicyAlias:
         base_model: str | None,
         refresh_s: float,
         lineages: dict[str, str] | None = None,
+        shares: Callable[[str | None], bool] = lambda tenant: tenant is None,
         listen_url: str | None = None,
         snapshot: Path | None = None,
     ) -> None:
         self.alias = alias
         self._lineage_of_agent = lineages or {}
+        self._shares = shares
         self._sessionmaker = sessionmaker
         self._upstream = upstream
         self.base_model = base_model
@@ -77,6 +85,7 @@ class PolicyAlias:
         # Versions never change name or lineage: version -> (name, lineage), and name -> version.
         self._names: dict[int, tuple[str, str]] = {}
         self._versions: dict[str, int] = {}
+        self._absent: set[int] = set()  # versions looked up and not found since the last refresh
         self._listen_url = listen_url
         self._tasks: list[asyncio.Task[None]] = []
         self._restoring = asyncio.Lock()
@@ -113,6 +122,7 @@ class PolicyAlias:
                     else "closed",
                 )
         self.canaries = canaries
+        self._absent.clear()
         for c in canaries.values():
             self._remember(c.candidate, c.candidate_name, c.lineage)
         current = {lineage: (a.version, a.name) for lineage, a in adapters.items()}
@@ -180,20 +190,28 @@ class PolicyAlias:
         self._names[version] = (name, lineage)
         self._versions[name] = version
 
-    def lineage_of(self, agent: str | None) -> str:
-        return self._lineage_of_agent.get(agent or "", policy.DEFAULT_LINEAGE)
+    def lineage_of(self, agent: str | None, tenant: str | None = None) -> str:
+        role = self._lineage_of_agent.get(agent or "", policy.DEFAULT_LINEAGE)
+        return policy.lineage_for(tenant, role, shared=self._shares(tenant))
 
     def served(self) -> list[str]:
         """Every adapter `policy` may resolve to now: each lineage's current one and canary."""
         names = [name for _, name in self.current.values()]
         return names + [c.candidate_name for c in self.canaries.values()]
 
+    def sees(self, tenant: str | None, lineage: str) -> bool:
+        return policy.sees(tenant, lineage, shared=self._shares(tenant))
+
     async def resolve(
-        self, model: str, agent: str | None = None, episode_id: str | None = None
+        self,
+        model: str,
+        agent: str | None = None,
+        episode_id: str | None = None,
+        tenant: str | None = None,
     ) -> Resolved:
-        """What to send upstream for `model` called by `agent` in `episode_id`, and which policy
-        serves it."""
-        lineage = self.lineage_of(agent)
+        """What to send upstream for `model` called by `agent` of `tenant` in `episode_id`, and
+        which policy serves it."""
+        lineage = self.lineage_of(agent, tenant)
         if model == self.alias:
             test = self.canaries.get(lineage)
             if test and episode_id and canary.in_canary(episode_id, test.candidate, test.fraction):
@@ -203,14 +221,24 @@ class PolicyAlias:
                 return Resolved(name, version, lineage)
             return Resolved(await self._base(), BASE_VERSION, lineage)
         if model.startswith(self.alias + "@"):
-            name, pinned_lineage = await self._pinned(model)
+            name, pinned_lineage = await self._pinned(model, tenant)
             version = int(model.partition("@")[2])
             return Resolved(name, version, lineage if version == BASE_VERSION else pinned_lineage)
-        if model in self._versions:  # an adapter by its own name
-            version = self._versions[model]
-            return Resolved(model, version, self._names[version][1])
         if model == self.base_model:
             return Resolved(model, BASE_VERSION, lineage)
+        named = policy.ADAPTER_NAME.fullmatch(model)
+        if named is not None:  # an adapter by its own name (`<lineage>-vN`): check whose
+            version = int(named.group(2))
+            if version not in self._names and version not in self._absent:
+                adapter = await self._lookup(model, version) if version <= MAX_VERSION else None
+                if adapter is None:
+                    self._absent.add(version)  # until the next refresh (a publish NOTIFYs)
+                else:
+                    self._remember(version, adapter.name, adapter.lineage)
+            known = self._names.get(version)
+            if known is None or known[0] != model or not self.sees(tenant, known[1]):
+                raise _not_found(model)  # no such adapter, or another tenant's: alike
+            return Resolved(model, version, known[1])
         return Resolved(model, None, None)
 
     async def restore(self, replica: Replica, name: str) -> bool:
@@ -232,7 +260,7 @@ class PolicyAlias:
         log.warning("reloaded %s into %s (vLLM had lost it)", name, replica.base_url)
         return True
 
-    async def _pinned(self, model: str) -> tuple[str, str]:
+    async def _pinned(self, model: str, tenant: str | None) -> tuple[str, str]:
         """`policy@N`: the adapter's name and lineage (the base model's name for N = 0)."""
         suffix = model.partition("@")[2]
         if not (suffix.isascii() and suffix.isdigit()):  # ('²' and '٣' pass isdigit())
@@ -248,15 +276,12 @@ class PolicyAlias:
         if version not in self._names:
             adapter = await self._lookup(model, version) if version <= MAX_VERSION else None
             if adapter is None:
-                raise ApiError(
-                    404,
-                    f"The model `{model}` does not exist: no adapter version {version}.",
-                    type="NotFoundError",
-                    param="model",
-                    code="model_not_found",
-                )
+                raise _not_found(model)
             self._remember(version, adapter.name, adapter.lineage)
-        return self._names[version]
+        name, lineage = self._names[version]
+        if not self.sees(tenant, lineage):  # another tenant's: as if there were no such version
+            raise _not_found(model)
+        return name, lineage
 
     async def _lookup(self, model: str, version: int) -> policy.Adapter | None:
         """A version this proxy has not served yet (every current and canary one is cached):
@@ -289,3 +314,13 @@ class PolicyAlias:
             models = orjson.loads(body)["data"]
             self.base_model = next(m["id"] for m in models if not m.get("parent"))
         return self.base_model
+
+
+def _not_found(model: str) -> ApiError:
+    return ApiError(
+        404,
+        f"The model `{model}` does not exist or you do not have access to it.",
+        type="NotFoundError",
+        param="model",
+        code="model_not_found",
+    )

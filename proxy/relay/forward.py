@@ -94,7 +94,7 @@ class Forwarder:
         else:
             choices = choice_count(endpoint, body)
 
-        resolved = await self._alias.resolve(model, tags.agent_name, tags.episode_id)
+        resolved = await self._alias.resolve(model, tags.agent_name, tags.episode_id, tags.tenant)
         *transition_ids, request_id = random_uuids(choices + 1)
         call = Call(
             endpoint=endpoint,

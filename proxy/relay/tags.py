@@ -27,6 +27,7 @@ class Tags:
     agent_name: str | None = None
     generated: bool = False  # no episode id was given: this call is an episode of its own
     public_episode_id: str = ""  # as the client named it (X-Episode-Id in the answer)
+    tenant: str | None = None  # whose call it is (None: the default tenant)
 
 
 def split_path(path: str) -> tuple[dict[str, str], str] | None:
@@ -89,4 +90,5 @@ def resolve(
         agent_name=values.get("agent_name"),
         generated=generated,
         public_episode_id=values["episode_id"],
+        tenant=principal.tenant,
     )

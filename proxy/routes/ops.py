@@ -9,20 +9,22 @@ import logging
 import orjson
 from fastapi import APIRouter
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.requests import Request
 from starlette.responses import Response
 
 from core import policy
 from core.policy import BASE_VERSION
 from core.vllm import VLLMError
+from proxy.auth import principal_of
 from proxy.errors import ApiError
-from proxy.services import ServicesDep
+from proxy.services import Services, ServicesDep
 
 log = logging.getLogger(__name__)
 router = APIRouter()
 
 
 @router.get("/v1/models")
-async def models(services: ServicesDep) -> Response:
+async def models(request: Request, services: ServicesDep) -> Response:
     try:
         status, payload = await services.upstream.models()
     except VLLMError as e:
@@ -31,6 +33,8 @@ async def models(services: ServicesDep) -> Response:
     if status != 200:
         return Response(payload, status_code=status, media_type="application/json")
     data = orjson.loads(payload)
+    tenant = principal_of(request.scope).tenant
+    data["data"] = [m for m in data.get("data", []) if _listed_to(tenant, m, services)]
     for model in data.get("data", []):
         root = model.get("root")
         if isinstance(root, str) and root.startswith("/"):  # a directory on vLLM's disk
@@ -41,6 +45,14 @@ async def models(services: ServicesDep) -> Response:
     for name, provider_model in services.settings.routes.items():  # served through litellm
         listed.append(_model(name, created, provider_model.provider))
     return Response(orjson.dumps(data), media_type="application/json")
+
+
+def _listed_to(tenant: str | None, model: dict[str, object], services: Services) -> bool:
+    """Every model but the adapters of lineages the caller may not see (another tenant's)."""
+    named = policy.ADAPTER_NAME.fullmatch(str(model.get("id", "")))
+    if named is None or model.get("parent") is None:  # not an adapter (a base model)
+        return True
+    return services.alias.sees(tenant, named.group(1))
 
 
 def _model(name: str, created: int, owner: str) -> dict[str, object]:
