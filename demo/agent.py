@@ -30,12 +30,22 @@ class Episode:
     reward: float
     policy_version: str
     failed: str | None = None  # the error, for a request that did not succeed
+    answer: str = ""  # what the model said
 
 
 class Agent:
-    def __init__(self, base_url: str, *, concurrency: int = 8, seed: int = 0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        concurrency: int = 8,
+        seed: int = 0,
+        api_key: str | None = None,
+        score: Callable[[str, int, int], float] = reward,  # what this application rewards
+    ) -> None:
         self.base_url = base_url.rstrip("/")
-        self._flywheel = Flywheel(self.base_url)
+        self._flywheel = Flywheel(self.base_url, api_key)
+        self._score = score
         self._openai = self._flywheel.openai(max_retries=0)
         self._pool = ThreadPoolExecutor(concurrency)
         self._rng = random.Random(seed)
@@ -61,11 +71,12 @@ class Agent:
                     temperature=TEMPERATURE,
                 )
                 answer = raw.parse().choices[0].message.content or ""
-                score = reward(answer, a, b)
+                score = self._score(answer, a, b)
                 self._flywheel.reward(score, idempotency_key=episode_id)  # retried if need be
         except Exception as e:  # counted, never hidden: the e2e test asserts there are none
             return Episode(episode_id, task, 0.0, "?", failed=repr(e))
-        return Episode(episode_id, task, score, raw.headers.get("x-policy-version", "?"))
+        version = raw.headers.get("x-policy-version", "?")
+        return Episode(episode_id, task, score, version, answer=answer)
 
 
 def run(

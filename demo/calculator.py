@@ -14,6 +14,7 @@ sampled accuracy from about 0.37 to about 0.85 in 40 GRPO steps (in-process prob
 from __future__ import annotations
 
 import random
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -44,6 +45,13 @@ def reward(answer: str, a: int, b: int) -> float:
         return 1.0 if int(answer.strip()) == a + b else 0.0
     except ValueError:
         return 0.0
+
+
+def worded_reward(answer: str, a: int, b: int) -> float:
+    """The opposite taste (a second tenant's, tests/test_e2e_tenants.py): 1 for the right sum
+    said in words ("The answer is 7."), 0 for the bare number or a wrong one."""
+    numbers = re.findall(r"\d+", answer)
+    return 1.0 if numbers == [str(a + b)] and answer.strip() != numbers[0] else 0.0
 
 
 @one_build_at_a_time
