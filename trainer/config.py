@@ -36,6 +36,12 @@ class TrainerSettings(DatabaseSettings):
         "proxy served from it (its FLYWHEEL_ADAPTER_PER_AGENT). A tenant's own lineage is "
         "`<tenant>.<lineage>` (`acme.policy`): only that tenant's calls. One trainer per lineage.",
     )
+    lineages: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Several lineages trained by this one process, over one copy of the base "
+        "model (a LoRA adapter and optimizer state each), in turn: `acme.policy,globex.policy`. "
+        "Empty: `lineage` alone.",
+    )
     trainer_id: str = Field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
         description="Who holds a claim (shown in the transition table).",
@@ -175,9 +181,33 @@ class TrainerSettings(DatabaseSettings):
     )
     canary_check_s: float = Field(5.0, gt=0, description="How often to test an open canary.")
 
-    _split = field_validator("vllm", "agents", "tenants", mode="before")(split_commas)
+    _split = field_validator("vllm", "agents", "tenants", "lineages", mode="before")(split_commas)
 
     _lineage = field_validator("lineage")(policy.check_lineage)
+
+    @field_validator("lineages")
+    @classmethod
+    def _check_lineages(cls, lineages: list[str]) -> list[str]:
+        for name in lineages:
+            policy.check_lineage(name)
+        if len(set(lineages)) != len(lineages):
+            raise ValueError(f"lineages named twice: {','.join(lineages)}")
+        return lineages
+
+    def trained_lineages(self) -> list[TrainerSettings]:
+        """The settings of each lineage this process trains (`lineages`, else `lineage`)."""
+        return [self.for_lineage(name) for name in self.lineages or [self.lineage]]
+
+    def for_lineage(self, lineage: str) -> TrainerSettings:
+        """These settings for one lineage: a tenant's lineage trains on that tenant's calls only."""
+        owner = policy.tenant_of_lineage(lineage)
+        if owner is not None and self.tenants not in ([], [owner]):
+            raise ValueError(
+                f"lineage {lineage!r} is tenant {owner!r}'s: it trains on that tenant's "
+                f"calls only, not on tenants {','.join(self.tenants)}"
+            )
+        tenants = [owner] if owner is not None else self.tenants
+        return self.model_copy(update={"lineage": lineage, "lineages": [], "tenants": tenants})
 
     @field_validator("vllm")
     @classmethod
@@ -209,12 +239,9 @@ class TrainerSettings(DatabaseSettings):
             )
         if not (self.model / "config.json").exists():
             raise ValueError(f"--model {self.model} has no config.json: give the model directory")
+        for name in self.lineages or [self.lineage]:  # a tenant's lineage: its calls only
+            self.for_lineage(name)
         owner = policy.tenant_of_lineage(self.lineage)
-        if owner is not None:  # a tenant's lineage: its calls only, whatever else is recorded
-            if self.tenants not in ([], [owner]):
-                raise ValueError(
-                    f"lineage {self.lineage!r} is tenant {owner!r}'s: it trains on that tenant's "
-                    f"calls only, not on tenants {','.join(self.tenants)}"
-                )
+        if owner is not None and not self.lineages:
             self.tenants = [owner]
         return self

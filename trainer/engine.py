@@ -180,25 +180,51 @@ class _TransitionGRPOTrainer(GRPOTrainer):
         return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
 
 
+def _lora(settings: TrainerSettings) -> LoraConfig:
+    return LoraConfig(
+        r=settings.lora_rank,
+        lora_alpha=settings.lora_alpha,
+        lora_dropout=0.0,
+        target_modules=LORA_TARGETS,
+        bias="none",
+        use_dora=False,
+        task_type="CAUSAL_LM",
+    )
+
+
 class Engine:
-    def __init__(self, settings: TrainerSettings, *, resume_from: Path | None = None) -> None:
+    """One lineage's adapter, optimizer state and TRL trainer object. Several engines can share
+    one base model (`Engine.beside`: one PEFT adapter each, `set_adapter` before each use), so a
+    trainer process trains many lineages for the base model's memory once."""
+
+    def __init__(
+        self,
+        settings: TrainerSettings,
+        *,
+        resume_from: Path | None = None,
+        base: Any | None = None,
+        adapter: str = "default",
+    ) -> None:
         random.seed(settings.seed)
         torch.manual_seed(settings.seed)
+        self.adapter = adapter
         tokenizer = AutoTokenizer.from_pretrained(settings.model)
-        model: Any = AutoModelForCausalLM.from_pretrained(settings.model, dtype=torch.float32)
         peft_config = None
-        if resume_from is None:
-            peft_config = LoraConfig(
-                r=settings.lora_rank,
-                lora_alpha=settings.lora_alpha,
-                lora_dropout=0.0,
-                target_modules=LORA_TARGETS,
-                bias="none",
-                use_dora=False,
-                task_type="CAUSAL_LM",
-            )
+        if base is not None:  # one more adapter on another engine's PeftModel
+            model: Any = base
+            if adapter in model.peft_config:  # a rebuild (another LoRA configuration)
+                model.delete_adapter(adapter)
+            if resume_from is None:
+                model.add_adapter(adapter, _lora(settings))
+            else:
+                model.load_adapter(resume_from, adapter_name=adapter, is_trainable=True)
+            model.set_adapter(adapter)  # only its weights train, so its optimizer has only them
         else:
-            model = PeftModel.from_pretrained(model, resume_from, is_trainable=True)
+            model = AutoModelForCausalLM.from_pretrained(settings.model, dtype=torch.float32)
+            if resume_from is None:
+                peft_config = _lora(settings)
+            else:
+                model = PeftModel.from_pretrained(model, resume_from, is_trainable=True)
         args = GRPOConfig(
             output_dir=str(settings.home / "trainer-scratch"),
             use_cpu=not torch.cuda.is_available(),
@@ -235,6 +261,17 @@ class Engine:
             trainer.optimizer.load_state_dict(state)
         self.trainer = trainer
 
+    def beside(self, settings: TrainerSettings, adapter: str, resume_from: Path | None) -> Engine:
+        """Another lineage's engine on this one's base model (its weights are not copied)."""
+        return Engine(settings, resume_from=resume_from, base=self.model, adapter=adapter)
+
+    def _use(self) -> Any:
+        """The model with this engine's adapter the one that runs and trains."""
+        model = self.trainer.model
+        if model.active_adapter != self.adapter:
+            model.set_adapter(self.adapter)
+        return model
+
     @property
     def limits(self) -> ModelLimits:
         config = self.trainer.model.config
@@ -246,7 +283,7 @@ class Engine:
 
     def step(self, samples: list[Sample]) -> StepStats:
         """One batch: `num_iterations` optimizer steps with TRL's loss."""
-        trainer, model = self.trainer, self.trainer.model
+        trainer, model = self.trainer, self._use()
         rows = [vars(s) | {"prompt": ""} for s in samples]
         started = time.perf_counter()
         losses = []
@@ -275,14 +312,14 @@ class Engine:
     def snapshot(self) -> Snapshot:
         """The trainable weights and optimizer state, to undo a step that could not be published."""
         weights = {
-            n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad
+            n: p.detach().clone() for n, p in self._use().named_parameters() if p.requires_grad
         }
         return weights, copy.deepcopy(self.trainer.optimizer.state_dict())
 
     def restore(self, snapshot: Snapshot) -> None:
         weights, optimizer_state = snapshot
         with torch.no_grad():
-            for name, p in self.model.named_parameters():
+            for name, p in self._use().named_parameters():
                 if name in weights:
                     p.copy_(weights[name])
         self.trainer.optimizer.load_state_dict(optimizer_state)
@@ -291,15 +328,15 @@ class Engine:
         """Take over a published version's weights and optimizer state (None: the base model,
         i.e. every LoRA B zero, fresh optimizer state). Raises if the adapter does not fit this
         engine's LoRA configuration (another rank or targets); the caller builds a new Engine."""
-        model = self.trainer.model
+        model = self._use()
         with torch.no_grad():
             if adapter_dir is None:
                 for name, p in model.named_parameters():
-                    if "lora_B" in name:
+                    if "lora_B" in name and p.requires_grad:  # this adapter's (the active one)
                         p.zero_()
             else:
                 theirs = json.loads((adapter_dir / "adapter_config.json").read_text())
-                ours = model.peft_config["default"]
+                ours = model.peft_config[self.adapter]
                 if (theirs["r"], theirs["lora_alpha"], set(theirs["target_modules"])) != (
                     ours.r,
                     ours.lora_alpha,
@@ -307,7 +344,7 @@ class Engine:
                 ):
                     raise ValueError(f"{adapter_dir} has another LoRA configuration")
                 state = load_file(adapter_dir / "adapter_model.safetensors")
-                result: Any = set_peft_model_state_dict(model, state)
+                result: Any = set_peft_model_state_dict(model, state, adapter_name=self.adapter)
                 if result.unexpected_keys:
                     raise ValueError(f"{adapter_dir} has weights this engine lacks")
         optimizer = self.trainer.optimizer
@@ -319,5 +356,9 @@ class Engine:
 
     def save_adapter(self, out_dir: Path) -> None:
         """adapter_config.json + adapter_model.safetensors (vLLM loads these); optimizer beside."""
-        self.trainer.model.save_pretrained(out_dir, selected_adapters=["default"])
+        self._use().save_pretrained(out_dir, selected_adapters=[self.adapter])
+        if self.adapter != "default":  # PEFT puts any other adapter in a folder of its name
+            for path in (out_dir / self.adapter).iterdir():
+                path.rename(out_dir / path.name)
+            (out_dir / self.adapter).rmdir()
         torch.save(self.trainer.optimizer.state_dict(), out_dir / "optimizer.pt")

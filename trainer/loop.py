@@ -3,7 +3,10 @@
     flywheel trainer --model BASE_MODEL_DIR --vllm URL [--vllm URL ...] --adapters-dir DIR
 
 A trainer trains one lineage (`--lineage`, default `policy`): the transitions the proxy served
-from it. Each step: claim a batch (lease) -> build samples from the recorded token ids -> one GRPO
+from it; or several (`--lineages acme.policy,globex.policy`) over one copy of the base model, a
+`Trainer` (adapter, optimizer state, claims, canary, housekeeping) each, stepped in turn by
+`run_in_turn`: one step per lineage per turn, so a busy lineage never starves a quiet one. Each
+step: claim a batch (lease) -> build samples from the recorded token ids -> one GRPO
 update with LoRA (TRL's loss) -> save `DIR/<lineage>-vN` atomically -> load it into every vLLM
 under the new name -> in one transaction make N the lineage's current version and mark the batch
 trained -> retire the lineage's old versions. Other lineages are other trainers' business.
@@ -25,7 +28,9 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from prometheus_client import start_http_server
 
@@ -65,10 +70,10 @@ def run(settings: TrainerSettings) -> None:
     )
     signal.signal(signal.SIGTERM, _stop)  # kubectl delete, docker stop: claims go back at once
     try:
-        trainer = Trainer(settings, sessions, vllm)
-        if settings.metrics_port:  # opened once the engine is built: it doubles as readiness
+        trainers = build_trainers(settings, sessions, vllm)
+        if settings.metrics_port:  # opened once the engines are built: it doubles as readiness
             start_http_server(settings.metrics_port)
-        trainer.run()
+        run_in_turn(trainers, settings.max_steps, settings.poll_s)
     except (Stopping, KeyboardInterrupt):
         log.info("stopped")
     finally:
@@ -76,9 +81,60 @@ def run(settings: TrainerSettings) -> None:
         db.dispose()
 
 
+def build_trainers(settings: TrainerSettings, sessions: Sessions, vllm: Replicas) -> list[Trainer]:
+    """A Trainer per lineage, all on the first one's base model (each its own PEFT adapter)."""
+    first, *others = settings.trained_lineages()
+    trainers = [Trainer(first, sessions, vllm)]
+    base = trainers[0].engine.model
+    if others:  # a rebuild (another LoRA configuration) stays on the shared base too
+        trainers[0].make_engine = _on_base(first, base, "default")
+    for i, lineage_settings in enumerate(others, start=1):
+        engine = _on_base(lineage_settings, base, f"lineage{i}")  # PEFT's name for it
+        trainers.append(Trainer(lineage_settings, sessions, vllm, make_engine=engine))
+    return trainers
+
+
+def _on_base(settings: TrainerSettings, base: Any, adapter: str) -> Callable[[Path | None], Engine]:
+    return lambda resume: Engine(settings, resume_from=resume, base=base, adapter=adapter)
+
+
+def run_in_turn(trainers: list[Trainer], max_steps: int | None, poll_s: float) -> None:
+    """Each lineage's next step in turn, until each has made max_steps (or SIGTERM/SIGINT:
+    Stopping); then every claim goes back. Postgres or vLLM failing is every lineage's problem:
+    the turn ends and that lineage backs off."""
+    try:
+        while True:
+            due = [t for t in trainers if max_steps is None or t.steps < max_steps]
+            if not due:
+                return
+            published = False
+            for trainer in due:
+                try:
+                    trainer.housekeeper.reconcile_if_due()
+                    published = trainer.step() or published
+                except faults.INFRASTRUCTURE as e:  # the batch went back uncharged (step)
+                    trainer.backoff.wait_after(e)
+                    break
+                trainer.backoff.reset()
+            else:
+                if not published:
+                    time.sleep(poll_s)
+    finally:
+        for trainer in trainers:
+            trainer.release_claims()
+
+
 class Trainer:
-    def __init__(self, settings: TrainerSettings, sessions: Sessions, vllm: Replicas) -> None:
+    def __init__(
+        self,
+        settings: TrainerSettings,
+        sessions: Sessions,
+        vllm: Replicas,
+        *,
+        make_engine: Callable[[Path | None], Engine] | None = None,
+    ) -> None:
         self.settings, self.sessions, self.vllm = settings, sessions, vllm
+        self.make_engine = make_engine or (lambda resume: Engine(settings, resume_from=resume))
         self.lineage = settings.lineage
         self.metrics = metrics.LineageMetrics(self.lineage)
         self.housekeeper = Housekeeper(settings, sessions, vllm)
@@ -91,7 +147,7 @@ class Trainer:
             self.lineage,
             current.name if current else "the base model",
         )
-        self.engine = Engine(settings, resume_from=resume)
+        self.engine = self.make_engine(resume)
         self.sampling_defaults = server_defaults(settings.generation_config, settings.model)
         # The version the engine's weights descend from: a publish succeeds only while it is
         # current (compare-and-set), so a rollback sticks and two trainers never fork the policy.
@@ -110,19 +166,7 @@ class Trainer:
 
     def run(self) -> None:
         """Steps until max_steps, or until SIGTERM/SIGINT (Stopping): then the claims go back."""
-        try:
-            while self.settings.max_steps is None or self.steps < self.settings.max_steps:
-                try:
-                    self.housekeeper.reconcile_if_due()
-                    published = self.step()
-                except faults.INFRASTRUCTURE as e:  # the batch went back uncharged (step)
-                    self.backoff.wait_after(e)
-                    continue
-                self.backoff.reset()
-                if not published:
-                    time.sleep(self.settings.poll_s)
-        finally:
-            self.release_claims()
+        run_in_turn([self], self.settings.max_steps, self.settings.poll_s)
 
     # --- one step ---------------------------------------------------------------------------
 
@@ -253,7 +297,7 @@ class Trainer:
             log.warning("%s; building a new engine from it", e)
             del self.engine
             gc.collect()
-            self.engine = Engine(self.settings, resume_from=path)
+            self.engine = self.make_engine(path)
         self.parent = version
 
     def _publish(self, batch: Batch, stats: StepStats, before: Snapshot) -> bool:
