@@ -61,6 +61,11 @@ def check_lineage(name: str) -> str:
     return name
 
 
+def tenant_of_lineage(lineage: str) -> str | None:
+    """The tenant whose lineage this is (None: the default tenant's, or shared)."""
+    return lineage.partition(".")[0] if "." in lineage else None
+
+
 def adapter_name(lineage: str, version: int) -> str:
     return f"{lineage}-v{version}"
 
