@@ -15,6 +15,7 @@ from sqlalchemy import text
 
 from core import tenants
 from core.database import Sessions
+from fakes.vllm import FakeVLLM
 from proxy.config import ProxySettings
 from tests.conftest import RunningProxy
 
@@ -177,6 +178,24 @@ def test_a_default_tenant_key_reads_no_other_tenants_episode_by_its_stored_id(
     mine = proxy.client(**as_(acme)).get("/ui/api/episodes/e1").json()
     assert mine["id"] == "e1" and mine["transitions"][0]["id"] == theirs
     assert proxy.client(**as_(acme)).get(f"/ui/api/transitions/{ours}/tokens").status_code == 404
+
+
+def test_a_tenants_adapters_are_not_listed_to_other_tenants(
+    make_proxy: Any, sessions: Sessions, fake_vllm: FakeVLLM
+) -> None:
+    """vLLM lists every adapter it has loaded, named after its lineage: another tenant's
+    (`globex.policy-v3`) is not in a tenant's /v1/models; the shared (default) ones are."""
+    proxy = make_proxy(api_keys=["sk-env"], keys_refresh_s=0.1)
+    acme = new_key(sessions, "acme")
+    proxy.wait_keys(acme)
+    for name in ("policy-v1", "acme.policy-v2", "globex.policy-v3"):
+        fake_vllm.loras[name] = f"/adapters/{name}"
+
+    def listed(key: str) -> list[str]:
+        return [m["id"] for m in proxy.client(**as_(key)).get("/v1/models").json()["data"]]
+
+    assert listed("sk-env") == ["demo", "policy-v1", "policy"]
+    assert listed(acme) == ["demo", "policy-v1", "acme.policy-v2", "policy"]
 
 
 def test_ownership_is_the_same_rule_in_python_and_in_sql(sessions: Sessions) -> None:

@@ -18,6 +18,7 @@ from starlette.responses import Response
 from core import policy
 from core.policy import BASE_VERSION
 from core.vllm import VLLMError
+from proxy.auth import principal_of
 from proxy.errors import ApiError
 from proxy.services import ServicesDep
 
@@ -26,7 +27,8 @@ router = APIRouter()
 
 
 @router.get("/v1/models")
-async def models(services: ServicesDep) -> Response:
+async def models(request: Request, services: ServicesDep) -> Response:
+    principal = principal_of(request.scope)
     try:
         status, payload = await services.upstream.models()
     except VLLMError as e:
@@ -35,12 +37,21 @@ async def models(services: ServicesDep) -> Response:
     if status != 200:
         return Response(payload, status_code=status, media_type="application/json")
     data = orjson.loads(payload)
-    for model in data.get("data", []):
+    # vLLM lists every adapter loaded (its base model as `parent`), named after its lineage: a
+    # tenant's (`acme.policy-v3`) is not listed to another tenant, nor to the default one.
+    data["data"] = [
+        model
+        for model in data.get("data", [])
+        if model.get("parent") is None
+        or principal.every_tenant
+        or policy.tenant_of_lineage(str(model.get("id"))) in (None, principal.tenant)
+    ]
+    for model in data["data"]:
         root = model.get("root")
         if isinstance(root, str) and root.startswith("/"):  # a directory on vLLM's disk
             model["root"] = model.get("id")
-    created = max((m.get("created", 0) for m in data.get("data", [])), default=0)
-    listed = data.setdefault("data", [])
+    created = max((m.get("created", 0) for m in data["data"]), default=0)
+    listed = data["data"]
     listed.append(_model(services.settings.policy_alias, created, "flywheel"))
     for name, provider_model in services.settings.routes.items():  # served through litellm
         listed.append(_model(name, created, provider_model.provider))
