@@ -270,9 +270,24 @@ def _json(evidence: Evidence | None) -> dict[str, Any] | None:
     return asdict(evidence) if evidence else None
 
 
-def history(*, session: Session, lineage: str | None = None, limit: int = 100) -> list[CanaryRow]:
-    """The newest canaries first, open and decided."""
+EVERY_TENANT = "*"  # not a tenant name (core/tenants.py TENANT_PATTERN)
+
+
+def history(
+    *,
+    session: Session,
+    lineage: str | None = None,
+    limit: int = 100,
+    tenant: str | None = EVERY_TENANT,
+) -> list[CanaryRow]:
+    """The newest canaries first, open and decided; of one tenant's lineages only, unless
+    `tenant` is EVERY_TENANT (None: the default tenant's, named without a dot; `acme`: those
+    named `acme.*`, as core/policy.py's `tenant_of_lineage` reads a name)."""
     query = select(CanaryRow).order_by(CanaryRow.id.desc()).limit(limit)
     if lineage is not None:
         query = query.where(CanaryRow.lineage == lineage)
+    if tenant is None:
+        query = query.where(~CanaryRow.lineage.contains("."))
+    elif tenant != EVERY_TENANT:
+        query = query.where(CanaryRow.lineage.startswith(f"{tenant}.", autoescape=True))
     return list(session.scalars(query))

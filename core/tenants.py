@@ -52,6 +52,15 @@ class Principal:
     def public(self, stored_id: str) -> str:
         return stored_id if self.tenant is None else stored_id.removeprefix(f"{self.tenant}/")
 
+    def owns_episode(self, stored_id: str) -> bool:
+        """Whether this principal may see the episode (or task) stored as `stored_id`: the same
+        rule as `owns_episode_sql`, for an id a caller named (the default tenant's have no `/`)."""
+        if self.every_tenant:
+            return True
+        if self.tenant is None:
+            return "/" not in stored_id
+        return stored_id.startswith(f"{self.tenant}/")
+
     def owns_episode_sql(self, column: str) -> tuple[str, dict[str, str]]:
         """A WHERE condition on a stored episode id column: the rows this principal may see."""
         if self.every_tenant:

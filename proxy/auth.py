@@ -4,7 +4,7 @@ Keys come from two places: FLYWHEEL_API_KEYS (the default tenant, every scope; c
 constant time, as ever) and the `api_key` table (core/tenants.py: hashed, per tenant, scoped,
 revocable), which every proxy re-reads every `keys_refresh_s`, so a created or revoked key takes
 effect on every replica within that. If Postgres is unreachable the last keys read stay in force.
-Which scope each route needs is `SCOPE_OF` (edge.py applies it).
+Which scope each route needs is `SCOPE_OF` (edge.py applies it); `OPS_PATHS` take the metrics key.
 """
 
 from __future__ import annotations
@@ -34,6 +34,10 @@ SCOPE_OF = {
     "episodes": "read",
     "export": "read",
 }
+
+# What the metrics key (FLYWHEEL_METRICS_KEY, or the admin key) opens once keys are on: the
+# metrics, and /healthz's detail (without a key: its status alone, for the probes).
+OPS_PATHS = ("/metrics", "/healthz")
 
 
 class KeyRing:

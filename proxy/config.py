@@ -81,6 +81,13 @@ class ProxySettings(DatabaseSettings):
     admin_key: SecretStr | None = Field(
         None, description="Bearer key for /admin/* (adapter rollback); unset: admin is off."
     )
+    metrics_key: SecretStr | None = Field(
+        None,
+        description="Bearer key for GET /metrics and /healthz's detail (Prometheus' scrape; the "
+        "admin key works too). With keys on, or this set, /metrics needs one of the two and "
+        "/healthz without a key answers its status alone (the probes); unset with keys off: "
+        "both open.",
+    )
     policy_alias: str = Field("policy", description="Model name that follows the trained adapter.")
     adapter_per_agent: Annotated[dict[str, str], NoDecode] = Field(
         default_factory=dict,
@@ -359,6 +366,11 @@ class ProxySettings(DatabaseSettings):
     @property
     def auth_on(self) -> bool:
         return self.auth == "keys" or bool(self.api_keys)
+
+    @property
+    def ops_keys_on(self) -> bool:
+        """Whether /metrics and /healthz's detail need the metrics (or admin) key."""
+        return self.auth_on or self.metrics_key is not None
 
     @model_validator(mode="after")
     def _routes_leave_the_alias_alone(self) -> ProxySettings:

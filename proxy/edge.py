@@ -7,6 +7,9 @@
   (its tenant: proxy/auth.py, core/tenants.py) goes into the scope as `flywheel.principal`;
   Anthropic's Messages route takes the key as `x-api-key` too, as Anthropic's clients send it;
   the dashboard's `/ui/api/*` takes the same keys, or the admin key for every tenant's rows;
+  `/metrics` and `/healthz`'s detail (replica URLs, the journal, every lineage) take the metrics
+  or the admin key once keys are on (or FLYWHEEL_METRICS_KEY is set); `/healthz` without a key
+  still answers its status (Kubernetes' probes), `/livez` is open;
 - the fast lane: the completion routes (`wire.ENDPOINTS`, every agent call) go straight to
   `routes.completions.complete`, not through FastAPI's middleware stack, router and exception
   handlers (about 5% of the proxy's busy samples at 64 clients, by py-spy); their errors get the
@@ -28,7 +31,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from core.tenants import OPERATOR, Principal
 from proxy import metrics
-from proxy.auth import require
+from proxy.auth import OPS_PATHS, require
 from proxy.config import ProxySettings
 from proxy.errors import ApiError, unexpected_error
 from proxy.hosts import HostCheck
@@ -55,6 +58,12 @@ class Edge:
         self._admin_key = (
             settings.admin_key.get_secret_value().encode() if settings.admin_key else None
         )
+        self._ops_keys_on = settings.ops_keys_on
+        self._ops_keys = [
+            key.get_secret_value().encode()
+            for key in (settings.metrics_key, settings.admin_key)
+            if key is not None
+        ]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":  # lifespan
@@ -130,6 +139,8 @@ class Edge:
             scope["flywheel.principal"] = principal
         if scope["path"].startswith("/ui/api/"):
             scope["flywheel.principal"] = self._dashboard_principal(scope)
+        if scope["path"] in OPS_PATHS:
+            scope["flywheel.ops"] = self._ops_detail(scope)
         if scope["path"].startswith("/admin/"):
             if self._admin_key is None:
                 raise ApiError(
@@ -154,6 +165,24 @@ class Edge:
         principal = services_of(self.app).keys.authenticate(header)
         require(principal, "/v1/episodes")
         return principal
+
+    def _ops_detail(self, scope: Scope) -> bool:
+        """Whether the caller sees /metrics and /healthz's detail: with the metrics or admin key,
+        or anyone while keys are off and no metrics key is set. /healthz without a key answers
+        its status alone; /metrics without one is refused."""
+        if not self._ops_keys_on:
+            return True
+        if scope["path"] == "/healthz" and b"authorization" not in dict(scope["headers"]):
+            return False
+        if not self._ops_keys:
+            raise ApiError(
+                403,
+                "metrics are off while keys are on: set FLYWHEEL_METRICS_KEY (Prometheus sends "
+                "it as `Authorization: Bearer <key>`) or FLYWHEEL_ADMIN_KEY",
+                code="metrics_disabled",
+            )
+        _authorize(scope, self._ops_keys, "FLYWHEEL_METRICS_KEY or FLYWHEEL_ADMIN_KEY")
+        return True
 
 
 def _anthropic(scope: Scope) -> bool:

@@ -9,7 +9,8 @@ FastAPI generates what its router serves; `document(app)` adds what it cannot se
   OpenAI's shape (the `Error` component), the 400 the app answers for an invalid parameter (not
   FastAPI's 422), the 202 of a journaled reward;
 - what the edge adds to every route, from the edge's own rules: the 421 of the Host check (not on
-  the probes), the keys (security schemes `ApiKey` and `AdminKey`, with their 401 and 403), and
+  the probes), the keys (security schemes `ApiKey`, `AdminKey` and `MetricsKey`, with their 401
+  and 403), and
   for `/v1/` paths the path form of the base URL (`/episode/{episode}/task/{task}/agent/{agent}`),
   described as a server: it is a prefix of the base URL, not a route of its own.
 
@@ -27,6 +28,7 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 
 from proxy import openapi_shapes as s
+from proxy.auth import OPS_PATHS
 from proxy.hosts import ANY_NAME_PATHS
 from proxy.relay import wire
 from proxy.relay.tags import HEADERS, PATH_KEYS
@@ -106,7 +108,8 @@ ROUTES: dict[str, Route] = {
         s.ref("Health"),
         more={
             503: {
-                "description": "Failing: Postgres and the journal both fail.",
+                "description": "Failing: Postgres and the journal both fail (the status alone "
+                "without the metrics or admin key, as the 200).",
                 "content": {JSON: {"schema": s.ref("Health")}},
             }
         },
@@ -190,6 +193,13 @@ SECURITY_SCHEMES = {
         "served: `app.openapi()` builds it).",
     },
     "AdminKey": {"type": "http", "scheme": "bearer", "description": "FLYWHEEL_ADMIN_KEY."},
+    "MetricsKey": {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "FLYWHEEL_METRICS_KEY (Prometheus' scrape), or the admin key: /metrics "
+        "and /healthz's detail while keys are on (or it is set). Without it /healthz answers "
+        "its status alone, for the probes; with keys off and no metrics key, both are open.",
+    },
     "AnthropicKey": {
         "type": "apiKey",
         "in": "header",
@@ -310,6 +320,13 @@ def _edge_errors(path: str) -> dict[int, str]:
     if path.startswith("/admin/"):
         errors[401] = "No valid admin key."
         errors[403] = "Admin endpoints are off (FLYWHEEL_ADMIN_KEY unset)."
+    if path in OPS_PATHS:
+        errors[401] = (
+            "No valid metrics or admin key (keys on, or FLYWHEEL_METRICS_KEY set)."
+            if path == "/metrics"
+            else "A key that is not the metrics or admin key (without one: the status alone)."
+        )
+        errors[403] = "Keys are on and neither FLYWHEEL_METRICS_KEY nor FLYWHEEL_ADMIN_KEY is set."
     return errors
 
 
@@ -320,4 +337,6 @@ def _security(path: str) -> list[dict[str, list[str]]] | None:
         return [{"ApiKey": []}, {"AdminKey": []}, {}]
     if path.startswith("/admin/"):
         return [{"AdminKey": []}]
+    if path in OPS_PATHS:
+        return [{"MetricsKey": []}, {"AdminKey": []}, {}]  # {}: keys off (/healthz: its status)
     return None

@@ -204,11 +204,17 @@ class RunningProxy:
 
         self.wait_until(lambda: all(known(k) for k in keys), f"the keys {keys}")
 
+    @property
+    def ops_auth(self) -> dict[str, str]:
+        """What /metrics and /healthz's detail take once keys are on: the metrics or admin key."""
+        key = self.settings.metrics_key or self.settings.admin_key
+        return {"Authorization": f"Bearer {key.get_secret_value()}"} if key else {}
+
     def wait_policy(self, version: int, lineage: str = "policy", *, canary: bool = False) -> None:
         """Until this proxy's alias serves `version` as `lineage`'s current one (or candidate)."""
 
         def serving() -> bool:
-            health = httpx.get(self.url + "/healthz").json()
+            health = httpx.get(self.url + "/healthz", headers=self.ops_auth).json()
             if canary:
                 return bool(health["canaries"].get(lineage, {}).get("candidate") == version)
             return bool(health["lineages"].get(lineage) == version)

@@ -208,6 +208,21 @@ def test_canaries_are_per_lineage(sessions: Sessions, fake_vllm: FakeVLLM, tmp_p
         assert set(canary.opened(session=session)) == {"rewriter"}
 
 
+def test_a_tenants_canaries_are_those_of_its_lineages(
+    sessions: Sessions, fake_vllm: FakeVLLM, tmp_path: Path
+) -> None:
+    """`history(tenant=...)` matches `policy.tenant_of_lineage` (a `_` in a tenant's name is
+    no LIKE wildcard)."""
+    names = ["policy", "writer", "a_b.policy", "axb.policy", "a_b.writer"]
+    for lineage in names:
+        publish(sessions, fake_vllm, tmp_path, RULE, lineage=lineage)
+    with sessions.begin() as session:
+        for tenant in (None, "a_b", "axb", "a"):
+            shown = {r.lineage for r in canary.history(session=session, tenant=tenant)}
+            assert shown == {n for n in names if policy.tenant_of_lineage(n) == tenant}, tenant
+        assert {r.lineage for r in canary.history(session=session)} == set(names)
+
+
 # --- through the proxy -------------------------------------------------------------------------
 
 

@@ -9,9 +9,11 @@ import time
 from typing import Any
 
 import httpx
+import orjson
 import psycopg
 import pytest
 
+from core import canary, policy
 from core.database import Sessions
 from fakes.engine import token_text
 from fakes.vllm import FakeVLLM
@@ -226,6 +228,43 @@ def test_a_tenant_sees_its_own_episodes_and_the_admin_key_every_tenants(
     assert ui(proxy, "/ui/api/episodes", key="wrong").status_code == 401
     denied = ui(proxy, "/ui/api/episodes", key=infer_only)
     assert denied.status_code == 403 and denied.json()["error"]["code"] == "insufficient_scope"
+
+
+def test_the_overview_shows_each_tenant_only_its_own_lineages(
+    make_proxy: Any, sessions: Sessions, fake_vllm: FakeVLLM, tmp_path: Any
+) -> None:
+    """Issue 33, finding 2: lineages, pins (their notes) and canaries (their evidence: each
+    arm's reward mean) are their tenant's (`acme.*`; the default tenant's have no dot); the
+    admin key sees every one. The writer's backlog (every tenant's calls) is the operator's."""
+    proxy = make_proxy(api_keys=["sk-env"], admin_key=ADMIN, keys_refresh_s=0.1)
+    acme, globex = new_key(sessions, "acme"), new_key(sessions, "globex")
+    proxy.wait_keys(acme, globex)
+    lineages = ["policy", "acme.policy", "globex.policy"]
+    for lineage in lineages:  # a current version, a canary, then a pin (which closes it)
+        current = publish(sessions, fake_vllm, tmp_path, lineage)
+        publish(sessions, fake_vllm, tmp_path, lineage, canary_rule=canary.Rule(fraction=0.5))
+        with sessions.begin() as session:
+            policy.make_current(
+                current, session=session, lineage=lineage, pin=True, note=f"note of {lineage}"
+            )
+    call(proxy, "e1", task="t", agent="a", key=acme)
+    proxy.wait_rows("SELECT 1 FROM transition", 1)
+
+    def overview(key: str) -> tuple[dict[str, Any], list[str], list[str]]:
+        body = ui(proxy, "/ui/api/overview", key=key).json()
+        shown = [x["lineage"] for x in body["lineages"]]
+        return body, shown, [c["lineage"] for c in body["canaries"]]
+
+    body, shown, canaries = overview(ADMIN)
+    assert shown == sorted(lineages) and sorted(canaries) == sorted(lineages)
+    assert set(body["writer"]) == {"queued", "journaled", "database_up"}
+    for key, own in [("sk-env", "policy"), (acme, "acme.policy"), (globex, "globex.policy")]:
+        body, shown, canaries = overview(key)
+        assert shown == canaries == [own], key
+        assert body["lineages"][0]["pinned"]["note"] == f"note of {own}"
+        assert body["writer"] == {"database_up": True}
+        text = orjson.dumps(body).decode()
+        assert [x for x in lineages if f"note of {x}" in text] == [own]
 
 
 def test_a_completions_tokens_come_back_with_their_text_and_logprobs(

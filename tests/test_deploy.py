@@ -43,7 +43,12 @@ BIN = Path(sys.executable).parent  # the venv's console scripts (flywheel, hadol
 COMPOSE = ROOT / "docker-compose.yml"
 OVERLAYS = sorted(p.parent for p in (ROOT / "deploy" / "overlays").glob("*/kustomization.yaml"))
 DASHBOARD = ROOT / "deploy" / "monitoring" / "grafana" / "dashboards" / "flywheel.json"
-REQUIRED_COMPOSE_VARS = ("POSTGRES_PASSWORD", "MODEL_DIR", "FLYWHEEL_API_KEYS")
+REQUIRED_COMPOSE_VARS = (
+    "POSTGRES_PASSWORD",
+    "MODEL_DIR",
+    "FLYWHEEL_API_KEYS",
+    "FLYWHEEL_METRICS_KEY",
+)
 
 
 def tool(name: str) -> str:
@@ -371,6 +376,7 @@ def test_proxy_image_command_serves_healthz(
     )
     assert refused.returncode != 0 and "without API keys" in refused.stderr, refused.stderr
     env["FLYWHEEL_API_KEYS"] = "sk-test"
+    env["FLYWHEEL_METRICS_KEY"] = "sk-metrics"
     log = tmp_path / "proxy.log"
     with open(log, "wb") as out:
         process = subprocess.Popen(
@@ -378,8 +384,12 @@ def test_proxy_image_command_serves_healthz(
         )
     try:
         wait_http(f"http://127.0.0.1:{port}/healthz", process, timeout=60, log_path=log)
-        assert httpx.get(f"http://127.0.0.1:{port}/healthz").json()["database"] == "up"
-        assert httpx.get(f"http://127.0.0.1:{port}/v1/models").status_code == 401
+        url, scraper = f"http://127.0.0.1:{port}", {"Authorization": "Bearer sk-metrics"}
+        assert httpx.get(f"{url}/healthz").json() == {"status": "ok"}  # the probes' answer
+        assert httpx.get(f"{url}/healthz", headers=scraper).json()["database"] == "up"
+        assert httpx.get(f"{url}/metrics").status_code == 401
+        assert httpx.get(f"{url}/metrics", headers=scraper).status_code == 200
+        assert httpx.get(f"{url}/v1/models").status_code == 401
         # The image's HEALTHCHECK, run as Docker would run it (same python, same env).
         healthcheck = dockerfile("Dockerfile.proxy")["healthcheck"]
         assert healthcheck[0] == "python"
@@ -544,6 +554,11 @@ def test_overlay_lists_every_vllm_replica_once(overlay: Path) -> None:
         "name": "flywheel-api-keys",
         "key": "keys",
     }
+    # Issue 33, finding 3: /metrics takes the metrics key, from a Secret (Prometheus mounts it).
+    assert env_of(proxy)["FLYWHEEL_METRICS_KEY"]["secretKeyRef"] == {
+        "name": "flywheel-metrics-key",
+        "key": "key",
+    }
 
     # The adapters volume: ReadWriteMany, mounted at the trainer's FLYWHEEL_ADAPTERS_DIR by both.
     adapters_dir = config["data"]["FLYWHEEL_ADAPTERS_DIR"]
@@ -634,6 +649,49 @@ def test_monitoring_files_are_the_ones_compose_and_kustomize_use(compose: Any) -
         for t in c["targets"]
     }
     assert targets == {"proxy:8000", "trainer:9400", "vllm:8000"}
+    # The proxy's /metrics takes the metrics key: Prometheus reads it from the file its service
+    # writes from the same .env variable the proxy gets.
+    services = compose["services"]
+    (proxy_job,) = [j for j in prometheus["scrape_configs"] if j["job_name"] == "flywheel-proxy"]
+    assert proxy_job["static_configs"] == [{"targets": ["proxy:8000"]}]
+    token = proxy_job["authorization"]
+    assert token["type"] == "Bearer" and token["credentials_file"].startswith("/run/flywheel/")
+    assert all("authorization" not in j for j in prometheus["scrape_configs"] if j != proxy_job)
+    server = services["prometheus"]
+    assert server["tmpfs"] == ["/run/flywheel"]
+    script = server["entrypoint"][2].replace("$$", "$")  # `config` prints compose's escape
+    assert server["entrypoint"][:2] == ["/bin/sh", "-c"]
+    assert f'"$FLYWHEEL_METRICS_KEY" > {token["credentials_file"]} ' in script
+    assert "exec /bin/prometheus --config.file=/etc/prometheus/prometheus.yml" in script
+    key = services["proxy"]["environment"]["FLYWHEEL_METRICS_KEY"]
+    assert key and server["environment"]["FLYWHEEL_METRICS_KEY"] == key
     docs = by_kind(render(ROOT / "deploy" / "overlays" / "dev"))
     dashboard = docs["ConfigMap", "flywheel-grafana-dashboard"]["data"]["flywheel.json"]
     assert json.loads(dashboard) == json.loads(DASHBOARD.read_text())
+
+
+def test_the_kubernetes_scrape_sends_the_metrics_key_to_the_proxy_alone() -> None:
+    docs = by_kind(render(ROOT / "deploy" / "overlays" / "dev"))
+    scrape = docs["ConfigMap", "flywheel-prometheus-scrape"]["data"]["prometheus-kubernetes.yml"]
+    jobs = {j["job_name"]: j for j in yaml.safe_load(scrape)["scrape_configs"]}
+    assert set(jobs) == {"flywheel-proxy", "flywheel"}
+    proxy, others = jobs["flywheel-proxy"], jobs["flywheel"]
+    assert proxy["authorization"] == {
+        "type": "Bearer",
+        "credentials_file": "/etc/prometheus/secrets/flywheel-metrics-key/key",
+    }
+    assert "authorization" not in others
+
+    def name_rule(job: dict[str, Any]) -> tuple[str, str]:
+        label = "__meta_kubernetes_pod_label_app_kubernetes_io_name"
+        (rule,) = [
+            r for r in job["relabel_configs"] if r["source_labels"] == [label] and "action" in r
+        ]
+        return rule["regex"], rule["action"]
+
+    assert name_rule(proxy) == ("proxy", "keep") and name_rule(others) == ("proxy", "drop")
+    # Otherwise the same rules (one list, YAML anchors): address, path and labels alike.
+    assert proxy["relabel_configs"][2:] == others["relabel_configs"][2:]
+    proxy_pod = docs["StatefulSet", "proxy"]["spec"]["template"]["metadata"]
+    assert proxy_pod["labels"]["app.kubernetes.io/name"] == "proxy"
+    assert proxy_pod["annotations"]["prometheus.io/path"] == "/metrics"

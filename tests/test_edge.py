@@ -260,6 +260,52 @@ def test_metrics_and_health(proxy: RunningProxy) -> None:
     assert proxy.client().get("/healthz").json()["database"] == "up"
 
 
+def test_metrics_and_health_detail_need_the_metrics_or_admin_key(
+    make_proxy: Any, fake_vllm: FakeVLLM
+) -> None:
+    """Issue 33, finding 3: /metrics and /healthz's detail name replica URLs, journal paths and
+    every tenant's lineages. Keys on: the metrics or the admin key reads them; the probes (no
+    key) still get /healthz's status and /livez; an API key, a tenant's, gets nothing more."""
+    proxy = make_proxy(api_keys=["sk-app"], metrics_key="sk-metrics", admin_key="sk-admin")
+
+    def get(path: str, key: str | None = None) -> Any:
+        return proxy.client(**({"Authorization": f"Bearer {key}"} if key else {})).get(path)
+
+    plain = get("/healthz")
+    assert plain.status_code == 200 and plain.json() == {"status": "ok"}
+    assert get("/livez").status_code == 200
+    for key in (None, "sk-app", "nope"):
+        error = assert_openai_error(get("/metrics", key), 401)
+        assert "FLYWHEEL_METRICS_KEY" in error["message"] and error["code"] == "invalid_api_key"
+    for key in ("sk-app", "nope"):  # a key, but not one of these: said so, not the status alone
+        assert_openai_error(get("/healthz", key), 401)
+    for key in ("sk-metrics", "sk-admin"):
+        assert "flywheel_requests_total" in get("/metrics", key).text
+        health = get("/healthz", key).json()
+        assert health["database"] == "up" and fake_vllm.url in health["replicas"]
+    assert fake_vllm.url not in plain.text
+
+
+def test_keys_on_without_a_metrics_key_refuse_metrics_naming_the_setting(make_proxy: Any) -> None:
+    proxy = make_proxy(auth="keys")
+    error = assert_openai_error(proxy.client().get("/metrics"), 403)
+    assert error["code"] == "metrics_disabled" and "FLYWHEEL_METRICS_KEY" in error["message"]
+    assert proxy.client().get("/healthz").json() == {"status": "ok"}
+
+
+def test_keys_off_leave_metrics_and_health_open_unless_a_metrics_key_is_set(
+    make_proxy: Any,
+) -> None:
+    local = make_proxy(admin_key="sk-admin")  # `flywheel up`: loopback, auth off, an admin key
+    assert "flywheel_requests_total" in local.client().get("/metrics").text
+    assert local.client().get("/healthz").json()["database"] == "up"
+    guarded = make_proxy(metrics_key="sk-metrics")
+    assert_openai_error(guarded.client().get("/metrics"), 401)
+    assert guarded.client().get("/healthz").json() == {"status": "ok"}
+    scraped = guarded.client(Authorization="Bearer sk-metrics").get("/metrics")
+    assert scraped.status_code == 200
+
+
 def _count(proxy: RunningProxy, route: str, status: int) -> float:
     line = f'flywheel_requests_total{{route="{route}",status="{status}"}} '
     text = proxy.client().get("/metrics").text

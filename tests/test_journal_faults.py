@@ -224,22 +224,25 @@ def test_postgres_down_and_journal_failing_is_a_503_and_loses_nothing(
     own_postgres: Any, make_proxy: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     url = own_postgres.url
-    proxy: RunningProxy = make_proxy(database_url=url, journal_retry_s=0.2)
+    # With a metrics key: the probe (no key) gets the status alone, with the same 503.
+    proxy: RunningProxy = make_proxy(database_url=url, journal_retry_s=0.2, metrics_key="m")
     journal = proxy.services.recorder.journal
     monkeypatch.setattr(journal, "append", disk_full)
     own_postgres.stop()
     served = chat(proxy, "nowhere")
     deadline = time.monotonic() + 10
-    while (health := httpx.get(proxy.url + "/healthz")).status_code != 503:
+    while (health := httpx.get(proxy.url + "/healthz", headers=proxy.ops_auth)).status_code != 503:
         assert time.monotonic() < deadline, health.text
         time.sleep(0.1)
     assert health.json()["status"] == "failing" and health.json()["writer_queue"] == 3
+    probe = httpx.get(proxy.url + "/healthz")
+    assert probe.status_code == 503 and probe.json() == {"status": "failing"}
     assert httpx.get(proxy.url + "/livez").status_code == 200  # drain it, do not restart it
 
     own_postgres.start()  # Postgres back, the disk still full: the records go straight there
     rows = proxy.wait_rows("SELECT id::text FROM transition", 3, timeout=30)
     assert sorted(i for (i,) in rows) == sorted(served)
-    assert httpx.get(proxy.url + "/healthz").json()["status"] == "degraded"
+    assert httpx.get(proxy.url + "/healthz").json() == {"status": "degraded"}
 
 
 async def test_the_queue_is_bounded_in_bytes_so_long_prompts_spill_to_the_journal(

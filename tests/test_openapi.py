@@ -36,7 +36,7 @@ from proxy.config import ProxySettings
 from proxy.relay import wire
 from tests.conftest import RunningProxy, fresh_database, start_proxy
 
-API_KEY, ADMIN_KEY = "sk-openapi-test", "admin-openapi-test"
+API_KEY, ADMIN_KEY, METRICS_KEY = "sk-openapi-test", "admin-openapi-test", "metrics-openapi"
 EXAMPLES = 50  # per operation and generation mode (bench/fuzz.py: 500)
 CHECKS = [
     not_a_server_error,
@@ -109,7 +109,16 @@ def test_the_document_is_valid_openapi_and_every_error_is_openai_shaped() -> Non
                 assert error == {"$ref": f"#/components/schemas/{shape}"}, (label, status)
         if path.startswith("/v1/"):
             assert "401" in responses and "ApiKey" in str(doc["paths"][path][method.lower()])
-    assert set(doc["components"]["securitySchemes"]) == {"ApiKey", "AdminKey", "AnthropicKey"}
+    assert set(doc["components"]["securitySchemes"]) == {
+        "ApiKey",
+        "AdminKey",
+        "AnthropicKey",
+        "MetricsKey",
+    }
+    for path in ("/metrics", "/healthz"):  # the metrics key's once keys are on
+        operation = doc["paths"][path]["get"]
+        assert {"401", "403"} <= set(operation["responses"]), path
+        assert {"MetricsKey": []} in operation["security"], path
     assert doc["paths"]["/v1/rewards"]["post"]["responses"]["202"]  # journaled
 
 
@@ -138,6 +147,7 @@ def running(postgres_url: str, fake_vllm_server: FakeVLLM, tmp_path_factory: Any
                 port=free_port(),
                 api_keys=[API_KEY],
                 admin_key=ADMIN_KEY,
+                metrics_key=METRICS_KEY,
                 replica_probe_s=60,
             )
         )
@@ -151,6 +161,8 @@ def _keys(path: str) -> dict[str, str]:
     """The key a route takes, and one it does not."""
     if path.startswith("/admin/"):
         return {"right": ADMIN_KEY, "wrong": API_KEY}
+    if path in ("/metrics", "/healthz"):
+        return {"right": METRICS_KEY, "wrong": API_KEY}
     return {"right": API_KEY, "wrong": ADMIN_KEY if path.startswith("/v1/") else "nope"}
 
 
@@ -214,7 +226,12 @@ def test_through_a_database_outage_every_answer_is_documented(
 ) -> None:
     """Postgres stopped: the routes that read it answer 503, a reward is journaled (202). (A 500
     is no documented status: status_code_conformance fails it.)"""
-    proxy = make_proxy(database_url=own_postgres.url, api_keys=[API_KEY], admin_key=ADMIN_KEY)
+    proxy = make_proxy(
+        database_url=own_postgres.url,
+        api_keys=[API_KEY],
+        admin_key=ADMIN_KEY,
+        metrics_key=METRICS_KEY,
+    )
     own_postgres.stop()
     for label in OPERATIONS:
         fuzz(proxy, label, (GenerationMode.POSITIVE,), 5, checks=OUTAGE_CHECKS)

@@ -33,7 +33,11 @@ def call(proxy: RunningProxy, key: str, model: str = "policy", **headers: str) -
 @pytest.fixture
 def keyed(make_proxy: Any) -> RunningProxy:
     return make_proxy(
-        auth="keys", keys_refresh_s=0.1, adapter_per_agent="writer", api_keys=DEFAULT_KEY
+        auth="keys",
+        keys_refresh_s=0.1,
+        adapter_per_agent="writer",
+        api_keys=DEFAULT_KEY,
+        metrics_key="sk-metrics",
     )  # type: ignore[no-any-return]
 
 
@@ -101,7 +105,9 @@ def test_another_tenants_version_is_not_found_however_it_is_named(
 def test_a_tenant_opted_into_the_shared_lineages_is_served_and_trains_them(
     make_proxy: Any, sessions: Sessions, fake_vllm: FakeVLLM, tmp_path: Path
 ) -> None:
-    proxy = make_proxy(auth="keys", keys_refresh_s=0.1, shared_lineages="acme")
+    proxy = make_proxy(
+        auth="keys", keys_refresh_s=0.1, shared_lineages="acme", metrics_key="sk-metrics"
+    )
     acme, globex = new_key(sessions, "acme"), new_key(sessions, "globex")
     proxy.wait_keys(acme, globex)
     shared = publish(sessions, fake_vllm, tmp_path, "policy")

@@ -11,9 +11,11 @@ from typing import Any
 
 import pytest
 from pydantic import ValidationError
+from sqlalchemy import text
 
 from core import tenants
 from core.database import Sessions
+from fakes.vllm import FakeVLLM
 from proxy.config import ProxySettings
 from tests.conftest import RunningProxy
 
@@ -139,6 +141,77 @@ def test_env_keys_are_the_default_tenant_alongside_tenant_keys(
     proxy.wait_rows("SELECT 1 FROM transition", 2)
     assert sorted(proxy.query("SELECT episode_id FROM transition")) == [("acme/d1",), ("d1",)]
     assert proxy.client().get("/openapi.json").status_code == 404
+
+
+def test_a_default_tenant_key_reads_no_other_tenants_episode_by_its_stored_id(
+    make_proxy: Any, sessions: Sessions
+) -> None:
+    """Issue 33, finding 1: `acme/e1` is how acme's e1 is stored; a FLYWHEEL_API_KEYS key (the
+    default tenant's: ids stored as given) naming it must find nothing, as the list does."""
+    proxy = make_proxy(api_keys=["sk-env"], keys_refresh_s=0.1)
+    acme = new_key(sessions, "acme")
+    proxy.wait_keys(acme)
+    made = {}
+    for key in (acme, "sk-env"):
+        with proxy.client(**as_(key, **{"X-Episode-Id": "e1"})) as c:
+            answer = c.post("/v1/chat/completions", json=CHAT)
+        assert answer.status_code == 200, answer.text
+        made[key] = answer.headers["x-transition-id"]
+    theirs, ours = made[acme], made["sk-env"]
+    proxy.wait_rows("SELECT 1 FROM transition", 2)
+
+    default = proxy.client(**as_("sk-env"))
+    for path in (
+        "/ui/api/episodes/acme/e1",
+        "/ui/api/episodes/acme/e1?tokens=true",
+        "/ui/api/episodes/acme%2Fe1",
+        "/v1/episodes/acme%2Fe1",
+        f"/ui/api/transitions/{theirs}/tokens",
+    ):
+        r = default.get(path)
+        assert r.status_code == 404, (path, r.text)
+    assert [e["id"] for e in default.get("/ui/api/episodes").json()["data"]] == ["e1"]
+    # Its own e1 (stored as `e1`) it reads; acme reads only its own.
+    assert default.get("/ui/api/episodes/e1").json()["transitions"][0]["id"] == ours
+    assert default.get("/v1/episodes/e1").json()["transitions"][0]["id"] == ours
+    assert default.get(f"/ui/api/transitions/{ours}/tokens").status_code == 200
+    mine = proxy.client(**as_(acme)).get("/ui/api/episodes/e1").json()
+    assert mine["id"] == "e1" and mine["transitions"][0]["id"] == theirs
+    assert proxy.client(**as_(acme)).get(f"/ui/api/transitions/{ours}/tokens").status_code == 404
+
+
+def test_a_tenants_adapters_are_not_listed_to_other_tenants(
+    make_proxy: Any, sessions: Sessions, fake_vllm: FakeVLLM
+) -> None:
+    """vLLM lists every adapter it has loaded, named after its lineage: another tenant's
+    (`globex.policy-v3`) is not in a tenant's /v1/models, nor the default tenant's (shared) ones
+    unless it opted into them (FLYWHEEL_SHARED_LINEAGES)."""
+    proxy = make_proxy(api_keys=["sk-env"], keys_refresh_s=0.1)
+    acme = new_key(sessions, "acme")
+    proxy.wait_keys(acme)
+    for name in ("policy-v1", "acme.policy-v2", "globex.policy-v3"):
+        fake_vllm.loras[name] = f"/adapters/{name}"
+
+    def listed(key: str) -> list[str]:
+        return [m["id"] for m in proxy.client(**as_(key)).get("/v1/models").json()["data"]]
+
+    assert listed("sk-env") == ["demo", "policy-v1", "policy"]
+    assert listed(acme) == ["demo", "acme.policy-v2", "policy"]
+
+
+def test_ownership_is_the_same_rule_in_python_and_in_sql(sessions: Sessions) -> None:
+    """`owns_episode` (an id a caller names) and `owns_episode_sql` (the lists) agree."""
+    ids = ["e1", "acme", "acme/e1", "acme/a/b", "acmex/e1", "globex/e1"]
+    acme = tenants.Principal("acme", frozenset(tenants.SCOPES))
+    for principal in (tenants.DEFAULT, tenants.OPERATOR, acme):
+        condition, params = principal.owns_episode_sql("id")
+        with sessions.begin() as session:
+            seen = session.scalars(
+                text(f"SELECT id FROM unnest(CAST(:ids AS text[])) AS id WHERE {condition}"),
+                params | {"ids": ids},
+            )
+            assert set(seen) == {i for i in ids if principal.owns_episode(i)}, principal
+    assert [i for i in ids if acme.owns_episode(i)] == ["acme/e1", "acme/a/b"]
 
 
 def test_the_keys_cli_creates_lists_and_revokes(database_url: str) -> None:

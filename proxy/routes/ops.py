@@ -1,6 +1,10 @@
 """What operators and clients ask of the proxy itself: GET /v1/models (vLLM's models plus the
 policy alias and the provider models), GET /healthz (readiness), GET /livez
-(liveness) and GET /metrics (Prometheus)."""
+(liveness) and GET /metrics (Prometheus).
+
+/healthz's detail names replica URLs, the journal's state and every tenant's lineages: with keys
+on it is the metrics (or admin) key's to read; without the key the probes get the status alone,
+with the same 200 or 503 (edge.py decides, and refuses /metrics)."""
 
 from __future__ import annotations
 
@@ -35,12 +39,12 @@ async def models(request: Request, services: ServicesDep) -> Response:
     data = orjson.loads(payload)
     tenant = principal_of(request.scope).tenant
     data["data"] = [m for m in data.get("data", []) if _listed_to(tenant, m, services)]
-    for model in data.get("data", []):
+    for model in data["data"]:
         root = model.get("root")
         if isinstance(root, str) and root.startswith("/"):  # a directory on vLLM's disk
             model["root"] = model.get("id")
-    created = max((m.get("created", 0) for m in data.get("data", [])), default=0)
-    listed = data.setdefault("data", [])
+    created = max((m.get("created", 0) for m in data["data"]), default=0)
+    listed = data["data"]
     listed.append(_model(services.settings.policy_alias, created, "flywheel"))
     for name, provider_model in services.settings.routes.items():  # served through litellm
         listed.append(_model(name, created, provider_model.provider))
@@ -67,12 +71,15 @@ def _model(name: str, created: int, owner: str) -> dict[str, object]:
 
 
 @router.get("/healthz")
-async def healthz(services: ServicesDep) -> Response:
+async def healthz(request: Request, services: ServicesDep) -> Response:
     recorder, alias = services.recorder, services.alias
     journal_error = recorder.journal_error
     # Failing (503, out of traffic): Postgres and the journal both fail, records wait in memory.
     # Degraded: the journal fails, Postgres takes everything; an outage now would fill memory.
     status = "failing" if recorder.at_risk else "degraded" if journal_error else "ok"
+    code = 503 if status == "failing" else 200
+    if not request.scope.get("flywheel.ops"):
+        return Response(orjson.dumps({"status": status}), code, media_type="application/json")
     health = {
         "status": status,
         "database": "unreachable since start-up (journaling; migrates once it answers)"
@@ -97,7 +104,6 @@ async def healthz(services: ServicesDep) -> Response:
             for r in services.upstream.replicas
         },
     }
-    code = 503 if status == "failing" else 200
     return Response(orjson.dumps(health), status_code=code, media_type="application/json")
 
 
@@ -109,5 +115,7 @@ async def livez() -> Response:
 
 
 @router.get("/metrics")
-async def prometheus_metrics() -> Response:
+async def prometheus_metrics(request: Request) -> Response:
+    if not request.scope.get("flywheel.ops"):  # the edge refuses first; this app never serves it
+        raise ApiError(401, "/metrics needs FLYWHEEL_METRICS_KEY", code="invalid_api_key")
     return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)

@@ -91,12 +91,16 @@ async def overview(
         agent=agent or None,
         task=principal.own(task) if task else None,
     )
+    # A tenant sees its own lineages' versions, pins and canaries (`acme.*`; the default
+    # tenant's have no dot), the operator every one: a pin's note and a canary's evidence (its
+    # arms' reward means) are another tenant's business.
+    tenant = canary.EVERY_TENANT if principal.every_tenant else principal.tenant
     try:
         async with services.sessionmaker() as session:
             body = await dashboard.overview(principal, window, session=session)
             currents = await run_sync(session, policy.currents)
             pins = await run_sync(session, policy.pins)
-            canaries = await run_sync(session, canary.history, limit=10)
+            canaries = await run_sync(session, canary.history, limit=10, tenant=tenant)
     except OUTAGE_ERRORS as e:
         raise ApiError(503, "database unavailable", type="service_unavailable") from e
     recorder = services.recorder
@@ -109,14 +113,15 @@ async def overview(
             "pinned": pin_json(pins.get(lineage)),
         }
         for lineage in sorted(set(currents) | set(pins))
+        if principal.every_tenant or policy.tenant_of_lineage(lineage) == principal.tenant
         for a in [currents.get(lineage)]
     ]
     body["canaries"] = [canary_json(c) for c in canaries]
-    body["writer"] = {  # this replica's recording backlog
-        "queued": recorder.queue_depth,
-        "journaled": recorder.journal.pending,
-        "database_up": recorder.database_up and services.migrator.migrated,
-    }
+    # This replica's recording: whether it works; its backlog (every tenant's calls) to the
+    # operator only.
+    body["writer"] = {"database_up": recorder.database_up and services.migrator.migrated}
+    if principal.every_tenant:
+        body["writer"] |= {"queued": recorder.queue_depth, "journaled": recorder.journal.pending}
     return _json(body)
 
 

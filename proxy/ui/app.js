@@ -147,7 +147,8 @@ async function overview() {
       `trainer queue · ${qr.lineage}`, fmt(qr.trainable),
       qr.trainable ? `credited, untrained; oldest from v${qr.oldest_version}, credited ${ago(qr.oldest_credited_at)}` : "credited, untrained")),
     card("recording (this replica)", data.writer.database_up ? "up" : "Postgres down",
-      `${fmt(data.writer.queued)} queued · ${fmt(data.writer.journaled)} journaled`));
+      data.writer.queued == null ? "" // its backlog (every tenant's) is the operator's to see
+        : `${fmt(data.writer.queued)} queued · ${fmt(data.writer.journaled)} journaled`));
 
   const t = data.rewards.map(b => Date.parse(b.at) / 1000);
   const rewardChart = chart("Mean episode reward over time", ["mean reward"],
