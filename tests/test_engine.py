@@ -93,3 +93,18 @@ def test_saved_adapter_is_what_vllm_loads_and_resumes(
     for name, p in resumed.model.named_parameters():
         if "lora_" in name:
             assert torch.equal(p, a[name]), name
+
+
+def test_bfloat16_and_gradient_checkpointing_reach_the_model(settings: TrainerSettings) -> None:
+    """The GPU options (bench/gpu_smoke.py runs them on a GPU): a bfloat16 base under float32
+    LoRA weights, activations recomputed in the backward pass, and a step still trains."""
+    engine = Engine(
+        settings.model_copy(update={"dtype": "bfloat16", "gradient_checkpointing": True})
+    )
+    params = dict(engine.model.named_parameters())
+    assert {p.dtype for p in params.values() if not p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for p in params.values() if p.requires_grad} == {torch.float32}
+    assert engine.model.is_gradient_checkpointing
+    before = {n: p.detach().clone() for n, p in params.items() if "lora_B" in n}
+    engine.step(samples_for(engine))
+    assert all(not torch.equal(params[n], b) for n, b in before.items())
