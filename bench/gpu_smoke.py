@@ -129,7 +129,9 @@ def main() -> None:
     if args.four_bit and importlib.util.find_spec("bitsandbytes") is None:
         sys.exit("--4bit: bitsandbytes is not importable here, so there is no 4-bit base to train")
     if args.four_bit and device != "cuda":
-        sys.exit("--4bit: bitsandbytes' 4-bit layers need CUDA here; run it on a GPU")
+        # bitsandbytes 0.50 on the CPU: the model loads, then its CPU 4-bit matmul (an
+        # inference path) fails the training step with an in-place add on a leaf's view
+        sys.exit("--4bit: bitsandbytes' 4-bit layers train on CUDA only; run it on a GPU")
     run(args, device)
 
 
@@ -177,7 +179,7 @@ def parse() -> argparse.Namespace:
 # --- the model ---------------------------------------------------------------------------------
 
 
-def build_model(shape: Shape, home: Path) -> Path:
+def build_model(shape: Shape, home: Path, device: str) -> Path:
     """A random Qwen2 of this shape with the demo's tokenizer (token ids are never re-tokenised,
     so a small tokenizer serves a large vocabulary); kept under `home/models` for the next run."""
     import torch
@@ -205,7 +207,8 @@ def build_model(shape: Shape, home: Path) -> Path:
         pad_token_id=tokenizer.pad_token_id,
     )
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)  # type: ignore[no-untyped-call]
+    with torch.device(device):  # a GPU initialises 494M random weights in a blink
+        model = Qwen2ForCausalLM(config)  # type: ignore[no-untyped-call]
     model.generation_config = GenerationConfig(  # type: ignore[no-untyped-call]
         eos_token_id=eos, pad_token_id=tokenizer.pad_token_id
     )
@@ -311,7 +314,9 @@ def run(args: argparse.Namespace, device: str) -> None:
     from core import database
 
     args.home.mkdir(parents=True, exist_ok=True)
-    model_dir = build_model(args.shape, args.home)
+    model_dir = build_model(args.shape, args.home, device)
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the built model is gone: measure from a clean allocator
     base_url = args.database_url or database.embedded_postgres_url(args.home)
     print(
         f"device {device} ({torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}), "
