@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from demo.tiny_model import build_demo_model
 from tests.conftest import TEST_HOME
@@ -108,3 +110,19 @@ def test_bfloat16_and_gradient_checkpointing_reach_the_model(settings: TrainerSe
     before = {n: p.detach().clone() for n, p in params.items() if "lora_B" in n}
     engine.step(samples_for(engine))
     assert all(not torch.equal(params[n], b) for n, b in before.items())
+
+
+def test_a_4bit_base_without_bitsandbytes_fails_at_start_naming_the_fix(
+    settings: TrainerSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name: None if name == "bitsandbytes" else find_spec(name),
+    )
+    fields = {"model": settings.model, "vllm": ["http://127.0.0.1:9"], "home": settings.home}
+    fields["adapters_dir"] = settings.adapters_dir
+    TrainerSettings(**fields)  # fine without it...
+    with pytest.raises(ValidationError, match="pip install bitsandbytes"):
+        TrainerSettings(**fields, load_in_4bit=True)  # ...until a 4-bit base needs it

@@ -5,6 +5,7 @@ Every field is also a `FLYWHEEL_*` environment variable; lists are comma-separat
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 from pathlib import Path
@@ -221,6 +222,8 @@ class TrainerSettings(DatabaseSettings):
             raise ValueError(
                 "backoff_max_s must be at least backoff_s: raise it or lower backoff_s"
             )
+        if self.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError("load_in_4bit needs bitsandbytes: pip install bitsandbytes")
         if not (self.model / "config.json").exists():
             raise ValueError(f"--model {self.model} has no config.json: give the model directory")
         return self
