@@ -143,7 +143,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--gradient-checkpointing", action="store_true")
     parser.add_argument("--4bit", dest="four_bit", action="store_true", help="QLoRA base")
     parser.add_argument("--tiny", action="store_true", help="a 2-layer model, short sequences")
-    parser.add_argument("--hidden-size", type=int, help=f"default {QWEN_05B.hidden}")
+    parser.add_argument(
+        "--hidden-size", type=int, help=f"default {QWEN_05B.hidden}; other sizes: heads of 64"
+    )
     parser.add_argument("--layers", type=int, help=f"default {QWEN_05B.layers}")
     parser.add_argument("--batch", type=int, help="transitions per step (default 32; tiny 8)")
     parser.add_argument("--prompt-tokens", type=int, help="longest prompt (default 512; tiny 32)")
@@ -159,6 +161,8 @@ def parse() -> argparse.Namespace:
         "--slim-bitsandbytes", type=Path, metavar="WHEELHOUSE", help=argparse.SUPPRESS
     )
     args = parser.parse_args()
+    if args.four_bit:  # what the engine computes in on a 4-bit base, whatever --dtype says
+        args.dtype = "bfloat16"
     base = TINY if args.tiny else QWEN_05B
     hidden = args.hidden_size or base.hidden
     heads = base.heads if hidden == base.hidden else max(1, hidden // 64)
