@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from fakes.vllm import FakeVLLM
+
 
 def test_recording_rate_smoke(postgres_url: str, tmp_path: Path) -> None:
     report = tmp_path / "results.md"
@@ -383,3 +385,23 @@ def test_memo_soak_smoke(tmp_path: Path) -> None:
     samples = _table(report, tuple(str(n) for n in range(500, 3001, 500)))
     assert len(samples) == 6 and all(_number(r[1]) > 0 for r in samples)
     assert all(int(r[3]) <= 400 for r in samples) and samples[-1][3] == "400"  # the cap holds
+
+
+@pytest.mark.parametrize("publish", [False, True], ids=["engine", "trainer"])
+def test_gpu_smoke_on_the_cpu(
+    postgres_url: str, fake_vllm: FakeVLLM, tmp_path: Path, publish: bool
+) -> None:
+    """The GPU smoke's CPU check: one step of the tiny model through the trainer's code on
+    transitions recorded in Postgres; with --vllm, a whole Trainer step that publishes."""
+    report = tmp_path / "gpu_smoke.md"
+    argv = ["--tiny", "--steps", "1", "--lora-rank", "8", "--home", str(tmp_path / "home")]
+    argv += ["--database-url", postgres_url, "--results", str(report)]
+    argv += ["--vllm", fake_vllm.url] if publish else []
+    run = _bench("bench.gpu_smoke", *argv)
+    assert run.returncode == 0, run.stderr
+    assert "recorded 8 transitions" in run.stdout
+    assert ("published policy-v1" in run.stdout) == publish
+    assert ("publishing skipped" in run.stdout) != publish
+    assert list(fake_vllm.state.loras) == (["policy-v1"] if publish else [])
+    rows = [line for line in report.read_text().splitlines() if line.startswith("| 1 |")]
+    assert len(rows) == 1 and "| 100% |" in rows[0]  # the one step, every token kept

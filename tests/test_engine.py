@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
 import torch
+from pydantic import ValidationError
 
 from demo.tiny_model import build_demo_model
 from tests.conftest import TEST_HOME
@@ -93,3 +95,34 @@ def test_saved_adapter_is_what_vllm_loads_and_resumes(
     for name, p in resumed.model.named_parameters():
         if "lora_" in name:
             assert torch.equal(p, a[name]), name
+
+
+def test_bfloat16_and_gradient_checkpointing_reach_the_model(settings: TrainerSettings) -> None:
+    """The GPU options (bench/gpu_smoke.py runs them on a GPU): a bfloat16 base under float32
+    LoRA weights, activations recomputed in the backward pass, and a step still trains."""
+    engine = Engine(
+        settings.model_copy(update={"dtype": "bfloat16", "gradient_checkpointing": True})
+    )
+    params = dict(engine.model.named_parameters())
+    assert {p.dtype for p in params.values() if not p.requires_grad} == {torch.bfloat16}
+    assert {p.dtype for p in params.values() if p.requires_grad} == {torch.float32}
+    assert engine.model.is_gradient_checkpointing
+    before = {n: p.detach().clone() for n, p in params.items() if "lora_B" in n}
+    engine.step(samples_for(engine))
+    assert all(not torch.equal(params[n], b) for n, b in before.items())
+
+
+def test_a_4bit_base_without_bitsandbytes_fails_at_start_naming_the_fix(
+    settings: TrainerSettings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name: None if name == "bitsandbytes" else find_spec(name),
+    )
+    fields = {"model": settings.model, "vllm": ["http://127.0.0.1:9"], "home": settings.home}
+    fields["adapters_dir"] = settings.adapters_dir
+    TrainerSettings(**fields)  # fine without it...
+    with pytest.raises(ValidationError, match="pip install bitsandbytes"):
+        TrainerSettings(**fields, load_in_4bit=True)  # ...until a 4-bit base needs it

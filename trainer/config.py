@@ -5,6 +5,7 @@ Every field is also a `FLYWHEEL_*` environment variable; lists are comma-separat
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 from pathlib import Path
@@ -137,6 +138,21 @@ class TrainerSettings(DatabaseSettings):
         "rejected (0: off); a token outside the learner's top-k/top-p set always is.",
     )
     num_iterations: int = Field(1, ge=1, description="Optimizer steps per batch (TRL's mu).")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32",
+        description="The base model's weights and the forward passes' precision: bfloat16 halves "
+        "their memory on a GPU that has it (LoRA weights and optimizer state stay float32).",
+    )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute activations in the backward pass instead of keeping them: less "
+        "GPU memory for longer sequences, about a third more compute per step.",
+    )
+    load_in_4bit: bool = Field(
+        False,
+        description="QLoRA: the base model's linear layers quantised to 4-bit NF4 by bitsandbytes, "
+        "the rest and the forward passes in bfloat16 (needs CUDA and bitsandbytes installed).",
+    )
     seed: int = Field(0, description="Seed of a new adapter's weights and of training's RNGs.")
 
     # --- publishing -------------------------------------------------------------------------
@@ -237,6 +253,8 @@ class TrainerSettings(DatabaseSettings):
             raise ValueError(
                 "backoff_max_s must be at least backoff_s: raise it or lower backoff_s"
             )
+        if self.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError("load_in_4bit needs bitsandbytes: pip install bitsandbytes")
         if not (self.model / "config.json").exists():
             raise ValueError(f"--model {self.model} has no config.json: give the model directory")
         for name in self.lineages or [self.lineage]:  # a tenant's lineage: its calls only

@@ -64,6 +64,18 @@ def _echo_reward(completions: list[Any], reward: list[float], **_: Any) -> list[
     return reward
 
 
+def _four_bit() -> Any:
+    """QLoRA's base: NF4 weights, double quantisation, bfloat16 compute (bitsandbytes, CUDA)."""
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(  # type: ignore[no-untyped-call]
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16,
+    )
+
+
 class _TransitionGRPOTrainer(GRPOTrainer):
     """GRPOTrainer whose "generation" returns our recorded transitions, with our advantages, our
     per-row log-probabilities and our off-policy correction."""
@@ -108,7 +120,9 @@ class _TransitionGRPOTrainer(GRPOTrainer):
         # TRL recomputed advantages from rewards; ours (task groups, baselines) replace them
         # before TRL shuffles the batch, so rows stay aligned; `row` follows each row through
         # the shuffle, so the loss pass knows its sampling settings.
-        batch["advantages"] = torch.tensor([r["advantage"] for r in rows], dtype=torch.float32)
+        batch["advantages"] = torch.tensor(
+            [r["advantage"] for r in rows], dtype=torch.float32, device=self.accelerator.device
+        )
         batch["row"] = torch.arange(len(rows))
         self._correct(batch, rows)
         return batch
@@ -209,9 +223,11 @@ class Engine:
         torch.manual_seed(settings.seed)
         self.adapter = adapter
         tokenizer = AutoTokenizer.from_pretrained(settings.model)
+        bf16 = settings.dtype == "bfloat16" or settings.load_in_4bit
         peft_config = None
+        model: Any
         if base is not None:  # one more adapter on another engine's PeftModel
-            model: Any = base
+            model = base
             if adapter in model.peft_config:  # a rebuild (another LoRA configuration)
                 model.delete_adapter(adapter)
             if resume_from is None:
@@ -220,7 +236,11 @@ class Engine:
                 model.load_adapter(resume_from, adapter_name=adapter, is_trainable=True)
             model.set_adapter(adapter)  # only its weights train, so its optimizer has only them
         else:
-            model = AutoModelForCausalLM.from_pretrained(settings.model, dtype=torch.float32)
+            model = AutoModelForCausalLM.from_pretrained(
+                settings.model,
+                dtype=torch.bfloat16 if bf16 else torch.float32,
+                quantization_config=_four_bit() if settings.load_in_4bit else None,
+            )
             if resume_from is None:
                 peft_config = _lora(settings)
             else:
@@ -228,8 +248,8 @@ class Engine:
         args = GRPOConfig(
             output_dir=str(settings.home / "trainer-scratch"),
             use_cpu=not torch.cuda.is_available(),
-            bf16=False,
-            gradient_checkpointing=False,
+            bf16=bf16,  # autocast; LoRA weights stay float32 (bfloat16 on a 4-bit base: TRL)
+            gradient_checkpointing=settings.gradient_checkpointing,
             report_to="none",
             save_strategy="no",
             seed=settings.seed,
@@ -255,6 +275,8 @@ class Engine:
             processing_class=tokenizer,
             peft_config=peft_config,
         )
+        if settings.gradient_checkpointing:  # Trainer.train() would; we never call it
+            trainer.model.gradient_checkpointing_enable({"use_reentrant": False})
         trainer.create_optimizer_and_scheduler(num_training_steps=1)  # constant LR
         if resume_from is not None and (resume_from / "optimizer.pt").exists():
             state = torch.load(resume_from / "optimizer.pt", weights_only=True)
