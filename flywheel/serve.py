@@ -47,7 +47,7 @@ def trainer(args: argparse.Namespace) -> None:
     """run the GRPO + LoRA trainer"""
     settings = build(TrainerSettings, args)  # before torch is imported: bad values fail fast
     configure_logging(settings.log_level)
-    from trainer.loop import run
+    from trainer.turns import run
 
     until_stopped(lambda: run(settings))
 

@@ -16,9 +16,10 @@ from core.database import Sessions
 from demo.tiny_model import build_demo_model
 from fakes.vllm import FakeVLLM
 from tests.conftest import TEST_HOME, RunningProxy
+from tests.test_tenants import new_key
 from tests.test_trainer_loop import play
 from trainer.config import TrainerSettings
-from trainer.loop import build_trainers, run_in_turn
+from trainer.turns import Turns
 from trainer.vllm import Replicas
 
 pytestmark = pytest.mark.slow
@@ -48,10 +49,11 @@ def test_one_process_trains_and_publishes_each_lineage_from_its_own_calls(
     )
     vllm = Replicas(settings.vllm, None)
     try:
-        trainers = build_trainers(settings, sessions, vllm)
+        turns = Turns(settings, sessions, vllm)
+        trainers = turns.trainers
         assert [t.lineage for t in trainers] == ["writer", "rewriter"]
         assert trainers[1].engine.model is trainers[0].engine.model  # one base model
-        run_in_turn(trainers, settings.max_steps, settings.poll_s)
+        turns.run()
     finally:
         vllm.close()
 
@@ -93,3 +95,33 @@ def test_lineages_are_checked_like_lineage(
         ("acme.policy", ["acme"]),
         ("policy", []),
     ]
+
+
+def test_a_pattern_takes_in_every_tenants_lineage_as_it_appears(
+    make_proxy: Any, fake_vllm: FakeVLLM, sessions: Sessions, tmp_path: Path
+) -> None:
+    proxy = make_proxy(auth="keys", api_keys="sk-default", keys_refresh_s=0.1)
+    keys = [new_key(sessions, tenant) for tenant in ("acme", "globex")]
+    proxy.wait_keys(*keys)
+    play(proxy, key=keys[0])
+    play(proxy, key="sk-default")  # the default tenant's `policy`: not `*.policy`
+    settings = settings_for(
+        proxy, fake_vllm, tmp_path, lineages="*.policy", max_steps=1, lineage_discover_s=0.1
+    )
+    vllm = Replicas(settings.vllm, None)
+    try:
+        turns = Turns(settings, sessions, vllm)
+        assert [t.lineage for t in turns.trainers] == ["acme.policy"]
+        play(proxy, key=keys[1])  # globex appears after the trainer started
+        assert [t.lineage for t in turns.discover()] == ["globex.policy"]
+        assert turns.discover() == []
+        turns.run()
+    finally:
+        vllm.close()
+    trained = proxy.query(
+        "SELECT split_part(t.episode_id, '/', 1), a.lineage, count(*) FROM transition t "
+        "JOIN adapter_version a ON a.version = t.trained_version GROUP BY 1, 2 ORDER BY 1"
+    )
+    assert trained == [("acme", "acme.policy", 8), ("globex", "globex.policy", 8)]
+    assert proxy.query("SELECT count(*) FROM transition WHERE trained_at IS NULL") == [(8,)]
+    assert turns.trainers[1].engine.model is turns.trainers[0].engine.model

@@ -40,8 +40,15 @@ class TrainerSettings(DatabaseSettings):
     lineages: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description="Several lineages trained by this one process, over one copy of the base "
-        "model (a LoRA adapter and optimizer state each), in turn: `acme.policy,globex.policy`. "
-        "Empty: `lineage` alone.",
+        "model (a LoRA adapter and optimizer state each), in turn: `acme.policy,globex.policy`, "
+        "or patterns (`*.policy`: every tenant's policy, taken in as it appears). Empty: "
+        "`lineage` alone.",
+    )
+    lineage_discover_s: float = Field(
+        10.0,
+        gt=0,
+        description="How often a `lineages` pattern (`*.policy`) looks for lineages it does not "
+        "train yet (credited transitions waiting, or a current version).",
     )
     trainer_id: str = Field(
         default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}",
@@ -205,14 +212,14 @@ class TrainerSettings(DatabaseSettings):
     @classmethod
     def _check_lineages(cls, lineages: list[str]) -> list[str]:
         for name in lineages:
-            policy.check_lineage(name)
+            policy.check_lineage(name.replace("*", "x"))  # a pattern: `*` for any part
         if len(set(lineages)) != len(lineages):
             raise ValueError(f"lineages named twice: {','.join(lineages)}")
         return lineages
 
     def trained_lineages(self) -> list[TrainerSettings]:
         """The settings of each lineage this process trains (`lineages`, else `lineage`)."""
-        return [self.for_lineage(name) for name in self.lineages or [self.lineage]]
+        return [self.for_lineage(n) for n in self.lineages or [self.lineage] if "*" not in n]
 
     def for_lineage(self, lineage: str) -> TrainerSettings:
         """These settings for one lineage: a tenant's lineage trains on that tenant's calls only."""
@@ -257,8 +264,7 @@ class TrainerSettings(DatabaseSettings):
             raise ValueError("load_in_4bit needs bitsandbytes: pip install bitsandbytes")
         if not (self.model / "config.json").exists():
             raise ValueError(f"--model {self.model} has no config.json: give the model directory")
-        for name in self.lineages or [self.lineage]:  # a tenant's lineage: its calls only
-            self.for_lineage(name)
+        self.trained_lineages()  # a tenant's lineage trains on its calls only
         owner = policy.tenant_of_lineage(self.lineage)
         if owner is not None and not self.lineages:
             self.tenants = [owner]

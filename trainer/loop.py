@@ -1,15 +1,11 @@
-"""The trainer: credited transitions in, a better adapter out, hot-swapped into every vLLM.
+"""A lineage's trainer: credited transitions in, a better adapter out, hot-swapped into vLLM.
 
-    flywheel trainer --model BASE_MODEL_DIR --vllm URL [--vllm URL ...] --adapters-dir DIR
-
-A trainer trains one lineage (`--lineage`, default `policy`): the transitions the proxy served
-from it; or several (`--lineages acme.policy,globex.policy`) over one copy of the base model, a
-`Trainer` (adapter, optimizer state, claims, canary, housekeeping) each, stepped in turn by
-`run_in_turn`: one step per lineage per turn, so a busy lineage never starves a quiet one. Each
-step: claim a batch (lease) -> build samples from the recorded token ids -> one GRPO
-update with LoRA (TRL's loss) -> save `DIR/<lineage>-vN` atomically -> load it into every vLLM
-under the new name -> in one transaction make N the lineage's current version and mark the batch
-trained -> retire the lineage's old versions. Other lineages are other trainers' business.
+A `Trainer` trains one lineage: the transitions the proxy served from it (`flywheel trainer`
+runs one, or many over one base model: trainer/turns.py). Each step: claim a batch (lease) ->
+build samples from the recorded token ids -> one GRPO update with LoRA (TRL's loss) -> save
+`DIR/<lineage>-vN` atomically -> load it into every vLLM under the new name -> in one
+transaction make N the lineage's current version and mark the batch trained -> retire the
+lineage's old versions. Other lineages are other Trainers' business.
 A crash anywhere leaves no half-written adapter served and no transition trained twice: claims
 expire, partial directories are swept, and versions not recorded in Postgres are unloaded.
 
@@ -26,15 +22,10 @@ import gc
 import logging
 import os
 import shutil
-import signal
-import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from prometheus_client import start_http_server
-
-from core import database, policy
+from core import policy
 from core.database import Sessions
 from core.vllm import VLLMError
 from trainer import faults, metrics, report, store
@@ -50,78 +41,6 @@ from trainer.vllm import Replicas
 log = logging.getLogger("flywheel.trainer")
 
 MOVED_RETRIES = 3  # times a batch is trained again from a version that became current meanwhile
-
-
-class Stopping(BaseException):
-    """SIGTERM: leave the step where it is (nothing half-published survives a crash either)."""
-
-
-def _stop(signum: int, _frame: object) -> None:
-    raise Stopping(signal.Signals(signum).name)
-
-
-def run(settings: TrainerSettings) -> None:
-    url = database.resolve_url(settings.database_url, settings.home)
-    database.migrate(url)
-    db, sessions = database.create_sessions(url)
-    vllm = Replicas(
-        settings.vllm,
-        settings.vllm_api_key.get_secret_value() if settings.vllm_api_key else None,
-    )
-    signal.signal(signal.SIGTERM, _stop)  # kubectl delete, docker stop: claims go back at once
-    try:
-        trainers = build_trainers(settings, sessions, vllm)
-        if settings.metrics_port:  # opened once the engines are built: it doubles as readiness
-            start_http_server(settings.metrics_port)
-        run_in_turn(trainers, settings.max_steps, settings.poll_s)
-    except (Stopping, KeyboardInterrupt):
-        log.info("stopped")
-    finally:
-        vllm.close()
-        db.dispose()
-
-
-def build_trainers(settings: TrainerSettings, sessions: Sessions, vllm: Replicas) -> list[Trainer]:
-    """A Trainer per lineage, all on the first one's base model (each its own PEFT adapter)."""
-    first, *others = settings.trained_lineages()
-    trainers = [Trainer(first, sessions, vllm)]
-    base = trainers[0].engine.model
-    if others:  # a rebuild (another LoRA configuration) stays on the shared base too
-        trainers[0].make_engine = _on_base(first, base, "default")
-    for i, lineage_settings in enumerate(others, start=1):
-        engine = _on_base(lineage_settings, base, f"lineage{i}")  # PEFT's name for it
-        trainers.append(Trainer(lineage_settings, sessions, vllm, make_engine=engine))
-    return trainers
-
-
-def _on_base(settings: TrainerSettings, base: Any, adapter: str) -> Callable[[Path | None], Engine]:
-    return lambda resume: Engine(settings, resume_from=resume, base=base, adapter=adapter)
-
-
-def run_in_turn(trainers: list[Trainer], max_steps: int | None, poll_s: float) -> None:
-    """Each lineage's next step in turn, until each has made max_steps (or SIGTERM/SIGINT:
-    Stopping); then every claim goes back. Postgres or vLLM failing is every lineage's problem:
-    the turn ends and that lineage backs off."""
-    try:
-        while True:
-            due = [t for t in trainers if max_steps is None or t.steps < max_steps]
-            if not due:
-                return
-            published = False
-            for trainer in due:
-                try:
-                    trainer.housekeeper.reconcile_if_due()
-                    published = trainer.step() or published
-                except faults.INFRASTRUCTURE as e:  # the batch went back uncharged (step)
-                    trainer.backoff.wait_after(e)
-                    break
-                trainer.backoff.reset()
-            else:
-                if not published:
-                    time.sleep(poll_s)
-    finally:
-        for trainer in trainers:
-            trainer.release_claims()
 
 
 class Trainer:
@@ -166,7 +85,9 @@ class Trainer:
 
     def run(self) -> None:
         """Steps until max_steps, or until SIGTERM/SIGINT (Stopping): then the claims go back."""
-        run_in_turn([self], self.settings.max_steps, self.settings.poll_s)
+        from trainer.turns import Turns  # turns.py builds Trainers: it imports this module
+
+        Turns.of([self]).run()
 
     # --- one step ---------------------------------------------------------------------------
 

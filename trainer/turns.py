@@ -1,0 +1,162 @@
+"""`flywheel trainer`: one lineage, or many in one process over one copy of the base model.
+
+    flywheel trainer --model BASE_MODEL_DIR --vllm URL --adapters-dir DIR [--lineage L]
+    flywheel trainer ... --lineages acme.policy,globex.policy     # these lineages
+    flywheel trainer ... --lineages '*.policy'                    # every tenant's `policy`
+
+Each lineage is a `Trainer` (trainer/loop.py: its adapter, optimizer state, claims, baseline,
+canary and housekeeping); the second and later are PEFT adapters on the first one's base model
+(`Engine(base=...)`), so a lineage costs its adapter and optimizer state, not another copy of
+the weights. `Turns.run` steps them in turn, one step each per turn, so a busy lineage never
+starves a quiet one. A pattern (`*` in a name) takes in every lineage that matches as soon as it
+has credited transitions waiting or a current version (checked every `lineage_discover_s`).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from prometheus_client import start_http_server
+from sqlalchemy import text
+
+from core import database, policy
+from core.database import Sessions
+from core.tables import TRAINABLE
+from trainer import faults
+from trainer.config import TrainerSettings
+from trainer.engine import Engine
+from trainer.loop import Trainer
+from trainer.vllm import Replicas
+
+log = logging.getLogger("flywheel.trainer")
+
+
+class Stopping(BaseException):
+    """SIGTERM: leave the step where it is (nothing half-published survives a crash either)."""
+
+
+def _stop(signum: int, _frame: object) -> None:
+    raise Stopping(signal.Signals(signum).name)
+
+
+def run(settings: TrainerSettings) -> None:
+    url = database.resolve_url(settings.database_url, settings.home)
+    database.migrate(url)
+    db, sessions = database.create_sessions(url)
+    vllm = Replicas(
+        settings.vllm,
+        settings.vllm_api_key.get_secret_value() if settings.vllm_api_key else None,
+    )
+    signal.signal(signal.SIGTERM, _stop)  # kubectl delete, docker stop: claims go back at once
+    try:
+        turns = Turns(settings, sessions, vllm)
+        if settings.metrics_port:  # opened once the engines are built: it doubles as readiness
+            start_http_server(settings.metrics_port)
+        turns.run()
+    except (Stopping, KeyboardInterrupt):
+        log.info("stopped")
+    finally:
+        vllm.close()
+        db.dispose()
+
+
+class Turns:
+    """The lineages this process trains, on one base model, and the loop that steps them."""
+
+    def __init__(self, settings: TrainerSettings, sessions: Sessions, vllm: Replicas) -> None:
+        self.settings, self.sessions, self.vllm = settings, sessions, vllm
+        names = settings.lineages or [settings.lineage]
+        self.patterns = [n for n in names if "*" in n]
+        self.trainers: list[Trainer] = []
+        self._base: Any = None
+        self._next_discovery = 0.0
+        for name in names:
+            if "*" not in name:
+                self.add(name)
+        self.discover()
+
+    @classmethod
+    def of(cls, trainers: list[Trainer]) -> Turns:
+        """Turns over Trainers built elsewhere (one lineage, its own engine)."""
+        turns = cls.__new__(cls)
+        first = trainers[0]
+        turns.settings, turns.sessions, turns.vllm = first.settings, first.sessions, first.vllm
+        turns.patterns, turns.trainers, turns._base = [], trainers, first.engine.model
+        turns._next_discovery = float("inf")
+        return turns
+
+    def add(self, lineage: str) -> Trainer:
+        """A Trainer for `lineage`, its engine beside the others' (the first one's base)."""
+        settings = self.settings.for_lineage(lineage)
+        if self._base is None:
+            trainer = Trainer(settings, self.sessions, self.vllm)
+            self._base = trainer.engine.model
+            if len(self.settings.lineages) > 1 or self.patterns:  # a rebuild stays on the base
+                trainer.make_engine = _on_base(settings, self._base, "default")
+        else:
+            adapter = f"lineage{len(self.trainers)}"  # PEFT's name for it (no dots)
+            engine = _on_base(settings, self._base, adapter)
+            trainer = Trainer(settings, self.sessions, self.vllm, make_engine=engine)
+        self.trainers.append(trainer)
+        return trainer
+
+    def discover(self) -> list[Trainer]:
+        """Trainers for lineages that match a pattern, have work or a version, and have none."""
+        if not self.patterns:
+            return []
+        self._next_discovery = time.monotonic() + self.settings.lineage_discover_s
+        with self.sessions.begin() as session:
+            waiting = session.scalars(
+                text(f"SELECT DISTINCT lineage FROM transition WHERE {TRAINABLE}")
+            ).all()
+            versioned = policy.currents(session=session).keys()
+        have = {t.lineage for t in self.trainers}
+        found = sorted(
+            name
+            for name in {*waiting, *versioned} - have
+            if name and any(fnmatch.fnmatchcase(name, p) for p in self.patterns)
+        )
+        if found:
+            log.info("lineages found: %s", ", ".join(found))
+        return [self.add(name) for name in found]
+
+    def run(self) -> None:
+        """Each lineage's next step in turn, until every lineage found has made max_steps (or
+        SIGTERM/SIGINT: Stopping); then every claim goes back. Postgres or vLLM failing is every
+        lineage's problem: the turn ends and that lineage backs off."""
+        max_steps, poll_s = self.settings.max_steps, self.settings.poll_s
+        try:
+            while True:
+                if time.monotonic() >= self._next_discovery:
+                    try:
+                        self.discover()
+                    except faults.INFRASTRUCTURE as e:
+                        log.warning("could not look for new lineages: %s", e)
+                due = [t for t in self.trainers if max_steps is None or t.steps < max_steps]
+                if not due and self.trainers:  # each has made max_steps
+                    return
+                published = False
+                for trainer in due:
+                    try:
+                        trainer.housekeeper.reconcile_if_due()
+                        published = trainer.step() or published
+                    except faults.INFRASTRUCTURE as e:  # the batch went back uncharged (step)
+                        trainer.backoff.wait_after(e)
+                        break
+                    trainer.backoff.reset()
+                else:
+                    if not published:
+                        time.sleep(poll_s)
+        finally:
+            for trainer in self.trainers:
+                trainer.release_claims()
+
+
+def _on_base(settings: TrainerSettings, base: Any, adapter: str) -> Callable[[Path | None], Engine]:
+    return lambda resume: Engine(settings, resume_from=resume, base=base, adapter=adapter)
