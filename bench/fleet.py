@@ -27,6 +27,8 @@ import asyncio
 import os
 import random
 import shutil
+import signal
+import sys
 import tempfile
 import time
 from collections import OrderedDict
@@ -173,6 +175,9 @@ def main() -> None:
     parser.add_argument("--database-url", help="default: an embedded Postgres")
     parser.add_argument("--results", type=Path, default=RESULTS)
     args = parser.parse_args()
+    # SIGTERM (`timeout`) unwinds like an exception: vLLM runs in a session of its own and would
+    # outlive the script, its `finally` not run.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
     lineages = [policy.check_lineage(args.lineage_name.format(i=i)) for i in range(args.lineages)]
     agents = {lineage: f"agent{i}" for i, lineage in enumerate(lineages)}
