@@ -56,7 +56,9 @@ class Task:
     trainer_env: dict[str, str]
     lineages: tuple[str, ...] = ("policy",)  # a trainer each (FLYWHEEL_LINEAGE)...
     one_trainer: bool = False  # ...or one trainer for all of them (FLYWHEEL_LINEAGES)
-    max_loras: int = 2  # vLLM's adapters per batch: the lineages' current ones, + 1 for a swap
+    # vLLM's adapters per batch: the lineages' current ones + 1 for a swap, so that their calls
+    # batch together (fewer would fail no call: vLLM keeps the others waiting)
+    max_loras: int = 2
 
 
 def _calc_model(out_dir: Path) -> Path:

@@ -35,10 +35,14 @@ def vllm_command(
     enable_lora: bool = True,
     max_lora_rank: int = 8,
     max_loras: int = 2,
+    max_cpu_loras: int | None = None,
     max_model_len: int = 512,
     host: str = "127.0.0.1",
     log_requests: bool = False,
 ) -> list[str]:
+    """`max_loras`: adapters one batch may mix; `max_cpu_loras` (default: `max_loras`): adapters
+    vLLM keeps in memory. Any number more can be loaded (registered): vLLM reads an evicted one
+    from its directory again when a call needs it (least recently used out first)."""
     cmd = [
         sys.executable,
         "-m",
@@ -79,6 +83,8 @@ def vllm_command(
     if enable_lora:
         cmd += ["--enable-lora", "--max-lora-rank", str(max_lora_rank)]
         cmd += ["--max-loras", str(max_loras)]
+        if max_cpu_loras is not None:
+            cmd += ["--max-cpu-loras", str(max_cpu_loras)]
     return cmd
 
 
@@ -108,6 +114,7 @@ def start_vllm(
     enable_lora: bool = True,
     max_lora_rank: int = 8,
     max_loras: int = 2,
+    max_cpu_loras: int | None = None,
     max_model_len: int = 512,
     store_responses: bool = False,
     log_requests: bool = False,
@@ -123,6 +130,7 @@ def start_vllm(
         enable_lora=enable_lora,
         max_lora_rank=max_lora_rank,
         max_loras=max_loras,
+        max_cpu_loras=max_cpu_loras,
         max_model_len=max_model_len,
         log_requests=log_requests,
     )

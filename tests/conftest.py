@@ -34,6 +34,9 @@ from trainer import store as trainer_store
 
 TEMPLATE_DB = f"flywheel_template_{os.getpid()}"  # per run: parallel runs share the server
 TEST_HOME = Path(__file__).resolve().parent.parent / ".flywheel" / "test"
+# The session vLLM's adapters in memory (`--max-cpu-loras`); more can be loaded, and are read from
+# disk again on use (tests/test_e2e_fleet.py).
+VLLM_MAX_CPU_LORAS = 2
 
 
 _MODEL_BUILDER = pytest.StashKey[subprocess.Popen[bytes]]()
@@ -117,6 +120,7 @@ def start_demo_vllm() -> tuple[str, subprocess.Popen[bytes]]:
         served_model_name="demo",
         log_path=log_path,
         store_responses=True,
+        max_cpu_loras=VLLM_MAX_CPU_LORAS,
         max_model_len=1024,  # the model's own limit: room for a judge's prompt (test_judge.py)
         log_requests=True,
     )

@@ -196,3 +196,31 @@ def test_load_everywhere_replaces_a_stale_adapter_of_the_same_name(tmp_path: Pat
         assert loads == ["/v1/unload_lora_adapter", "/v1/load_lora_adapter"]
         asyncio.run(go(fake.url))  # ours now: nothing to do
         assert [r["path"] for r in fake.requests if "lora_adapter" in r["path"]] == loads
+
+
+def test_no_adapter_name_is_ever_given_twice(sessions: Sessions) -> None:
+    """vLLM keys prefix-cache blocks by adapter name and path, and serves a name it holds from
+    what it loaded (vLLM issue 42125: stale blocks for a reused name), so a name must never
+    come back with other weights. A number taken by a publish that then failed (its adapter may
+    be in vLLM already) or a retired version's is not given again, in any lineage."""
+
+    def take() -> int:
+        with sessions.begin() as session:
+            return policy.next_version(session=session)
+
+    with pytest.raises(policy.PolicyMoved), sessions.begin() as session:
+        lost = policy.next_version(session=session)  # saved and loaded, then the publish failed
+        raise policy.PolicyMoved(None, 1, "acme.policy")
+    first = take()
+    publish(sessions, first, lineage="acme.policy")
+    with sessions.begin() as session:
+        policy.make_current(None, session=session, lineage="acme.policy")
+        policy.mark_retired(session=session, lineage="acme.policy", keep=0)
+    with sessions() as session:
+        assert policy.get(first, session=session).retired_at is not None  # type: ignore[union-attr]
+    later = [take() for _ in range(3)]
+    assert len({lost, first, *later}) == 5 and min(later) > max(lost, first)
+    publish(sessions, later[0], lineage="acme.writer")
+    with sessions() as session:
+        names = [a.name for a in policy.versions(session=session)]
+    assert names == [f"acme.policy-v{first}", f"acme.writer-v{later[0]}"]
