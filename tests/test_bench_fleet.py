@@ -16,7 +16,7 @@ def test_fleet_smoke(postgres_url: str, tmp_path: Path) -> None:
     report = tmp_path / "fleet.md"
     command = [sys.executable, "-m", "bench.fleet", "--lineages", "6", "--calls", "40"]
     command += ["--max-loras", "1", "--max-cpu-loras", "2", "--memory-at", "1,6"]
-    command += ["--lineage-name", "acme{i}.policy", "--database-url", postgres_url]
+    command += ["--tenant-name", "acme{i}", "--database-url", postgres_url]
     command += ["--results", str(report)]
     run = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -27,7 +27,7 @@ from trainer.vllm import Replicas
 
 pytestmark = pytest.mark.e2e
 
-LINEAGES = [f"tenant{i}.policy" for i in range(2 * VLLM_MAX_CPU_LORAS)]
+LINEAGES = [f"lineage{i}" for i in range(2 * VLLM_MAX_CPU_LORAS)]
 CALLS = 200
 PROMPT = {"messages": [{"role": "user", "content": "What is 3 + 4?"}], "max_tokens": 6}
 GREEDY = {**PROMPT, "temperature": 0}
