@@ -211,6 +211,39 @@ class ProxySettings(DatabaseSettings):
         description="Most transitions' memory (as FLYWHEEL_WRITER_QUEUE_MAX_BYTES counts it) "
         "replayed from the journal in one transaction; halved while writes are slow.",
     )
+    writer_pool_size: int = Field(
+        4,
+        ge=1,
+        description="Database connections kept for the writer alone (recording, journal "
+        "replays, rewards), up to as many again in bursts; readers (dashboard, episodes, export, "
+        "admin) have a pool of their own, so no reader can make recording wait or spill to the "
+        "journal.",
+    )
+    read_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        description="Longest one read statement may run (dashboard, episode reads, admin, each "
+        "fetch of an export) before Postgres cancels it (statement_timeout, set per read "
+        "transaction): a 503 that says what to narrow. The writer is not bounded by it.",
+    )
+    exports_max: int = Field(
+        2,
+        ge=1,
+        description="GET /v1/export streams running at once per proxy (each holds a reader "
+        "connection); beyond it, 429.",
+    )
+    exports_per_tenant: int = Field(
+        1,
+        ge=1,
+        description="Of those, how many one tenant may run at once (429 beyond), so one tenant "
+        "cannot take every export slot.",
+    )
+    export_idle_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="An export whose client reads nothing for this long is ended and its slot "
+        "freed (a client that stops reading cannot hold one).",
+    )
     writer_unstored_max_ids: int = Field(
         50_000,
         ge=0,

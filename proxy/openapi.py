@@ -57,7 +57,10 @@ BODY = {
     415: "The body is not declared `Content-Type: application/json`.",
 }
 QUERY = {400: "A parameter is invalid (`param` names it)."}
-DATABASE = {503: "Postgres is unreachable."}
+DATABASE = {
+    503: "Postgres is unreachable, or the read ran past FLYWHEEL_READ_TIMEOUT_S "
+    "(`code: query_timeout`; the message says what to narrow)."
+}
 ACTIVATE = (
     QUERY
     | DATABASE

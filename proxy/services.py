@@ -55,7 +55,8 @@ SCORING_SHARE = 0.5
 @dataclass(frozen=True, kw_only=True)  # built once, by name
 class Services:
     settings: ProxySettings
-    sessionmaker: AsyncSessions
+    sessionmaker: AsyncSessions  # readers: each statement bounded by FLYWHEEL_READ_TIMEOUT_S
+    writer_sessions: AsyncSessions  # the writer's own pool (FLYWHEEL_WRITER_POOL_SIZE): rewards
     recorder: Recorder
     upstream: Upstream
     alias: PolicyAlias
@@ -78,8 +79,16 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
             retries=settings.route_retries,
         )
     url = await asyncio.to_thread(database.resolve_url, settings.database_url, settings.home)
-    engine, sessionmaker = database.create_async_sessions(url)
-    migrator = Migrator(url, sessionmaker, retry_s=settings.journal_retry_s)
+    # Two pools: readers (the API, dashboard, export, admin; each statement bounded by
+    # read_timeout_s) and the writer's own (recording, replays, rewards; never bounded by it), so
+    # readers holding every connection of theirs cannot make recording wait or spill.
+    engine, sessionmaker = database.create_async_sessions(
+        url, statement_timeout_s=settings.read_timeout_s
+    )
+    writer_engine, writer_sessions = database.create_async_sessions(
+        url, pool_size=settings.writer_pool_size
+    )
+    migrator = Migrator(url, sessionmaker, writer_sessions, retry_s=settings.journal_retry_s)
     await migrator.start()  # Postgres unreachable: serve on the journal, migrate when it answers
     api_key = settings.upstream_api_key.get_secret_value() if settings.upstream_api_key else None
     upstream = Upstream(
@@ -97,7 +106,7 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
     with journal.guard("redrive"):  # rows refused before a fix or a migration: once more
         journal.redrive_rejected()
     recorder = Recorder(
-        sessionmaker,
+        writer_sessions,
         journal,
         batch_size=settings.writer_batch_size,
         linger_s=settings.writer_linger_s,
@@ -149,6 +158,7 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
         yield Services(
             settings=settings,
             sessionmaker=sessionmaker,
+            writer_sessions=writer_sessions,
             recorder=recorder,
             upstream=upstream,
             alias=alias,
@@ -172,6 +182,7 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
             await asyncio.to_thread(spans.close)  # exports what is queued
         await upstream.close()
         await engine.dispose()
+        await writer_engine.dispose()
 
 
 def services_of(app: FastAPI) -> Services:

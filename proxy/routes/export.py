@@ -26,7 +26,7 @@ from core import export, policy
 from core.database import OUTAGE_ERRORS
 from proxy.auth import principal_of
 from proxy.config import TAG_PATTERN
-from proxy.errors import ApiError
+from proxy.errors import ApiError, database_error
 from proxy.services import MAX_EXPORTS, ServicesDep
 
 router = APIRouter()
@@ -80,7 +80,9 @@ async def export_rows(
         await session.close()
         slots.release()
         if isinstance(e, OUTAGE_ERRORS):
-            raise ApiError(503, "database unavailable", type="service_unavailable") from e
+            raise database_error(
+                e, narrow="narrow it with since/until, agent, task or version"
+            ) from e
         raise
 
     async def lines() -> AsyncIterator[bytes]:

@@ -32,7 +32,7 @@ from core.database import OUTAGE_ERRORS, run_sync
 from core.vllm import VLLMError
 from proxy.auth import principal_of
 from proxy.config import TAG_PATTERN
-from proxy.errors import ApiError
+from proxy.errors import ApiError, database_error
 from proxy.record.store import dashboard
 from proxy.routes.admin import canary_json, pin_json
 from proxy.routes.episodes import read_episode
@@ -98,7 +98,7 @@ async def overview(
             pins = await run_sync(session, policy.pins)
             canaries = await run_sync(session, canary.history, limit=10)
     except OUTAGE_ERRORS as e:
-        raise ApiError(503, "database unavailable", type="service_unavailable") from e
+        raise database_error(e, narrow="ask for fewer hours, or filter by agent or task") from e
     recorder = services.recorder
     body["lineages"] = [
         {
@@ -134,7 +134,7 @@ async def versions(
                 principal_of(request.scope), window, session=session
             )
     except OUTAGE_ERRORS as e:
-        raise ApiError(503, "database unavailable", type="service_unavailable") from e
+        raise database_error(e, narrow="ask for fewer hours") from e
     return _json({"object": "list", "data": rows})
 
 
@@ -172,7 +172,9 @@ async def list_episodes(
     except dashboard.BadCursor as e:
         raise ApiError(400, str(e), param="after") from e
     except OUTAGE_ERRORS as e:
-        raise ApiError(503, "database unavailable", type="service_unavailable") from e
+        raise database_error(
+            e, narrow="filter by task, version or since/until, or ask for a smaller limit"
+        ) from e
     return _json(page)
 
 
@@ -193,7 +195,7 @@ async def transition_tokens(
         async with services.sessionmaker() as session:
             found = await dashboard.completion_tokens(principal, transition_id, session=session)
     except OUTAGE_ERRORS as e:
-        raise ApiError(503, "database unavailable", type="service_unavailable") from e
+        raise database_error(e, narrow="retry later") from e
     except ValueError:  # not a uuid: no such transition either
         found = None
     if found is None:
