@@ -12,9 +12,11 @@ import httpx
 import psycopg
 import pytest
 
+from core.codecs import pack
 from core.database import Sessions
 from fakes.engine import token_text
 from fakes.vllm import FakeVLLM
+from proxy.relay.token_texts import PER_REQUEST
 from tests.conftest import RunningProxy
 from tests.test_lineages import publish
 from tests.test_tenants import new_key
@@ -270,3 +272,40 @@ def test_each_token_text_comes_from_vllm_cpus_tokenizer(real_proxy: RunningProxy
     joined = "".join(t["text"] for t in body["tokens"])
     assert joined.startswith(text) and text, (joined, text)
     assert all(t["logprob"] is not None and t["logprob"] <= 0 for t in body["tokens"])
+
+
+def test_a_tokens_page_asks_vllm_once_per_new_distinct_token_and_a_bounded_number(
+    proxy: RunningProxy, fake_vllm: FakeVLLM
+) -> None:
+    """vLLM has no per-token /detokenize: each distinct id is one call, once per proxy, and at
+    most PER_REQUEST new ones a page (a page of 2048 tokens made 2048 calls)."""
+    tid = call(proxy, "long", task="t", agent="a")
+    proxy.wait_rows("SELECT 1 FROM transition WHERE id = %s", 1, tid)
+    # A long completion (the fake's are short): 1000 tokens, 600 distinct ids.
+    ids = [3 + i % 600 for i in range(1000)]
+    proxy.query(
+        "UPDATE transition SET completion_token_ids = %s, logprobs = %s WHERE id = %s RETURNING 1",
+        pack(ids, "i"),
+        pack([-0.5] * len(ids), "f"),
+        tid,
+    )
+    calls = fake_vllm.state.detokenized
+    calls.clear()
+    asked: list[int] = []
+    left = 600
+    while left:
+        expected_calls = min(left, PER_REQUEST)
+        left -= expected_calls
+        body = ui(proxy, f"/ui/api/transitions/{tid}/tokens", key=None).json()
+        assert len(calls) == expected_calls and all(len(c) == 1 for c in calls)
+        asked += [c[0] for c in calls]
+        calls.clear()
+        texts = {t["id"]: t["text"] for t in body["tokens"]}
+        assert all(texts[t] == token_text(t) for t in asked)
+        if left:
+            assert f"{left} distinct tokens not detokenized yet" in body["note"]
+            assert sum(text is None for text in texts.values()) == left
+    assert sorted(asked) == sorted(set(ids))  # each distinct id once
+    assert body["note"] is None and len(body["tokens"]) == body["total"] == 1000
+    again = ui(proxy, f"/ui/api/transitions/{tid}/tokens", key=None).json()
+    assert calls == [] and again == body  # remembered: no call at all

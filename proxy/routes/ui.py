@@ -205,10 +205,15 @@ async def transition_tokens(
     shown = ids[:MAX_TOKENS_SHOWN]
     texts: list[str | None] = [None] * len(shown)
     note = None
-    try:
-        texts = list(await services.upstream.vllm.token_texts(services.upstream.any_url(), shown))
+    try:  # each distinct id once per proxy, a bounded number a page (proxy/relay/token_texts.py)
+        texts, unasked = await services.upstream.token_texts.texts(
+            services.upstream.any_url(), shown
+        )
     except VLLMError as e:
         note = f"vLLM could not detokenize ({e}); showing token ids"
+    else:
+        if unasked:
+            note = f"{unasked} distinct tokens not detokenized yet (shown as ids); reload for more"
     tokens = [
         {"id": t, "text": text, "logprob": logprobs[i] if i < len(logprobs) else None}
         for i, (t, text) in enumerate(zip(shown, texts, strict=True))
