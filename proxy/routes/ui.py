@@ -39,7 +39,12 @@ from proxy.routes.episodes import read_episode
 from proxy.services import ServicesDep
 
 STATIC = Path(__file__).resolve().parent.parent / "ui"
-MAX_TOKENS_SHOWN = 2048  # a completion's tokens coloured at most (one detokenize call each)
+# The windows' limits: each read aggregates every call in its window (bounded again by
+# FLYWHEEL_READ_TIMEOUT_S). The overview's is its page's longest choice; the adapters page asks
+# for 30 days. Further back: `flywheel export` or GET /v1/export.
+MAX_OVERVIEW_HOURS = 24 * 7
+MAX_VERSIONS_HOURS = 24 * 30
+MAX_TOKENS_SHOWN = 2048  # a completion's tokens coloured at most
 # Filters are what could have been stored (a tag, a version): anything else is a 400, not a query.
 TAG_OR_EMPTY = f"{TAG_PATTERN}|^$"  # (the page's forms send empty fields)
 ID_PREFIX = r"^[A-Za-z0-9._:@+=-]{0,200}$"  # the start of an episode id
@@ -75,14 +80,26 @@ async def whoami(request: Request, services: ServicesDep) -> Response:
     )
 
 
+def _check_window(hours: float, most: int) -> None:
+    if not hours <= most:  # (inf too)
+        raise ApiError(
+            400,
+            f"`hours` must be at most {most} ({most // 24} days) here: the window's every call "
+            "is read; for longer, use `flywheel export` or GET /v1/export",
+            param="query.hours",
+            code="window_too_long",
+        )
+
+
 @router.get("/ui/api/overview")
 async def overview(
     request: Request,
     services: ServicesDep,
-    hours: float = Query(6.0, gt=0, le=24 * 90),
+    hours: float = Query(6.0, gt=0),
     agent: str | None = Query(None, pattern=TAG_OR_EMPTY),
     task: str | None = Query(None, pattern=TAG_OR_EMPTY),
 ) -> Response:
+    _check_window(hours, MAX_OVERVIEW_HOURS)
     principal = principal_of(request.scope)
     until = datetime.now(UTC)
     window = dashboard.Window(
@@ -122,10 +139,11 @@ async def overview(
 
 @router.get("/ui/api/versions")
 async def versions(
-    request: Request, services: ServicesDep, hours: float = Query(720.0, gt=0, le=24 * 90)
+    request: Request, services: ServicesDep, hours: float = Query(720.0, gt=0)
 ) -> Response:
     """The reward each version earned in service (the adapters page): the overview's per-version
     table alone, without its series and facets."""
+    _check_window(hours, MAX_VERSIONS_HOURS)
     until = datetime.now(UTC)
     window = dashboard.Window(since=until - timedelta(hours=hours), until=until)
     try:
