@@ -106,6 +106,18 @@ class ProxySettings(DatabaseSettings):
     route_retries: int = Field(
         0, ge=0, description="litellm's retries of a routed call that failed before answering."
     )
+    route_max_n: int = Field(
+        8,
+        ge=1,
+        description="Most choices (`n`) one routed call may ask a provider for, on the "
+        "operator's key; more is a 400.",
+    )
+    route_max_body_bytes: ByteSize = Field(
+        ByteSize(4 * 2**20),
+        ge=1,
+        description="Largest request body (e.g. 4MiB) a routed call may send a provider; "
+        "larger is a 413 (FLYWHEEL_MAX_BODY_BYTES bounds every call).",
+    )
     keep_alive_s: int = Field(
         65,
         ge=1,

@@ -143,7 +143,14 @@ COMPLETIONS: dict[str, tuple[Schema, Route]] = {
         s.CHAT_REQUEST,
         Route(
             s.CHAT_ANSWER,
-            BODY | UPSTREAM | {429: "A provider model's rate limit (FLYWHEEL_ROUTES)."},
+            BODY
+            | UPSTREAM
+            | {
+                400: "As above; or, for a provider model, `n` above FLYWHEEL_ROUTE_MAX_N.",
+                413: "The body exceeds FLYWHEEL_MAX_BODY_BYTES, or, for a provider model, "
+                "FLYWHEEL_ROUTE_MAX_BODY_BYTES.",
+                429: "A provider model's rate limit (FLYWHEEL_ROUTES).",
+            },
         ),
     ),
     wire.COMPLETIONS.name: (s.COMPLETION_REQUEST, Route(s.COMPLETION_ANSWER, BODY | UPSTREAM)),

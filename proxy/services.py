@@ -152,7 +152,12 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
     handoff = Handoff(intake=intake, upstream=upstream, scorer=scorer)
     to_providers = None
     if providers is not None:
-        to_providers = ProviderForwarder(providers=providers, handoff=handoff)
+        to_providers = ProviderForwarder(
+            providers=providers,
+            handoff=handoff,
+            max_n=settings.route_max_n,
+            max_body_bytes=settings.route_max_body_bytes,
+        )
     forwarder = Forwarder(upstream=upstream, alias=alias, handoff=handoff, providers=to_providers)
     try:
         yield Services(
