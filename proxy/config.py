@@ -384,6 +384,15 @@ class ProxySettings(DatabaseSettings):
         return self.auth == "keys" or bool(self.api_keys)
 
     @model_validator(mode="after")
+    def _exports_fit(self) -> ProxySettings:
+        if self.exports_per_tenant > self.exports_max:
+            raise ValueError(
+                f"FLYWHEEL_EXPORTS_PER_TENANT ({self.exports_per_tenant}) exceeds "
+                f"FLYWHEEL_EXPORTS_MAX ({self.exports_max}): lower it or raise the other"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _routes_leave_the_alias_alone(self) -> ProxySettings:
         if self.policy_alias in self.routes:
             raise ValueError(

@@ -93,7 +93,12 @@ ROUTES: dict[str, Route] = {
     ),
     "GET /v1/export": Route(
         {"type": "string", "description": "JSON Lines: one JSON object a line."},
-        QUERY | DATABASE | {429: "As many exports as the proxy allows are running."},
+        QUERY
+        | DATABASE
+        | {
+            429: "As many exports as the proxy allows are running (FLYWHEEL_EXPORTS_MAX), or "
+            "as many of the caller's tenant as one may run (FLYWHEEL_EXPORTS_PER_TENANT)."
+        },
         media="application/x-ndjson",
     ),
     "GET /v1/models": Route(

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated, cast
 
 from fastapi import Depends, FastAPI, Request
@@ -46,7 +47,6 @@ from proxy.relay.replicas import ReplicaKeeper
 from proxy.relay.scoring import Scorer
 from proxy.relay.upstream import Upstream
 
-MAX_EXPORTS = 2  # GET /v1/export streams running at once per proxy
 # Of the shutdown's flush time, what scoring in flight may take (one short call to vLLM each);
 # the writer has the rest, and at least this much.
 SCORING_SHARE = 0.5
@@ -64,8 +64,34 @@ class Services:
     keys: KeyRing
     migrator: Migrator
     spans: Spans | None = None  # FLYWHEEL_OTEL_ENDPOINT
-    # GET /v1/export: each running export holds a pooled connection (proxy/routes/export.py).
-    export_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(MAX_EXPORTS))
+    # GET /v1/export: each running export holds a reader connection (proxy/routes/export.py).
+    export_slots: ExportSlots
+
+
+class ExportSlots:
+    """GET /v1/export's running streams: at most `most` on this proxy, `per_tenant` of them one
+    tenant's (FLYWHEEL_EXPORTS_MAX, FLYWHEEL_EXPORTS_PER_TENANT)."""
+
+    def __init__(self, most: int, per_tenant: int) -> None:
+        self.most, self.per_tenant = most, per_tenant
+        self.running: Counter[str] = Counter()  # tenant -> its exports running
+
+    def take(self, tenant: str) -> str | None:
+        """A slot for `tenant` (None), or why there is none (the 429's message)."""
+        if self.running.total() >= self.most:
+            return f"{self.most} exports are running on this proxy; retry when one is done"
+        if self.running[tenant] >= self.per_tenant:
+            return (
+                f"this tenant runs {self.per_tenant} export(s) on this proxy already, the most "
+                "one tenant may (FLYWHEEL_EXPORTS_PER_TENANT); retry when one is done"
+            )
+        self.running[tenant] += 1
+        return None
+
+    def give_back(self, tenant: str) -> None:
+        self.running[tenant] -= 1
+        if self.running[tenant] <= 0:
+            del self.running[tenant]
 
 
 @asynccontextmanager
@@ -171,6 +197,7 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
             keys=keys,
             migrator=migrator,
             spans=spans,
+            export_slots=ExportSlots(settings.exports_max, settings.exports_per_tenant),
         )
     finally:
         # uvicorn gave the calls in flight shutdown_drain_s; all of this fits in shutdown_flush_s.
