@@ -19,7 +19,7 @@ import orjson
 import psycopg
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine
+from sqlalchemy import Connection, Engine, create_engine, event
 from sqlalchemy import exc as sa_exc
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
@@ -259,8 +259,12 @@ def connect_args(url: str) -> dict[str, Any]:
     return {k: v for k, v in TCP_OPTIONS.items() if k not in given}
 
 
-def create_async_sessions(url: str, *, pool_size: int = 10) -> tuple[AsyncEngine, GatedSessions]:
-    """The proxy's engine and sessions (dispose the engine at shutdown)."""
+def create_async_sessions(
+    url: str, *, pool_size: int = 10, statement_timeout_s: float | None = None
+) -> tuple[AsyncEngine, GatedSessions]:
+    """The proxy's engine and sessions (dispose the engine at shutdown). With
+    `statement_timeout_s`, every transaction begins with `SET LOCAL statement_timeout`: Postgres
+    cancels a statement running longer (SQLSTATE 57014, `query_canceled`)."""
     engine = create_async_engine(
         sqlalchemy_url(url),
         connect_args=connect_args(url),
@@ -270,7 +274,22 @@ def create_async_sessions(url: str, *, pool_size: int = 10) -> tuple[AsyncEngine
         json_serializer=_json,
         json_deserializer=orjson.loads,
     )
+    if statement_timeout_s is not None:
+        timeout_ms = max(1, round(statement_timeout_s * 1000))
+
+        @event.listens_for(engine.sync_engine, "begin")
+        def _bounded(conn: Connection) -> None:  # local to the transaction: pooled as it was
+            conn.exec_driver_sql(f"SET LOCAL statement_timeout = {timeout_ms}")
+
     return engine, GatedSessions(engine, expire_on_commit=False)
+
+
+QUERY_CANCELED = "57014"  # SQLSTATE of a statement cancelled (statement_timeout, or by hand)
+
+
+def query_canceled(error: BaseException) -> bool:
+    """Postgres cancelled the statement (a read past its statement_timeout)."""
+    return getattr(getattr(error, "orig", error), "sqlstate", None) == QUERY_CANCELED
 
 
 def create_sessions(url: str) -> tuple[Engine, Sessions]:

@@ -184,6 +184,8 @@ class Transition(Base):
         Index("ix_transition_requested_at", "requested_at"),  # the dashboard's window
         # Per version over time: a canary's two arms (core/canary.py), reward per version.
         Index("ix_transition_policy_version", "policy_version", "requested_at"),
+        # An agent's episodes (the dashboard's `agent=` filter: one that has none is a probe).
+        Index("ix_transition_agent_name", "agent_name", "episode_id"),
         # The trainer's "oldest credited, untrained, trainable" scan reads only this small index.
         Index(
             "ix_transition_trainable",

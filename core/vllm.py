@@ -10,8 +10,6 @@ with a refusal; the message is its own), both `VLLMError`.
 
 from __future__ import annotations
 
-import asyncio
-
 import aiohttp
 import orjson
 
@@ -114,23 +112,15 @@ class VLLMAdmin:
                 f"{base_url} would not unload {name}: {status} {body.decode(errors='replace')}"
             )
 
-    async def token_texts(
-        self, base_url: str, token_ids: list[int], *, concurrency: int = 16
-    ) -> list[str]:
-        """Each token's own text (vLLM's POST /detokenize, one token a call: it has no per-token
-        form; a byte-level piece of a multi-byte character reads as U+FFFD)."""
-        gate = asyncio.Semaphore(concurrency)
-
-        async def one(token_id: int) -> str:
-            async with gate:
-                status, body = await self._call(
-                    "POST",
-                    f"{base_url}/detokenize",
-                    json={"tokens": [token_id]},
-                    timeout_s=MODELS_TIMEOUT_S,
-                )
-            if status != 200:
-                raise VLLMError(f"{base_url}/detokenize: {status} {body[:200]!r}")
-            return str(orjson.loads(body)["prompt"])
-
-        return list(await asyncio.gather(*(one(t) for t in token_ids)))
+    async def token_text(self, base_url: str, token_id: int) -> str:
+        """One token's own text (vLLM's POST /detokenize has no per-token form: one `tokens`
+        list in, one string out; a byte-level piece of a multi-byte character reads as U+FFFD)."""
+        status, body = await self._call(
+            "POST",
+            f"{base_url}/detokenize",
+            json={"tokens": [token_id]},
+            timeout_s=MODELS_TIMEOUT_S,
+        )
+        if status != 200:
+            raise VLLMError(f"{base_url}/detokenize: {status} {body[:200]!r}")
+        return str(orjson.loads(body)["prompt"])

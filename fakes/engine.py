@@ -150,6 +150,7 @@ class FakeState:
     judge_answers: bool = False
     store_responses: bool = False  # vLLM's VLLM_ENABLE_RESPONSES_API_STORE: ids it answered
     stored: set[str] = field(default_factory=set)
+    detokenized: list[list[int]] = field(default_factory=list)  # each /detokenize call's tokens
 
     def fail_next(self, n: int = 1, status: int = 500, body: Json | None = None) -> None:
         """Answer the next n requests (of any kind) with this status and error body."""

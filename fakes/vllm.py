@@ -29,6 +29,7 @@ import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -212,7 +213,8 @@ def make_app(state: FakeState) -> web.Application:
         ("/v1/unload_lora_adapter", unload_lora),
     ]:
         app.router.add_post(path, wrap(state, handler))
-    app.router.add_post("/detokenize", detokenize)  # not recorded: the dashboard's, not an agent's
+    # Not in `requests` (the dashboard's, not an agent's): counted in `state.detokenized`.
+    app.router.add_post("/detokenize", partial(detokenize, state))
     return app
 
 
@@ -328,11 +330,12 @@ async def unload_lora(state: FakeState, body: Json, _: web.Request) -> web.Respo
     return web.Response(body=f"Success: LoRA adapter '{name}' removed successfully.".encode())
 
 
-async def detokenize(request: web.Request) -> web.Response:
+async def detokenize(state: FakeState, request: web.Request) -> web.Response:
     """vLLM's POST /detokenize: exact for the ids this fake samples (its prompt ids are hashes)."""
     tokens = (await request.json()).get("tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, int) and t >= 0 for t in tokens):
         return error(400, "tokens: a list of non-negative integers", "Bad Request", "tokens")
+    state.detokenized.append(tokens)
     return web.json_response({"prompt": "".join(token_text(t) for t in tokens)})
 
 

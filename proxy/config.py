@@ -121,6 +121,18 @@ class ProxySettings(DatabaseSettings):
     route_retries: int = Field(
         0, ge=0, description="litellm's retries of a routed call that failed before answering."
     )
+    route_max_n: int = Field(
+        8,
+        ge=1,
+        description="Most choices (`n`) one routed call may ask a provider for, on the "
+        "operator's key; more is a 400.",
+    )
+    route_max_body_bytes: ByteSize = Field(
+        ByteSize(4 * 2**20),
+        ge=1,
+        description="Largest request body (e.g. 4MiB) a routed call may send a provider; "
+        "larger is a 413 (FLYWHEEL_MAX_BODY_BYTES bounds every call).",
+    )
     keep_alive_s: int = Field(
         65,
         ge=1,
@@ -225,6 +237,39 @@ class ProxySettings(DatabaseSettings):
         ge=1,
         description="Most transitions' memory (as FLYWHEEL_WRITER_QUEUE_MAX_BYTES counts it) "
         "replayed from the journal in one transaction; halved while writes are slow.",
+    )
+    writer_pool_size: int = Field(
+        4,
+        ge=1,
+        description="Database connections kept for the writer alone (recording, journal "
+        "replays, rewards), up to as many again in bursts; readers (dashboard, episodes, export, "
+        "admin) have a pool of their own, so no reader can make recording wait or spill to the "
+        "journal.",
+    )
+    read_timeout_s: float = Field(
+        15.0,
+        gt=0,
+        description="Longest one read statement may run (dashboard, episode reads, admin, each "
+        "fetch of an export) before Postgres cancels it (statement_timeout, set per read "
+        "transaction): a 503 that says what to narrow. The writer is not bounded by it.",
+    )
+    exports_max: int = Field(
+        2,
+        ge=1,
+        description="GET /v1/export streams running at once per proxy (each holds a reader "
+        "connection); beyond it, 429.",
+    )
+    exports_per_tenant: int = Field(
+        1,
+        ge=1,
+        description="Of those, how many one tenant may run at once (429 beyond), so one tenant "
+        "cannot take every export slot.",
+    )
+    export_idle_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="An export whose client reads nothing for this long is ended and its slot "
+        "freed (a client that stops reading cannot hold one).",
     )
     writer_unstored_max_ids: int = Field(
         50_000,
@@ -371,6 +416,15 @@ class ProxySettings(DatabaseSettings):
     def ops_keys_on(self) -> bool:
         """Whether /metrics and /healthz's detail need the metrics (or admin) key."""
         return self.auth_on or self.metrics_key is not None
+
+    @model_validator(mode="after")
+    def _exports_fit(self) -> ProxySettings:
+        if self.exports_per_tenant > self.exports_max:
+            raise ValueError(
+                f"FLYWHEEL_EXPORTS_PER_TENANT ({self.exports_per_tenant}) exceeds "
+                f"FLYWHEEL_EXPORTS_MAX ({self.exports_max}): lower it or raise the other"
+            )
+        return self
 
     @model_validator(mode="after")
     def _routes_leave_the_alias_alone(self) -> ProxySettings:

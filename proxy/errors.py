@@ -10,6 +10,8 @@ import uuid
 import orjson
 from starlette.responses import Response
 
+from core.database import query_canceled
+
 log = logging.getLogger(__name__)
 
 
@@ -47,6 +49,20 @@ class ApiError(Exception):
             code=self.code,
             headers=headers,
         )
+
+
+def database_error(error: BaseException, *, narrow: str) -> ApiError:
+    """A read Postgres did not answer: cancelled past FLYWHEEL_READ_TIMEOUT_S (SQLSTATE 57014),
+    a 503 that says how to ask for less (`narrow`); otherwise unreachable."""
+    if query_canceled(error):
+        return ApiError(
+            503,
+            f"the query took longer than this proxy allows (FLYWHEEL_READ_TIMEOUT_S) and was "
+            f"cancelled: {narrow}",
+            type="service_unavailable",
+            code="query_timeout",
+        )
+    return ApiError(503, "database unavailable", type="service_unavailable")
 
 
 def error_response(

@@ -59,7 +59,10 @@ BODY = {
     415: "The body is not declared `Content-Type: application/json`.",
 }
 QUERY = {400: "A parameter is invalid (`param` names it)."}
-DATABASE = {503: "Postgres is unreachable."}
+DATABASE = {
+    503: "Postgres is unreachable, or the read ran past FLYWHEEL_READ_TIMEOUT_S "
+    "(`code: query_timeout`; the message says what to narrow)."
+}
 ACTIVATE = (
     QUERY
     | DATABASE
@@ -92,7 +95,12 @@ ROUTES: dict[str, Route] = {
     ),
     "GET /v1/export": Route(
         {"type": "string", "description": "JSON Lines: one JSON object a line."},
-        QUERY | DATABASE | {429: "As many exports as the proxy allows are running."},
+        QUERY
+        | DATABASE
+        | {
+            429: "As many exports as the proxy allows are running (FLYWHEEL_EXPORTS_MAX), or "
+            "as many of the caller's tenant as one may run (FLYWHEEL_EXPORTS_PER_TENANT)."
+        },
         media="application/x-ndjson",
     ),
     "GET /v1/models": Route(
@@ -143,7 +151,14 @@ COMPLETIONS: dict[str, tuple[Schema, Route]] = {
         s.CHAT_REQUEST,
         Route(
             s.CHAT_ANSWER,
-            BODY | UPSTREAM | {429: "A provider model's rate limit (FLYWHEEL_ROUTES)."},
+            BODY
+            | UPSTREAM
+            | {
+                400: "As above; or, for a provider model, `n` above FLYWHEEL_ROUTE_MAX_N.",
+                413: "The body exceeds FLYWHEEL_MAX_BODY_BYTES, or, for a provider model, "
+                "FLYWHEEL_ROUTE_MAX_BODY_BYTES.",
+                429: "A provider model's rate limit (FLYWHEEL_ROUTES).",
+            },
         ),
     ),
     wire.COMPLETIONS.name: (s.COMPLETION_REQUEST, Route(s.COMPLETION_ANSWER, BODY | UPSTREAM)),

@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Annotated, cast
 
 from fastapi import Depends, FastAPI, Request
@@ -46,7 +47,6 @@ from proxy.relay.replicas import ReplicaKeeper
 from proxy.relay.scoring import Scorer
 from proxy.relay.upstream import Upstream
 
-MAX_EXPORTS = 2  # GET /v1/export streams running at once per proxy
 # Of the shutdown's flush time, what scoring in flight may take (one short call to vLLM each);
 # the writer has the rest, and at least this much.
 SCORING_SHARE = 0.5
@@ -55,7 +55,8 @@ SCORING_SHARE = 0.5
 @dataclass(frozen=True, kw_only=True)  # built once, by name
 class Services:
     settings: ProxySettings
-    sessionmaker: AsyncSessions
+    sessionmaker: AsyncSessions  # readers: each statement bounded by FLYWHEEL_READ_TIMEOUT_S
+    writer_sessions: AsyncSessions  # the writer's own pool (FLYWHEEL_WRITER_POOL_SIZE): rewards
     recorder: Recorder
     upstream: Upstream
     alias: PolicyAlias
@@ -63,8 +64,34 @@ class Services:
     keys: KeyRing
     migrator: Migrator
     spans: Spans | None = None  # FLYWHEEL_OTEL_ENDPOINT
-    # GET /v1/export: each running export holds a pooled connection (proxy/routes/export.py).
-    export_slots: asyncio.Semaphore = field(default_factory=lambda: asyncio.Semaphore(MAX_EXPORTS))
+    # GET /v1/export: each running export holds a reader connection (proxy/routes/export.py).
+    export_slots: ExportSlots
+
+
+class ExportSlots:
+    """GET /v1/export's running streams: at most `most` on this proxy, `per_tenant` of them one
+    tenant's (FLYWHEEL_EXPORTS_MAX, FLYWHEEL_EXPORTS_PER_TENANT)."""
+
+    def __init__(self, most: int, per_tenant: int) -> None:
+        self.most, self.per_tenant = most, per_tenant
+        self.running: Counter[str] = Counter()  # tenant -> its exports running
+
+    def take(self, tenant: str) -> str | None:
+        """A slot for `tenant` (None), or why there is none (the 429's message)."""
+        if self.running.total() >= self.most:
+            return f"{self.most} exports are running on this proxy; retry when one is done"
+        if self.running[tenant] >= self.per_tenant:
+            return (
+                f"this tenant runs {self.per_tenant} export(s) on this proxy already, the most "
+                "one tenant may (FLYWHEEL_EXPORTS_PER_TENANT); retry when one is done"
+            )
+        self.running[tenant] += 1
+        return None
+
+    def give_back(self, tenant: str) -> None:
+        self.running[tenant] -= 1
+        if self.running[tenant] <= 0:
+            del self.running[tenant]
 
 
 @asynccontextmanager
@@ -78,8 +105,16 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
             retries=settings.route_retries,
         )
     url = await asyncio.to_thread(database.resolve_url, settings.database_url, settings.home)
-    engine, sessionmaker = database.create_async_sessions(url)
-    migrator = Migrator(url, sessionmaker, retry_s=settings.journal_retry_s)
+    # Two pools: readers (the API, dashboard, export, admin; each statement bounded by
+    # read_timeout_s) and the writer's own (recording, replays, rewards; never bounded by it), so
+    # readers holding every connection of theirs cannot make recording wait or spill.
+    engine, sessionmaker = database.create_async_sessions(
+        url, statement_timeout_s=settings.read_timeout_s
+    )
+    writer_engine, writer_sessions = database.create_async_sessions(
+        url, pool_size=settings.writer_pool_size
+    )
+    migrator = Migrator(url, sessionmaker, writer_sessions, retry_s=settings.journal_retry_s)
     await migrator.start()  # Postgres unreachable: serve on the journal, migrate when it answers
     api_key = settings.upstream_api_key.get_secret_value() if settings.upstream_api_key else None
     upstream = Upstream(
@@ -97,7 +132,7 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
     with journal.guard("redrive"):  # rows refused before a fix or a migration: once more
         journal.redrive_rejected()
     recorder = Recorder(
-        sessionmaker,
+        writer_sessions,
         journal,
         batch_size=settings.writer_batch_size,
         linger_s=settings.writer_linger_s,
@@ -144,12 +179,18 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
     handoff = Handoff(intake=intake, upstream=upstream, scorer=scorer)
     to_providers = None
     if providers is not None:
-        to_providers = ProviderForwarder(providers=providers, handoff=handoff)
+        to_providers = ProviderForwarder(
+            providers=providers,
+            handoff=handoff,
+            max_n=settings.route_max_n,
+            max_body_bytes=settings.route_max_body_bytes,
+        )
     forwarder = Forwarder(upstream=upstream, alias=alias, handoff=handoff, providers=to_providers)
     try:
         yield Services(
             settings=settings,
             sessionmaker=sessionmaker,
+            writer_sessions=writer_sessions,
             recorder=recorder,
             upstream=upstream,
             alias=alias,
@@ -157,6 +198,7 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
             keys=keys,
             migrator=migrator,
             spans=spans,
+            export_slots=ExportSlots(settings.exports_max, settings.exports_per_tenant),
         )
     finally:
         # uvicorn gave the calls in flight shutdown_drain_s; all of this fits in shutdown_flush_s.
@@ -173,6 +215,7 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
             await asyncio.to_thread(spans.close)  # exports what is queued
         await upstream.close()
         await engine.dispose()
+        await writer_engine.dispose()
 
 
 def services_of(app: FastAPI) -> Services:

@@ -12,11 +12,16 @@ import httpx
 import orjson
 import psycopg
 import pytest
+from sqlalchemy import event
 
-from core import canary, policy
+from core import canary, database, policy
+from core.codecs import pack
 from core.database import Sessions
+from core.tenants import OPERATOR
 from fakes.engine import token_text
 from fakes.vllm import FakeVLLM
+from proxy.record.store import dashboard
+from proxy.relay.token_texts import PER_REQUEST
 from tests.conftest import RunningProxy
 from tests.test_lineages import publish
 from tests.test_tenants import new_key
@@ -309,3 +314,116 @@ def test_each_token_text_comes_from_vllm_cpus_tokenizer(real_proxy: RunningProxy
     joined = "".join(t["text"] for t in body["tokens"])
     assert joined.startswith(text) and text, (joined, text)
     assert all(t["logprob"] is not None and t["logprob"] <= 0 for t in body["tokens"])
+
+
+# 3000 episodes, a call each by `solver`, and the oldest one's by `rare` too.
+MANY_EPISODES = """
+INSERT INTO episode (id, created_at)
+SELECT 'ep-' || g, now() - make_interval(secs => g) FROM generate_series(1, 3000) g;
+INSERT INTO transition (id, episode_id, request_id, choice_index, agent_name, requested_at, route,
+    status, http_status, model_requested, model_used, message_digests, params, latency_ms)
+SELECT gen_random_uuid(), e.id, gen_random_uuid(), 0, a.agent, e.created_at, 'chat', 'ok', 200,
+    'policy', 'demo', ARRAY[]::bytea[], '{}', 1
+FROM episode e CROSS JOIN (VALUES ('solver'), ('rare')) a(agent)
+WHERE a.agent = 'solver' OR e.id = 'ep-3000';
+ANALYZE episode;
+ANALYZE transition;
+"""
+
+
+def rows_read(plan: dict[str, Any]) -> int:
+    """Rows a plan (EXPLAIN ANALYZE, as JSON) read from tables and indexes, over all its loops."""
+    read = 0
+    if "Relation Name" in plan:
+        loops = plan.get("Actual Loops", 1)
+        read += (plan.get("Actual Rows", 0) + plan.get("Rows Removed by Filter", 0)) * loops
+    return int(read) + sum(rows_read(child) for child in plan.get("Plans", []))
+
+
+async def test_an_agent_filter_reads_its_agents_calls_not_every_episode(database_url: str) -> None:
+    """An agent with no calls (or few, long ago) costs an index probe, not a walk of every
+    episode or every call (what `?agent=` did, whichever the plan: a read-only key could hold a
+    connection with it)."""
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute(MANY_EPISODES)
+    engine, sessions = database.create_async_sessions(database_url)
+    statements: list[tuple[str, Any]] = []
+
+    @event.listens_for(engine.sync_engine, "before_cursor_execute")
+    def _seen(conn: Any, cursor: Any, statement: str, params: Any, *_: Any) -> None:
+        statements.append((statement, params))
+
+    try:
+        for agent, expected in [("nobody", []), ("rare", ["ep-3000"]), ("solver", None)]:
+            statements.clear()
+            async with sessions() as session:
+                page = await dashboard.episodes(
+                    OPERATOR,
+                    dashboard.EpisodeFilter(agent=agent),
+                    limit=50,
+                    after=None,
+                    session=session,
+                )
+            if expected is not None:
+                assert [e["id"] for e in page["data"]] == expected
+            else:
+                assert len(page["data"]) == 50
+            read = 0
+            async with engine.connect() as conn:
+                for statement, params in list(statements):
+                    explained = await conn.exec_driver_sql(
+                        "EXPLAIN (ANALYZE, FORMAT JSON) " + statement, params
+                    )
+                    read += rows_read(explained.scalar_one()[0]["Plan"])
+            if expected is not None:
+                assert read <= 10, (agent, read)  # an index probe or two, not 3000 rows
+    finally:
+        await engine.dispose()
+
+
+def test_the_windows_are_capped_with_a_400_that_says_where_to_go(proxy: RunningProxy) -> None:
+    for path, most in [("/ui/api/overview", 168), ("/ui/api/versions", 720)]:
+        assert ui(proxy, path, hours=most).status_code == 200
+        for hours in (most + 1, "inf"):
+            r = ui(proxy, path, hours=hours)
+            assert r.status_code == 400, (path, r.text)
+            error = r.json()["error"]
+            assert (error["param"], error["code"]) == ("query.hours", "window_too_long")
+            assert f"at most {most}" in error["message"] and "export" in error["message"]
+
+
+def test_a_tokens_page_asks_vllm_once_per_new_distinct_token_and_a_bounded_number(
+    proxy: RunningProxy, fake_vllm: FakeVLLM
+) -> None:
+    """vLLM has no per-token /detokenize: each distinct id is one call, once per proxy, and at
+    most PER_REQUEST new ones a page (a page of 2048 tokens made 2048 calls)."""
+    tid = call(proxy, "long", task="t", agent="a")
+    proxy.wait_rows("SELECT 1 FROM transition WHERE id = %s", 1, tid)
+    # A long completion (the fake's are short): 1000 tokens, 600 distinct ids.
+    ids = [3 + i % 600 for i in range(1000)]
+    proxy.query(
+        "UPDATE transition SET completion_token_ids = %s, logprobs = %s WHERE id = %s RETURNING 1",
+        pack(ids, "i"),
+        pack([-0.5] * len(ids), "f"),
+        tid,
+    )
+    calls = fake_vllm.state.detokenized
+    calls.clear()
+    asked: list[int] = []
+    left = 600
+    while left:
+        expected_calls = min(left, PER_REQUEST)
+        left -= expected_calls
+        body = ui(proxy, f"/ui/api/transitions/{tid}/tokens", key=None).json()
+        assert len(calls) == expected_calls and all(len(c) == 1 for c in calls)
+        asked += [c[0] for c in calls]
+        calls.clear()
+        texts = {t["id"]: t["text"] for t in body["tokens"]}
+        assert all(texts[t] == token_text(t) for t in asked)
+        if left:
+            assert f"{left} distinct tokens not detokenized yet" in body["note"]
+            assert sum(text is None for text in texts.values()) == left
+    assert sorted(asked) == sorted(set(ids))  # each distinct id once
+    assert body["note"] is None and len(body["tokens"]) == body["total"] == 1000
+    again = ui(proxy, f"/ui/api/transitions/{tid}/tokens", key=None).json()
+    assert calls == [] and again == body  # remembered: no call at all

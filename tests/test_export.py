@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import datasets
+import psycopg
 import pyarrow.parquet
 import pytest
 
@@ -20,7 +22,7 @@ from core.database import Sessions
 from core.export import ExportFilter, export
 from core.export_kinds import columns
 from core.tenants import Principal
-from proxy.services import MAX_EXPORTS
+from proxy.config import ProxySettings
 from tests.conftest import RunningProxy
 from tests.test_tenants import new_key
 
@@ -218,19 +220,79 @@ def test_a_tenant_exports_its_own_rows_over_http(
         assert refused.status_code == 400, (bad, refused.text)
         assert refused.json()["error"]["param"] == f"query.{param}"
 
-    # Each running export holds a pooled connection: beyond MAX_EXPORTS, 429 at once.
+    # Each running export holds a reader connection: one tenant may run one (by default), the
+    # proxy two; beyond, 429 at once.
     slots = proxy.services.export_slots
     loop = proxy.services.recorder._task.get_loop()  # type: ignore[union-attr]
-    for _ in range(MAX_EXPORTS):
-        asyncio.run_coroutine_threadsafe(slots.acquire(), loop).result(timeout=5)
+
+    def on_proxy(fn: Any, *args: Any) -> Any:
+        async def run() -> Any:
+            return fn(*args)
+
+        return asyncio.run_coroutine_threadsafe(run(), loop).result(timeout=5)
+
+    assert on_proxy(slots.take, "acme") is None
     try:
-        busy = get_export(proxy, acme)
-        assert busy.status_code == 429 and busy.json()["error"]["code"] == "too_many_exports"
+        mine = get_export(proxy, acme)
+        assert mine.status_code == 429 and mine.json()["error"]["code"] == "too_many_exports"
+        assert "FLYWHEEL_EXPORTS_PER_TENANT" in mine.json()["error"]["message"]
+        assert get_export(proxy, globex_read).status_code == 200  # another tenant's turn
+        assert on_proxy(slots.take, "initech") is None
+        try:
+            full = get_export(proxy, globex_read)
+            assert full.status_code == 429 and "on this proxy" in full.json()["error"]["message"]
+        finally:
+            on_proxy(slots.give_back, "initech")
     finally:
-
-        async def release() -> None:
-            for _ in range(MAX_EXPORTS):
-                slots.release()
-
-        asyncio.run_coroutine_threadsafe(release(), loop).result(timeout=5)
+        on_proxy(slots.give_back, "acme")
     assert get_export(proxy, acme).status_code == 200
+
+
+# Big rows for a tenant's export: more than a client's socket buffers hold.
+BIG_EPISODES = """
+INSERT INTO episode (id, created_at)
+SELECT %(tenant)s || '/big-' || g, now() FROM generate_series(1, 400) g"""
+BIG_ROWS = """
+INSERT INTO transition (id, episode_id, request_id, choice_index, agent_name, requested_at, route,
+    status, http_status, model_requested, model_used, message_digests, params, latency_ms, text)
+SELECT gen_random_uuid(), e.id, gen_random_uuid(), 0, 'solver', now(), 'chat', 'ok', 200,
+    'policy', 'demo', ARRAY[]::bytea[], '{}', 1, repeat('x', 100000)
+FROM episode e WHERE starts_with(e.id, %(tenant)s || '/big-')"""
+
+
+def stalled_export(proxy: RunningProxy, key: str) -> socket.socket:
+    """An export whose client reads nothing after asking (a small receive buffer: it fills)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", proxy.settings.port))
+    head = f"GET /v1/export HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\n"
+    sock.sendall(head.encode() + b"\r\n")
+    return sock
+
+
+def test_a_client_that_stops_reading_loses_its_export_slot(
+    make_proxy: Any, sessions: Sessions
+) -> None:
+    proxy = make_proxy(auth="keys", keys_refresh_s=0.1, export_idle_timeout_s=1)
+    acme, globex = new_key(sessions, "acme", "read"), new_key(sessions, "globex", "read")
+    proxy.wait_keys(acme, globex)
+    with psycopg.connect(proxy.database_url, autocommit=True) as conn:
+        for tenant in ("acme", "globex"):
+            conn.execute(BIG_EPISODES, {"tenant": tenant})
+            conn.execute(BIG_ROWS, {"tenant": tenant})
+    slots = proxy.services.export_slots
+    stalled = [stalled_export(proxy, acme), stalled_export(proxy, globex)]
+    try:
+        proxy.wait_until(lambda: slots.running.total() == 2, "both exports running")
+        # Both slots are held by clients that read nothing: after the idle time, they are cut.
+        proxy.wait_until(lambda: slots.running.total() == 0, "the idle exports cut", timeout=15)
+        r = get_export(proxy, acme)
+        assert r.status_code == 200 and len(r.text.splitlines()) == 400
+    finally:
+        for sock in stalled:
+            sock.close()
+
+
+def test_a_tenant_may_not_be_given_more_exports_than_the_proxy() -> None:
+    with pytest.raises(ValueError, match="FLYWHEEL_EXPORTS_PER_TENANT"):
+        ProxySettings(exports_max=2, exports_per_tenant=3)

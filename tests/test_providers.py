@@ -351,3 +351,27 @@ def test_a_client_that_leaves_a_routed_stream_is_recorded_as_aborted(
         episode,
     )
     assert row == ("aborted", "openai", True)
+
+
+@pytest.mark.models("litellm-venv")
+def test_a_routed_call_is_capped_in_choices_and_bytes(
+    routed: RoutedProxy, fake_vllm: FakeVLLM
+) -> None:
+    """Every choice and byte of a routed call is paid on the operator's key: `n` above
+    FLYWHEEL_ROUTE_MAX_N (8) is a 400, a body above FLYWHEEL_ROUTE_MAX_BODY_BYTES (4 MiB) a 413,
+    both before any provider is called."""
+    base = {"model": "frontier", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+    url = routed.url + "/v1/chat/completions"
+    many = httpx.post(url, json=base | {"n": 9}, timeout=30)
+    assert many.status_code == 400, many.text
+    error = many.json()["error"]
+    assert (error["param"], error["code"]) == ("n", "n_too_large")
+    assert "FLYWHEEL_ROUTE_MAX_N" in error["message"]
+    big = base | {"messages": [{"role": "user", "content": "x" * (4 * 2**20)}]}
+    large = httpx.post(url, json=big, timeout=30)
+    assert large.status_code == 413, large.text
+    assert "FLYWHEEL_ROUTE_MAX_BODY_BYTES" in large.json()["error"]["message"]
+    assert [q for q in fake_vllm.requests if q["path"] == "/v1/chat/completions"] == []
+    within = httpx.post(url, json=base | {"n": 8}, timeout=30)
+    assert within.status_code == 200, within.text
+    assert len(within.json()["choices"]) == 8

@@ -24,16 +24,20 @@ log = logging.getLogger(__name__)
 
 
 class Migrator:
-    def __init__(self, url: str, sessions: GatedSessions, *, retry_s: float) -> None:
+    def __init__(self, url: str, *sessions: GatedSessions, retry_s: float) -> None:
         self._url = url
-        self._sessions = sessions
+        self._gates = sessions  # the readers' and the writer's pools: opened together
         self._retry_s = retry_s
         self._task: asyncio.Task[None] | None = None
         self._done = asyncio.Event()
 
     @property
     def migrated(self) -> bool:
-        return self._sessions.migrated
+        return all(gate.migrated for gate in self._gates)
+
+    def _open(self, migrated: bool) -> None:
+        for gate in self._gates:
+            gate.migrated = migrated
 
     async def wait(self) -> None:
         """Returns once the schema is migrated (at once if it was at start-up)."""
@@ -49,7 +53,7 @@ class Migrator:
                 e,
                 self._retry_s,
             )
-            self._sessions.migrated = False
+            self._open(False)
             self._task = asyncio.create_task(self._retry(), name="flywheel-migrate")
             return
         self._done.set()
@@ -61,7 +65,7 @@ class Migrator:
                 await self._task
 
     async def _retry(self) -> None:
-        while not self._sessions.migrated:
+        while not self.migrated:
             await asyncio.sleep(self._retry_s)
             try:
                 await asyncio.to_thread(database.migrate, self._url)
@@ -71,6 +75,6 @@ class Migrator:
             except Exception:
                 log.exception("migration failed; next try in %g s", self._retry_s)
                 continue
-            self._sessions.migrated = True
+            self._open(True)
             self._done.set()
             log.info("Postgres answers: schema migrated, the journal replays now")

@@ -27,9 +27,14 @@ from proxy.relay.tags import Tags
 
 
 class ProviderForwarder:
-    def __init__(self, *, providers: Providers, handoff: Handoff) -> None:
+    def __init__(
+        self, *, providers: Providers, handoff: Handoff, max_n: int, max_body_bytes: int
+    ) -> None:
         self._providers = providers
         self._handoff = handoff
+        # Every choice and every byte is paid on the operator's key: bounded per call.
+        self._max_n = max_n  # FLYWHEEL_ROUTE_MAX_N
+        self._max_body_bytes = max_body_bytes  # FLYWHEEL_ROUTE_MAX_BODY_BYTES
 
     def get(self, model: str) -> ProviderModel | None:
         """The provider model of this name (None: vLLM serves it)."""
@@ -47,6 +52,7 @@ class ProviderForwarder:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:  # (vLLM would say so; litellm crashes)
             raise ApiError(400, "`messages` must be a non-empty list", param="messages")
+        self._check_size(body)
         *transition_ids, request_id = random_uuids(choice_count(wire.CHAT, body) + 1)
         call = Call(
             endpoint=wire.CHAT,
@@ -87,6 +93,26 @@ class ProviderForwarder:
         self._handoff.hand_over(call, self._provided(provider_model, records, data.get("usage")))
         await self._handoff.safe(call)
         return Response(orjson.dumps(data), media_type="application/json", headers=call.headers())
+
+    def _check_size(self, body: dict[str, Any]) -> None:
+        """The caps on what one call may ask of a provider: choices and bytes."""
+        n = choice_count(wire.CHAT, body)
+        if n > self._max_n:
+            raise ApiError(
+                400,
+                f"`n` = {n} exceeds {self._max_n}, the most choices one call to a provider model "
+                "may ask for on this proxy (FLYWHEEL_ROUTE_MAX_N)",
+                param="n",
+                code="n_too_large",
+            )
+        size = len(orjson.dumps(body))  # what litellm is sent, give or take its own fields
+        if size > self._max_body_bytes:
+            raise ApiError(
+                413,
+                f"request body of {size} bytes exceeds {self._max_body_bytes}, the most one call "
+                "to a provider model may send on this proxy (FLYWHEEL_ROUTE_MAX_BODY_BYTES)",
+                code="payload_too_large",
+            )
 
     async def _relay(
         self,

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from core.vllm import MODELS_TIMEOUT_S, VLLMAdmin
 from proxy import metrics
 from proxy.relay import http1
+from proxy.relay.token_texts import TokenTexts
 
 log = logging.getLogger(__name__)
 
@@ -70,6 +71,7 @@ class Upstream:
             for r in self.replicas
         }
         self.vllm = VLLMAdmin(api_key=api_key)  # models, adapters, probes
+        self.token_texts = TokenTexts(self.vllm)  # the dashboard's tokens view
         self._homes: OrderedDict[str, Replica] = OrderedDict()  # response id -> its replica
 
     async def close(self) -> None:

@@ -31,7 +31,7 @@ from core import canary, policy, rollout
 from core.database import OUTAGE_ERRORS, run_sync
 from core.tables import Canary as CanaryRow
 from core.vllm import AdapterRejected
-from proxy.errors import ApiError
+from proxy.errors import ApiError, database_error
 from proxy.services import Services, ServicesDep
 
 router = APIRouter()
@@ -47,7 +47,7 @@ async def database() -> AsyncIterator[None]:
     try:
         yield
     except OUTAGE_ERRORS as e:
-        raise ApiError(503, "database unavailable", type="service_unavailable") from e
+        raise database_error(e, narrow="name a lineage, or ask for a smaller limit") from e
 
 
 @router.get("/admin/adapters")

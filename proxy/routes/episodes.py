@@ -15,7 +15,7 @@ from core.database import OUTAGE_ERRORS
 from core.tables import Reward, Transition
 from core.tenants import Principal
 from proxy.auth import principal_of
-from proxy.errors import ApiError
+from proxy.errors import ApiError, database_error
 from proxy.record.recorder import STORED_WAIT_S
 from proxy.record.store import episodes
 from proxy.services import Services, ServicesDep
@@ -45,7 +45,7 @@ async def read_episode(
             async with services.sessionmaker() as session:
                 rows = await episodes.get_episode(stored_id, session=session)
         except OUTAGE_ERRORS as e:
-            raise ApiError(503, "database unavailable", type="service_unavailable") from e
+            raise database_error(e, narrow="read it without tokens=true, or retry later") from e
     if rows is None:
         raise ApiError(
             404, f"no episode {episode_id!r}", param="episode_id", code="episode_not_found"

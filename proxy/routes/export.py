@@ -5,30 +5,37 @@
 
 The rows `flywheel export` writes, for the caller's tenant under its own ids (the `read` scope,
 as /v1/episodes): for a team without access to the database. One server-side cursor per export
-holds one pooled connection while the client reads, so at most MAX_EXPORTS run at once per
-proxy (429 beyond; `Services.export_slots`), leaving the pool to the writer and the API. A
-failure mid-stream ends the stream early (the rows sent are whole lines); the client can resume
-with `since` = the last `requested_at` it got (kind=transitions).
+holds one reader connection while the client reads, so at most FLYWHEEL_EXPORTS_MAX run at once
+per proxy and FLYWHEEL_EXPORTS_PER_TENANT of them one tenant's (429 beyond;
+`Services.export_slots`), leaving the pool to the API. A client that reads nothing for
+FLYWHEEL_EXPORT_IDLE_TIMEOUT_S loses its export (the connection is closed, the slot freed). Each
+fetch is bounded by FLYWHEEL_READ_TIMEOUT_S; a failure mid-stream ends the stream early (the
+rows sent are whole lines); the client can resume with `since` = the last `requested_at` it got
+(kind=transitions).
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import logging
+from collections.abc import AsyncGenerator
 from datetime import datetime
 from typing import Literal
 
 import orjson
 from fastapi import APIRouter, Query, Request
 from sqlalchemy import text
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from core import export, policy
 from core.database import OUTAGE_ERRORS
 from proxy.auth import principal_of
 from proxy.config import TAG_PATTERN
-from proxy.errors import ApiError
-from proxy.services import MAX_EXPORTS, ServicesDep
+from proxy.errors import ApiError, database_error
+from proxy.services import ExportSlots, ServicesDep
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 
 
@@ -61,15 +68,11 @@ async def export_rows(
         trained=trained,
     )
     q = export.query(kind, where, tokens=tokens)
-    slots = services.export_slots
-    if slots.locked():
-        raise ApiError(
-            429,
-            f"{MAX_EXPORTS} exports are running on this proxy; retry when one is done",
-            type="rate_limit_error",
-            code="too_many_exports",
-        )
-    await slots.acquire()
+    slots, principal = services.export_slots, where.principal
+    tenant = "*" if principal.every_tenant else principal.tenant or ""
+    refused = slots.take(tenant)
+    if refused is not None:
+        raise ApiError(429, refused, type="rate_limit_error", code="too_many_exports")
     # The query starts here, so an unreachable database is a 503 rather than an empty stream.
     session = services.sessionmaker()
     try:
@@ -78,12 +81,14 @@ async def export_rows(
         )
     except BaseException as e:
         await session.close()
-        slots.release()
+        slots.give_back(tenant)
         if isinstance(e, OUTAGE_ERRORS):
-            raise ApiError(503, "database unavailable", type="service_unavailable") from e
+            raise database_error(
+                e, narrow="narrow it with since/until, agent, task or version"
+            ) from e
         raise
 
-    async def lines() -> AsyncIterator[bytes]:
+    async def lines() -> AsyncGenerator[bytes]:
         try:
             async for partition in result.mappings().partitions():
                 shaped = (q.shape(dict(row)) for row in partition)
@@ -95,6 +100,58 @@ async def export_rows(
         finally:
             await result.close()
             await session.close()
-            slots.release()
 
-    return StreamingResponse(lines(), media_type="application/x-ndjson")
+    idle_s = services.settings.export_idle_timeout_s
+    return ExportStream(lines(), slots, tenant, idle_s=idle_s)
+
+
+class ExportStream(Response):
+    """The lines, streamed; the cursor, its connection and the slot released however the stream
+    ends: done, the client gone (`http.disconnect`), or the client reading nothing for `idle_s`
+    (a line that cannot go out for that long: the stream is cut, its connection closed)."""
+
+    media_type = "application/x-ndjson"
+
+    def __init__(
+        self, lines: AsyncGenerator[bytes], slots: ExportSlots, tenant: str, *, idle_s: float
+    ) -> None:
+        self.status_code, self.background = 200, None
+        self.init_headers()
+        self._lines, self._slots, self._tenant, self._idle_s = lines, slots, tenant, idle_s
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        sending = asyncio.current_task()
+        assert sending is not None
+        left = False
+
+        async def watch() -> None:
+            nonlocal left
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            left = True
+            sending.cancel()
+
+        watcher = asyncio.create_task(watch())
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            async for chunk in self._lines:
+                await self._send(send, chunk, more=True)
+            await self._send(send, b"", more=False)
+        except TimeoutError:
+            log.warning(
+                "an export's client read nothing for %g s (FLYWHEEL_EXPORT_IDLE_TIMEOUT_S): "
+                "cut, its slot freed",
+                self._idle_s,
+            )
+        except asyncio.CancelledError:
+            if not left or sending.uncancel() > 0:  # cancelled by someone else too
+                raise
+        finally:
+            watcher.cancel()
+            await self._lines.aclose()
+            self._slots.give_back(self._tenant)
+
+    async def _send(self, send: Send, chunk: bytes, *, more: bool) -> None:
+        # A send waits while the client's socket is full (uvicorn's flow control): that long.
+        async with asyncio.timeout(self._idle_s):
+            await send({"type": "http.response.body", "body": chunk, "more_body": more})

@@ -121,7 +121,7 @@ async def store_rewards(
         # 10 s and a new one for 5 s more; the rewards are journaled instead (bench/chaos.py).
         async with (
             asyncio.timeout(services.settings.writer_write_timeout_s),
-            services.sessionmaker.begin() as session,
+            services.writer_sessions.begin() as session,  # the writer's pool: not the readers'
         ):
             try:
                 saved = await rewards.add_rewards(

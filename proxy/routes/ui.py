@@ -32,14 +32,19 @@ from core.database import OUTAGE_ERRORS, run_sync
 from core.vllm import VLLMError
 from proxy.auth import principal_of
 from proxy.config import TAG_PATTERN
-from proxy.errors import ApiError
+from proxy.errors import ApiError, database_error
 from proxy.record.store import dashboard
 from proxy.routes.admin import canary_json, pin_json
 from proxy.routes.episodes import read_episode
 from proxy.services import ServicesDep
 
 STATIC = Path(__file__).resolve().parent.parent / "ui"
-MAX_TOKENS_SHOWN = 2048  # a completion's tokens coloured at most (one detokenize call each)
+# The windows' limits: each read aggregates every call in its window (bounded again by
+# FLYWHEEL_READ_TIMEOUT_S). The overview's is its page's longest choice; the adapters page asks
+# for 30 days. Further back: `flywheel export` or GET /v1/export.
+MAX_OVERVIEW_HOURS = 24 * 7
+MAX_VERSIONS_HOURS = 24 * 30
+MAX_TOKENS_SHOWN = 2048  # a completion's tokens coloured at most
 # Filters are what could have been stored (a tag, a version): anything else is a 400, not a query.
 TAG_OR_EMPTY = f"{TAG_PATTERN}|^$"  # (the page's forms send empty fields)
 ID_PREFIX = r"^[A-Za-z0-9._:@+=-]{0,200}$"  # the start of an episode id
@@ -75,14 +80,26 @@ async def whoami(request: Request, services: ServicesDep) -> Response:
     )
 
 
+def _check_window(hours: float, most: int) -> None:
+    if not hours <= most:  # (inf too)
+        raise ApiError(
+            400,
+            f"`hours` must be at most {most} ({most // 24} days) here: the window's every call "
+            "is read; for longer, use `flywheel export` or GET /v1/export",
+            param="query.hours",
+            code="window_too_long",
+        )
+
+
 @router.get("/ui/api/overview")
 async def overview(
     request: Request,
     services: ServicesDep,
-    hours: float = Query(6.0, gt=0, le=24 * 90),
+    hours: float = Query(6.0, gt=0),
     agent: str | None = Query(None, pattern=TAG_OR_EMPTY),
     task: str | None = Query(None, pattern=TAG_OR_EMPTY),
 ) -> Response:
+    _check_window(hours, MAX_OVERVIEW_HOURS)
     principal = principal_of(request.scope)
     until = datetime.now(UTC)
     window = dashboard.Window(
@@ -102,7 +119,7 @@ async def overview(
             pins = await run_sync(session, policy.pins)
             canaries = await run_sync(session, canary.history, limit=10, tenant=tenant)
     except OUTAGE_ERRORS as e:
-        raise ApiError(503, "database unavailable", type="service_unavailable") from e
+        raise database_error(e, narrow="ask for fewer hours, or filter by agent or task") from e
     recorder = services.recorder
     body["lineages"] = [
         {
@@ -127,10 +144,11 @@ async def overview(
 
 @router.get("/ui/api/versions")
 async def versions(
-    request: Request, services: ServicesDep, hours: float = Query(720.0, gt=0, le=24 * 90)
+    request: Request, services: ServicesDep, hours: float = Query(720.0, gt=0)
 ) -> Response:
     """The reward each version earned in service (the adapters page): the overview's per-version
     table alone, without its series and facets."""
+    _check_window(hours, MAX_VERSIONS_HOURS)
     until = datetime.now(UTC)
     window = dashboard.Window(since=until - timedelta(hours=hours), until=until)
     try:
@@ -139,7 +157,7 @@ async def versions(
                 principal_of(request.scope), window, session=session
             )
     except OUTAGE_ERRORS as e:
-        raise ApiError(503, "database unavailable", type="service_unavailable") from e
+        raise database_error(e, narrow="ask for fewer hours") from e
     return _json({"object": "list", "data": rows})
 
 
@@ -177,7 +195,9 @@ async def list_episodes(
     except dashboard.BadCursor as e:
         raise ApiError(400, str(e), param="after") from e
     except OUTAGE_ERRORS as e:
-        raise ApiError(503, "database unavailable", type="service_unavailable") from e
+        raise database_error(
+            e, narrow="filter by task, version or since/until, or ask for a smaller limit"
+        ) from e
     return _json(page)
 
 
@@ -198,7 +218,7 @@ async def transition_tokens(
         async with services.sessionmaker() as session:
             found = await dashboard.completion_tokens(principal, transition_id, session=session)
     except OUTAGE_ERRORS as e:
-        raise ApiError(503, "database unavailable", type="service_unavailable") from e
+        raise database_error(e, narrow="retry later") from e
     except ValueError:  # not a uuid: no such transition either
         found = None
     if found is None:
@@ -208,10 +228,15 @@ async def transition_tokens(
     shown = ids[:MAX_TOKENS_SHOWN]
     texts: list[str | None] = [None] * len(shown)
     note = None
-    try:
-        texts = list(await services.upstream.vllm.token_texts(services.upstream.any_url(), shown))
+    try:  # each distinct id once per proxy, a bounded number a page (proxy/relay/token_texts.py)
+        texts, unasked = await services.upstream.token_texts.texts(
+            services.upstream.any_url(), shown
+        )
     except VLLMError as e:
         note = f"vLLM could not detokenize ({e}); showing token ids"
+    else:
+        if unasked:
+            note = f"{unasked} distinct tokens not detokenized yet (shown as ids); reload for more"
     tokens = [
         {"id": t, "text": text, "logprob": logprobs[i] if i < len(logprobs) else None}
         for i, (t, text) in enumerate(zip(shown, texts, strict=True))

@@ -20,6 +20,9 @@ from core.tenants import Principal
 from core.trainable import REASONS, Share, fates_sql, shares
 
 BUCKETS = 60  # points per series, whatever the window
+# An agent with fewer calls than this (the caller's) has its episodes listed from its index
+# first; with more, each episode the page walks is probed (they are everywhere).
+RARE_AGENT_CALLS = 10_000
 
 
 @dataclass(frozen=True)
@@ -208,24 +211,45 @@ async def episodes(
         if getattr(where, key) is not None:
             p[key] = getattr(where, key)
             conditions.append(f"{column} {op} :{key}")
-    if where.agent is not None:  # a probe per episode walked: an agent's are everywhere
+    ctes = []
+    if where.agent is not None:
         p["agent"] = where.agent
-        conditions.append(
-            "EXISTS (SELECT 1 FROM transition t WHERE t.episode_id = e.id "
-            "AND t.agent_name = :agent)"
+        # Its calls counted from their index (migration 0015), up to RARE_AGENT_CALLS: none is
+        # an empty page at once; a few (a rare agent, or one long gone) are listed first and
+        # the page walks only their episodes; probing each episode walked read every episode
+        # (or every call) for an agent that has none. A common agent's are everywhere: probed.
+        owns_t, _ = principal.owns_episode_sql("t.episode_id")
+        found = await session.scalar(
+            text(
+                "SELECT count(*) FROM (SELECT 1 FROM transition t WHERE t.agent_name = :agent "
+                f"AND {owns_t} LIMIT :rare) AS x"
+            ),
+            p | {"rare": RARE_AGENT_CALLS},
         )
+        if not found:
+            return {"object": "list", "data": [], "next": None}
+        if found < RARE_AGENT_CALLS:
+            conditions.append("e.id IN (SELECT episode_id FROM of_agent)")
+            ctes.append(
+                "of_agent AS MATERIALIZED (SELECT DISTINCT t.episode_id FROM transition t "
+                "WHERE t.agent_name = :agent)"
+            )
+        else:
+            conditions.append(
+                "EXISTS (SELECT 1 FROM transition t WHERE t.episode_id = e.id "
+                "AND t.agent_name = :agent)"
+            )
     if where.version is not None:
         # A version's episodes may lie deep in the list (an old one): its calls are read once
         # from their index instead, and the list walks only their episodes; probing every
         # day's partition for each episode walked took 16 s at a million calls.
         p["version"] = where.version
         conditions.append("e.id IN (SELECT episode_id FROM of_version)")
-        with_ = (
-            "WITH of_version AS MATERIALIZED (SELECT DISTINCT t.episode_id FROM transition t "
-            "WHERE t.policy_version = :version)\n"
+        ctes.append(
+            "of_version AS MATERIALIZED (SELECT DISTINCT t.episode_id FROM transition t "
+            "WHERE t.policy_version = :version)"
         )
-    else:
-        with_ = ""
+    with_ = f"WITH {', '.join(ctes)}\n" if ctes else ""
     p["limit"] = limit + 1
     rows = (
         await session.execute(
