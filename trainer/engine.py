@@ -26,6 +26,7 @@ from typing import Any, cast
 import torch
 from datasets import Dataset
 from peft import LoraConfig, PeftModel, set_peft_model_state_dict
+from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -282,17 +283,34 @@ class Engine:
             state = torch.load(resume_from / "optimizer.pt", weights_only=True)
             trainer.optimizer.load_state_dict(state)
         self.trainer = trainer
+        # Its optimizer holds its own adapter's weights (the only trainable ones when it was
+        # made). From here every adapter's stay trainable: an inactive one is not in the forward
+        # pass, so it gets no gradient, and switching adapters need not walk them all (`_use`).
+        if base is not None:
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.requires_grad_(True)
+        self._layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
 
     def beside(self, settings: TrainerSettings, adapter: str, resume_from: Path | None) -> Engine:
         """Another lineage's engine on this one's base model (its weights are not copied)."""
         return Engine(settings, resume_from=resume_from, base=self.model, adapter=adapter)
 
     def _use(self) -> Any:
-        """The model with this engine's adapter the one that runs and trains."""
+        """The model with this engine's adapter the one that runs and trains. PEFT's own
+        `set_adapter` also sets requires-grad on every adapter of every layer, which grows with
+        the lineages; the active adapter alone is what the forward pass reads."""
         model = self.trainer.model
         if model.active_adapter != self.adapter:
-            model.set_adapter(self.adapter)
+            for layer in self._layers:
+                layer._active_adapter = [self.adapter]
+            model.base_model.active_adapter = self.adapter  # what PEFT's set_adapter sets
+            model.active_adapter = self.adapter
         return model
+
+    def _own(self, name: str) -> bool:
+        """Whether a parameter (by its PEFT name) is this engine's adapter's."""
+        return f".{self.adapter}." in name and "lora_" in name
 
     @property
     def limits(self) -> ModelLimits:
@@ -333,9 +351,7 @@ class Engine:
 
     def snapshot(self) -> Snapshot:
         """The trainable weights and optimizer state, to undo a step that could not be published."""
-        weights = {
-            n: p.detach().clone() for n, p in self._use().named_parameters() if p.requires_grad
-        }
+        weights = {n: p.detach().clone() for n, p in self._use().named_parameters() if self._own(n)}
         return weights, copy.deepcopy(self.trainer.optimizer.state_dict())
 
     def restore(self, snapshot: Snapshot) -> None:
@@ -354,7 +370,7 @@ class Engine:
         with torch.no_grad():
             if adapter_dir is None:
                 for name, p in model.named_parameters():
-                    if "lora_B" in name and p.requires_grad:  # this adapter's (the active one)
+                    if "lora_B" in name and self._own(name):
                         p.zero_()
             else:
                 theirs = json.loads((adapter_dir / "adapter_config.json").read_text())
