@@ -87,7 +87,7 @@ class Trainer:
         """Steps until max_steps, or until SIGTERM/SIGINT (Stopping): then the claims go back."""
         from trainer.turns import Turns  # turns.py builds Trainers: it imports this module
 
-        Turns.of([self]).run()
+        Turns(self.settings, self.sessions, self.vllm, trainers=[self]).run()
 
     # --- one step ---------------------------------------------------------------------------
 

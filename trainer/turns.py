@@ -69,27 +69,24 @@ def run(settings: TrainerSettings) -> None:
 class Turns:
     """The lineages this process trains, on one base model, and the loop that steps them."""
 
-    def __init__(self, settings: TrainerSettings, sessions: Sessions, vllm: Replicas) -> None:
+    def __init__(
+        self,
+        settings: TrainerSettings,
+        sessions: Sessions,
+        vllm: Replicas,
+        *,
+        trainers: list[Trainer] | None = None,  # built elsewhere: these, and no others
+    ) -> None:
         self.settings, self.sessions, self.vllm = settings, sessions, vllm
-        names = settings.lineages or [settings.lineage]
+        names = [] if trainers else settings.lineages or [settings.lineage]
         self.patterns = [n for n in names if "*" in n]
-        self.trainers: list[Trainer] = []
-        self._base: Any = None
+        self.trainers: list[Trainer] = list(trainers or [])
+        self._base: Any = self.trainers[0].engine.model if self.trainers else None
         self._next_discovery = 0.0
         for name in names:
             if "*" not in name:
                 self.add(name)
         self.discover()
-
-    @classmethod
-    def of(cls, trainers: list[Trainer]) -> Turns:
-        """Turns over Trainers built elsewhere (one lineage, its own engine)."""
-        turns = cls.__new__(cls)
-        first = trainers[0]
-        turns.settings, turns.sessions, turns.vllm = first.settings, first.sessions, first.vllm
-        turns.patterns, turns.trainers, turns._base = [], trainers, first.engine.model
-        turns._next_discovery = float("inf")
-        return turns
 
     def add(self, lineage: str) -> Trainer:
         """A Trainer for `lineage`, its engine beside the others' (the first one's base)."""
