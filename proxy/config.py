@@ -93,7 +93,7 @@ class ProxySettings(DatabaseSettings):
         0,
         ge=0,
         description="Reads per second a tenant may make: GET /v1/episodes/*, /v1/export, "
-        "/ui/api/* (the admin key's are not limited). 0: any.",
+        "/ui/api/* (not the operator's dashboard: the admin key, or auth off). 0: any.",
     )
     quota_burst_s: float = Field(
         1.0,

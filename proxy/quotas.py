@@ -12,7 +12,8 @@ which the edge calls once the response has ended, however it ended (the stream f
 client left, vLLM failed).
 
 The state is this process's: behind a load balancer each replica grants a tenant its quota.
-The admin key's dashboard reads (`OPERATOR`, every tenant's rows) are no tenant's and not limited.
+The dashboard's reads as the operator (`OPERATOR`: the admin key, or anyone with auth off) are no
+tenant's and not limited.
 """
 
 from __future__ import annotations
