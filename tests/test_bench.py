@@ -234,14 +234,13 @@ def test_quota_fairness_smoke(postgres_url: str, tmp_path: Path) -> None:
     )
     rows = _table(report, ("quota", "no quota"))
     assert [row[:2] for row in rows] == [
-        ["quota", "idle"],
-        ["quota", "flooding"],
-        ["no quota", "idle"],
-        ["no quota", "flooding"],
+        [proxy, load]
+        for proxy in ("quota", "no quota")
+        for load in ("idle", "at quota", "flooding")
     ]
     refused = {row[0]: _number(row[9]) for row in rows if row[1] == "flooding"}
     assert refused["quota"] > 0 and refused["no quota"] == 0, rows  # A's excess refused: 429s
-    assert "B's p99 with A flooding at its quota moved" in run.stdout
+    assert "B's p99 with A flooding beyond its quota moved" in run.stdout
 
 
 def test_storage_smoke(postgres_url: str, tmp_path: Path) -> None:

@@ -62,7 +62,7 @@ def refused(answer: httpx.Response, *, anthropic: bool = False) -> str:
 
 def refusals(proxy: RunningProxy, tenant: str, limit: str) -> float:
     """flywheel_quota_refusals_total{tenant, limit} as /metrics says it (0 before the first)."""
-    text = httpx.get(proxy.url + "/metrics").text
+    text = httpx.get(proxy.url + "/metrics", headers={"Authorization": f"Bearer {ADMIN}"}).text
     line = f'flywheel_quota_refusals_total{{limit="{limit}",tenant="{tenant}"}} '
     found = re.search(re.escape(line) + r"(\S+)", text)
     return float(found.group(1)) if found else 0.0
