@@ -1,17 +1,19 @@
 """Quota fairness (issue 33): does a tenant flooding the proxy move another tenant's latency?
 
 Two tenants' keys on one `flywheel proxy` (keys on, a real Postgres, recording every call) in
-front of the fake vLLM (its own process, a fixed latency). Tenant B calls at a steady rate
-(open loop: a call every 1/rate s, whatever the answers do); tenant A is idle, calls at its
-quota's rate, or floods at `--flood-rps` (open loop too, in a process of its own so its client
-work does not delay B's sends). Two proxies are measured: one with A's quota set
-(FLYWHEEL_TENANT_QUOTAS: `--quota-rps`, `--quota-concurrency`), refusing A's excess with 429s,
-and one without quotas, where A's flood is served. Phases interleave (forwards, then
-backwards) so drift hits all alike; the proxy's CPU share while B is measured is in the table.
+front of the fake vLLM (its own process, a fixed latency, and like vLLM a batch of
+`--fake-max-running` generations at once, the rest queued: a flood's calls wait there, ahead of
+other tenants'). Tenant B calls at a steady rate (open loop: a call every 1/rate s, whatever
+the answers do); tenant A is idle, calls at its quota's rate, or floods at `--flood-rps` (open
+loop too, in a process of its own so its client work does not delay B's sends). Two proxies are
+measured: one with A's quota set (FLYWHEEL_TENANT_QUOTAS: `--quota-rps`, `--quota-concurrency`),
+refusing A's excess with 429s, and one without quotas, where A's flood is served. Phases
+interleave (forwards, then backwards) so drift hits all alike; the proxy's CPU share while B is
+measured is in the table.
 
     PYTHONPATH=. .venv/bin/python -m bench.quota_fairness [--seconds 10] [--rounds 2]
         [--steady-rps 20] [--flood-rps 200] [--quota-rps 20] [--quota-concurrency 4]
-        [--latency-s 0.02] [--note "..."]
+        [--latency-s 0.02] [--fake-max-running 4] [--note "..."]
 
 Issue 33's goal: a tenant at its quota does not move another tenant's p99 by more than 10 %.
 Prints the table and appends a dated section (with this command) to bench/quota_fairness.md.
@@ -238,6 +240,12 @@ def main() -> None:
     parser.add_argument("--quota-rps", type=float, default=20.0, help="tenant A's quota")
     parser.add_argument("--quota-concurrency", type=int, default=4, help="tenant A's quota")
     parser.add_argument("--latency-s", type=float, default=0.02, help="the fake's own latency")
+    parser.add_argument(
+        "--fake-max-running",
+        type=int,
+        default=4,
+        help="the fake's batch: generations at once, the rest queued (0: no limit)",
+    )
     parser.add_argument("--database-url", help="default: an embedded Postgres (.flywheel/bench)")
     parser.add_argument("--results", type=Path, default=REPORT, help="report to append to")
     parser.add_argument("--note", default="", help="a line for the report (e.g. machine state)")
@@ -247,7 +255,7 @@ def main() -> None:
     phases: list[Phase] = []
     with common.bench_database(args.database_url) as db_url:
         keys = make_keys(db_url)
-        fake = processes.start_fake(args.latency_s)
+        fake = processes.start_fake(args.latency_s, max_running=args.fake_max_running)
         try:
             for name, quotas in proxies.items():
                 settings = {"FLYWHEEL_AUTH": "keys", **quotas}
@@ -259,7 +267,8 @@ def main() -> None:
         finally:
             fake.stop()
     lines = [
-        f"fake vLLM latency {args.latency_s * 1e3:g} ms; tenant B {args.steady_rps:g} calls/s, "
+        f"fake vLLM latency {args.latency_s * 1e3:g} ms, {args.fake_max_running or 'any'} "
+        f"generations at once (the rest queued); tenant B {args.steady_rps:g} calls/s, "
         f"tenant A {args.quota_rps:g} calls/s at quota, {args.flood_rps:g} when flooding (all "
         f"open loop, non-streaming chat); A's quota on the `quota` proxy: {quota}; "
         f"{args.seconds:g} s per phase, "
