@@ -9,6 +9,7 @@ result follows it. The server and its chat and completions routes are fakes/vllm
 Responses API is fakes/responses.py.
 """
 
+import asyncio
 import hashlib
 import json
 import random
@@ -149,6 +150,10 @@ class FakeState:
     # vLLM's guided decoding would give (bench/judge.py).
     judge_answers: bool = False
     store_responses: bool = False  # vLLM's VLLM_ENABLE_RESPONSES_API_STORE: ids it answered
+    # At most this many generations at once, the rest waiting their turn (vLLM's --max-num-seqs:
+    # a full batch queues the next call); 0: no limit. `batch` is its semaphore, made on first use.
+    max_running: int = 0
+    batch: tuple[int, asyncio.Semaphore] | None = None
     stored: set[str] = field(default_factory=set)
     detokenized: list[list[int]] = field(default_factory=list)  # each /detokenize call's tokens
 

@@ -84,12 +84,14 @@ def start_fake(
     load_delay_s: float = 0.0,
     port: int | None = None,
     judge_answers: bool = False,
+    max_running: int = 0,
 ) -> Server:
     """The fake vLLM. `always_detail`: every answer carries token ids and logprobs (the issue's
     "fixed-size completions with token ids/logprobs"), so a direct call costs the fake what a
     proxied one does and the comparison isolates the proxy; False: only when asked, as vLLM."""
     argv = [sys.executable, "-m", "fakes.vllm", "--latency-s", str(latency_s)]
     argv += ["--token-delay-s", str(token_delay_s), "--load-delay-s", str(load_delay_s)]
+    argv += ["--max-running", str(max_running)]
     if always_detail:
         argv.append("--always-detail")
     if judge_answers:

@@ -8,7 +8,8 @@ code tested against it works against vLLM. tests/test_fake_vllm.py keeps it hone
 What it samples, and when it calls a tool, is fakes/engine.py's (deterministic); `/v1/responses`
 lives in fakes/responses.py. Knobs: `latency_s` (before each answer), `token_delay_s` (between
 stream chunks), `end_delay_s` (between a stream's last event and its end), `scoring_delay_s`
-(before a `prompt_logprobs` answer), `always_detail`
+(before a `prompt_logprobs` answer), `max_running` (generations at once, the rest queued, as
+vLLM's --max-num-seqs), `always_detail`
 (token ids and logprobs whether asked or not: benchmarks), `fail_next(n, status, body)`,
 `replies` (scripted contents for the next chat answers: what a judge model would say),
 `judge_answers` (scores that fit a judge's JSON schema, as guided decoding gives them), and
@@ -248,24 +249,44 @@ def wrap(
             model = body.get("model") if isinstance(body, dict) else None
             with open(state.log_path, "a") as log:
                 log.write(json.dumps({"path": request.path, "model": model}) + "\n")
-        if state.latency_s:
-            await asyncio.sleep(state.latency_s)
-        if state.failures:
-            status, failure = state.failures.pop(0)
-            return web.json_response(failure, status=status, dumps=compact)
-        if not isinstance(body, dict):
-            msg = "1 validation error:\n  {'type': 'json_invalid', 'loc': 'body.1', "
-            msg += "'msg': 'JSON decode error', 'input': '<dict of 0 items>'}"
-            return error(400, msg, "Bad Request", "body.1")
-        try:
-            return await handler(state, body, request)
-        except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
-            # vLLM validates every field's type (pydantic) before anything reads it; the fake
-            # checks only a few, so input of the wrong shape that trips it gets vLLM's answer.
-            msg = f"1 validation error:\n  {{'type': 'invalid', 'msg': {str(e)!r}}}"
-            return error(400, msg, "Bad Request")
+        if request.path in GENERATING and state.max_running:
+            async with batch_slot(state):
+                return await answer(state, handler, body, request)
+        return await answer(state, handler, body, request)
 
     return route
+
+
+GENERATING = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+
+
+def batch_slot(state: FakeState) -> asyncio.Semaphore:
+    """A place in the batch of `max_running` generations (a new batch when the knob changed)."""
+    if state.batch is None or state.batch[0] != state.max_running:
+        state.batch = (state.max_running, asyncio.Semaphore(state.max_running))
+    return state.batch[1]
+
+
+async def answer(
+    state: FakeState, handler: Handler, body: Any, request: web.Request
+) -> web.StreamResponse:
+    """The latency, an injected failure, vLLM's 400 for input it cannot parse, or the handler's."""
+    if state.latency_s:
+        await asyncio.sleep(state.latency_s)
+    if state.failures:
+        status, failure = state.failures.pop(0)
+        return web.json_response(failure, status=status, dumps=compact)
+    if not isinstance(body, dict):
+        msg = "1 validation error:\n  {'type': 'json_invalid', 'loc': 'body.1', "
+        msg += "'msg': 'JSON decode error', 'input': '<dict of 0 items>'}"
+        return error(400, msg, "Bad Request", "body.1")
+    try:
+        return await handler(state, body, request)
+    except (TypeError, ValueError, AttributeError, KeyError, IndexError) as e:
+        # vLLM validates every field's type (pydantic) before anything reads it; the fake
+        # checks only a few, so input of the wrong shape that trips it gets vLLM's answer.
+        msg = f"1 validation error:\n  {{'type': 'invalid', 'msg': {str(e)!r}}}"
+        return error(400, msg, "Bad Request")
 
 
 async def models(state: FakeState, _body: Json, _request: web.Request) -> web.Response:
@@ -665,6 +686,9 @@ if __name__ == "__main__":
     parser.add_argument("--latency-s", type=float, default=0.0)
     parser.add_argument("--token-delay-s", type=float, default=0.0)
     parser.add_argument("--load-delay-s", type=float, default=0.0, help="before a load answers")
+    parser.add_argument(
+        "--max-running", type=int, default=0, help="generations at once, the rest queued; 0: any"
+    )
     parser.add_argument("--log", help="append each request's path and model to this file")
     parser.add_argument(
         "--always-detail",
@@ -680,6 +704,7 @@ if __name__ == "__main__":
         latency_s=args.latency_s,
         token_delay_s=args.token_delay_s,
         load_delay_s=args.load_delay_s,
+        max_running=args.max_running,
         log_path=args.log,
         always_detail=args.always_detail,
         judge_answers=args.judge_answers,

@@ -17,7 +17,7 @@ import orjson
 from pydantic import BaseModel, ByteSize, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from core import codecs, policy
+from core import codecs, policy, tenants
 from core.settings import DatabaseSettings, split_commas, vllm_base_urls
 from core.tenants import TENANT_PATTERN
 
@@ -39,6 +39,17 @@ class ProviderModel(BaseModel, extra="forbid", frozen=True):
     @property
     def provider(self) -> str:
         return self.model.split("/", 1)[0]
+
+
+class Quota(BaseModel, extra="forbid", frozen=True):
+    """A tenant's limits (proxy/quotas.py), each 0 for none: FLYWHEEL_QUOTA_* for every tenant,
+    FLYWHEEL_TENANT_QUOTAS for some. Rates are per second, per proxy process."""
+
+    rps: float = Field(0, ge=0)  # completion calls (every wire.ENDPOINTS route)
+    concurrency: int = Field(0, ge=0)  # completion calls in flight
+    rewards_rps: float = Field(0, ge=0)  # POST /v1/rewards
+    reads_rps: float = Field(0, ge=0)  # GET /v1/episodes/*, /v1/export, /ui/api/*
+    burst_s: float = Field(1.0, gt=0)  # each rate's bucket holds this many seconds of it
 
 
 # The Host names a proxy listening on loopback answers to by default (proxy/hosts.py).
@@ -64,6 +75,38 @@ class ProxySettings(DatabaseSettings):
     )
     keys_refresh_s: float = Field(
         2.0, gt=0, description="How often the keys table is re-read (a revoked key stops then)."
+    )
+    quota_rps: float = Field(
+        0,
+        ge=0,
+        description="Completion calls per second a tenant may make (a token bucket holding "
+        "quota_burst_s of it); over it: 429 with Retry-After, nothing recorded. 0: no limit. "
+        "Per proxy process, as every quota.",
+    )
+    quota_concurrency: int = Field(
+        0, ge=0, description="Completion calls a tenant may have in flight (429 beyond). 0: any."
+    )
+    quota_rewards_rps: float = Field(
+        0, ge=0, description="Reward posts (POST /v1/rewards) per second a tenant may make. 0: any."
+    )
+    quota_reads_rps: float = Field(
+        0,
+        ge=0,
+        description="Reads per second a tenant may make: GET /v1/episodes/*, /v1/export, "
+        "/ui/api/* (not the operator's dashboard: the admin key, or auth off). 0: any.",
+    )
+    quota_burst_s: float = Field(
+        1.0,
+        gt=0,
+        description="Each rate's burst: after idling, a tenant may send this many seconds' worth "
+        "at once (at least one request).",
+    )
+    tenant_quotas: Annotated[dict[str, Quota], NoDecode] = Field(
+        default_factory=dict,
+        description="Quotas of some tenants, over the FLYWHEEL_QUOTA_* every tenant gets: "
+        "`acme:rps=5,concurrency=2;beta:rps=50,reads_rps=0` (limits rps, concurrency, "
+        "rewards_rps, reads_rps, burst_s; 0: none; `default`: the tenant of FLYWHEEL_API_KEYS), "
+        'or JSON: `{"acme": {"rps": 5}}`.',
     )
     dangerously_serve_without_keys: bool = Field(
         False,
@@ -366,6 +409,47 @@ class ProxySettings(DatabaseSettings):
                 raise ValueError(f"{agent!r} is not an agent name (X-Agent-Name)")
             policy.check_role(lineage)
         return lineages
+
+    @field_validator("tenant_quotas", mode="before")
+    @classmethod
+    def _parse_quotas(cls, value: object) -> object:
+        """`acme:rps=5,concurrency=2;beta:rps=50` (or JSON) -> {tenant: {limit: value}}."""
+        if not isinstance(value, str):
+            return value
+        if value.lstrip().startswith("{"):
+            try:
+                return orjson.loads(value)
+            except orjson.JSONDecodeError as e:
+                raise ValueError(f"not valid JSON: {e}") from e
+        quotas: dict[str, dict[str, str]] = {}
+        for entry in filter(None, (part.strip() for part in value.split(";"))):
+            tenant, sep, limits = (p.strip() for p in entry.partition(":"))
+            pairs = [pair.partition("=") for pair in limits.split(",")]
+            if not sep or not all(k.strip() and eq and v.strip() for k, eq, v in pairs):
+                raise ValueError(
+                    f"{entry!r} is not tenant:limit=value,...: e.g. acme:rps=5,concurrency=2"
+                )
+            if tenant in quotas:
+                raise ValueError(f"tenant {tenant!r} is given quotas twice")
+            unknown = [k.strip() for k, _, _ in pairs if k.strip() not in Quota.model_fields]
+            if unknown:
+                raise ValueError(
+                    f"{tenant}: no limit is called {unknown[0]!r} "
+                    f"(the limits: {', '.join(Quota.model_fields)})"
+                )
+            quotas[tenant] = {k.strip(): v.strip() for k, _, v in pairs}
+        return quotas
+
+    @field_validator("tenant_quotas")
+    @classmethod
+    def _check_quotas(cls, quotas: dict[str, Quota]) -> dict[str, Quota]:
+        for tenant in quotas:
+            if tenant != "default" and not re.fullmatch(tenants.TENANT_PATTERN, tenant):
+                raise ValueError(
+                    f"{tenant!r} is not a tenant name (1-32 of a-z 0-9 _ -, as `flywheel keys "
+                    "create --tenant` takes; `default` for FLYWHEEL_API_KEYS' tenant)"
+                )
+        return quotas
 
     @field_validator("routes", mode="before")
     @classmethod

@@ -14,6 +14,8 @@
   `routes.completions.complete`, not through FastAPI's middleware stack, router and exception
   handlers (about 5% of the proxy's busy samples at 64 clients, by py-spy); their errors get the
   same OpenAI-shaped answers here (Anthropic-shaped at `/v1/messages`, the tags' path form too);
+- per-tenant quotas (proxy/quotas.py, when any is set): a 429 before anything else is done,
+  and a completion call's slot in flight released once its response has ended, however;
 - the dashboard's headers: `/ui` may only be framed by no one and load only its own scripts;
 - the per-route request counter (labelled with the route's path template).
 """
@@ -35,6 +37,7 @@ from proxy.auth import OPS_PATHS, require
 from proxy.config import ProxySettings
 from proxy.errors import ApiError, unexpected_error
 from proxy.hosts import HostCheck
+from proxy.quotas import Quotas
 from proxy.relay import wire
 from proxy.relay.tags import split_path
 from proxy.routes.completions import complete
@@ -64,6 +67,7 @@ class Edge:
             for key in (settings.metrics_key, settings.admin_key)
             if key is not None
         ]
+        self._quotas = Quotas(settings) if Quotas.wanted(settings) else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":  # lifespan
@@ -96,6 +100,8 @@ class Edge:
 
             await self.app(scope, receive, send_counting)
         finally:
+            if self._quotas is not None:
+                self._quotas.release(scope)  # the response has ended, however it ended
             _requests(self._route_label(scope), status).inc()
 
     async def _complete(self, endpoint: wire.Endpoint, scope: Scope, receive: Receive) -> Response:
@@ -149,6 +155,8 @@ class Edge:
                     code="admin_disabled",
                 )
             _authorize(scope, [self._admin_key], "FLYWHEEL_ADMIN_KEY")
+        if self._quotas is not None:
+            self._quotas.admit(scope)  # last: a request refused for another reason takes nothing
         return scope
 
     def _dashboard_principal(self, scope: Scope) -> Principal:

@@ -26,6 +26,7 @@ class ApiError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = (
@@ -35,10 +36,12 @@ class ApiError(Exception):
             param,
             code,
         )
+        self.headers = headers or {}  # the answer's own, e.g. a 429's Retry-After
 
     def response(
         self, headers: dict[str, str] | None = None, *, anthropic: bool = False
     ) -> Response:
+        headers = {**self.headers, **(headers or {})}
         if anthropic:
             return anthropic_error_response(self.status, self.message, headers=headers)
         return error_response(

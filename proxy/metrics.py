@@ -8,6 +8,12 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _OVERHEAD_BUCKETS = (0.0002, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
 
 requests = Counter("flywheel_requests_total", "HTTP requests served.", ["route", "status"])
+quota_refusals = Counter(
+    "flywheel_quota_refusals_total",
+    "Requests refused (429) over a tenant's quota, by tenant and limit (rps, concurrency, "
+    "rewards_rps, reads_rps: proxy/quotas.py).",
+    ["tenant", "limit"],
+)
 upstream_latency = Histogram(
     "flywheel_upstream_latency_seconds",
     "Time from sending to vLLM until its response ended.",

@@ -9,9 +9,9 @@ FastAPI generates what its router serves; `document(app)` adds what it cannot se
   OpenAI's shape (the `Error` component), the 400 the app answers for an invalid parameter (not
   FastAPI's 422), the 202 of a journaled reward;
 - what the edge adds to every route, from the edge's own rules: the 421 of the Host check (not on
-  the probes), the keys (security schemes `ApiKey`, `AdminKey` and `MetricsKey`, with their 401
-  and 403), and
-  for `/v1/` paths the path form of the base URL (`/episode/{episode}/task/{task}/agent/{agent}`),
+  the probes), the 429 of a tenant's quota (with `Retry-After`: proxy/quotas.py), the keys
+  (security schemes `ApiKey`, `AdminKey` and `MetricsKey`, with their 401 and 403), and for
+  `/v1/` paths the path form of the base URL (`/episode/{episode}/task/{task}/agent/{agent}`),
   described as a server: it is a prefix of the base URL, not a route of its own.
 
 A route without a row fails the build (tests/test_openapi.py builds it): a new route is one more
@@ -187,6 +187,20 @@ COMPLETIONS: dict[str, tuple[Schema, Route]] = {
         ),
     ),
 }
+# The edge's 429s (proxy/quotas.py), by path; the reads' are every /v1/episodes/ and /ui/api/ path.
+_CALL_QUOTA = (
+    "Over the tenant's quota of completion calls per second or in flight (FLYWHEEL_QUOTA_*, "
+    "FLYWHEEL_TENANT_QUOTAS); nothing was forwarded or recorded."
+)
+QUOTA_PATHS = {endpoint.path: _CALL_QUOTA for endpoint in wire.ENDPOINTS} | {
+    "/v1/rewards": "Over the tenant's quota of reward posts per second; nothing was stored.",
+    "/v1/export": "Over the tenant's quota of reads per second.",
+}
+RETRY_AFTER = {
+    "description": "Whole seconds until the tenant's quota lets a request through again (sent "
+    "with the quota's 429s).",
+    "schema": {"type": "string", "pattern": "^[0-9]+$"},
+}
 COMPONENTS: dict[str, Schema] = {
     "Error": s.ERROR,
     "AnthropicError": s.ANTHROPIC_ERROR,
@@ -314,13 +328,16 @@ def _errors(path: str, row: Route) -> dict[str, Any]:
     for table in (row.errors, _edge_errors(path)):
         for status, why in table.items():
             whys.setdefault(status, []).append(why)
-    return {
+    answers: dict[str, Any] = {
         str(status): {
             "description": " ".join(whys[status]),
             "content": {JSON: {"schema": s.ref(row.error_shape)}},
         }
         for status in sorted(whys)
     }
+    if "429" in answers:
+        answers["429"]["headers"] = {"Retry-After": RETRY_AFTER}
+    return answers
 
 
 def _edge_errors(path: str) -> dict[int, str]:
@@ -332,6 +349,8 @@ def _edge_errors(path: str) -> dict[int, str]:
     if path.startswith("/v1/"):
         errors[404] = "A path-form tag key that is not episode, task or agent."
         errors[400] = "A path-form tag twice."
+    if path in QUOTA_PATHS or path.startswith(("/v1/episodes/", "/ui/api/")):
+        errors[429] = QUOTA_PATHS.get(path, "Over the tenant's quota of reads per second.")
     if path.startswith("/admin/"):
         errors[401] = "No valid admin key."
         errors[403] = "Admin endpoints are off (FLYWHEEL_ADMIN_KEY unset)."

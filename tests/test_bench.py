@@ -225,6 +225,24 @@ def test_export_smoke(postgres_url: str, tmp_path: Path) -> None:
     assert 150 <= _number(rows["transitions + tokens, Parquet, first 10 %"][1]) <= 250
 
 
+def test_quota_fairness_smoke(postgres_url: str, tmp_path: Path) -> None:
+    report = tmp_path / "quota_fairness.md"
+    run = _bench(
+        "bench.quota_fairness",
+        *("--seconds", "1", "--rounds", "1", "--flood-rps", "60", "--quota-rps", "5"),
+        *("--database-url", postgres_url, "--results", str(report)),
+    )
+    rows = _table(report, ("quota", "no quota"))
+    assert [row[:2] for row in rows] == [
+        [proxy, load]
+        for proxy in ("quota", "no quota")
+        for load in ("idle", "at quota", "flooding")
+    ]
+    refused = {row[0]: _number(row[9]) for row in rows if row[1] == "flooding"}
+    assert refused["quota"] > 0 and refused["no quota"] == 0, rows  # A's excess refused: 429s
+    assert "B's p99 with A flooding beyond its quota moved" in run.stdout
+
+
 def test_storage_smoke(postgres_url: str, tmp_path: Path) -> None:
     report = tmp_path / "storage.md"
     _bench(

@@ -4,8 +4,10 @@ compare status, framing and the structure of the answer (keys, null versus prese
 Values (text, token ids, logprobs, ids, timestamps) differ by design; structure must not.
 """
 
+import asyncio
 import json
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -167,6 +169,23 @@ def test_knobs_record_requests_and_inject_failures() -> None:
         again = client.post("/v1/completions", json=body).json()
         assert first["choices"][0]["text"] == again["choices"][0]["text"]  # deterministic
         assert [r["body"] for r in server.requests] == [body, body, body]
+
+
+def test_max_running_queues_generations_beyond_the_batch() -> None:
+    """vLLM's --max-num-seqs: with a batch of 2, four 0.3 s calls at once take two turns."""
+    body = {"model": "demo", "prompt": "hi", "max_tokens": 2}
+    with FakeVLLM(latency_s=0.3, max_running=2) as server:
+
+        async def four() -> float:
+            async with httpx.AsyncClient(base_url=server.url, timeout=10) as client:
+                started = time.perf_counter()
+                calls = [client.post("/v1/completions", json=body) for _ in range(4)]
+                answers = await asyncio.gather(*calls)
+                assert all(a.status_code == 200 for a in answers)
+                return time.perf_counter() - started
+
+        took = asyncio.run(four())
+        assert took >= 0.6, took  # two turns of 0.3 s (unlimited: one)
 
 
 def test_tool_call_when_asked() -> None:

@@ -264,3 +264,29 @@ def test_a_completion_answers_as_documented_also_through_the_path_form(
     assert response.status_code == 200, response.text
     assert response.headers["x-episode-id"] == ["e1"]
     case.validate_response(response, checks=checks)
+
+
+def test_a_tenants_quota_answers_429_as_documented(make_proxy: Any) -> None:
+    """Every route a quota limits documents its 429 (with Retry-After) as the edge answers it."""
+    proxy = make_proxy(
+        api_keys=[API_KEY], quota_rps=0.1, quota_rewards_rps=0.1, quota_reads_rps=0.1
+    )
+    checks = [*CHECKS, response_headers_conformance]
+    calls: list[tuple[str, str, Any]] = [
+        *(("POST", endpoint.path, VALID[endpoint.name]) for endpoint in wire.ENDPOINTS),
+        ("POST", "/v1/rewards", {"episode_id": "e1", "reward": 1.0}),
+        ("GET", "/v1/episodes/{episode_id}", None),
+        ("GET", "/v1/export", None),
+        ("GET", "/ui/api/overview", None),
+    ]
+    for method, path, body in calls:
+        operation = _operation(proxy, method, path)
+        more = (
+            {"body": {"model": "policy", **body}, "media_type": "application/json"} if body else {}
+        )
+        params = {"path_parameters": {"episode_id": "e1"}} if "{" in path else {}
+        case = operation.Case(**more, **params)
+        responses = [case.call(base_url=proxy.url, headers=AUTH) for _ in range(2)]
+        assert responses[-1].status_code == 429, (path, responses[-1].text)
+        assert "Retry-After" in operation.definition.raw["responses"]["429"]["headers"]
+        case.validate_response(responses[-1], checks=checks)

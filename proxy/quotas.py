@@ -1,0 +1,157 @@
+"""Per-tenant quotas (FLYWHEEL_QUOTA_*, FLYWHEEL_TENANT_QUOTAS): what one tenant may take of a
+proxy, so that another's calls do not queue behind it.
+
+Four limits, each 0 for none, per tenant (core/tenants.py; the default tenant is `default`):
+completion calls per second and in flight (every `wire.ENDPOINTS` route), reward posts per
+second, reads per second (`GET /v1/episodes/*`, `/v1/export`, `/ui/api/*`). A rate is a token
+bucket holding `burst_s` seconds of it (at least one request). The edge asks `admit` before
+anything else is done with a request: over a limit it is a 429 (OpenAI's shape, Anthropic's at
+`/v1/messages`) with `Retry-After` (whole seconds until the bucket holds a request again), and
+nothing is forwarded or recorded. An admitted completion call holds its slot until `release`,
+which the edge calls once the response has ended, however it ended (the stream finished, the
+client left, vLLM failed).
+
+The state is this process's: behind a load balancer each replica grants a tenant its quota.
+The dashboard's reads as the operator (`OPERATOR`: the admin key, or anyone with auth off) are no
+tenant's and not limited.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from starlette.types import Scope
+
+from proxy import metrics
+from proxy.auth import principal_of
+from proxy.config import ProxySettings, Quota
+from proxy.errors import ApiError
+from proxy.relay import wire
+
+_CALLS = frozenset(endpoint.path for endpoint in wire.ENDPOINTS)
+_READS = ("/v1/episodes/", "/v1/export", "/ui/api/")
+_SLOT = "flywheel.quota_slot"  # in the scope of an admitted completion call: its tenant's state
+
+
+class Bucket:
+    """`rate` requests a second, `capacity` at once after idling."""
+
+    __slots__ = ("at", "capacity", "rate", "tokens")
+
+    def __init__(self, rate: float, burst_s: float) -> None:
+        self.rate, self.capacity = rate, max(1.0, rate * burst_s)
+        self.tokens, self.at = self.capacity, time.monotonic()
+
+    def wait_s(self) -> float:
+        """0 if a request may go now (then call `take`), else the seconds until one may."""
+        now = time.monotonic()
+        self.tokens = min(self.capacity, self.tokens + (now - self.at) * self.rate)
+        self.at = now
+        return 0.0 if self.tokens >= 1 else (1 - self.tokens) / self.rate
+
+    def take(self) -> None:
+        self.tokens -= 1
+
+
+@dataclass
+class _Tenant:
+    name: str
+    quota: Quota
+    buckets: dict[str, Bucket] = field(default_factory=dict)  # kind -> bucket (limited kinds)
+    in_flight: int = 0
+
+
+class Quotas:
+    def __init__(self, settings: ProxySettings) -> None:
+        self._default = Quota(
+            rps=settings.quota_rps,
+            concurrency=settings.quota_concurrency,
+            rewards_rps=settings.quota_rewards_rps,
+            reads_rps=settings.quota_reads_rps,
+            burst_s=settings.quota_burst_s,
+        )
+        # A tenant's own limits over the default's: only those it names.
+        self._quotas = {
+            tenant: self._default.model_copy(update=own.model_dump(include=own.model_fields_set))
+            for tenant, own in settings.tenant_quotas.items()
+        }
+        self._tenants: dict[str | None, _Tenant] = {}
+
+    @staticmethod
+    def wanted(settings: ProxySettings) -> bool:
+        """Whether any limit is set (none: the edge skips quotas altogether)."""
+        rates = (settings.quota_rps, settings.quota_rewards_rps, settings.quota_reads_rps)
+        return any(rates) or settings.quota_concurrency > 0 or bool(settings.tenant_quotas)
+
+    def admit(self, scope: Scope) -> None:
+        """Raise a 429 if the request is over its tenant's quota; else count it (a completion
+        call takes a slot in flight, kept in the scope for `release`)."""
+        kind = _kind(scope)
+        if kind is None:
+            return
+        principal = principal_of(scope)
+        if principal.every_tenant:
+            return
+        tenant = self._tenants.get(principal.tenant) or self._tenant(principal.tenant)
+        quota = tenant.quota
+        if kind == "calls" and quota.concurrency and tenant.in_flight >= quota.concurrency:
+            raise _refusal(tenant, "concurrency", 1.0)
+        bucket = tenant.buckets.get(kind)
+        if bucket is not None:
+            wait_s = bucket.wait_s()
+            if wait_s:
+                raise _refusal(tenant, kind, wait_s)
+            bucket.take()
+        if kind == "calls":
+            tenant.in_flight += 1
+            scope[_SLOT] = tenant
+
+    def release(self, scope: Scope) -> None:
+        """The end of a completion call `admit` let in (nothing for any other request)."""
+        tenant = scope.pop(_SLOT, None)
+        if tenant is not None:
+            tenant.in_flight -= 1
+
+    def _tenant(self, tenant: str | None) -> _Tenant:
+        name = tenant or "default"
+        quota = self._quotas.get(name, self._default)
+        rates = {"calls": quota.rps, "rewards": quota.rewards_rps, "reads": quota.reads_rps}
+        buckets = {kind: Bucket(rate, quota.burst_s) for kind, rate in rates.items() if rate}
+        self._tenants[tenant] = state = _Tenant(name, quota, buckets)
+        return state
+
+
+def _kind(scope: Scope) -> str | None:
+    """Which limit a request counts against (None: no quota's)."""
+    path, method = scope["path"], scope["method"]
+    if method == "POST":
+        if path in _CALLS:
+            return "calls"
+        return "rewards" if path == "/v1/rewards" else None
+    return "reads" if method == "GET" and path.startswith(_READS) else None
+
+
+# kind -> (what it counts, its limit's name in Quota)
+_LIMITS = {
+    "calls": ("completion calls per second", "rps"),
+    "concurrency": ("completion calls in flight", "concurrency"),
+    "rewards": ("reward posts per second", "rewards_rps"),
+    "reads": ("reads per second", "reads_rps"),
+}
+
+
+def _refusal(tenant: _Tenant, kind: str, wait_s: float) -> ApiError:
+    what, limit = _LIMITS[kind]
+    retry_after = max(1, math.ceil(wait_s))
+    metrics.quota_refusals.labels(tenant.name, limit).inc()
+    return ApiError(
+        429,
+        f"tenant {tenant.name!r} is at its quota of {getattr(tenant.quota, limit):g} {what} "
+        f"(FLYWHEEL_QUOTA_{limit.upper()}, or `{limit}` in FLYWHEEL_TENANT_QUOTAS); "
+        f"retry after {retry_after} s",
+        type="rate_limit_error",
+        code="rate_limit_exceeded",
+        headers={"Retry-After": str(retry_after)},
+    )
