@@ -43,7 +43,7 @@ from bench.common import append_section, bench_database, process_tree, quantile
 from core import database, policy, tenants
 from demo.tiny_model import build_demo_model
 from demo.vllm_server import free_port, start_vllm, stop_vllm, wait_ready
-from fakes.adapters import make_adapters
+from fakes.adapters import make_adapters, publish_first
 from fakes.processes import WORK, start_flywheel
 from trainer.vllm import Replicas
 
@@ -90,19 +90,12 @@ def publish_all(
                 for lineage in lineages
             ]
         dirs = make_adapters(model, adapters, names)
+
+        def load(name: str, path: str) -> None:  # what a load takes, the publish apart
+            loads.append(replicas.load_everywhere(name, path).seconds * 1e3)
+
         for n, (lineage, name, path) in enumerate(zip(lineages, names, dirs, strict=True), 1):
-            loads.append(replicas.load_everywhere(name, str(path)).seconds * 1e3)
-            with sessions.begin() as session:
-                policy.publish(
-                    session=session,
-                    lineage=lineage,
-                    parent=None,
-                    version=int(name.rpartition("-v")[2]),
-                    path=str(path),
-                    base_model="demo",
-                    stats={},
-                    trained_transitions=0,
-                )
+            publish_first(sessions, lineage, name, path, load)
             if n in marks:
                 time.sleep(1)  # let the allocator settle
                 memory[n] = rss_mb(vllm_pid)

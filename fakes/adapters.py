@@ -10,12 +10,15 @@ greedy prompt differently: a call served by the wrong adapter (or by the base mo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
+
+from core import policy
+from core.database import Sessions
 
 # trainer/engine.py's LORA_TARGETS (fakes/ stands beside the trainer, not on it).
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -52,3 +55,22 @@ def make_adapters(
         peft_model.save_pretrained(str(tmp))
         tmp.rename(target)
     return dirs
+
+
+def publish_first(
+    sessions: Sessions, lineage: str, name: str, path: Path, load: Callable[[str, str], object]
+) -> None:
+    """`name` (at `path`) as `lineage`'s first version, as the trainer publishes: `load` it
+    into vLLM (the trainer's `load_everywhere`), then record it current."""
+    load(name, str(path))
+    with sessions.begin() as session:
+        policy.publish(
+            session=session,
+            lineage=lineage,
+            parent=None,
+            version=int(name.rpartition("-v")[2]),
+            path=str(path),
+            base_model="demo",
+            stats={},
+            trained_transitions=0,
+        )

@@ -21,7 +21,7 @@ import pytest
 from core import policy
 from core.database import Sessions
 from demo.tiny_model import build_demo_model
-from fakes.adapters import make_adapters
+from fakes.adapters import make_adapters, publish_first
 from tests.conftest import TEST_HOME, VLLM_MAX_CPU_LORAS, RunningProxy
 from trainer.vllm import Replicas
 
@@ -46,18 +46,7 @@ def publish_lineages(sessions: Sessions, vllm_url: str, adapters_dir: Path) -> d
     replicas = Replicas([vllm_url], None)
     try:
         for (lineage, name), path in zip(names.items(), dirs, strict=True):
-            replicas.load_everywhere(name, str(path))
-            with sessions.begin() as session:
-                policy.publish(
-                    session=session,
-                    lineage=lineage,
-                    parent=None,
-                    version=int(name.rpartition("-v")[2]),
-                    path=str(path),
-                    base_model="demo",
-                    stats={},
-                    trained_transitions=0,
-                )
+            publish_first(sessions, lineage, name, path, replicas.load_everywhere)
     finally:
         replicas.close()
     return names
