@@ -774,3 +774,21 @@ def test_a_reward_many_versions_late_is_still_trained(
     assert rows == [(7, None, 4)]
     [(stats,)] = proxy.query("SELECT stats FROM adapter_version WHERE version = 7")
     assert stats["by_staleness"]["5-16"]["tokens"] > 0  # six versions between sampling and step
+
+
+def test_an_orphans_directory_stays_while_a_replica_may_still_hold_it(
+    proxy: RunningProxy, fake_vllm: FakeVLLM, make_trainer: Any, tmp_path: Path
+) -> None:
+    """vLLM reads an adapter's directory whenever it pages the adapter in again, and a missing
+    directory crashes its engine: an unrecorded adapter's directory is deleted only once every
+    replica answered (and unloaded it)."""
+    orphan = tmp_path / "adapters" / "policy-v999"
+    orphan.mkdir(parents=True)
+    os.utime(orphan, (time.time() - 3600, time.time() - 3600))  # long past any lease
+    fake_vllm.loras[orphan.name] = str(orphan)
+    down = f"http://127.0.0.1:{free_port()}"  # a replica that does not answer now
+    make_trainer(vllm=[fake_vllm.url, down]).reconcile()
+    assert orphan.name not in fake_vllm.loras  # unloaded where it could be
+    assert orphan.exists()  # but the replica that did not answer may still have it
+    make_trainer().reconcile()  # every replica answers
+    assert not orphan.exists()

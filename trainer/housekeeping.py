@@ -46,6 +46,7 @@ class Housekeeper:
             adapters = policy.versions(session=session, lineage=self.lineage)
         retained = [a for a in adapters if a.retired_at is None]
         recorded = {a.name for a in adapters}
+        everywhere = True  # every replica answered, and unloaded every orphan it had
         for url in self.vllm.urls:
             try:
                 loaded = self.vllm.loaded(url)
@@ -57,7 +58,10 @@ class Housekeeper:
                     if self._mine.fullmatch(name) and self._is_orphan(name):
                         self.vllm.unload(url, name)
             except VLLMError as e:
+                everywhere = False
                 log.warning("could not reconcile %s: %s", url, e)
+        if not everywhere:  # a replica may still hold an orphan: a call for it would read its
+            return  # directory (vLLM loads lazily), and a missing one crashes vLLM's engine
         for path in s.adapters_dir.glob(f"{self.lineage}-v*"):
             if (
                 self._mine.fullmatch(path.name)
