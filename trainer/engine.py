@@ -209,8 +209,8 @@ def _lora(settings: TrainerSettings) -> LoraConfig:
 
 class Engine:
     """One lineage's adapter, optimizer state and TRL trainer object. Several engines can share
-    one base model (`Engine.beside`: one PEFT adapter each, `set_adapter` before each use), so a
-    trainer process trains many lineages for the base model's memory once."""
+    one base model (`Engine.beside`: one PEFT adapter each, made the active one before each use,
+    `_use`), so a trainer process trains many lineages for the base model's memory once."""
 
     def __init__(
         self,
@@ -290,7 +290,8 @@ class Engine:
             for name, p in model.named_parameters():
                 if "lora_" in name:
                     p.requires_grad_(True)
-        self._layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
+        # The LoRA layers, as the PeftModel the TRL trainer holds has them (TRL wraps a bare model).
+        self._layers = [m for m in trainer.model.modules() if isinstance(m, BaseTunerLayer)]
 
     def beside(self, settings: TrainerSettings, adapter: str, resume_from: Path | None) -> Engine:
         """Another lineage's engine on this one's base model (its weights are not copied)."""
