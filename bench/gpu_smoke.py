@@ -151,6 +151,9 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, help="longest prompt (default 512; tiny 32)")
     parser.add_argument("--completion-tokens", type=int, help="longest (default 256; tiny 16)")
     parser.add_argument("--lora-rank", type=int, default=16)
+    parser.add_argument(
+        "--micro-batch-tokens", type=int, default=0, help="the trainer's (0: whole batch)"
+    )
     parser.add_argument("--vllm", help="a vLLM (with --enable-lora) to publish each step into")
     parser.add_argument("--database-url", help="default: an embedded Postgres under --home")
     parser.add_argument("--home", type=Path, default=HOME)
@@ -359,6 +362,7 @@ def trainer_settings(args: argparse.Namespace, model_dir: Path, url: str) -> Any
             "lora_alpha": 2 * args.lora_rank,
             "dtype": args.dtype,
             "gradient_checkpointing": args.gradient_checkpointing,
+            "micro_batch_tokens": args.micro_batch_tokens,
             "load_in_4bit": args.four_bit,
             "metrics_port": 0,
         }
@@ -530,6 +534,8 @@ def report(args: argparse.Namespace, device: str, model_dir: Path, steps: list[S
     options = [args.dtype]
     options += ["gradient checkpointing"] * args.gradient_checkpointing
     options += ["4-bit base"] * args.four_bit
+    if args.micro_batch_tokens:
+        options.append(f"micro-batches of {args.micro_batch_tokens:,} tokens")
     publish = f"published into {args.vllm}" if args.vllm else "publishing skipped (no vLLM)"
     lines = [
         f"{where}, torch {torch.__version__}; model {model_dir.name}; LoRA rank "

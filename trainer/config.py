@@ -145,6 +145,13 @@ class TrainerSettings(DatabaseSettings):
         "rejected (0: off); a token outside the learner's top-k/top-p set always is.",
     )
     num_iterations: int = Field(1, ge=1, description="Optimizer steps per batch (TRL's mu).")
+    micro_batch_tokens: int = Field(
+        0,
+        ge=0,
+        description="Backpropagate each step's batch in pieces of at most this many padded "
+        "tokens (rows x longest prompt+completion), adding up to the same gradient: the loss "
+        "pass's memory grows with tokens x vocabulary. 0: the whole batch in one pass.",
+    )
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
         description="The base model's weights and the forward passes' precision: bfloat16 halves "

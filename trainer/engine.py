@@ -39,6 +39,7 @@ from trainer.batch import ModelLimits, Sample
 from trainer.config import TrainerSettings
 from trainer.correction import Correction, Tally, correct
 from trainer.logprobs import processed_logprobs
+from trainer.microbatch import pieces, share
 
 # The trainable weights and the optimizer state: what undoing a step needs.
 Snapshot = tuple[dict[str, torch.Tensor], dict[str, Any]]
@@ -99,6 +100,16 @@ class _TransitionGRPOTrainer(GRPOTrainer):
         self._rows: list[dict[str, Any]] = []
         self._active: list[int] = []  # which of _rows the next log-prob pass scores, in order
         self.correction: Correction | None = None
+        self.share = 1.0  # what the next loss is multiplied by (trainer/microbatch.py)
+
+    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        """`training_step` gets a piece of a batch the engine already prepared (`prepare`)."""
+        return inputs
+
+    def prepare(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        """The step's batch as TRL's loss reads it: padded ids and masks, our advantages, the
+        starting log-probs and our off-policy correction (TRL's generation step, on our rows)."""
+        return self._generate_and_score_completions(rows)
 
     def _generate(self, prompts: list[Any]) -> tuple[Any, ...]:
         rows = self._rows
@@ -152,7 +163,7 @@ class _TransitionGRPOTrainer(GRPOTrainer):
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Any:
         self._active = inputs["row"].tolist()
-        return super()._compute_loss(model, inputs)  # type: ignore[no-untyped-call]
+        return super()._compute_loss(model, inputs) * self.share  # type: ignore[no-untyped-call]
 
     def _get_per_token_logps_and_entropies(
         self,
@@ -323,13 +334,21 @@ class Engine:
         return self.trainer.model
 
     def step(self, samples: list[Sample]) -> StepStats:
-        """One batch: `num_iterations` optimizer steps with TRL's loss."""
+        """One batch: `num_iterations` optimizer steps with TRL's loss, each backpropagated in
+        pieces of at most `micro_batch_tokens` (trainer/microbatch.py)."""
         trainer, model = self.trainer, self._use()
         rows = [vars(s) | {"prompt": ""} for s in samples]
         started = time.perf_counter()
         losses = []
-        for _ in range(trainer.args.num_iterations):  # passes 2..mu reuse TRL's buffered batch
-            losses.append(trainer.training_step(model, rows, None).item())
+        model.train()
+        batch = trainer.prepare(rows)
+        parts = pieces(batch, trainer.settings.micro_batch_tokens)
+        for _ in range(trainer.args.num_iterations):  # passes 2..mu reuse the prepared batch
+            loss = 0.0
+            for part in parts:
+                trainer.share = share(trainer.settings.loss_type, part, batch)
+                loss += trainer.training_step(model, part, None).item()
+            losses.append(loss)
             trainer.accelerator.clip_grad_norm_(model.parameters(), trainer.args.max_grad_norm)
             trainer.optimizer.step()
             trainer.lr_scheduler.step()

@@ -75,13 +75,13 @@ def processed_logprobs(
         x = _top_k_top_p(x, sampling)
 
     logp_BTV = x.log_softmax(dim=-1)
+    del x  # the graph keeps log-softmax's output, not its input: one (B, T, V) copy fewer
     picked = logp_BTV.gather(-1, completion_ids_BT.long().unsqueeze(-1)).squeeze(-1)
     logps = torch.where(torch.isfinite(picked), picked, torch.full_like(picked, OUTSIDE))
     entropy = None
     if with_entropy:
-        with torch.no_grad():
-            p = logp_BTV.exp()
-            entropy = -torch.where(p > 0, p * logp_BTV, torch.zeros_like(p)).sum(-1)
+        with torch.no_grad():  # a row at a time: its temporaries are (T, V), not (B, T, V)
+            entropy = torch.stack([torch.special.entr(row.exp()).sum(-1) for row in logp_BTV])
     return logps, entropy
 
 
