@@ -73,8 +73,10 @@ def share(loss_type: str, piece: dict[str, Any], batch: dict[str, Any]) -> float
 
 
 def _kept(batch: dict[str, Any]) -> torch.Tensor:
-    mask = batch["completion_mask"]
-    return mask * batch["tool_mask"] if "tool_mask" in batch else mask
+    mask: torch.Tensor = batch["completion_mask"]
+    if "tool_mask" in batch:
+        mask = mask * batch["tool_mask"]
+    return mask
 
 
 def _completion_lengths(mask: torch.Tensor) -> list[int]:
