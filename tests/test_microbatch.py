@@ -16,9 +16,25 @@ from trainer.engine import Engine, Sample
 from trainer.microbatch import pieces, share
 from trainer.sampling import Sampling
 
-PROMPTS = [[1, 30, 31, 32], [1, 40, 41], [1, 50, 51, 52, 53, 54, 55], [1, 60], [1, 70, 71], [1]]
-COMPLETIONS = [[100, 101, 102], [110, 111], [120, 121, 122, 123, 124], [130, 2], [140], [150, 151]]
-ADVANTAGES = [1.0, -1.0, 0.5, -0.5, 2.0, -2.0]
+PROMPTS = [
+    [1, 30, 31, 32],
+    [1, 40, 41],
+    [1, 50, 51, 52, 53, 54, 55],
+    [1, 60],
+    [1, 70, 71],
+    [1],
+    [1, 80],
+]
+COMPLETIONS = [
+    [100, 101, 102],
+    [110, 111],
+    [120, 121, 122, 123, 124],
+    [130, 2],
+    [140],
+    [150, 151],
+    [160, 161, 162, 163],
+]
+ADVANTAGES = [1.0, -1.0, 0.5, -0.5, 2.0, -2.0, 0.25]
 
 
 def settings_for(tmp: Path, **overrides: Any) -> TrainerSettings:
@@ -103,7 +119,8 @@ def padded_batch() -> dict[str, Any]:
         "tool_mask": torch.ones(4, 4, dtype=torch.long),
         "advantages": torch.tensor([1.0, 2.0, 3.0, 4.0]),
         "row": torch.arange(4),
-        "num_items_in_batch": torch.tensor(10),
+        "num_items_in_batch": torch.tensor(9),  # completion tokens kept
+        "rows_in_batch": torch.tensor(4),
     }
 
 

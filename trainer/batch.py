@@ -28,6 +28,7 @@ class Sample:
     reward: float
     sampling: Sampling  # what vLLM sampled it with (the learner's log-probs use the same)
     staleness: int  # versions of the lineage published since it was sampled
+    ballast: bool = False  # a copy that evens out ranks' shards; nothing is learned from it
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ with warnings.catch_warnings():
 from trainer.batch import ModelLimits, Sample
 from trainer.config import TrainerSettings
 from trainer.correction import Correction, Tally, correct
+from trainer.distributed import World, average, average_gradients, broadcast_parameters
 from trainer.logprobs import processed_logprobs
 from trainer.microbatch import pieces, share
 
@@ -144,7 +145,10 @@ class _TransitionGRPOTrainer(GRPOTrainer):
         rejected token leaves the loss and its denominator through TRL's `tool_mask`, which
         masks the loss only (the completion mask also feeds attention)."""
         s = self.settings
-        mask = batch["completion_mask"]
+        real_B = torch.tensor(
+            [not r.get("ballast", False) for r in rows], device=self.accelerator.device
+        )
+        mask = batch["completion_mask"] * real_B[:, None]
         result = correct(
             batch["old_per_token_logps"],
             batch["sampling_per_token_logps"],
@@ -156,9 +160,10 @@ class _TransitionGRPOTrainer(GRPOTrainer):
             veto=s.off_policy_veto,
         )
         batch["importance_sampling_ratio"] = result.weights_BT
-        batch["tool_mask"] = result.keep_BT
+        batch["tool_mask"] = result.keep_BT * real_B[:, None]
         kept = (mask * result.keep_BT).sum()
         batch["num_items_in_batch"] = self.accelerator.gather(kept).sum()
+        batch["rows_in_batch"] = self.accelerator.gather(real_B.sum()).sum()
         self.correction = result
 
     def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Any:
@@ -303,6 +308,11 @@ class Engine:
                     p.requires_grad_(True)
         # The LoRA layers, as the PeftModel the TRL trainer holds has them (TRL wraps a bare model).
         self._layers = [m for m in trainer.model.modules() if isinstance(m, BaseTunerLayer)]
+        # Under torchrun / accelerate launch: the ranks' adapters start equal, and their gradients
+        # are averaged before each optimizer step (trainer/distributed.py).
+        self.world = World.current()
+        self._trained = [p for n, p in trainer.model.named_parameters() if self._own(n)]
+        broadcast_parameters(self._trained, self.world)
 
     def beside(self, settings: TrainerSettings, adapter: str, resume_from: Path | None) -> Engine:
         """Another lineage's engine on this one's base model (its weights are not copied)."""
@@ -346,9 +356,10 @@ class Engine:
         for _ in range(trainer.args.num_iterations):  # passes 2..mu reuse the prepared batch
             loss = 0.0
             for part in parts:
-                trainer.share = share(trainer.settings.loss_type, part, batch)
+                trainer.share = share(trainer.settings.loss_type, part, batch, self.world.size)
                 loss += trainer.training_step(model, part, None).item()
-            losses.append(loss)
+            average_gradients(self._trained, self.world)
+            losses.append(average(loss, self.world, trainer.accelerator.device))
             trainer.accelerator.clip_grad_norm_(model.parameters(), trainer.args.max_grad_norm)
             trainer.optimizer.step()
             trainer.lr_scheduler.step()

@@ -59,16 +59,21 @@ def pieces(batch: dict[str, Any], budget: int) -> list[dict[str, Any]]:
     return [_take(batch, rows, prompt_len, completion_len) for rows in groups]
 
 
-def share(loss_type: str, piece: dict[str, Any], batch: dict[str, Any]) -> float:
+def share(
+    loss_type: str, piece: dict[str, Any], batch: dict[str, Any], processes: int = 1
+) -> float:
     """What the piece's loss (as TRL computes it on the piece alone) is multiplied by so that the
-    pieces' losses, and so their gradients, sum to the whole batch's."""
-    if loss_type in BATCH_TOKEN_LOSSES:
+    pieces' losses, and so their gradients, sum to the whole batch's. `batch` is this process's
+    part of a batch trained by `processes` processes whose gradients are averaged
+    (trainer/distributed.py); its `rows_in_batch` and `num_items_in_batch` count the whole
+    batch's real rows and kept tokens (ballast rows have none)."""
+    if loss_type in BATCH_TOKEN_LOSSES:  # TRL divides the whole batch's count by `processes`
         return 1.0
     if loss_type in ROW_MEAN_LOSSES:
-        return len(piece["advantages"]) / len(batch["advantages"])
+        return len(piece["advantages"]) * processes / float(batch["rows_in_batch"])
     if loss_type == "bnpo":
-        whole = float(_kept(batch).sum())
-        return float(_kept(piece).sum()) / whole if whole else 0.0
+        whole = float(batch["num_items_in_batch"])
+        return float(_kept(piece).sum()) * processes / whole if whole else 0.0
     raise ValueError(f"no micro-batch share for loss_type {loss_type!r}")
 
 

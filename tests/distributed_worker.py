@@ -1,0 +1,41 @@
+"""One rank of tests/test_distributed.py, started by torchrun: each loss type's step on this
+rank's shard of the test batch, its averaged gradient and adapter written for the test to read.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 \\
+        tests/distributed_worker.py OUT_DIR MICRO_BATCH_TOKENS LOSS_TYPE [LOSS_TYPE ...]
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.test_microbatch import gradient_of_one_step, samples, settings_for  # noqa: E402
+from trainer.distributed import World, shard  # noqa: E402
+from trainer.engine import Engine  # noqa: E402
+
+
+def main() -> None:
+    out, micro, loss_types = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+    for loss_type in loss_types:
+        world = World.current()
+        home = out / f"{loss_type}-rank{world.rank}"
+        engine = Engine(settings_for(home, loss_type=loss_type, micro_batch_tokens=micro))
+        world = engine.world  # the process group TRL's Accelerator joined
+        batch = samples(engine, stale=True)
+        mine = shard(batch, world)
+        rows = [-1 if s.ballast else next(i for i, b in enumerate(batch) if b is s) for s in mine]
+        grads, loss = gradient_of_one_step(engine, mine)
+        weights = {n: p.detach().clone() for n, p in engine.model.named_parameters() if n in grads}
+        torch.save(
+            {"world": world.size, "rows": rows, "loss": loss, "grads": grads, "weights": weights},
+            out / f"{loss_type}-rank{world.rank}.pt",
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""One lineage's step on 2 processes (torchrun, gloo) is the step one process takes.
+
+The same claimed batch, trained by one process and by two (each its shard, gradients averaged:
+trainer/distributed.py): the same averaged LoRA gradient (max abs difference <= 1e-5 of its
+largest entry), for dapo (its global token count), grpo and bnpo, with micro-batches; the same
+loss; the same adapter after the step to float32 rounding; and every row trained by exactly one
+rank.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.test_microbatch import gradient_of_one_step, samples, settings_for
+from trainer.batch import Sample
+from trainer.distributed import World, shard
+from trainer.engine import Engine
+from trainer.sampling import Sampling
+
+ROOT = Path(__file__).resolve().parents[1]
+LOSS_TYPES = ["dapo", "grpo", "bnpo"]
+MICRO = 12  # tokens: pieces of one or two rows, so both cuts (ranks, pieces) are exercised
+
+pytestmark = pytest.mark.timeout(900)
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    out = tmp_path_factory.mktemp("ranks")
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    run = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+        + [str(ROOT / "tests" / "distributed_worker.py"), str(out), str(MICRO), *LOSS_TYPES],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
+    assert run.returncode == 0, run.stderr[-4000:]
+    return {
+        t: [torch.load(out / f"{t}-rank{r}.pt", weights_only=True) for r in range(2)]
+        for t in LOSS_TYPES
+    }
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_two_processes_take_one_processs_step(
+    loss_type: str, two_ranks: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    alone = Engine(settings_for(tmp_path, loss_type=loss_type))
+    lr = alone.trainer.args.learning_rate
+    batch = samples(alone, stale=True)
+    grads, loss = gradient_of_one_step(alone, batch)
+    after = {n: p.detach() for n, p in alone.model.named_parameters() if n in grads}
+    ranks = two_ranks[loss_type]
+    assert [r["world"] for r in ranks] == [2, 2]  # really two processes in one group
+    largest = max(float(g.abs().max()) for g in grads.values())
+    assert largest > 0
+    for rank in ranks:
+        assert rank["grads"].keys() == grads.keys()
+        worst = max(float((rank["grads"][n] - grads[n]).abs().max()) for n in grads)
+        assert worst <= 1e-5 * largest, (worst, largest)
+        assert rank["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7)
+        # Adam divides by each gradient entry's size, so an entry near its eps turns float32
+        # rounding into more than rounding: within 1 % of one step's size (the learning rate)
+        for n, w in after.items():
+            torch.testing.assert_close(rank["weights"][n], w, rtol=0, atol=0.01 * lr)
+    for n in after:  # the replicas themselves are identical
+        assert torch.equal(ranks[0]["weights"][n], ranks[1]["weights"][n])
+    # every row on exactly one rank; the odd one out topped up with ballast
+    rows = [i for rank in ranks for i in rank["rows"]]
+    assert sorted(i for i in rows if i >= 0) == list(range(len(batch)))
+    assert rows.count(-1) == 1 and len(ranks[0]["rows"]) == len(ranks[1]["rows"])
+
+
+def test_one_rank_alone_would_not_take_that_step(
+    two_ranks: dict[str, list[dict[str, Any]]], tmp_path: Path
+) -> None:
+    """Without the all-reduce a rank steps on its own shard: the comparison above can fail."""
+    alone = Engine(settings_for(tmp_path, loss_type="dapo"))
+    grads, _ = gradient_of_one_step(alone, shard(samples(alone, stale=True), World(0, 2)))
+    theirs = two_ranks["dapo"][0]["grads"]
+    largest = max(float(g.abs().max()) for g in theirs.values())
+    assert max(float((theirs[n] - grads[n]).abs().max()) for n in grads) > 1e-3 * largest
+
+
+def sample(prompt: int, completion: int) -> Sample:
+    return Sample([1] * prompt, [2] * completion, [-1.0] * completion, 0.0, 0.0, Sampling(), 0)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 8])
+def test_shards_cover_a_batch_once_in_equal_row_counts(world: int) -> None:
+    batch = [sample(p, c) for p, c in [(5, 3), (1, 1), (9, 2), (2, 8), (4, 4), (3, 1), (7, 7)]]
+    shards = [shard(batch, World(r, world)) for r in range(world)]
+    assert len({len(s) for s in shards}) == 1 and len(shards[0]) >= 1
+    real = [s for rows in shards for s in rows if not s.ballast]
+    assert sorted(map(id, real)) == sorted(map(id, batch))  # no duplicate, no gap
+    tokens = [
+        sum(len(s.prompt_ids) + len(s.completion_ids) for s in rows if not s.ballast)
+        for rows in shards
+    ]
+    if world == 2:
+        assert max(tokens) - min(tokens) <= 14  # longest first, dealt in turn
+    with pytest.raises(ValueError, match="empty"):
+        shard([], World(0, world))

@@ -1,0 +1,101 @@
+"""One lineage's step on several processes: data-parallel over a replicated base model.
+
+Under `torchrun` or `accelerate launch` (WORLD_SIZE > 1) TRL's Accelerator joins the process
+group when the engine is built (gloo on CPU, NCCL on GPUs). A claimed batch is one batch: its
+advantages are built once over the whole claim (task groups, baselines); then each rank trains
+its `shard`, and after the backward passes `average_gradients` makes every rank's LoRA gradient
+the average of theirs, which, with each piece's loss scaled by `trainer/microbatch.share`, is
+exactly the gradient one process would get from the whole batch (dapo's global token count
+included; tests/test_distributed.py checks it with 2 gloo processes). Every rank then takes the
+same optimizer step from the same weights, so the adapter stays identical everywhere.
+
+Why not DDP's wrapper: adapters are added to the model as lineages appear (`Engine.beside`), and
+DDP registers only the parameters it saw when it wrapped; it would also all-reduce every
+lineage's adapter on every step. One flat all-reduce of the active adapter's gradients is DDP's
+arithmetic (sum, then divide by the world) for exactly what trained.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from trainer.batch import Sample
+
+
+@dataclass(frozen=True)
+class World:
+    rank: int
+    size: int
+
+    @classmethod
+    def current(cls) -> World:
+        """The process group this process is in (one process alone: rank 0 of 1)."""
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size())
+        return cls(int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+
+def shard(samples: Sequence[Sample], world: World) -> list[Sample]:
+    """This rank's rows of a batch: longest first, dealt in turn (so ranks get similar token
+    counts), topped up with ballast (a copy of a real row that no token of is learned from) so
+    every rank has the same number of rows, at least one: TRL's gathers need equal shapes, and a
+    rank with no rows would skip collectives its peers wait in."""
+    if not samples:
+        raise ValueError("an empty batch has nothing to shard")
+    order = sorted(
+        range(len(samples)),
+        key=lambda i: -(len(samples[i].prompt_ids) + len(samples[i].completion_ids)),
+    )
+    mine = [samples[i] for i in order[world.rank :: world.size]]
+    rows = -(-len(samples) // world.size)
+    ballast = dataclasses.replace(samples[order[-1]], ballast=True)  # the shortest row
+    return mine + [ballast] * (rows - len(mine))
+
+
+def average_gradients(params: Sequence[torch.nn.Parameter], world: World) -> None:
+    """Every rank's gradients of `params` (the same parameters in the same order on every rank)
+    replaced by their average over the ranks, in one all-reduce."""
+    if world.size == 1 or not params:
+        return
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat)  # a sum: gloo has no average
+    flat /= world.size
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[offset : offset + n].view_as(p).clone()
+        offset += n
+
+
+def average(value: float, world: World, device: torch.device) -> float:
+    """A number's mean over the ranks (a step's loss: each rank's is its shard's part)."""
+    if world.size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return float(t.item()) / world.size
+
+
+def broadcast_parameters(params: Sequence[torch.nn.Parameter], world: World) -> None:
+    """Rank 0's values of `params` on every rank (a new adapter starts the same everywhere)."""
+    if world.size == 1 or not params:
+        return
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        dist.broadcast(flat, src=0)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.copy_(flat[offset : offset + n].view_as(p))
+            offset += n
