@@ -1,7 +1,7 @@
 """One rank of tests/test_distributed.py, started by torchrun: each loss type's step on this
 rank's shard of the test batch, its averaged gradient and adapter written for the test to read.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 \\
+    PYTHONPATH=. python -m torch.distributed.run --standalone --nproc_per_node 2 \\
         tests/distributed_worker.py OUT_DIR MICRO_BATCH_TOKENS LOSS_TYPE [LOSS_TYPE ...]
 """
 
@@ -12,11 +12,9 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from tests.test_microbatch import gradient_of_one_step, samples, settings_for  # noqa: E402
-from trainer.distributed import World, shard  # noqa: E402
-from trainer.engine import Engine  # noqa: E402
+from tests.test_microbatch import gradient_of_one_step, samples, settings_for
+from trainer.distributed import World, shard
+from trainer.engine import Engine
 
 
 def main() -> None:

@@ -37,8 +37,17 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[s
     env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("CUDA_VISIBLE_DEVICES", None)
     run = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-        + [str(ROOT / "tests" / "distributed_worker.py"), str(out), str(MICRO), *LOSS_TYPES],
+        [
+            *(
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc_per_node",
+                "2",
+            ),
+            *(str(ROOT / "tests" / "distributed_worker.py"), str(out), str(MICRO), *LOSS_TYPES),
+        ],
         env=env,
         capture_output=True,
         text=True,
