@@ -47,8 +47,9 @@ def play(
     episodes_per_task: int = 4,
     agent: str = "a",
     key: str | None = None,
+    flip: bool = False,
 ) -> None:
-    """Episodes through the proxy, half of each task's episodes rewarded."""
+    """Episodes through the proxy, half of each task's episodes rewarded (`flip`: the other half)."""
     with proxy.client(**({"Authorization": f"Bearer {key}"} if key else {})) as c:
         for t in range(tasks):
             for e in range(episodes_per_task):
@@ -63,7 +64,7 @@ def play(
                     },
                 )
                 assert r.status_code == 200
-                c.post("/v1/rewards", json={"episode_id": episode, "reward": float(e % 2)})
+                c.post("/v1/rewards", json={"episode_id": episode, "reward": float((e + flip) % 2)})
 
 
 @pytest.fixture

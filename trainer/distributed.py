@@ -45,6 +45,24 @@ class World:
         return self.rank == 0
 
 
+def join() -> World:
+    """Join the process group the launcher describes (WORLD_SIZE > 1): NCCL on GPUs, each rank on
+    its LOCAL_RANK's device; gloo on CPUs. TRL's Accelerator then uses this group."""
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+            dist.init_process_group("nccl")
+        else:
+            dist.init_process_group("gloo")
+    return World.current()
+
+
+def leave() -> None:
+    """Leave the process group before the process exits (gloo's threads abort it otherwise)."""
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def shard(samples: Sequence[Sample], world: World) -> list[Sample]:
     """This rank's rows of a batch: longest first, dealt in turn (so ranks get similar token
     counts), topped up with ballast (a copy of a real row that no token of is learned from) so

@@ -28,7 +28,7 @@ from sqlalchemy import text
 from core import database, policy
 from core.database import Sessions
 from core.tables import TRAINABLE
-from trainer import faults
+from trainer import distributed, faults, ranks
 from trainer.config import TrainerSettings
 from trainer.engine import Engine
 from trainer.loop import Trainer
@@ -46,6 +46,27 @@ def _stop(signum: int, _frame: object) -> None:
 
 
 def run(settings: TrainerSettings) -> None:
+    world = distributed.join()
+    signal.signal(signal.SIGTERM, _stop)  # kubectl delete, docker stop: claims go back at once
+    try:
+        if not world.leader:  # under torchrun / accelerate launch (trainer/ranks.py)
+            try:
+                ranks.follow(settings)
+            except (Stopping, KeyboardInterrupt):
+                log.info("stopped")
+            return
+        try:
+            lead(settings, world)
+        except ranks.RanksLost as e:  # the claims went back (Turns.run); the launcher restarts
+            log.error("stopping: %s", e)
+            raise SystemExit(1) from e
+        if world.size > 1:
+            ranks.stop_followers()
+    finally:
+        distributed.leave()
+
+
+def lead(settings: TrainerSettings, world: distributed.World) -> None:
     url = database.resolve_url(settings.database_url, settings.home)
     database.migrate(url)
     db, sessions = database.create_sessions(url)
@@ -53,9 +74,8 @@ def run(settings: TrainerSettings) -> None:
         settings.vllm,
         settings.vllm_api_key.get_secret_value() if settings.vllm_api_key else None,
     )
-    signal.signal(signal.SIGTERM, _stop)  # kubectl delete, docker stop: claims go back at once
     try:
-        turns = Turns(settings, sessions, vllm)
+        turns = Turns(settings, sessions, vllm, world=world)
         if settings.metrics_port:  # opened once the engines are built: it doubles as readiness
             start_http_server(settings.metrics_port)
         turns.run()
@@ -76,8 +96,10 @@ class Turns:
         vllm: Replicas,
         *,
         trainers: list[Trainer] | None = None,  # built elsewhere: these, and no others
+        world: distributed.World | None = None,
     ) -> None:
         self.settings, self.sessions, self.vllm = settings, sessions, vllm
+        self.world = world or distributed.World(0, 1)
         names = [] if trainers else settings.lineages or [settings.lineage]
         self.patterns = [n for n in names if "*" in n]
         self.trainers: list[Trainer] = list(trainers or [])
@@ -92,13 +114,14 @@ class Turns:
         """A Trainer for `lineage`, its engine beside the others' (the first one's base)."""
         settings = self.settings.for_lineage(lineage)
         if self._base is None:
-            trainer = Trainer(settings, self.sessions, self.vllm)
+            engine = self._engines(settings, None, "default")
+            trainer = Trainer(settings, self.sessions, self.vllm, make_engine=engine)
             self._base = trainer.engine.model
             if len(self.settings.lineages) > 1 or self.patterns:  # a rebuild stays on the base
-                trainer.make_engine = _on_base(settings, self._base, "default")
+                trainer.make_engine = self._engines(settings, self._base, "default")
         else:
             adapter = f"lineage{len(self.trainers)}"  # PEFT's name for it (no dots)
-            engine = _on_base(settings, self._base, adapter)
+            engine = self._engines(settings, self._base, adapter)
             trainer = Trainer(settings, self.sessions, self.vllm, make_engine=engine)
         self.trainers.append(trainer)
         return trainer
@@ -149,11 +172,17 @@ class Turns:
                     trainer.backoff.reset()
                 else:
                     if not published:
+                        if self.world.size > 1:
+                            ranks.heartbeat()
                         time.sleep(poll_s)
         finally:
             for trainer in self.trainers:
                 trainer.release_claims()
 
-
-def _on_base(settings: TrainerSettings, base: Any, adapter: str) -> Callable[[Path | None], Engine]:
-    return lambda resume: Engine(settings, resume_from=resume, base=base, adapter=adapter)
+    def _engines(
+        self, settings: TrainerSettings, base: Any, adapter: str
+    ) -> Callable[[Path | None], Any]:
+        """A Trainer's `make_engine`: an Engine, or on rank 0 of several one the others follow."""
+        if self.world.size > 1:
+            return ranks.led(settings, base=base, adapter=adapter)
+        return lambda resume: Engine(settings, resume_from=resume, base=base, adapter=adapter)

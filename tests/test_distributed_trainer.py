@@ -1,0 +1,88 @@
+"""`flywheel trainer` on 2 processes (torchrun, gloo): rank 0 claims, steps with the other
+rank, publishes one version per step; a rank lost mid-step stops the trainer with every claim
+back and nothing published. Real Postgres, real TRL training, the proxy on the fake vLLM."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from core import policy
+from core.database import Sessions
+from demo.tiny_model import build_demo_model
+from fakes.vllm import FakeVLLM
+from tests.conftest import TEST_HOME, RunningProxy
+from tests.test_trainer_loop import play
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+
+def launch(
+    proxy: RunningProxy, fake_vllm: FakeVLLM, tmp_path: Path, *more: str, die: int | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    trainer = [
+        *("trainer", "--model", str(build_demo_model(TEST_HOME / "models" / "demo"))),
+        *("--vllm", fake_vllm.url, "--adapters-dir", str(tmp_path / "adapters")),
+        *("--home", str(tmp_path), "--database-url", proxy.database_url),
+        *("--min-episodes", "4", "--max-batch-transitions", "4", "--metrics-port", "0"),
+        *("--learning-rate", "1e-3", "--poll-s", "0.2", *more),
+    ]
+    fault = ["--die-at-step", str(die)] if die is not None else []
+    return subprocess.run(
+        [
+            *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"),
+            *("2", str(ROOT / "tests" / "distributed_trainer_worker.py"), *fault, *trainer),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=800,
+    )
+
+
+def transitions(sessions: Sessions) -> list[Any]:
+    with sessions.begin() as session:
+        return list(
+            session.execute(
+                text("SELECT trained_version, claimed_by, train_attempts FROM transition")
+            ).all()
+        )
+
+
+def test_rank_0_claims_and_publishes_one_version_per_step(
+    proxy: RunningProxy, fake_vllm: FakeVLLM, sessions: Sessions, tmp_path: Path
+) -> None:
+    play(proxy, tasks=2)  # 8 transitions: two batches of 4
+    run = launch(proxy, fake_vllm, tmp_path, "--max-steps", "2")
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert "rank 1 following rank 0" in run.stderr
+    with sessions.begin() as session:
+        versions = policy.versions(session=session, lineage="policy")
+        current = policy.current(session=session)
+    assert [v.version for v in versions] == [1, 2]  # one version per step, not one per rank
+    assert current is not None and fake_vllm.loras[current.name] == current.path
+    rows = transitions(sessions)
+    assert len(rows) == 8 and {r.trained_version for r in rows} == {1, 2}
+    assert all(r.claimed_by is None and r.train_attempts == 1 for r in rows)
+
+
+def test_a_rank_lost_mid_step_stops_the_trainer_with_every_claim_back(
+    proxy: RunningProxy, fake_vllm: FakeVLLM, sessions: Sessions, tmp_path: Path
+) -> None:
+    play(proxy, tasks=1)
+    run = launch(proxy, fake_vllm, tmp_path, "--max-steps", "1", die=1)
+    assert run.returncode != 0
+    with sessions.begin() as session:
+        assert policy.versions(session=session, lineage="policy") == []  # nothing published
+    rows = transitions(sessions)
+    assert len(rows) == 4
+    assert all(r.trained_version is None and r.claimed_by is None for r in rows)
+    assert all(r.train_attempts == 0 for r in rows)  # the batch is not charged for it

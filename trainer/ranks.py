@@ -1,0 +1,168 @@
+"""`flywheel trainer` on several processes: rank 0 leads, the others follow.
+
+Under `torchrun` or `accelerate launch` every rank runs the same command. Rank 0 runs the trainer
+exactly as one process does (`trainer/turns.py`): it alone reads and writes Postgres (claims,
+leases, SIGTERM's release, the compare-and-set publish), talks to vLLM, serves metrics and saves
+adapters. Its engines are `Led`: each call that changes an engine's state (build, step, snapshot,
+restore, load) is first sent to the followers, which make the same call on their own copy
+(`follow`), so every rank holds the same adapters and optimizer state. A step deals the claimed
+batch out (`trainer/distributed.shard`): each rank backpropagates its shard and the gradients are
+averaged (the same step one process would take: tests/test_distributed.py), so rank 0's adapter,
+which it saves and publishes, is every rank's. One version is published per step, by rank 0.
+
+A rank that dies breaks the process group: rank 0's next collective raises, which becomes
+`RanksLost`; the trainer stops as on SIGTERM (its claims go back at once, nothing is published)
+and exits non-zero, for the launcher (torchrun's --max-restarts, a Job's backoff) to start the
+group again. Followers need no database and no vLLM; they read adapters from `adapters_dir`, the
+path vLLM already reads them from (shared storage across nodes).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from trainer.batch import ModelLimits, Sample
+from trainer.config import TrainerSettings
+from trainer.distributed import World, shard
+from trainer.engine import Engine, Snapshot, StepStats
+
+log = logging.getLogger("flywheel.trainer")
+
+
+class RanksLost(BaseException):
+    """A collective with the other ranks failed: one of them is gone."""
+
+
+def _send(command: tuple[Any, ...]) -> None:
+    try:
+        dist.broadcast_object_list([command], src=0)
+    except RuntimeError as e:  # gloo: "Connection reset by peer"; NCCL: an error or abort
+        raise RanksLost(f"a rank is gone ({e})") from e
+
+
+class Led:
+    """Rank 0's engine: the local Engine, each state change sent to the followers first."""
+
+    def __init__(self, engine: Engine, world: World) -> None:
+        self.engine, self.world = engine, world
+        self.key = engine.adapter
+        self._snapshot: Snapshot | None = None
+
+    @classmethod
+    def build(
+        cls,
+        settings: TrainerSettings,
+        resume_from: Path | None,
+        *,
+        base: Any | None = None,
+        adapter: str = "default",
+    ) -> Led:
+        world = World.current()
+        _send(("build", settings.lineage, adapter, base is not None, resume_from))
+        try:
+            return cls(Engine(settings, resume_from=resume_from, base=base, adapter=adapter), world)
+        except RuntimeError as e:
+            raise RanksLost(f"building the engine with the other ranks failed ({e})") from e
+
+    @property
+    def adapter(self) -> str:
+        return self.engine.adapter
+
+    @property
+    def limits(self) -> ModelLimits:
+        return self.engine.limits
+
+    @property
+    def model(self) -> Any:
+        return self.engine.model
+
+    def step(self, samples: list[Sample]) -> StepStats:
+        _send(("step", self.key))
+        shards = [shard(samples, World(r, self.world.size)) for r in range(self.world.size)]
+        mine: list[Any] = [None]
+        try:
+            dist.scatter_object_list(mine, shards, src=0)
+            return self.engine.step(mine[0])
+        except RuntimeError as e:
+            if "peer" in str(e) or isinstance(e, dist.DistBackendError):
+                raise RanksLost(f"a rank is gone mid-step ({e})") from e
+            raise
+
+    def snapshot(self) -> Snapshot:
+        _send(("snapshot", self.key))
+        return self.engine.snapshot()
+
+    def restore(self, snapshot: Snapshot) -> None:
+        _send(("restore", self.key))  # each rank restores its own copy of the same snapshot
+        self.engine.restore(snapshot)
+
+    def load_adapter(self, adapter_dir: Path | None) -> None:
+        _send(("load_adapter", self.key, adapter_dir))
+        self.engine.load_adapter(adapter_dir)
+
+    def save_adapter(self, out_dir: Path) -> None:
+        self.engine.save_adapter(out_dir)  # the same weights on every rank: rank 0 writes
+
+
+def led(
+    settings: TrainerSettings, *, base: Any | None = None, adapter: str = "default"
+) -> Callable[[Path | None], Any]:
+    """A Trainer's `make_engine` on rank 0 of several."""
+    return lambda resume: Led.build(settings, resume, base=base, adapter=adapter)
+
+
+def follow(settings: TrainerSettings) -> None:
+    """A follower's whole life: make rank 0's engine calls on its own engines until it stops."""
+    engines: dict[str, Engine] = {}
+    snapshots: dict[str, Snapshot] = {}
+    base: Any = None
+    log.info("rank %d following rank 0", World.current().rank)
+    while True:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0)
+        command, *args = box[0]
+        if command == "stop":
+            return
+        if command == "build":
+            lineage, adapter, on_base, resume = args
+            engine = Engine(
+                settings.for_lineage(lineage),
+                resume_from=resume,
+                base=base if on_base else None,
+                adapter=adapter,
+            )
+            base = base if on_base else engine.model
+            engines[adapter] = engine
+            continue
+        key = args[0]
+        if command == "step":
+            mine: list[Any] = [None]
+            dist.scatter_object_list(mine, None, src=0)
+            engines[key].step(mine[0])
+        elif command == "snapshot":
+            snapshots[key] = engines[key].snapshot()
+        elif command == "restore":
+            engines[key].restore(snapshots[key])
+        elif command == "load_adapter":
+            engines[key].load_adapter(args[1])
+        elif command != "heartbeat":
+            raise ValueError(f"unknown command from rank 0: {command!r}")
+
+
+def heartbeat() -> None:
+    """Rank 0 is idle: a command that does nothing, so followers waiting for the next one stay
+    within the process group's timeout, and a follower that died is found while idle."""
+    _send(("heartbeat", ""))
+
+
+def stop_followers() -> None:
+    """Rank 0 is done: the followers return (nothing if they are gone already)."""
+    try:
+        _send(("stop", ""))
+    except RanksLost:
+        pass
