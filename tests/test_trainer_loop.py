@@ -49,7 +49,7 @@ def play(
     key: str | None = None,
     flip: bool = False,
 ) -> None:
-    """Episodes through the proxy, half of each task's episodes rewarded (`flip`: the other half)."""
+    """Episodes through the proxy, half of each task's episodes rewarded (`flip`: the others)."""
     with proxy.client(**({"Authorization": f"Bearer {key}"} if key else {})) as c:
         for t in range(tasks):
             for e in range(episodes_per_task):

@@ -19,6 +19,7 @@ path vLLM already reads them from (shared storage across nodes).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
@@ -162,7 +163,5 @@ def heartbeat() -> None:
 
 def stop_followers() -> None:
     """Rank 0 is done: the followers return (nothing if they are gone already)."""
-    try:
+    with contextlib.suppress(RanksLost):
         _send(("stop", ""))
-    except RanksLost:
-        pass
