@@ -1,10 +1,11 @@
-"""`flywheel trainer` on 2 processes (torchrun, gloo): rank 0 claims, steps with the other
+"""`flywheel trainer` on 2 processes (torchrun and accelerate launch, gloo): rank 0 claims, steps with the other
 rank, publishes one version per step; a rank lost mid-step stops the trainer with every claim
 back and nothing published. Real Postgres, real TRL training, the proxy on the fake vLLM."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ from core import policy
 from core.database import Sessions
 from demo.tiny_model import build_demo_model
 from fakes.vllm import FakeVLLM
+from trainer import distributed
 from tests.conftest import TEST_HOME, RunningProxy
 from tests.test_trainer_loop import play
 
@@ -24,8 +26,27 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+# what a user types (deploy/accelerate/ddp.yaml), here on CPUs (gloo; no GPU, so no NCCL)
+ACCELERATE = [
+    *(sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2"),
+    *("--config_file", str(ROOT / "deploy" / "accelerate" / "ddp.yaml")),
+]
+
+
 def launch(
-    proxy: RunningProxy, fake_vllm: FakeVLLM, tmp_path: Path, *more: str, die: int | None = None
+    proxy: RunningProxy,
+    fake_vllm: FakeVLLM,
+    tmp_path: Path,
+    *more: str,
+    die: int | None = None,
+    launcher: str = "torchrun",
 ) -> subprocess.CompletedProcess[str]:
     env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     trainer = [
@@ -35,12 +56,13 @@ def launch(
         *("--min-episodes", "4", "--max-batch-transitions", "4", "--metrics-port", "0"),
         *("--learning-rate", "1e-3", "--poll-s", "0.2", *more),
     ]
-    fault = ["--die-at-step", str(die)] if die is not None else []
+    if launcher == "accelerate":
+        command = [*ACCELERATE, "--main_process_port", str(free_port()), "-m", "flywheel"]
+    else:
+        fault = ["--die-at-step", str(die)] if die is not None else []
+        command = [*TORCHRUN, str(ROOT / "tests" / "distributed_trainer_worker.py"), *fault]
     return subprocess.run(
-        [
-            *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node"),
-            *("2", str(ROOT / "tests" / "distributed_trainer_worker.py"), *fault, *trainer),
-        ],
+        [*command, *trainer],
         env=env,
         capture_output=True,
         text=True,
@@ -57,11 +79,12 @@ def transitions(sessions: Sessions) -> list[Any]:
         )
 
 
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
 def test_rank_0_claims_and_publishes_one_version_per_step(
-    proxy: RunningProxy, fake_vllm: FakeVLLM, sessions: Sessions, tmp_path: Path
+    proxy: RunningProxy, fake_vllm: FakeVLLM, sessions: Sessions, tmp_path: Path, launcher: str
 ) -> None:
     play(proxy, tasks=2)  # 8 transitions: two batches of 4
-    run = launch(proxy, fake_vllm, tmp_path, "--max-steps", "2")
+    run = launch(proxy, fake_vllm, tmp_path, "--max-steps", "2", launcher=launcher)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "rank 1 following rank 0" in run.stderr
     with sessions.begin() as session:
@@ -86,3 +109,12 @@ def test_a_rank_lost_mid_step_stops_the_trainer_with_every_claim_back(
     assert len(rows) == 4
     assert all(r.trained_version is None and r.claimed_by is None for r in rows)
     assert all(r.train_attempts == 0 for r in rows)  # the batch is not charged for it
+
+
+@pytest.mark.parametrize("engine", ["FSDP", "DEEPSPEED"])
+def test_a_sharded_launch_is_refused_naming_what_works(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(f"ACCELERATE_USE_{engine}", "true")
+    with pytest.raises(SystemExit, match=f"{engine} is not supported yet.*ddp.yaml"):
+        distributed.join()

@@ -48,6 +48,12 @@ class World:
 def join() -> World:
     """Join the process group the launcher describes (WORLD_SIZE > 1): NCCL on GPUs, each rank on
     its LOCAL_RANK's device; gloo on CPUs. TRL's Accelerator then uses this group."""
+    for engine in ("FSDP", "DEEPSPEED"):  # accelerate launch's config says so in these
+        if os.environ.get(f"ACCELERATE_USE_{engine}", "").lower() in ("1", "true"):
+            raise SystemExit(
+                f"flywheel trainer: {engine} is not supported yet (each rank holds the whole base "
+                "model and trains its shard: DDP); use deploy/accelerate/ddp.yaml"
+            )
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
