@@ -1,6 +1,6 @@
-"""`flywheel trainer` on 2 processes (torchrun and accelerate launch, gloo): rank 0 claims, steps with the other
-rank, publishes one version per step; a rank lost mid-step stops the trainer with every claim
-back and nothing published. Real Postgres, real TRL training, the proxy on the fake vLLM."""
+"""`flywheel trainer` on 2 processes (torchrun, and accelerate launch with deploy/accelerate/
+ddp.yaml; gloo): rank 0 claims, steps with the other rank, publishes one version per step; a rank
+lost mid-step stops the trainer with every claim back and nothing published. Real Postgres, real TRL training, the proxy on the fake vLLM."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from core import policy
 from core.database import Sessions
 from demo.tiny_model import build_demo_model
 from fakes.vllm import FakeVLLM
-from trainer import distributed
 from tests.conftest import TEST_HOME, RunningProxy
 from tests.test_trainer_loop import play
+from trainer import distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
