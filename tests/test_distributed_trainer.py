@@ -1,6 +1,7 @@
 """`flywheel trainer` on 2 processes (torchrun, and accelerate launch with deploy/accelerate/
 ddp.yaml; gloo): rank 0 claims, steps with the other rank, publishes one version per step; a rank
-lost mid-step stops the trainer with every claim back and nothing published. Real Postgres, real TRL training, the proxy on the fake vLLM."""
+lost mid-step stops the trainer with every claim back and nothing published. Real Postgres,
+real TRL training, the proxy on the fake vLLM."""
 
 from __future__ import annotations
 
