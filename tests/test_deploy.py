@@ -594,11 +594,14 @@ def test_overlay_lists_every_vllm_replica_once(overlay: Path) -> None:
         proxy_spec["terminationGracePeriodSeconds"]
         >= shutdown_s(env_of(proxy), config["data"]) + 10
     )
-    trainer_spec = docs["Deployment", "trainer"]["spec"]
+    # one trainer: a Deployment of one pod, or (multi-node-trainer) an indexed Job of machines
+    trainer_doc = docs.get(("Deployment", "trainer")) or docs["Job", "trainer"]
+    trainer_spec = trainer_doc["spec"]
     trainer = trainer_spec["template"]["spec"]["containers"][0]
     assert env_of(proxy)["FLYWHEEL_UPSTREAM"] == env_of(trainer)["FLYWHEEL_VLLM"] == "$(VLLM_URLS)"
-    assert trainer_spec["replicas"] == 1 and trainer_spec["strategy"]["type"] == "Recreate"
-    assert proxy["args"] == ["proxy"] and trainer["args"] == ["trainer"]
+    if trainer_doc["kind"] == "Deployment":
+        assert trainer_spec["replicas"] == 1 and trainer_spec["strategy"]["type"] == "Recreate"
+    assert proxy["args"] == ["proxy"] and trainer["args"][-1] == "trainer"
     # Readiness drains a pod whose journal and database both fail; liveness must not restart it
     # (its records wait in memory), so it asks a route that only needs the process.
     probes = {p: proxy[p]["httpGet"]["path"] for p in ("readinessProbe", "livenessProbe")}
@@ -633,7 +636,7 @@ def test_overlay_lists_every_vllm_replica_once(overlay: Path) -> None:
         }
         mounts = {m["mountPath"]: claims[m["name"]] for m in container["volumeMounts"]}
         assert mounts[adapters_dir] == "flywheel-adapters"
-        assert container["resources"]["limits"]["nvidia.com/gpu"] == "1"
+        assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= 1
     assert docs["PersistentVolumeClaim", "flywheel-adapters"]["spec"]["accessModes"] == [
         "ReadWriteMany"
     ]
@@ -756,3 +759,36 @@ def test_the_kubernetes_scrape_sends_the_metrics_key_to_the_proxy_alone() -> Non
     proxy_pod = docs["StatefulSet", "proxy"]["spec"]["template"]["metadata"]
     assert proxy_pod["labels"]["app.kubernetes.io/name"] == "proxy"
     assert proxy_pod["annotations"]["prometheus.io/path"] == "/metrics"
+
+
+def test_the_multi_node_trainer_meets_at_rank_0s_pod() -> None:
+    """Two pods of an indexed Job, each `accelerate launch` with two-nodes.yaml: the config's
+    main_process_ip is pod 0's name under the headless Service, its machine and process counts
+    are the Job's pods and their GPUs, each pod's machine rank is its index."""
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    docs = render(ROOT / "deploy" / "overlays" / "multi-node-trainer")
+    kinds = {(d["kind"], d["metadata"]["name"]) for d in docs}
+    assert ("Deployment", "trainer") not in kinds  # the one-GPU trainer is replaced
+    job = next(d for d in docs if d["kind"] == "Job" and d["metadata"]["name"] == "trainer")
+    service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == "trainer")
+    spec, pod = job["spec"], job["spec"]["template"]["spec"]
+    container = pod["containers"][0]
+    config_path = next(a for a in container["args"] if a.startswith("--config_file="))
+    config = load_config_from_file(
+        str(ROOT / "deploy/accelerate" / Path(config_path.split("=", 1)[1]).name)
+    )
+    assert spec["completionMode"] == "Indexed"
+    assert spec["completions"] == spec["parallelism"] == config.num_machines
+    gpus = int(container["resources"]["limits"]["nvidia.com/gpu"])
+    assert gpus * config.num_machines == config.num_processes
+    assert service["spec"]["clusterIP"] == "None" and pod["subdomain"] == "trainer"
+    labels = job["spec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert config.main_process_ip == f"{job['metadata']['name']}-0.{service['metadata']['name']}"
+    assert config.main_process_port in [p["containerPort"] for p in container["ports"]]
+    rank = next(e for e in container["env"] if e["name"] == "MACHINE_RANK")
+    assert "job-completion-index" in rank["valueFrom"]["fieldRef"]["fieldPath"]
+    assert "--machine_rank=$(MACHINE_RANK)" in container["args"]
+    assert container["command"] == ["accelerate", "launch"]
+    assert container["args"][-3:] == ["-m", "flywheel", "trainer"]
