@@ -423,3 +423,16 @@ def test_gpu_smoke_on_the_cpu(
     assert list(fake_vllm.state.loras) == (["policy-v1"] if publish else [])
     rows = [line for line in report.read_text().splitlines() if line.startswith("| 1 |")]
     assert len(rows) == 1 and "| 100% |" in rows[0]  # the one step, every token kept
+
+
+def test_data_parallel_smoke(tmp_path: Path) -> None:
+    report = tmp_path / "data_parallel.md"
+    command = [sys.executable, "-m", "bench.data_parallel", "--steps", "2", "--batch", "4"]
+    run = subprocess.run(
+        [*command, "--results", str(report)], capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line for line in report.read_text().splitlines() if line.startswith("| ")]
+    assert rows[0] == "| processes | median step (s) | samples/s |"
+    assert [r.split("|")[1].strip() for r in rows[1:]] == ["1", "2"]
+    assert all(float(r.split("|")[3]) > 0 for r in rows[1:])
