@@ -57,9 +57,7 @@ def main() -> None:
         later = times[1:] or times  # the first step warms up
         median = statistics.median(later)
         rows.append((processes, median, args.batch / median))
-        print(
-            f"{processes} processes: median step {median:.3f} s, {args.batch / median:.1f} samples/s"
-        )
+        print(f"{processes} processes: step {median:.3f} s, {args.batch / median:.1f} samples/s")
     report(args, rows)
 
 
