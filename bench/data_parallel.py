@@ -73,8 +73,13 @@ def worker(args: argparse.Namespace) -> None:
 
     world = join()
     home = Path(tempfile.mkdtemp(prefix=f"data-parallel-{world.rank}-"))
-    settings = TrainerSettings(
-        model=args.model, vllm=["http://127.0.0.1:9"], adapters_dir=home / "adapters", home=home
+    settings = TrainerSettings.model_validate(
+        {
+            "model": args.model,
+            "vllm": ["http://127.0.0.1:9"],
+            "adapters_dir": home / "a",
+            "home": home,
+        }
     )
     engine = Engine(settings)
     vocab = engine.limits.vocab_size
