@@ -27,10 +27,16 @@ def main() -> None:
         batch = samples(engine, stale=True)
         mine = shard(batch, world)
         rows = [-1 if s.ballast else next(i for i, b in enumerate(batch) if b is s) for s in mine]
-        grads, loss = gradient_of_one_step(engine, mine)
+        grads, stats = gradient_of_one_step(engine, mine)
+        tally = {k: vars(t) for k, t in stats.by_staleness.items()}
+        report = {
+            "loss": stats.loss,
+            "tally": tally,
+            "ratio": [stats.is_ratio_min, stats.is_ratio_max],
+        }
         weights = {n: p.detach().clone() for n, p in engine.model.named_parameters() if n in grads}
         torch.save(
-            {"world": world.size, "rows": rows, "loss": loss, "grads": grads, "weights": weights},
+            {"world": world.size, "rows": rows, "grads": grads, "weights": weights} | report,
             out / f"{loss_type}-rank{world.rank}.pt",
         )
 

@@ -67,7 +67,7 @@ def test_two_processes_take_one_processs_step(
     alone = Engine(settings_for(tmp_path, loss_type=loss_type))
     lr = alone.trainer.args.learning_rate
     batch = samples(alone, stale=True)
-    grads, loss = gradient_of_one_step(alone, batch)
+    grads, stats = gradient_of_one_step(alone, batch)
     after = {n: p.detach() for n, p in alone.model.named_parameters() if n in grads}
     ranks = two_ranks[loss_type]
     assert [r["world"] for r in ranks] == [2, 2]  # really two processes in one group
@@ -77,7 +77,10 @@ def test_two_processes_take_one_processs_step(
         assert rank["grads"].keys() == grads.keys()
         worst = max(float((rank["grads"][n] - grads[n]).abs().max()) for n in grads)
         assert worst <= 1e-5 * largest, (worst, largest)
-        assert rank["loss"] == pytest.approx(loss, rel=1e-5, abs=1e-7)
+        assert rank["loss"] == pytest.approx(stats.loss, rel=1e-5, abs=1e-7)
+        # the step's report counts every rank's tokens, not the reporting rank's
+        assert rank["tally"] == {k: vars(t) for k, t in stats.by_staleness.items()}
+        assert rank["ratio"] == pytest.approx([stats.is_ratio_min, stats.is_ratio_max], rel=1e-5)
         # Adam divides by each gradient entry's size, so an entry near its eps turns float32
         # rounding into more than rounding: within 1 % of one step's size (the learning rate)
         for n, w in after.items():

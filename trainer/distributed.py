@@ -21,11 +21,13 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from trainer.batch import Sample
+from trainer.correction import Correction, Tally
 
 
 @dataclass(frozen=True)
@@ -123,3 +125,26 @@ def broadcast_parameters(params: Sequence[torch.nn.Parameter], world: World) -> 
             n = p.numel()
             p.copy_(flat[offset : offset + n].view_as(p))
             offset += n
+
+
+def gather_correction(mine: Correction, world: World) -> Correction:
+    """The step's correction report over every rank's shard (each rank saw only its own): token
+    tallies summed, the ratio range widened, the mean weight over all kept tokens."""
+    if world.size == 1:
+        return mine
+    kept = int(mine.keep_BT.sum())
+    summary = (mine.by_staleness, mine.ratio_min, mine.ratio_max, mine.weight_mean, kept)
+    theirs: list[Any] = [None] * world.size
+    dist.all_gather_object(theirs, summary)
+    out = Correction(weights_BT=mine.weights_BT, keep_BT=mine.keep_BT)
+    for by_staleness, _, _, _, _ in theirs:
+        for bucket, tally in by_staleness.items():
+            total = out.by_staleness.setdefault(bucket, Tally())
+            total.tokens += tally.tokens
+            total.truncated += tally.truncated
+            total.rejected += tally.rejected
+    out.ratio_min = min(t[1] for t in theirs)
+    out.ratio_max = max(t[2] for t in theirs)
+    kept_all = sum(t[4] for t in theirs)
+    out.weight_mean = sum(t[3] * t[4] for t in theirs) / kept_all if kept_all else 1.0
+    return out

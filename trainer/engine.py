@@ -38,7 +38,13 @@ with warnings.catch_warnings():
 from trainer.batch import ModelLimits, Sample
 from trainer.config import TrainerSettings
 from trainer.correction import Correction, Tally, correct
-from trainer.distributed import World, average, average_gradients, broadcast_parameters
+from trainer.distributed import (
+    World,
+    average,
+    average_gradients,
+    broadcast_parameters,
+    gather_correction,
+)
 from trainer.logprobs import processed_logprobs
 from trainer.microbatch import pieces, share
 
@@ -367,7 +373,7 @@ class Engine:
             trainer.state.global_step += 1
         metrics = {k: sum(v) / len(v) for k, v in trainer._metrics["train"].items() if v}
         trainer._metrics["train"].clear()
-        correction = trainer.correction
+        correction = gather_correction(trainer.correction, self.world)
         return StepStats(
             loss=sum(losses) / len(losses),
             clip_fraction=metrics.get("clip_ratio/region_mean", 0.0),
