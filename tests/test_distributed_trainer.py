@@ -47,6 +47,7 @@ def launch(
     tmp_path: Path,
     *more: str,
     die: int | None = None,
+    fail: int | None = None,
     launcher: str = "torchrun",
 ) -> subprocess.CompletedProcess[str]:
     env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -61,6 +62,7 @@ def launch(
         command = [*ACCELERATE, "--main_process_port", str(free_port()), "-m", "flywheel"]
     else:
         fault = ["--die-at-step", str(die)] if die is not None else []
+        fault += ["--fail-at-step", str(fail)] if fail is not None else []
         command = [*TORCHRUN, str(ROOT / "tests" / "distributed_trainer_worker.py"), *fault]
     return subprocess.run(
         [*command, *trainer],
@@ -110,6 +112,23 @@ def test_a_rank_lost_mid_step_stops_the_trainer_with_every_claim_back(
     assert len(rows) == 4
     assert all(r.trained_version is None and r.claimed_by is None for r in rows)
     assert all(r.train_attempts == 0 for r in rows)  # the batch is not charged for it
+
+
+def test_a_step_that_fails_on_rank_0_stops_the_group_and_charges_the_batch(
+    proxy: RunningProxy, fake_vllm: FakeVLLM, sessions: Sessions, tmp_path: Path
+) -> None:
+    """The other rank may be inside the step's collectives: the group stops (the launcher
+    restarts it) and, as with one process, the batch is charged an attempt, so one that always
+    fails is set aside after max_train_attempts instead of stopping the group forever."""
+    play(proxy, tasks=1)
+    run = launch(proxy, fake_vllm, tmp_path, "--max-steps", "1", fail=0)
+    assert run.returncode != 0
+    assert "the step failed on rank 0" in run.stderr
+    with sessions.begin() as session:
+        assert policy.versions(session=session, lineage="policy") == []
+    rows = transitions(sessions)
+    assert all(r.trained_version is None and r.claimed_by is None for r in rows)
+    assert [r.train_attempts for r in rows] == [1, 1, 1, 1]
 
 
 @pytest.mark.parametrize("engine", ["FSDP", "DEEPSPEED"])

@@ -28,7 +28,7 @@ from pathlib import Path
 from core import policy
 from core.database import Sessions
 from core.vllm import VLLMError
-from trainer import faults, metrics, report, store
+from trainer import faults, metrics, ranks, report, store
 from trainer.advantages import RunningBaseline
 from trainer.batch import Batch, build_batch, staleness_in
 from trainer.canary_watch import CanaryWatch
@@ -181,6 +181,9 @@ class Trainer:
             if sampled:
                 self.metrics.staleness.set(sum(sampled) / len(sampled))
             stats = self.engine.step(batch.samples) if batch.samples else None
+        except ranks.StepFailed:  # several processes: the group stops; the batch is charged
+            self._give_back(ids, reason="error")
+            raise
         except Exception:  # a bad batch must not stop training: it has max_train_attempts
             log.exception("the step failed on a batch of %d transitions; giving it back", len(ids))
             self.engine.restore(before)

@@ -13,7 +13,10 @@ which it saves and publishes, is every rank's. One version is published per step
 A rank that dies breaks the process group: rank 0's next collective raises, which becomes
 `RanksLost`; the trainer stops as on SIGTERM (its claims go back at once, nothing is published)
 and exits non-zero, for the launcher (torchrun's --max-restarts, a Job's backoff) to start the
-group again. Followers need no database and no vLLM; they read adapters from `adapters_dir`, the
+group again. A step that raises on rank 0 stops the group the same way (the others may be inside
+the step's collectives), charging the batch an attempt (`StepFailed`), so a batch that always fails
+is set aside after max_train_attempts as with one process. One that raises on another rank only
+ends that rank: to rank 0 it is a lost rank, and the batch is not charged. Followers need no database and no vLLM; they read adapters from `adapters_dir`, the
 path vLLM already reads them from (shared storage across nodes).
 """
 
@@ -37,6 +40,12 @@ log = logging.getLogger("flywheel.trainer")
 
 class RanksLost(BaseException):
     """A collective with the other ranks failed: one of them is gone."""
+
+
+class StepFailed(RanksLost):
+    """The step raised on rank 0 while the others may be inside it: the ranks are out of step,
+    so the group stops like on a lost rank (the launcher restarts it), and the batch is charged
+    an attempt, as one process charges a batch that fails its step."""
 
 
 def _send(command: tuple[Any, ...]) -> None:
@@ -92,7 +101,9 @@ class Led:
         except RuntimeError as e:
             if "peer" in str(e) or isinstance(e, dist.DistBackendError):
                 raise RanksLost(f"a rank is gone mid-step ({e})") from e
-            raise
+            raise StepFailed(f"the step failed on rank 0 ({e!r})") from e
+        except Exception as e:
+            raise StepFailed(f"the step failed on rank 0 ({e!r})") from e
 
     def snapshot(self) -> Snapshot:
         _send(("snapshot", self.key))
