@@ -16,8 +16,10 @@ and exits non-zero, for the launcher (torchrun's --max-restarts, a Job's backoff
 group again. A step that raises on rank 0 stops the group the same way (the others may be inside
 the step's collectives), charging the batch an attempt (`StepFailed`), so a batch that always fails
 is set aside after max_train_attempts as with one process. One that raises on another rank only
-ends that rank: to rank 0 it is a lost rank, and the batch is not charged. Followers need no database and no vLLM; they read adapters from `adapters_dir`, the
-path vLLM already reads them from (shared storage across nodes).
+ends that rank: to rank 0 it is a lost rank, and the batch is not charged.
+
+Followers need no database and no vLLM; they read adapters from `adapters_dir`, the path vLLM
+already reads them from (shared storage across nodes).
 """
 
 from __future__ import annotations
