@@ -114,6 +114,13 @@ class TrainerSettings(DatabaseSettings):
         "doubling each failure in a row up to backoff_max_s; the batch keeps its attempts.",
     )
     backoff_max_s: float = Field(60.0, gt=0, description="The longest back-off between tries.")
+    rank_timeout_s: float = Field(
+        1800.0,
+        gt=0,
+        description="Under torchrun / accelerate launch: how long a rank waits in a collective "
+        "(a step's, or for rank 0's next command, sent at least once a turn) before the group "
+        "is given up and the launcher restarts it.",
+    )
 
     # --- how to train (TRL's GRPO loss, PEFT LoRA) -------------------------------------------
     lora_rank: int = Field(8, description="LoRA rank (vLLM needs --max-lora-rank >= this).")

@@ -21,6 +21,7 @@ import dataclasses
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -47,9 +48,11 @@ class World:
         return self.rank == 0
 
 
-def join() -> World:
+def join(timeout_s: float = 1800.0) -> World:
     """Join the process group the launcher describes (WORLD_SIZE > 1): NCCL on GPUs, each rank on
-    its LOCAL_RANK's device; gloo on CPUs. TRL's Accelerator then uses this group."""
+    its LOCAL_RANK's device; gloo on CPUs. TRL's Accelerator then uses this group. A collective
+    that waits longer than `timeout_s` fails (a follower waiting for rank 0's next command, which
+    rank 0 sends at least once a turn)."""
     for engine in ("FSDP", "DEEPSPEED"):  # accelerate launch's config says so in these
         if os.environ.get(f"ACCELERATE_USE_{engine}", "").lower() in ("1", "true"):
             raise SystemExit(
@@ -59,9 +62,9 @@ def join() -> World:
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-            dist.init_process_group("nccl")
+            dist.init_process_group("nccl", timeout=timedelta(seconds=timeout_s))
         else:
-            dist.init_process_group("gloo")
+            dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
     return World.current()
 
 

@@ -169,8 +169,9 @@ def follow(settings: TrainerSettings) -> None:
 
 
 def heartbeat() -> None:
-    """Rank 0 is idle: a command that does nothing, so followers waiting for the next one stay
-    within the process group's timeout, and a follower that died is found while idle."""
+    """Once a turn, busy or idle: a command that does nothing, so followers waiting for the next
+    one stay within the process group's timeout (rank_timeout_s), and a follower that died is
+    found while rank 0 is idle or backing off."""
     _send(("heartbeat", ""))
 
 

@@ -46,7 +46,7 @@ def _stop(signum: int, _frame: object) -> None:
 
 
 def run(settings: TrainerSettings) -> None:
-    world = distributed.join()
+    world = distributed.join(settings.rank_timeout_s)
     signal.signal(signal.SIGTERM, _stop)  # kubectl delete, docker stop: claims go back at once
     try:
         if not world.leader:  # under torchrun / accelerate launch (trainer/ranks.py)
@@ -153,6 +153,8 @@ class Turns:
         max_steps, poll_s = self.settings.max_steps, self.settings.poll_s
         try:
             while True:
+                if self.world.size > 1:  # each turn, busy or not (trainer/ranks.py)
+                    ranks.heartbeat()
                 if time.monotonic() >= self._next_discovery:
                     try:
                         self.discover()
@@ -172,8 +174,6 @@ class Turns:
                     trainer.backoff.reset()
                 else:
                     if not published:
-                        if self.world.size > 1:
-                            ranks.heartbeat()
                         time.sleep(poll_s)
         finally:
             for trainer in self.trainers:
