@@ -63,7 +63,6 @@ class Led:
     def __init__(self, engine: Engine, world: World) -> None:
         self.engine, self.world = engine, world
         self.key = engine.adapter
-        self._snapshot: Snapshot | None = None
 
     @classmethod
     def build(
@@ -163,7 +162,10 @@ def follow(settings: TrainerSettings) -> None:
         elif command == "restore":
             engines[key].restore(snapshots[key])
         elif command == "load_adapter":
-            engines[key].load_adapter(args[1])
+            try:
+                engines[key].load_adapter(args[1])
+            except ValueError as e:  # another LoRA configuration: rank 0 builds anew, next
+                log.info("rank 0 will rebuild %s: %s", key, e)
         elif command != "heartbeat":
             raise ValueError(f"unknown command from rank 0: {command!r}")
 
