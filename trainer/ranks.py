@@ -13,10 +13,10 @@ which it saves and publishes, is every rank's. One version is published per step
 A rank that dies breaks the process group: rank 0's next collective raises, which becomes
 `RanksLost`; the trainer stops as on SIGTERM (its claims go back at once, nothing is published)
 and exits non-zero, for the launcher (torchrun's --max-restarts, a Job's backoff) to start the
-group again. A step that raises on rank 0 stops the group the same way (the others may be inside
-the step's collectives), charging the batch an attempt (`StepFailed`), so a batch that always fails
-is set aside after max_train_attempts as with one process. One that raises on another rank only
-ends that rank: to rank 0 it is a lost rank, and the batch is not charged.
+group again. A step that does not complete on every rank (it raises on rank 0, or a rank is
+lost inside it, whether its machine went or the batch killed it) stops the group the same way
+and charges the batch an attempt (`StepFailed`), so a batch that always fails is set aside after
+max_train_attempts as with one process.
 
 Followers need no database and no vLLM; they read adapters from `adapters_dir`, the path vLLM
 already reads them from (shared storage across nodes).
@@ -45,9 +45,12 @@ class RanksLost(BaseException):
 
 
 class StepFailed(RanksLost):
-    """The step raised on rank 0 while the others may be inside it: the ranks are out of step,
-    so the group stops like on a lost rank (the launcher restarts it), and the batch is charged
-    an attempt, as one process charges a batch that fails its step."""
+    """The step did not complete on every rank (it raised on rank 0, or a rank was lost inside
+    it): the ranks are out of step, so the group stops (the launcher restarts it), and the batch
+    is charged an attempt, as one process charges a batch that fails its step. Rank 0 cannot
+    tell a batch that kills a rank from a machine lost under it; charging both means a batch
+    that always fails is set aside after max_train_attempts instead of restarting the group
+    forever, at the price of an attempt for a batch caught by a lost machine."""
 
 
 def _send(command: tuple[Any, ...]) -> None:
@@ -101,7 +104,7 @@ class Led:
             return self.engine.step(mine[0])
         except RuntimeError as e:
             if "peer" in str(e) or isinstance(e, dist.DistBackendError):
-                raise RanksLost(f"a rank is gone mid-step ({e})") from e
+                raise StepFailed(f"a rank is gone mid-step ({e})") from e
             raise StepFailed(f"the step failed on rank 0 ({e!r})") from e
         except Exception as e:
             raise StepFailed(f"the step failed on rank 0 ({e!r})") from e
