@@ -76,9 +76,13 @@ class Curve:
 
 
 def run_flywheel(
-    model_dir: Path, rounds: int, database_url: str | None, concurrency: int = 8
+    model_dir: Path,
+    rounds: int,
+    database_url: str | None,
+    concurrency: int = 8,
+    trainer_processes: int = 1,
 ) -> Curve:
-    curve = Curve("Flywheel")
+    curve = Curve("Flywheel" if trainer_processes == 1 else f"Flywheel, {trainer_processes} ranks")
     started = time.perf_counter()
     base = database_url or database.embedded_postgres_url(HOME)
     name = f"learn_{uuid.uuid4().hex[:8]}"  # a fresh database: no leftover transitions to train on
@@ -93,6 +97,7 @@ def run_flywheel(
             proxy_port=free_port(),
             vllm_port=free_port(),
             trainer_metrics_port=free_port(),
+            trainer_processes=trainer_processes,
         ) as loop:
             # vLLM's first request takes ~17 s (warm-up): start-up, not learning. Asked of vLLM
             # directly, so nothing is recorded.
@@ -529,6 +534,9 @@ def main() -> None:
         help="the demo agent's requests in flight (32: as many as TRL generates at once)",
     )
     parser.add_argument("--database-url", help="Flywheel's Postgres (default: embedded)")
+    parser.add_argument(
+        "--trainer-processes", type=int, default=1, help="> 1: the trainer under torchrun"
+    )
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--plots", type=Path, default=PLOTS)
     args = parser.parse_args()
@@ -547,7 +555,13 @@ def main() -> None:
     curves = []
     if not args.skip_flywheel:
         curves.append(
-            run_flywheel(args.model, args.rounds, args.database_url, args.agent_concurrency)
+            run_flywheel(
+                args.model,
+                args.rounds,
+                args.database_url,
+                args.agent_concurrency,
+                args.trainer_processes,
+            )
         )
     if not args.skip_trl:
         curves.append(run_trl(args.model, samples, args.trl_batch, args.threads))

