@@ -6,7 +6,6 @@ real TRL training, the proxy on the fake vLLM."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from sqlalchemy import text
 from core import policy
 from core.database import Sessions
 from demo.tiny_model import build_demo_model
+from demo.vllm_server import free_port
 from fakes.vllm import FakeVLLM
 from tests.conftest import TEST_HOME, RunningProxy
 from tests.test_trainer_loop import play
@@ -25,12 +25,6 @@ from trainer import distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]

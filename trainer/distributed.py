@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.utils import parameters_to_vector
 
 from trainer.batch import Sample
 from trainer.correction import Correction, Tally
@@ -97,14 +98,11 @@ def average_gradients(params: Sequence[torch.nn.Parameter], world: World) -> Non
     if world.size == 1 or not params:
         return
     grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
+    flat = parameters_to_vector(grads)
     dist.all_reduce(flat)  # a sum: gloo has no average
     flat /= world.size
-    offset = 0
-    for p in params:
-        n = p.numel()
-        p.grad = flat[offset : offset + n].view_as(p).clone()
-        offset += n
+    for p, part in zip(params, _split(flat, params), strict=True):
+        p.grad = part.clone()
 
 
 def average(value: float, world: World, device: torch.device) -> float:
@@ -121,13 +119,16 @@ def broadcast_parameters(params: Sequence[torch.nn.Parameter], world: World) -> 
     if world.size == 1 or not params:
         return
     with torch.no_grad():
-        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        flat = parameters_to_vector(params)
         dist.broadcast(flat, src=0)
-        offset = 0
-        for p in params:
-            n = p.numel()
-            p.copy_(flat[offset : offset + n].view_as(p))
-            offset += n
+        for p, part in zip(params, _split(flat, params), strict=True):
+            p.copy_(part)
+
+
+def _split(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`flat` (a `parameters_to_vector` of tensors shaped as `like`) cut back into their shapes."""
+    parts = torch.split(flat, [t.numel() for t in like])
+    return [part.view_as(t) for part, t in zip(parts, like, strict=True)]
 
 
 def gather_correction(mine: Correction, world: World) -> Correction:

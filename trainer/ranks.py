@@ -102,12 +102,14 @@ class Led:
         try:
             dist.scatter_object_list(mine, shards, src=0)
             return self.engine.step(mine[0])
-        except RuntimeError as e:
-            if "peer" in str(e) or isinstance(e, dist.DistBackendError):
-                raise StepFailed(f"a rank is gone mid-step ({e})") from e
-            raise StepFailed(f"the step failed on rank 0 ({e!r})") from e
-        except Exception as e:
-            raise StepFailed(f"the step failed on rank 0 ({e!r})") from e
+        except Exception as e:  # either way the ranks are out of step (StepFailed)
+            lost = isinstance(e, dist.DistBackendError) or (
+                isinstance(e, RuntimeError) and "peer" in str(e)
+            )
+            what = (
+                f"a rank is gone mid-step ({e})" if lost else f"the step failed on rank 0 ({e!r})"
+            )
+            raise StepFailed(what) from e
 
     def snapshot(self) -> Snapshot:
         _send(("snapshot", self.key))
