@@ -94,7 +94,7 @@ def test_rank_0_claims_and_publishes_one_version_per_step(
     assert all(r.claimed_by is None and r.train_attempts == 1 for r in rows)
 
 
-def test_a_rank_lost_mid_step_stops_the_trainer_with_every_claim_back_charged(
+def test_a_rank_lost_mid_step_stops_the_trainer_with_every_claim_back(
     proxy: RunningProxy, fake_vllm: FakeVLLM, sessions: Sessions, tmp_path: Path
 ) -> None:
     play(proxy, tasks=1)
@@ -105,10 +105,9 @@ def test_a_rank_lost_mid_step_stops_the_trainer_with_every_claim_back_charged(
     rows = transitions(sessions)
     assert len(rows) == 4
     assert all(r.trained_version is None and r.claimed_by is None for r in rows)
-    # charged: rank 0 cannot tell a lost machine from a batch that kills a rank, and a batch
-    # that always does must end set aside, not restart the group forever
-    assert [r.train_attempts for r in rows] == [1, 1, 1, 1]
-    assert "a rank is gone mid-step" in run.stderr
+    # not charged: rank 0 either sees the collective fail ("a rank is gone mid-step") or is
+    # stopped by the launcher first (SIGTERM), and both give the claims back uncharged
+    assert all(r.train_attempts == 0 for r in rows)
 
 
 def test_a_step_that_fails_on_rank_0_stops_the_group_and_charges_the_batch(

@@ -13,10 +13,11 @@ which it saves and publishes, is every rank's. One version is published per step
 A rank that dies breaks the process group: rank 0's next collective raises, which becomes
 `RanksLost`; the trainer stops as on SIGTERM (its claims go back at once, nothing is published)
 and exits non-zero, for the launcher (torchrun's --max-restarts, a Job's backoff) to start the
-group again. A step that does not complete on every rank (it raises on rank 0, or a rank is
-lost inside it, whether its machine went or the batch killed it) stops the group the same way
-and charges the batch an attempt (`StepFailed`), so a batch that always fails is set aside after
-max_train_attempts as with one process.
+group again. A step that raises on rank 0 stops the group the same way (the others may be inside
+the step's collectives), charging the batch an attempt (`StepFailed`), so a batch that always
+fails there is set aside after max_train_attempts as with one process. A lost rank charges
+nothing: under torchrun the launcher may SIGTERM rank 0 before its collective fails, so rank 0
+cannot reliably tell a rank lost mid-step from one lost between steps.
 
 Followers need no database and no vLLM; they read adapters from `adapters_dir`, the path vLLM
 already reads them from (shared storage across nodes).
@@ -45,12 +46,9 @@ class RanksLost(BaseException):
 
 
 class StepFailed(RanksLost):
-    """The step did not complete on every rank (it raised on rank 0, or a rank was lost inside
-    it): the ranks are out of step, so the group stops (the launcher restarts it), and the batch
-    is charged an attempt, as one process charges a batch that fails its step. Rank 0 cannot
-    tell a batch that kills a rank from a machine lost under it; charging both means a batch
-    that always fails is set aside after max_train_attempts instead of restarting the group
-    forever, at the price of an attempt for a batch caught by a lost machine."""
+    """The step raised on rank 0 while the others may be inside it: the ranks are out of step,
+    so the group stops like on a lost rank (the launcher restarts it), and the batch is charged
+    an attempt, as one process charges a batch that fails its step."""
 
 
 def _send(command: tuple[Any, ...]) -> None:
@@ -102,14 +100,12 @@ class Led:
         try:
             dist.scatter_object_list(mine, shards, src=0)
             return self.engine.step(mine[0])
-        except Exception as e:  # either way the ranks are out of step (StepFailed)
-            lost = isinstance(e, dist.DistBackendError) or (
+        except Exception as e:
+            if isinstance(e, dist.DistBackendError) or (
                 isinstance(e, RuntimeError) and "peer" in str(e)
-            )
-            what = (
-                f"a rank is gone mid-step ({e})" if lost else f"the step failed on rank 0 ({e!r})"
-            )
-            raise StepFailed(what) from e
+            ):
+                raise RanksLost(f"a rank is gone mid-step ({e})") from e
+            raise StepFailed(f"the step failed on rank 0 ({e!r})") from e
 
     def snapshot(self) -> Snapshot:
         _send(("snapshot", self.key))
