@@ -2,7 +2,10 @@
 rank's shard of the test batch, its averaged gradient and adapter written for the test to read.
 
     PYTHONPATH=. python -m torch.distributed.run --standalone --nproc_per_node 2 \\
-        tests/distributed_worker.py OUT_DIR MICRO_BATCH_TOKENS LOSS_TYPE [LOSS_TYPE ...]
+        tests/distributed_worker.py OUT_DIR MICRO_BATCH_TOKENS SHARD_BASE LOSS_TYPE [LOSS_TYPE ...]
+
+SHARD_BASE 1: the base model sharded over the ranks with FSDP2 (`shard_base`); each rank also
+writes how many of the base's weights it holds.
 """
 
 from __future__ import annotations
@@ -18,11 +21,15 @@ from trainer.engine import Engine
 
 
 def main() -> None:
-    out, micro, loss_types = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3:]
+    out, micro, sharded = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
+    loss_types = sys.argv[4:]
     for loss_type in loss_types:
         world = World.current()
         home = out / f"{loss_type}-rank{world.rank}"
-        engine = Engine(settings_for(home, loss_type=loss_type, micro_batch_tokens=micro))
+        settings = settings_for(
+            home, loss_type=loss_type, micro_batch_tokens=micro, shard_base=sharded
+        )
+        engine = Engine(settings)
         world = engine.world  # the process group TRL's Accelerator joined
         batch = samples(engine, stale=True)
         mine = shard(batch, world)
@@ -35,8 +42,12 @@ def main() -> None:
             "ratio": [stats.is_ratio_min, stats.is_ratio_max],
         }
         weights = {n: p.detach().clone() for n, p in engine.model.named_parameters() if n in grads}
+        base = [p for n, p in engine.model.named_parameters() if "lora_" not in n]
+        held = sum(getattr(p, "_local_tensor", p).numel() for p in base)
         torch.save(
-            {"world": world.size, "rows": rows, "grads": grads, "weights": weights} | report,
+            {"world": world.size, "rows": rows, "grads": grads, "weights": weights}
+            | {"base_held": held, "base_total": sum(p.numel() for p in base)}
+            | report,
             out / f"{loss_type}-rank{world.rank}.pt",
         )
 

@@ -1,7 +1,8 @@
 """One lineage's step on 2 processes (torchrun, gloo) is the step one process takes.
 
 The same claimed batch, trained by one process and by two (each its shard, gradients averaged:
-trainer/distributed.py): the same averaged LoRA gradient (max abs difference <= 1e-5 of its
+trainer/distributed.py), the base model replicated on both or sharded over them (FSDP2, each
+holding half its weights): the same averaged LoRA gradient (max abs difference <= 1e-5 of its
 largest entry), for dapo (its global token count), grpo and bnpo, with micro-batches; the same
 loss; the same adapter after the step to float32 rounding; and every row trained by exactly one
 rank.
@@ -13,7 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -26,13 +27,20 @@ from trainer.sampling import Sampling
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSS_TYPES = ["dapo", "grpo", "bnpo"]
-MICRO = 12  # tokens: pieces of one or two rows, so both cuts (ranks, pieces) are exercised
+MICRO = 14  # tokens: pieces of 1-3 rows; alone, one rank would cut 3 and the other 2
 
 pytestmark = pytest.mark.timeout(900)
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+class Ranks(NamedTuple):
+    sharded: bool
+    by_loss: dict[str, list[dict[str, Any]]]  # each rank's report, by loss type
+
+
+@pytest.fixture(scope="module", params=["replicated", "sharded"])
+def two_ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Ranks:
+    """Each rank's step; the base model replicated on both, or sharded over them (FSDP2)."""
+    sharded = "1" if request.param == "sharded" else "0"
     out = tmp_path_factory.mktemp("ranks")
     env = os.environ | {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     env.pop("CUDA_VISIBLE_DEVICES", None)
@@ -46,7 +54,13 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[s
                 "--nproc_per_node",
                 "2",
             ),
-            *(str(ROOT / "tests" / "distributed_worker.py"), str(out), str(MICRO), *LOSS_TYPES),
+            *(
+                str(ROOT / "tests" / "distributed_worker.py"),
+                str(out),
+                str(MICRO),
+                sharded,
+                *LOSS_TYPES,
+            ),
         ],
         env=env,
         capture_output=True,
@@ -54,22 +68,25 @@ def two_ranks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[s
         timeout=800,
     )
     assert run.returncode == 0, run.stderr[-4000:]
-    return {
-        t: [torch.load(out / f"{t}-rank{r}.pt", weights_only=True) for r in range(2)]
-        for t in LOSS_TYPES
-    }
+    return Ranks(
+        request.param == "sharded",
+        {
+            t: [torch.load(out / f"{t}-rank{r}.pt", weights_only=True) for r in range(2)]
+            for t in LOSS_TYPES
+        },
+    )
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_two_processes_take_one_processs_step(
-    loss_type: str, two_ranks: dict[str, list[dict[str, Any]]], tmp_path: Path
+    loss_type: str, two_ranks: Ranks, tmp_path: Path
 ) -> None:
     alone = Engine(settings_for(tmp_path, loss_type=loss_type))
     lr = alone.trainer.args.learning_rate
     batch = samples(alone, stale=True)
     grads, stats = gradient_of_one_step(alone, batch)
     after = {n: p.detach() for n, p in alone.model.named_parameters() if n in grads}
-    ranks = two_ranks[loss_type]
+    ranks = two_ranks.by_loss[loss_type]
     assert [r["world"] for r in ranks] == [2, 2]  # really two processes in one group
     largest = max(float(g.abs().max()) for g in grads.values())
     assert largest > 0
@@ -85,6 +102,11 @@ def test_two_processes_take_one_processs_step(
         # rounding into more than rounding: within 1 % of one step's size (the learning rate)
         for n, w in after.items():
             torch.testing.assert_close(rank["weights"][n], w, rtol=0, atol=0.01 * lr)
+    held = [rank["base_held"] for rank in ranks]
+    if two_ranks.sharded:  # each rank holds its part of the base model's weights
+        assert sum(held) == ranks[0]["base_total"] and max(held) < 0.6 * sum(held)
+    else:
+        assert held == [r["base_total"] for r in ranks]
     for n in after:  # the replicas themselves are identical
         assert torch.equal(ranks[0]["weights"][n], ranks[1]["weights"][n])
     # every row on exactly one rank; the odd one out topped up with ballast
@@ -93,13 +115,11 @@ def test_two_processes_take_one_processs_step(
     assert rows.count(-1) == 1 and len(ranks[0]["rows"]) == len(ranks[1]["rows"])
 
 
-def test_one_rank_alone_would_not_take_that_step(
-    two_ranks: dict[str, list[dict[str, Any]]], tmp_path: Path
-) -> None:
+def test_one_rank_alone_would_not_take_that_step(two_ranks: Ranks, tmp_path: Path) -> None:
     """Without the all-reduce a rank steps on its own shard: the comparison above can fail."""
     alone = Engine(settings_for(tmp_path, loss_type="dapo"))
     grads, _ = gradient_of_one_step(alone, shard(samples(alone, stale=True), World(0, 2)))
-    theirs = two_ranks["dapo"][0]["grads"]
+    theirs = two_ranks.by_loss["dapo"][0]["grads"]
     largest = max(float(g.abs().max()) for g in theirs.values())
     assert max(float((theirs[n] - grads[n]).abs().max()) for n in grads) > 1e-3 * largest
 

@@ -1,7 +1,7 @@
 """`flywheel trainer` on 2 processes (torchrun, and accelerate launch with deploy/accelerate/
-ddp.yaml; gloo): rank 0 claims, steps with the other rank, publishes one version per step; a rank
-lost mid-step stops the trainer with every claim back and nothing published. Real Postgres,
-real TRL training, the proxy on the fake vLLM."""
+ddp.yaml and fsdp2.yaml; gloo): rank 0 claims, steps with the other rank, publishes one version
+per step; a rank lost mid-step stops the trainer with every claim back and nothing published.
+Real Postgres, real TRL training, the proxy on the fake vLLM."""
 
 from __future__ import annotations
 
@@ -28,11 +28,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-# what a user types (deploy/accelerate/ddp.yaml), here on CPUs (gloo; no GPU, so no NCCL)
-ACCELERATE = [
-    *(sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2"),
-    *("--config_file", str(ROOT / "deploy" / "accelerate" / "ddp.yaml")),
-]
+# what a user types (deploy/accelerate/*.yaml), here on CPUs (gloo; no GPU, so no NCCL)
+ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2"]
 
 
 def launch(
@@ -52,8 +49,10 @@ def launch(
         *("--min-episodes", "4", "--max-batch-transitions", "4", "--metrics-port", "0"),
         *("--learning-rate", "1e-3", "--poll-s", "0.2", *more),
     ]
-    if launcher == "accelerate":
-        command = [*ACCELERATE, "--main_process_port", str(free_port()), "-m", "flywheel"]
+    if launcher.startswith("accelerate"):  # accelerate-ddp, accelerate-fsdp2
+        config = ROOT / "deploy" / "accelerate" / f"{launcher.split('-')[1]}.yaml"
+        command = [*ACCELERATE, "--config_file", str(config)]
+        command += ["--main_process_port", str(free_port()), "-m", "flywheel"]
     else:
         fault = ["--die-at-step", str(die)] if die is not None else []
         fault += ["--fail-at-step", str(fail)] if fail is not None else []
@@ -76,7 +75,7 @@ def transitions(sessions: Sessions) -> list[Any]:
         )
 
 
-@pytest.mark.parametrize("launcher", ["torchrun", "accelerate"])
+@pytest.mark.parametrize("launcher", ["torchrun", "accelerate-ddp", "accelerate-fsdp2"])
 def test_rank_0_claims_and_publishes_one_version_per_step(
     proxy: RunningProxy, fake_vllm: FakeVLLM, sessions: Sessions, tmp_path: Path, launcher: str
 ) -> None:
@@ -84,6 +83,8 @@ def test_rank_0_claims_and_publishes_one_version_per_step(
     run = launch(proxy, fake_vllm, tmp_path, "--max-steps", "2", launcher=launcher)
     assert run.returncode == 0, run.stderr[-4000:]
     assert "rank 1 following rank 0" in run.stderr
+    sharded = "the base model sharded over 2 ranks (FSDP2)"
+    assert (sharded in run.stderr) == (launcher == "accelerate-fsdp2")
     with sessions.begin() as session:
         versions = policy.versions(session=session, lineage="policy")
         current = policy.current(session=session)
@@ -127,10 +128,20 @@ def test_a_step_that_fails_on_rank_0_stops_the_group_and_charges_the_batch(
     assert [r.train_attempts for r in rows] == [1, 1, 1, 1]
 
 
-@pytest.mark.parametrize("engine", ["FSDP", "DEEPSPEED"])
-def test_a_sharded_launch_is_refused_naming_what_works(
-    engine: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setenv(f"ACCELERATE_USE_{engine}", "true")
-    with pytest.raises(SystemExit, match=f"{engine} is not supported yet.*ddp.yaml"):
-        distributed.join()
+def test_an_fsdp2_config_shards_the_base_and_what_is_not_done_is_refused() -> None:
+    fsdp = {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2"}
+    assert distributed.from_launcher({}) == {}
+    assert distributed.from_launcher(fsdp) == {"shard_base": True}
+    assert distributed.from_launcher(fsdp | {"FSDP_ACTIVATION_CHECKPOINTING": "true"}) == {
+        "shard_base": True,
+        "gradient_checkpointing": True,
+    }
+    refused = {
+        "FSDP version 1.*fsdp2.yaml": {"ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "1"},
+        "DeepSpeed.*fsdp2.yaml": {"ACCELERATE_USE_DEEPSPEED": "true"},
+        "FSDP_OFFLOAD_PARAMS=true": fsdp | {"FSDP_OFFLOAD_PARAMS": "true"},
+        "FSDP_RESHARD_AFTER_FORWARD=false": fsdp | {"FSDP_RESHARD_AFTER_FORWARD": "false"},
+    }
+    for message, env in refused.items():
+        with pytest.raises(SystemExit, match=message):
+            distributed.from_launcher(env)

@@ -13,7 +13,7 @@ from tests.conftest import TEST_HOME
 from tests.test_engine import behaviour_logprobs
 from trainer.config import TrainerSettings
 from trainer.engine import Engine, Sample, StepStats
-from trainer.microbatch import pieces, share
+from trainer.microbatch import lengths, pieces, share
 from trainer.sampling import Sampling
 
 PROMPTS = [
@@ -141,6 +141,26 @@ def test_pieces_hold_every_row_once_trimmed_to_their_own_lengths() -> None:
             assert torch.equal(part["completion_ids"][i], batch["completion_ids"][r, :c])
     assert pieces(batch, budget=0) == [batch]
     assert len(pieces(batch, budget=1)) == 4  # a row longer than the budget is a piece alone
+
+
+def test_ranks_cut_their_pieces_alike_each_within_the_budget() -> None:
+    """TRL gathers per-row metrics in every loss pass: each rank's pieces must match in number
+    and rows, though each rank's rows have their own lengths."""
+    long, short = padded_batch(), padded_batch()
+    short["prompt_mask"] = torch.tensor([[0, 0, 1]] * 4)
+    short["completion_mask"] = torch.tensor([[1, 0, 0, 0]] * 4)
+    alone = [[len(p["row"]) for p in pieces(b, 10)] for b in (long, short)]
+    assert alone == [[1, 2, 1], [4]]  # left to themselves they would differ
+    ranks = [lengths(long), lengths(short)]
+    cut = [pieces(b, 10, ranks) for b in (long, short)]
+    assert [len(p["row"]) for p in cut[0]] == [len(p["row"]) for p in cut[1]] == [1, 2, 1]
+    for parts in cut:
+        assert sorted(r for p in parts for r in p["row"].tolist()) == [0, 1, 2, 3]
+        for p in parts:
+            size = len(p["row"]) * (p["prompt_mask"].size(1) + p["completion_mask"].size(1))
+            assert size <= 10 or len(p["row"]) == 1
+    with pytest.raises(ValueError, match="as many rows"):
+        pieces(long, 10, [lengths(long), lengths(long)[:3]])
 
 
 def test_shares_add_up_to_one_whole_batch() -> None:

@@ -174,6 +174,13 @@ class TrainerSettings(DatabaseSettings):
         description="QLoRA: the base model's linear layers quantised to 4-bit NF4 by bitsandbytes, "
         "the rest and the forward passes in bfloat16 (needs CUDA and bitsandbytes installed).",
     )
+    shard_base: bool = Field(
+        False,
+        description="Under torchrun / accelerate launch: shard the frozen base model over the "
+        "ranks with FSDP2 (each holds 1/N of its weights) for a base that does not fit one "
+        "device; the LoRA adapter stays whole on every rank. An accelerate config with "
+        "fsdp_version: 2 sets it.",
+    )
     seed: int = Field(0, description="Seed of a new adapter's weights and of training's RNGs.")
 
     # --- publishing -------------------------------------------------------------------------
@@ -273,6 +280,11 @@ class TrainerSettings(DatabaseSettings):
         if self.backoff_max_s < self.backoff_s:
             raise ValueError(
                 "backoff_max_s must be at least backoff_s: raise it or lower backoff_s"
+            )
+        if self.load_in_4bit and self.shard_base:
+            raise ValueError(
+                "load_in_4bit and shard_base do not go together: FSDP2 would turn the 4-bit "
+                "weights into plain ones; shard a bfloat16 base, or quantise it on one device"
             )
         if self.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
             raise ValueError("load_in_4bit needs bitsandbytes: pip install bitsandbytes")

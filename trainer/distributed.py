@@ -18,8 +18,10 @@ arithmetic (sum, then divide by the world) for exactly what trained.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -30,6 +32,8 @@ from torch.nn.utils import parameters_to_vector
 
 from trainer.batch import Sample
 from trainer.correction import Correction, Tally
+
+log = logging.getLogger("flywheel.trainer")
 
 
 @dataclass(frozen=True)
@@ -54,12 +58,6 @@ def join(timeout_s: float = 1800.0) -> World:
     its LOCAL_RANK's device; gloo on CPUs. TRL's Accelerator then uses this group. A collective
     that waits longer than `timeout_s` fails (a follower waiting for rank 0's next command, which
     rank 0 sends at least once a turn)."""
-    for engine in ("FSDP", "DEEPSPEED"):  # accelerate launch's config says so in these
-        if os.environ.get(f"ACCELERATE_USE_{engine}", "").lower() in ("1", "true"):
-            raise SystemExit(
-                f"flywheel trainer: {engine} is not supported yet (each rank holds the whole base "
-                "model and trains its shard: DDP); use deploy/accelerate/ddp.yaml"
-            )
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dist.is_initialized():
         if torch.cuda.is_available():
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -67,6 +65,76 @@ def join(timeout_s: float = 1800.0) -> World:
         else:
             dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
     return World.current()
+
+
+def from_launcher(env: Mapping[str, str]) -> dict[str, Any]:
+    """The settings an `accelerate launch` config asks for (its choices arrive as environment
+    variables): FSDP2 shards the base model (`shard_base`) and its activation checkpointing is
+    our gradient checkpointing. What this trainer does not do is refused, not ignored."""
+
+    def on(name: str) -> bool:
+        return env.get(name, "").lower() in ("1", "true")
+
+    if on("ACCELERATE_USE_DEEPSPEED"):
+        raise SystemExit(
+            "flywheel trainer: DeepSpeed is not supported; shard the base with FSDP2 "
+            "(deploy/accelerate/fsdp2.yaml) or replicate it (deploy/accelerate/ddp.yaml)"
+        )
+    if not on("ACCELERATE_USE_FSDP"):
+        return {}
+    if env.get("FSDP_VERSION", "1") != "2":
+        raise SystemExit(
+            "flywheel trainer: FSDP version 1 is not supported; set fsdp_version: 2 "
+            "(deploy/accelerate/fsdp2.yaml)"
+        )
+    refused = {
+        "FSDP_OFFLOAD_PARAMS": "true",  # the base's shards stay on the GPU
+        "FSDP_RESHARD_AFTER_FORWARD": "false",  # the point is not holding the whole base
+    }
+    for name, value in refused.items():
+        if env.get(name, "").lower() == value:
+            raise SystemExit(f"flywheel trainer: {name}={value} is not supported with FSDP2")
+    return {"shard_base": True} | (
+        {"gradient_checkpointing": True} if on("FSDP_ACTIVATION_CHECKPOINTING") else {}
+    )
+
+
+def shard_base(model: torch.nn.Module, world: World) -> None:
+    """FSDP2 over the ranks for the frozen base model: each decoder layer (the model's
+    `_no_split_modules`) and then the rest hold 1/size of their weights per rank, gathered for
+    the layer's forward and backward and freed after. LoRA weights are left out (`ignored_params`):
+    every rank keeps the whole adapter, and `average_gradients` averages its gradients as with a
+    replicated base; so saving, loading and undoing a step stay a rank's own business, and an
+    adapter added later (another lineage) is an ordinary one."""
+    from torch.distributed.fsdp import fully_shard
+
+    lora = {p for name, p in model.named_parameters() if "lora_" in name}
+    mesh = _mesh(world.size)
+    layers = set(getattr(model, "_no_split_modules", None) or [])
+    if not layers:
+        raise ValueError(f"{type(model).__name__} names no decoder layers (_no_split_modules)")
+    for module in model.modules():
+        if type(module).__name__ in layers:
+            fully_shard(module, mesh=mesh, ignored_params=lora)
+    fully_shard(model, mesh=mesh, ignored_params=lora)
+    log.info("the base model sharded over %d ranks (FSDP2)", world.size)
+
+
+@functools.cache
+def _mesh(size: int) -> Any:
+    """The ranks as FSDP's one-dimensional mesh (one per process: engines share it)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (size,))
+
+
+def everyone(value: Any, world: World) -> list[Any]:
+    """Every rank's `value` (a small Python object), in rank order."""
+    if world.size == 1:
+        return [value]
+    out: list[Any] = [None] * world.size
+    dist.all_gather_object(out, value)
+    return out
 
 
 def leave() -> None:

@@ -25,7 +25,7 @@ from typing import Any, cast
 
 import torch
 from datasets import Dataset
-from peft import LoraConfig, PeftModel, set_peft_model_state_dict
+from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -43,10 +43,12 @@ from trainer.distributed import (
     average,
     average_gradients,
     broadcast_parameters,
+    everyone,
     gather_correction,
+    shard_base,
 )
 from trainer.logprobs import processed_logprobs
-from trainer.microbatch import pieces, share
+from trainer.microbatch import lengths, pieces, share
 
 # The trainable weights and the optimizer state: what undoing a step needs.
 Snapshot = tuple[dict[str, torch.Tensor], dict[str, Any]]
@@ -268,6 +270,10 @@ class Engine:
                 peft_config = _lora(settings)
             else:
                 model = PeftModel.from_pretrained(model, resume_from, is_trainable=True)
+            if settings.shard_base:  # FSDP2 over the ranks, around the adapter it leaves whole
+                if peft_config is not None:
+                    model, peft_config = get_peft_model(model, peft_config), None
+                shard_base(model, World.current())
         args = GRPOConfig(
             output_dir=str(settings.home / "trainer-scratch"),
             use_cpu=not torch.cuda.is_available(),
@@ -358,7 +364,10 @@ class Engine:
         losses = []
         model.train()
         batch = trainer.prepare(rows)
-        parts = pieces(batch, trainer.settings.micro_batch_tokens)
+        # TRL gathers per-row metrics in each loss pass: pieces cut alike on every rank
+        parts = pieces(
+            batch, trainer.settings.micro_batch_tokens, everyone(lengths(batch), self.world)
+        )
         for _ in range(trainer.args.num_iterations):  # passes 2..mu reuse the prepared batch
             loss = 0.0
             for part in parts:

@@ -17,6 +17,7 @@ is the same step whatever the budget, up to float rounding (tests/test_microbatc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -37,26 +38,45 @@ ROW_MEAN_LOSSES = {"grpo", "sapo", "luspo", "dr_grpo"}
 BATCH_TOKEN_LOSSES = {"dapo", "cispo", "vespo"}
 
 
-def pieces(batch: dict[str, Any], budget: int) -> list[dict[str, Any]]:
+Lengths = list[tuple[int, int]]  # each row's prompt and completion tokens
+
+
+def lengths(batch: dict[str, Any]) -> Lengths:
+    """Each row's unpadded prompt and completion length."""
+    prompts = batch["prompt_mask"].sum(1).tolist()
+    return list(zip(prompts, _completion_lengths(batch["completion_mask"]), strict=True))
+
+
+def pieces(
+    batch: dict[str, Any], budget: int, ranks: Sequence[Lengths] = ()
+) -> list[dict[str, Any]]:
     """The batch in pieces of at most `budget` padded tokens each (rows x (longest prompt +
-    longest completion)); a row longer than the budget is a piece alone. 0: one piece, the batch
-    as it is."""
+    longest completion)), longest rows first; a row longer than the budget is a piece alone.
+    0: one piece, the batch as it is. With `ranks` (every rank's `lengths`, this one's included,
+    as many rows each), the cuts fall at the same row counts on every rank, each piece within
+    the budget everywhere: TRL gathers per-row metrics in each loss pass, which needs as many
+    pieces of as many rows on every rank (and under FSDP2 each forward pass is a collective)."""
     if budget <= 0:
         return [batch]
-    prompt_len = batch["prompt_mask"].sum(1).tolist()
-    completion_len = _completion_lengths(batch["completion_mask"])
-    order = sorted(range(len(prompt_len)), key=lambda i: -(prompt_len[i] + completion_len[i]))
+    mine = lengths(batch)
+    everyone = [sorted(r, key=lambda pc: -sum(pc)) for r in (ranks or [mine])]
+    if any(len(r) != len(mine) for r in everyone):
+        raise ValueError("every rank needs as many rows")
+    order = sorted(range(len(mine)), key=lambda i: -sum(mine[i]))
     groups: list[list[int]] = []
-    longest_p = longest_c = 0
-    for i in order:
-        p, c = max(longest_p, prompt_len[i]), max(longest_c, completion_len[i])
-        if groups and (len(groups[-1]) + 1) * (p + c) <= budget:
-            groups[-1].append(i)
-            longest_p, longest_c = p, c
-        else:
-            groups.append([i])
-            longest_p, longest_c = prompt_len[i], completion_len[i]
+    start = 0
+    while start < len(order):
+        end = start + 1
+        while end < len(order) and all(_fits(r[start : end + 1], budget) for r in everyone):
+            end += 1
+        groups.append(order[start:end])
+        start = end
+    prompt_len, completion_len = [p for p, _ in mine], [c for _, c in mine]
     return [_take(batch, rows, prompt_len, completion_len) for rows in groups]
+
+
+def _fits(rows: Lengths, budget: int) -> bool:
+    return len(rows) * (max(p for p, _ in rows) + max(c for _, c in rows)) <= budget
 
 
 def share(

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import os
 import signal
 import time
 from collections.abc import Callable
@@ -46,6 +47,11 @@ def _stop(signum: int, _frame: object) -> None:
 
 
 def run(settings: TrainerSettings) -> None:
+    launcher = distributed.from_launcher(os.environ)  # accelerate launch's config, if any
+    if launcher:
+        settings = TrainerSettings.model_validate(settings.model_dump() | launcher)
+        # the base is sharded here (shard_base); TRL's Accelerator must not set up FSDP too
+        os.environ.pop("ACCELERATE_USE_FSDP", None)
     world = distributed.join(settings.rank_timeout_s)
     signal.signal(signal.SIGTERM, _stop)  # kubectl delete, docker stop: claims go back at once
     try:
