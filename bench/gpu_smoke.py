@@ -154,6 +154,12 @@ def parse() -> argparse.Namespace:
     parser.add_argument(
         "--micro-batch-tokens", type=int, default=0, help="the trainer's (0: whole batch)"
     )
+    parser.add_argument(
+        "--shard-base",
+        action="store_true",
+        help="the base under FSDP2 (shard_base); alone, a one-rank group: the sharded path's "
+        "code (DTensors, its hooks, NCCL) with nothing to split",
+    )
     parser.add_argument("--vllm", help="a vLLM (with --enable-lora) to publish each step into")
     parser.add_argument("--database-url", help="default: an embedded Postgres under --home")
     parser.add_argument("--home", type=Path, default=HOME)
@@ -364,6 +370,7 @@ def trainer_settings(args: argparse.Namespace, model_dir: Path, url: str) -> Any
             "gradient_checkpointing": args.gradient_checkpointing,
             "micro_batch_tokens": args.micro_batch_tokens,
             "load_in_4bit": args.four_bit,
+            "shard_base": args.shard_base,
             "metrics_port": 0,
         }
     )
@@ -378,6 +385,8 @@ def train(settings: Any, args: argparse.Namespace, url: str, device: str) -> lis
 
     engine_db, sessions = database.create_sessions(url)
     settings.adapters_dir.mkdir(parents=True, exist_ok=True)
+    if settings.shard_base:
+        join_alone(device)
     started = time.perf_counter()
     trainer: Any = None
     if args.vllm:
@@ -444,6 +453,24 @@ def train(settings: Any, args: argparse.Namespace, url: str, device: str) -> lis
         shutil.rmtree(settings.adapters_dir)
     engine_db.dispose()
     return results
+
+
+def join_alone(device: str) -> None:
+    """A process group of this process alone, unless a launcher (torchrun) made one."""
+    import torch
+    import torch.distributed as dist
+
+    from demo.vllm_server import free_port
+    from trainer import distributed
+
+    if "WORLD_SIZE" not in os.environ:
+        os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        os.environ |= {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}
+    distributed.join()
+    if not dist.is_initialized():  # join() leaves one process alone
+        if device == "cuda":
+            torch.cuda.set_device(0)
+        dist.init_process_group("nccl" if device == "cuda" else "gloo")
 
 
 def engine_step(engine: Any, settings: Any, sessions: Any, step: int) -> list[tuple[int, int]]:
@@ -534,6 +561,10 @@ def report(args: argparse.Namespace, device: str, model_dir: Path, steps: list[S
     options = [args.dtype]
     options += ["gradient checkpointing"] * args.gradient_checkpointing
     options += ["4-bit base"] * args.four_bit
+    if args.shard_base:
+        options.append(
+            f"base sharded (FSDP2) over {int(os.environ.get('WORLD_SIZE', '1'))} rank(s)"
+        )
     if args.micro_batch_tokens:
         options.append(f"micro-batches of {args.micro_batch_tokens:,} tokens")
     publish = f"published into {args.vllm}" if args.vllm else "publishing skipped (no vLLM)"

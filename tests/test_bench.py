@@ -410,13 +410,15 @@ def test_gpu_smoke_on_the_cpu(
     postgres_url: str, fake_vllm: FakeVLLM, tmp_path: Path, publish: bool
 ) -> None:
     """The GPU smoke's CPU check: one step of the tiny model through the trainer's code on
-    transitions recorded in Postgres; with --vllm, a whole Trainer step that publishes."""
+    transitions recorded in Postgres; with --vllm, a whole Trainer step that publishes, the
+    base under FSDP2 (a one-rank group: the sharded path's code)."""
     report = tmp_path / "gpu_smoke.md"
     argv = ["--tiny", "--steps", "1", "--lora-rank", "8", "--home", str(tmp_path / "home")]
     argv += ["--database-url", postgres_url, "--results", str(report)]
-    argv += ["--vllm", fake_vllm.url] if publish else []
+    argv += ["--vllm", fake_vllm.url, "--shard-base"] if publish else []
     run = _bench("bench.gpu_smoke", *argv)
     assert run.returncode == 0, run.stderr
+    assert ("base sharded (FSDP2) over 1 rank" in run.stdout) == publish
     assert "recorded 8 transitions" in run.stdout
     assert ("published policy-v1" in run.stdout) == publish
     assert ("publishing skipped" in run.stdout) != publish

@@ -259,7 +259,14 @@ def test_the_ddp_override_launches_the_trainer_on_its_gpus(
         "COPY deploy/accelerate /etc/flywheel/accelerate"
         in (ROOT / "Dockerfile.trainer").read_text()
     )
-    assert (ROOT / "deploy/accelerate" / Path(config).name).exists()
+    assert config.endswith("/ddp.yaml") and (ROOT / "deploy/accelerate/ddp.yaml").exists()
+    sharded = compose_config(
+        env | {"TRAINER_ACCELERATE": "fsdp2"}, tmp_path, "-f", str(override), "config"
+    )
+    assert sharded.returncode == 0, sharded.stderr
+    launch = yaml.safe_load(sharded.stdout)["services"]["trainer"]["entrypoint"]
+    config = next(a.split("=", 1)[1] for a in launch if a.startswith("--config_file="))
+    assert config.endswith("/fsdp2.yaml") and (ROOT / "deploy/accelerate/fsdp2.yaml").exists()
     devices = trainer["deploy"]["resources"]["reservations"]["devices"]
     assert devices[0]["device_ids"] == ["1,2,3,4"]  # the GPUs the processes share out
     assert trainer["shm_size"]
@@ -271,15 +278,25 @@ def test_the_ddp_override_launches_the_trainer_on_its_gpus(
 def test_accelerate_configs_load_and_say_what_they_run() -> None:
     from accelerate.commands.config.config_args import load_config_from_file
 
+    from trainer import distributed
+
     configs = {
         p.stem: load_config_from_file(str(p)) for p in (ROOT / "deploy/accelerate").glob("*.yaml")
     }
-    assert set(configs) == {"one-gpu", "ddp", "two-nodes"}
+    assert set(configs) == {"one-gpu", "ddp", "fsdp2", "two-nodes"}
     assert configs["one-gpu"].num_processes == 1
     for name in ("ddp", "two-nodes"):
-        assert configs[name].distributed_type == "MULTI_GPU"  # DDP: what the trainer does
-        assert configs[name].mixed_precision == "no"  # FLYWHEEL_DTYPE decides
+        assert configs[name].distributed_type == "MULTI_GPU"  # the base replicated
+    assert all(c.mixed_precision == "no" for c in configs.values())  # FLYWHEEL_DTYPE decides
     assert configs["two-nodes"].num_machines == 2
+    # what an FSDP2 launch tells the trainer (accelerate launch turns the config into these)
+    fsdp = configs["fsdp2"]
+    assert fsdp.distributed_type == "FSDP" and fsdp.fsdp_config["fsdp_version"] == 2
+    env = {
+        f"FSDP_{k.removeprefix('fsdp_').upper()}": str(v).lower()
+        for k, v in fsdp.fsdp_config.items()
+    }
+    assert distributed.from_launcher(env | {"ACCELERATE_USE_FSDP": "true"}) == {"shard_base": True}
 
 
 def test_dockerfiles_install_extras_that_exist() -> None:

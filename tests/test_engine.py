@@ -126,3 +126,12 @@ def test_a_4bit_base_without_bitsandbytes_fails_at_start_naming_the_fix(
     TrainerSettings(**fields)  # fine without it...
     with pytest.raises(ValidationError, match="pip install bitsandbytes"):
         TrainerSettings(**fields, load_in_4bit=True)  # ...until a 4-bit base needs it
+
+
+def test_a_4bit_base_is_not_sharded(settings: TrainerSettings) -> None:
+    """FSDP2 would turn bitsandbytes' 4-bit weights into plain ones: refused at start."""
+    fields = {"model": settings.model, "vllm": ["http://127.0.0.1:9"], "home": settings.home}
+    fields["adapters_dir"] = settings.adapters_dir
+    TrainerSettings(**fields, shard_base=True)
+    with pytest.raises(ValidationError, match="load_in_4bit and shard_base"):
+        TrainerSettings(**fields, shard_base=True, load_in_4bit=True)
