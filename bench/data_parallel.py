@@ -1,5 +1,6 @@
 """Data-parallel steps: one lineage's step on 1 and on N processes (torchrun, gloo on CPUs or
-NCCL on GPUs), samples a second per step.
+NCCL on GPUs), samples a second per step, the base model replicated on every rank or (with N > 1)
+sharded over them (FSDP2, `shard_base`), and how much of the base's weights each rank holds.
 
 Each run launches `--processes` ranks with torchrun; every rank builds the engine on the demo
 model (or `--model`), each step deals the same synthetic batch out with `trainer/distributed.
@@ -10,6 +11,7 @@ barrier, so the slowest rank counts). Appends a dated section to bench/data_para
 figure is for the record, and the GPU figures come from a GPU machine.
 
     PYTHONPATH=. .venv/bin/python -m bench.data_parallel [--processes 1,2] [--steps 6] [--batch 32]
+        [--no-sharded]
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ def main() -> None:
 
         args.model = build_demo_model(Path(".flywheel/models/demo"))
     rows = []
-    for processes in [int(p) for p in args.processes.split(",")]:
+    counts = [int(p) for p in args.processes.split(",")]
+    runs = [(n, False) for n in counts] + [(n, True) for n in counts if n > 1 and args.sharded]
+    for processes, sharded in runs:
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "times.json"
             command = [
@@ -49,16 +53,23 @@ def main() -> None:
                 *("--prompt-tokens", str(args.prompt_tokens)),
                 *("--completion-tokens", str(args.completion_tokens)),
                 *("--model", str(args.model)),
+                *(["--shard-base"] if sharded else []),
             ]
             env = os.environ | {"PYTHONPATH": str(Path(__file__).resolve().parents[1])}
             run = subprocess.run(command, env=env, capture_output=True, text=True)
             if run.returncode != 0:
                 sys.exit(f"{processes} processes failed:\n{run.stderr[-3000:]}")
-            times = json.loads(out.read_text())
+            measured = json.loads(out.read_text())
+        times = measured["times"]
         later = times[1:] or times  # the first step warms up
         median = statistics.median(later)
-        rows.append((processes, median, args.batch / median))
-        print(f"{processes} processes: step {median:.3f} s, {args.batch / median:.1f} samples/s")
+        held = measured["base_held"] / measured["base_total"]
+        base = "sharded" if sharded else "replicated"
+        rows.append((processes, base, median, args.batch / median, held))
+        print(
+            f"{processes} processes, base {base}: step {median:.3f} s, "
+            f"{args.batch / median:.1f} samples/s, {held:.0%} of the base's weights a rank"
+        )
     report(args, rows)
 
 
@@ -79,6 +90,7 @@ def worker(args: argparse.Namespace) -> None:
             "vllm": ["http://127.0.0.1:9"],
             "adapters_dir": home / "a",
             "home": home,
+            "shard_base": args.shard_base,
         }
     )
     engine = Engine(settings)
@@ -106,12 +118,15 @@ def worker(args: argparse.Namespace) -> None:
         engine.step(shard(batch, world))
         wait_for_every_rank()  # the slowest rank's step is the step
         times.append(time.perf_counter() - started)
+    base = [p for n, p in engine.model.named_parameters() if "lora_" not in n]
+    held = sum(getattr(p, "_local_tensor", p).numel() for p in base)  # a DTensor's own shard
     if world.leader:
-        args.out.write_text(json.dumps(times))
+        total = sum(p.numel() for p in base)
+        args.out.write_text(json.dumps({"times": times, "base_held": held, "base_total": total}))
     leave()
 
 
-def report(args: argparse.Namespace, rows: list[tuple[int, float, float]]) -> None:
+def report(args: argparse.Namespace, rows: list[tuple[int, str, float, float, float]]) -> None:
     from bench.common import append_section
 
     load = os.getloadavg()[0]
@@ -120,9 +135,9 @@ def report(args: argparse.Namespace, rows: list[tuple[int, float, float]]) -> No
         f"{args.model}; {args.batch} transitions a step, prompts up to "
         f"{args.prompt_tokens} and completions up to {args.completion_tokens} tokens; median "
         f"of {args.steps - 1} steps after the first.\n",
-        "| processes | median step (s) | samples/s |",
-        "|---|---|---|",
-        *(f"| {p} | {s:.3f} | {r:.1f} |" for p, s, r in rows),
+        "| processes | base | median step (s) | samples/s | base weights a rank holds |",
+        "|---|---|---|---|---|",
+        *(f"| {p} | {b} | {s:.3f} | {r:.1f} | {h:.0%} |" for p, b, s, r, h in rows),
     ]
     append_section(args.results, "Data-parallel steps", "bench.data_parallel", lines)
 
@@ -136,7 +151,14 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--completion-tokens", type=int, default=32)
     parser.add_argument("--model", type=Path, help="a model directory (default: the demo model)")
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument(
+        "--sharded",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="also each count above 1 with the base sharded over the ranks (FSDP2)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--shard-base", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     return parser.parse_args()
 

@@ -16,13 +16,14 @@ from pathlib import Path
 import torch
 
 from tests.test_microbatch import gradient_of_one_step, samples, settings_for
-from trainer.distributed import World, shard
+from trainer.distributed import World, join, shard
 from trainer.engine import Engine
 
 
 def main() -> None:
     out, micro, sharded = Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "1"
     loss_types = sys.argv[4:]
+    join()  # as `flywheel trainer` does first
     for loss_type in loss_types:
         world = World.current()
         home = out / f"{loss_type}-rank{world.rank}"
@@ -50,6 +51,27 @@ def main() -> None:
             | report,
             out / f"{loss_type}-rank{world.rank}.pt",
         )
+    # another lineage's adapter on the last engine's base, added after it was built (sharded)
+    second = engine.beside(settings, "second", None)
+    fill(second)
+    grads, stats = gradient_of_one_step(second, shard(samples(second, stale=True), world))
+    plain = all(
+        type(p) is torch.nn.Parameter for n, p in second.model.named_parameters() if second._own(n)
+    )
+    torch.save(
+        {"grads": grads, "loss": stats.loss, "plain": plain, "loss_type": loss_types[-1]},
+        out / f"second-rank{world.rank}.pt",
+    )
+
+
+def fill(engine: Engine) -> None:
+    """The engine's adapter set to the same weights in any process (a new adapter's draw
+    depends on what the process drew before)."""
+    draw = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in sorted(engine.model.named_parameters(), key=lambda np: np[0]):
+            if engine._own(name):
+                p.copy_(0.05 * torch.randn(p.shape, generator=draw))
 
 
 if __name__ == "__main__":

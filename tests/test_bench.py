@@ -435,6 +435,8 @@ def test_data_parallel_smoke(tmp_path: Path) -> None:
     )
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [line for line in report.read_text().splitlines() if line.startswith("| ")]
-    assert rows[0] == "| processes | median step (s) | samples/s |"
-    assert [r.split("|")[1].strip() for r in rows[1:]] == ["1", "2"]
-    assert all(float(r.split("|")[3]) > 0 for r in rows[1:])
+    assert rows[0].startswith("| processes | base | median step (s) | samples/s |")
+    cells = [[c.strip() for c in r.split("|")[1:-1]] for r in rows[1:]]
+    assert [c[:2] for c in cells] == [["1", "replicated"], ["2", "replicated"], ["2", "sharded"]]
+    assert all(float(c[3]) > 0 for c in cells)
+    assert [c[4] for c in cells] == ["100%", "100%", "50%"]  # FSDP2: half the base a rank

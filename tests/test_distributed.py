@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 import pytest
 import torch
 
+from tests.distributed_worker import fill
 from tests.test_microbatch import gradient_of_one_step, samples, settings_for
 from trainer.batch import Sample
 from trainer.distributed import World, shard
@@ -34,6 +35,7 @@ pytestmark = pytest.mark.timeout(900)
 
 class Ranks(NamedTuple):
     sharded: bool
+    out: Path
     by_loss: dict[str, list[dict[str, Any]]]  # each rank's report, by loss type
 
 
@@ -70,6 +72,7 @@ def two_ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     assert run.returncode == 0, run.stderr[-4000:]
     return Ranks(
         request.param == "sharded",
+        out,
         {
             t: [torch.load(out / f"{t}-rank{r}.pt", weights_only=True) for r in range(2)]
             for t in LOSS_TYPES
@@ -113,6 +116,25 @@ def test_two_processes_take_one_processs_step(
     rows = [i for rank in ranks for i in rank["rows"]]
     assert sorted(i for i in rows if i >= 0) == list(range(len(batch)))
     assert rows.count(-1) == 1 and len(ranks[0]["rows"]) == len(ranks[1]["rows"])
+
+
+def test_another_lineage_added_later_takes_one_processs_step(
+    two_ranks: Ranks, tmp_path: Path
+) -> None:
+    """A second adapter on the same base, added after the engine was built (FSDP2 had sharded
+    the base by then): its step on 2 ranks is one process's, and it is an ordinary parameter."""
+    ranks = [torch.load(two_ranks.out / f"second-rank{r}.pt", weights_only=True) for r in (0, 1)]
+    alone = Engine(settings_for(tmp_path, loss_type=ranks[0]["loss_type"]))
+    second = alone.beside(alone.trainer.settings, "second", None)
+    fill(second)
+    grads, stats = gradient_of_one_step(second, samples(second, stale=True))
+    assert grads and all(".second." in n for n in grads)
+    largest = max(float(g.abs().max()) for g in grads.values())
+    for rank in ranks:
+        assert rank["plain"] and rank["grads"].keys() == grads.keys()
+        worst = max(float((rank["grads"][n] - grads[n]).abs().max()) for n in grads)
+        assert worst <= 1e-5 * largest, (worst, largest)
+        assert rank["loss"] == pytest.approx(stats.loss, rel=1e-5, abs=1e-7)
 
 
 def test_one_rank_alone_would_not_take_that_step(two_ranks: Ranks, tmp_path: Path) -> None:

@@ -21,7 +21,8 @@ from demo.vllm_server import free_port
 from fakes.vllm import FakeVLLM
 from tests.conftest import TEST_HOME, RunningProxy
 from tests.test_trainer_loop import play
-from trainer import distributed
+from trainer import distributed, turns
+from trainer.config import TrainerSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -145,3 +146,15 @@ def test_an_fsdp2_config_shards_the_base_and_what_is_not_done_is_refused() -> No
     for message, env in refused.items():
         with pytest.raises(SystemExit, match=message):
             distributed.from_launcher(env)
+
+
+def test_sharding_the_base_alone_is_refused_naming_the_launchers(tmp_path: Path) -> None:
+    settings = TrainerSettings(
+        model=build_demo_model(TEST_HOME / "models" / "demo"),
+        vllm=["http://127.0.0.1:9"],
+        adapters_dir=tmp_path / "adapters",
+        home=tmp_path,
+        shard_base=True,
+    )
+    with pytest.raises(SystemExit, match="torchrun or accelerate launch"):
+        turns.run(settings)

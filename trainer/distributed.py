@@ -1,4 +1,6 @@
-"""One lineage's step on several processes: data-parallel over a replicated base model.
+"""One lineage's step on several processes: data-parallel over a base model replicated on every
+rank, or sharded over them with FSDP2 (`shard_base`: the frozen base only; the adapter stays whole
+on each rank, so everything below holds for both).
 
 Under `torchrun` or `accelerate launch` (WORLD_SIZE > 1) TRL's Accelerator joins the process
 group when the engine is built (gloo on CPU, NCCL on GPUs). A claimed batch is one batch: its
@@ -108,6 +110,8 @@ def shard_base(model: torch.nn.Module, world: World) -> None:
     adapter added later (another lineage) is an ordinary one."""
     from torch.distributed.fsdp import fully_shard
 
+    if not dist.is_initialized():
+        raise RuntimeError("sharding the base needs the ranks' process group (join())")
     lora = {p for name, p in model.named_parameters() if "lora_" in name}
     mesh = _mesh(world.size)
     layers = set(getattr(model, "_no_split_modules", None) or [])

@@ -53,6 +53,11 @@ def run(settings: TrainerSettings) -> None:
         # the base is sharded here (shard_base); TRL's Accelerator must not set up FSDP too
         os.environ.pop("ACCELERATE_USE_FSDP", None)
     world = distributed.join(settings.rank_timeout_s)
+    if settings.shard_base and world.size == 1:
+        raise SystemExit(
+            "flywheel trainer: shard_base shards the base model over the processes of torchrun "
+            "or accelerate launch (docs/scaling.md); one process alone has nothing to shard over"
+        )
     signal.signal(signal.SIGTERM, _stop)  # kubectl delete, docker stop: claims go back at once
     try:
         if not world.leader:  # under torchrun / accelerate launch (trainer/ranks.py)
