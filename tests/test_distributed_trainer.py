@@ -94,6 +94,13 @@ def test_rank_0_claims_and_publishes_one_version_per_step(
     rows = transitions(sessions)
     assert len(rows) == 8 and {r.trained_version for r in rows} == {1, 2}
     assert all(r.claimed_by is None and r.train_attempts == 1 for r in rows)
+    if launcher == "accelerate-fsdp2":  # started again: from version 2, which rank 0 reads and
+        play(proxy, tasks=1, agent="b")  # hands to rank 1 (built on the meta device)
+        again = launch(proxy, fake_vllm, tmp_path, "--max-steps", "1", launcher=launcher)
+        assert again.returncode == 0, again.stderr[-4000:]
+        with sessions.begin() as session:
+            versions = policy.versions(session=session, lineage="policy")
+        assert [v.version for v in versions] == [1, 2, 3]
 
 
 def test_a_rank_lost_mid_step_stops_the_trainer_with_every_claim_back(

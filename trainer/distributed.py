@@ -112,6 +112,9 @@ def shard_base(model: torch.nn.Module, world: World) -> None:
 
     if not dist.is_initialized():
         raise RuntimeError("sharding the base needs the ranks' process group (join())")
+    # Rank 0 read the weights; the others built the model on the meta device (no memory). Rank 0
+    # keeps its whole tensors until every rank has its shard of them.
+    whole = _tensors(model) if world.leader else {}
     lora = {p for name, p in model.named_parameters() if "lora_" in name}
     mesh = _mesh(world.size)
     layers = set(getattr(model, "_no_split_modules", None) or [])
@@ -121,7 +124,38 @@ def shard_base(model: torch.nn.Module, world: World) -> None:
         if type(module).__name__ in layers:
             fully_shard(module, mesh=mesh, ignored_params=lora)
     fully_shard(model, mesh=mesh, ignored_params=lora)
+    device = _device()
+    if not world.leader:
+        model.to_empty(device=device)
+    _hand_out(model, whole, device)
     log.info("the base model sharded over %d ranks (FSDP2)", world.size)
+
+
+def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return dict(model.named_parameters()) | dict(model.named_buffers())
+
+
+def _hand_out(model: torch.nn.Module, whole: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Rank 0's `whole` tensors into every rank's model, a tensor at a time: each rank keeps its
+    shard of a sharded weight, all of the rest (the adapter, buffers such as rotary frequencies)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        for name, mine in _tensors(model).items():
+            if name in whole:
+                t = whole[name].detach().to(device)
+            else:
+                t = torch.empty(mine.shape, dtype=mine.dtype, device=device)
+            dist.broadcast(t, src=0)
+            if isinstance(mine, DTensor):
+                t = distribute_tensor(t, mine.device_mesh, mine.placements, src_data_rank=None)
+            mine.copy_(t)
+
+
+def _device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 @functools.cache
@@ -129,7 +163,7 @@ def _mesh(size: int) -> Any:
     """The ranks as FSDP's one-dimensional mesh (one per process: engines share it)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cuda" if torch.cuda.is_available() else "cpu", (size,))
+    return init_device_mesh(_device().type, (size,))
 
 
 def everyone(value: Any, world: World) -> list[Any]:

@@ -28,7 +28,7 @@ from datasets import Dataset
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 with warnings.catch_warnings():
     # TRL warns that it was tested with vLLM <= 0.31; we never use TRL's vLLM integration.
@@ -219,6 +219,22 @@ class _TransitionGRPOTrainer(GRPOTrainer):
         return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
 
 
+def _base_model(settings: TrainerSettings, bf16: bool, *, meta: bool) -> Any:
+    """The base model from its directory; `meta`: its shapes only (no memory), for a rank that
+    will receive its shard of rank 0's weights."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    if meta:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(
+                AutoConfig.from_pretrained(settings.model), dtype=dtype
+            )
+    return AutoModelForCausalLM.from_pretrained(
+        settings.model,
+        dtype=dtype,
+        quantization_config=_four_bit() if settings.load_in_4bit else None,
+    )
+
+
 def _lora(settings: TrainerSettings) -> LoraConfig:
     return LoraConfig(
         r=settings.lora_rank,
@@ -261,15 +277,16 @@ class Engine:
                 model.load_adapter(resume_from, adapter_name=adapter, is_trainable=True)
             model.set_adapter(adapter)  # only its weights train, so its optimizer has only them
         else:
-            model = AutoModelForCausalLM.from_pretrained(
-                settings.model,
-                dtype=torch.bfloat16 if bf16 else torch.float32,
-                quantization_config=_four_bit() if settings.load_in_4bit else None,
+            # sharded: rank 0 reads the weights and hands each rank its shard (`shard_base`)
+            model = _base_model(
+                settings, bf16, meta=settings.shard_base and not World.current().leader
             )
             if resume_from is None:
                 peft_config = _lora(settings)
             else:
-                model = PeftModel.from_pretrained(model, resume_from, is_trainable=True)
+                with warnings.catch_warnings():  # a meta model: rank 0 hands the weights over
+                    warnings.filterwarnings("ignore", message=".*to a meta parameter")
+                    model = PeftModel.from_pretrained(model, resume_from, is_trainable=True)
             if settings.shard_base:  # FSDP2 over the ranks, around the adapter it leaves whole
                 if peft_config is not None:
                     model, peft_config = get_peft_model(model, peft_config), None
