@@ -225,9 +225,8 @@ def _base_model(settings: TrainerSettings, bf16: bool, *, meta: bool) -> Any:
     dtype = torch.bfloat16 if bf16 else torch.float32
     if meta:
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(
-                AutoConfig.from_pretrained(settings.model), dtype=dtype
-            )
+            config = AutoConfig.from_pretrained(settings.model)
+            return AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
     return AutoModelForCausalLM.from_pretrained(
         settings.model,
         dtype=dtype,
