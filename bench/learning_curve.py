@@ -82,7 +82,10 @@ def run_flywheel(
     concurrency: int = 8,
     trainer_processes: int = 1,
 ) -> Curve:
-    curve = Curve("Flywheel" if trainer_processes == 1 else f"Flywheel, {trainer_processes} ranks")
+    name = "Flywheel" if trainer_processes == 1 else f"Flywheel, {trainer_processes} ranks"
+    if os.environ.get("FLYWHEEL_SHARD_BASE") == "true":  # --shard-base: the trainer reads it
+        name += ", base sharded (FSDP2)"
+    curve = Curve(name)
     started = time.perf_counter()
     base = database_url or database.embedded_postgres_url(HOME)
     name = f"learn_{uuid.uuid4().hex[:8]}"  # a fresh database: no leftover transitions to train on
@@ -537,9 +540,18 @@ def main() -> None:
     parser.add_argument(
         "--trainer-processes", type=int, default=1, help="> 1: the trainer under torchrun"
     )
+    parser.add_argument(
+        "--shard-base",
+        action="store_true",
+        help="with --trainer-processes > 1: the base sharded over the ranks (FSDP2)",
+    )
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--plots", type=Path, default=PLOTS)
     args = parser.parse_args()
+    if args.shard_base:
+        if args.trainer_processes < 2:
+            raise SystemExit("--shard-base needs --trainer-processes 2 or more")
+        os.environ["FLYWHEEL_SHARD_BASE"] = "true"  # the trainer's setting, through its env
     if args.samples:
         args.rounds = max(1, args.samples // ROUND)
     samples = args.rounds * ROUND

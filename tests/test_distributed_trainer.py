@@ -119,16 +119,20 @@ def test_a_rank_lost_mid_step_stops_the_trainer_with_every_claim_back(
     assert all(r.train_attempts == 0 for r in rows)
 
 
-def test_a_step_that_fails_on_rank_0_stops_the_group_and_charges_the_batch(
-    proxy: RunningProxy, fake_vllm: FakeVLLM, sessions: Sessions, tmp_path: Path
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_step_that_fails_on_any_rank_stops_the_group_and_charges_the_batch(
+    proxy: RunningProxy, fake_vllm: FakeVLLM, sessions: Sessions, tmp_path: Path, rank: int
 ) -> None:
     """The other rank may be inside the step's collectives: the group stops (the launcher
     restarts it) and, as with one process, the batch is charged an attempt, so one that always
-    fails is set aside after max_train_attempts instead of stopping the group forever."""
+    fails is set aside after max_train_attempts instead of stopping the group forever. Rank 1
+    exits on it; rank 0 (stopped by the launcher, or its collective broken) charges the batch
+    because rank 1 left word."""
     play(proxy, tasks=1)
-    run = launch(proxy, fake_vllm, tmp_path, "--max-steps", "1", fail=0)
+    run = launch(proxy, fake_vllm, tmp_path, "--max-steps", "1", fail=rank)
     assert run.returncode != 0
-    assert "the step failed on rank 0" in run.stderr
+    where = "rank 0" if rank == 0 else "another rank (rank 1: ValueError"
+    assert f"the step failed on {where}" in run.stderr
     with sessions.begin() as session:
         assert policy.versions(session=session, lineage="policy") == []
     rows = transitions(sessions)

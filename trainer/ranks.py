@@ -13,11 +13,13 @@ which it saves and publishes, is every rank's. One version is published per step
 A rank that dies breaks the process group: rank 0's next collective raises, which becomes
 `RanksLost`; the trainer stops as on SIGTERM (its claims go back at once, nothing is published)
 and exits non-zero, for the launcher (torchrun's --max-restarts, a Job's backoff) to start the
-group again. A step that raises on rank 0 stops the group the same way (the others may be inside
-the step's collectives), charging the batch an attempt (`StepFailed`), so a batch that always
-fails there is set aside after max_train_attempts as with one process. A lost rank charges
-nothing: under torchrun the launcher may SIGTERM rank 0 before its collective fails, so rank 0
-cannot reliably tell a rank lost mid-step from one lost between steps.
+group again. A step that raises, on rank 0 or on a follower, stops the group the same way (the
+others may be inside the step's collectives), charging the batch an attempt (`StepFailed`), so a
+batch that always fails (out of GPU memory on its longest shard, say) is set aside after
+max_train_attempts as with one process. A follower tells rank 0 by leaving word under
+`adapters_dir` before it exits (`failures_dir`): rank 0 cannot tell from the broken collective,
+and under torchrun the launcher may SIGTERM rank 0 before its collective even fails. A rank that
+dies without a word (killed, the host lost) charges nothing.
 
 Followers need no database and no vLLM; they read adapters from `adapters_dir`, the path vLLM
 already reads them from (shared storage across nodes).
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -61,8 +64,8 @@ def _send(command: tuple[Any, ...]) -> None:
 class Led:
     """Rank 0's engine: the local Engine, each state change sent to the followers first."""
 
-    def __init__(self, engine: Engine, world: World) -> None:
-        self.engine, self.world = engine, world
+    def __init__(self, engine: Engine, world: World, failures: Path) -> None:
+        self.engine, self.world, self.failures = engine, world, failures
         self.key = engine.adapter
 
     @classmethod
@@ -77,7 +80,8 @@ class Led:
         world = World.current()
         _send(("build", settings.lineage, adapter, base is not None, resume_from))
         try:
-            return cls(Engine(settings, resume_from=resume_from, base=base, adapter=adapter), world)
+            engine = Engine(settings, resume_from=resume_from, base=base, adapter=adapter)
+            return cls(engine, world, failures_dir(settings))
         except RuntimeError as e:
             raise RanksLost(f"building the engine with the other ranks failed ({e})") from e
 
@@ -94,18 +98,29 @@ class Led:
         return self.engine.model
 
     def step(self, samples: list[Sample]) -> StepStats:
-        _send(("step", self.key))
+        token = uuid.uuid4().hex  # where a follower whose step raises says so
+        _send(("step", self.key, token))
         shards = [shard(samples, World(r, self.world.size)) for r in range(self.world.size)]
         mine: list[Any] = [None]
         try:
             dist.scatter_object_list(mine, shards, src=0)
             return self.engine.step(mine[0])
-        except Exception as e:
-            if isinstance(e, dist.DistBackendError) or (
+        except BaseException as e:  # the step did not finish on every rank
+            lost = isinstance(e, dist.DistBackendError) or (
                 isinstance(e, RuntimeError) and "peer" in str(e)
-            ):
+            )
+            if isinstance(e, Exception) and not lost:
+                raise StepFailed(f"the step failed on rank 0 ({e!r})") from e
+            # A follower gone: its step may have raised (it said so before exiting; the launcher
+            # may have stopped this rank first), or it died (killed, out of memory on the host).
+            said = self.failures / token
+            if said.exists():
+                reason = said.read_text()
+                said.unlink()
+                raise StepFailed(f"the step failed on another rank ({reason})") from e
+            if lost:
                 raise RanksLost(f"a rank is gone mid-step ({e})") from e
-            raise StepFailed(f"the step failed on rank 0 ({e!r})") from e
+            raise
 
     def snapshot(self) -> Snapshot:
         _send(("snapshot", self.key))
@@ -157,7 +172,13 @@ def follow(settings: TrainerSettings) -> None:
         if command == "step":
             mine: list[Any] = [None]
             dist.scatter_object_list(mine, None, src=0)
-            engines[key].step(mine[0])
+            try:
+                engines[key].step(mine[0])
+            except Exception as e:  # the batch broke the step here: rank 0 charges it
+                said = failures_dir(settings) / args[1]
+                said.parent.mkdir(parents=True, exist_ok=True)
+                said.write_text(f"rank {World.current().rank}: {e!r}")
+                raise
         elif command == "snapshot":
             snapshots[key] = engines[key].snapshot()
         elif command == "restore":
@@ -169,6 +190,12 @@ def follow(settings: TrainerSettings) -> None:
                 log.info("rank 0 will rebuild %s: %s", key, e)
         elif command != "heartbeat":
             raise ValueError(f"unknown command from rank 0: {command!r}")
+
+
+def failures_dir(settings: TrainerSettings) -> Path:
+    """Where a follower whose step raised leaves word for rank 0: the adapters' directory, which
+    every machine shares."""
+    return settings.adapters_dir / ".step-failures"
 
 
 def heartbeat() -> None:
