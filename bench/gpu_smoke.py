@@ -452,6 +452,10 @@ def train(settings: Any, args: argparse.Namespace, url: str, device: str) -> lis
     else:  # nobody serves them: 150 MB a step at 0.5B, rank 16
         shutil.rmtree(settings.adapters_dir)
     engine_db.dispose()
+    if settings.shard_base:
+        from trainer import distributed
+
+        distributed.leave()
     return results
 
 
