@@ -78,7 +78,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from trainer.batch import Sample
     from trainer.config import TrainerSettings
-    from trainer.distributed import join, leave, shard
+    from trainer.distributed import end, join, shard
     from trainer.engine import Engine
     from trainer.sampling import Sampling
 
@@ -123,7 +123,7 @@ def worker(args: argparse.Namespace) -> None:
     if world.leader:
         total = sum(p.numel() for p in base)
         args.out.write_text(json.dumps({"times": times, "base_held": held, "base_total": total}))
-    leave()
+    end()  # leaves the group, skips the interpreter's finalization (trainer/distributed.py)
 
 
 def report(args: argparse.Namespace, rows: list[tuple[int, str, float, float, float]]) -> None:

@@ -345,6 +345,10 @@ def run(args: argparse.Namespace, device: str) -> None:
         )
         settings = trainer_settings(args, model_dir, url)
         steps = train(settings, args, url, device)
+    if settings.shard_base:  # the engine is gone by now: leave() collects it first
+        from trainer import distributed
+
+        distributed.leave()
     lines = report(args, device, model_dir, steps)
     print("\n".join(lines))
     append_section(
@@ -452,10 +456,6 @@ def train(settings: Any, args: argparse.Namespace, url: str, device: str) -> lis
     else:  # nobody serves them: 150 MB a step at 0.5B, rank 16
         shutil.rmtree(settings.adapters_dir)
     engine_db.dispose()
-    if settings.shard_base:
-        from trainer import distributed
-
-        distributed.leave()
     return results
 
 

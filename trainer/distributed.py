@@ -21,12 +21,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import logging
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -176,9 +178,23 @@ def everyone(value: Any, world: World) -> list[Any]:
 
 
 def leave() -> None:
-    """Leave the process group before the process exits (gloo's threads abort it otherwise)."""
+    """Leave the process group before the process exits (gloo's threads abort it otherwise).
+    Engines dropped by then are collected first: FSDP2's hooks tie a model into reference
+    cycles, and tensors freed only at the interpreter's finalization can abort it."""
     if dist.is_available() and dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
+
+
+def end(code: int = 0) -> NoReturn:
+    """A worker's last act: leave the group and exit at once, skipping the interpreter's
+    finalization, where a rank that sharded a base with FSDP2 sometimes aborted (SIGABRT,
+    "terminate called without an active exception", after all its work was done)."""
+    leave()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def shard(samples: Sequence[Sample], world: World) -> list[Sample]:
