@@ -78,7 +78,7 @@ def worker(args: argparse.Namespace) -> None:
 
     from trainer.batch import Sample
     from trainer.config import TrainerSettings
-    from trainer.distributed import end, join, shard
+    from trainer.distributed import base_held, end, join, shard
     from trainer.engine import Engine
     from trainer.sampling import Sampling
 
@@ -118,10 +118,8 @@ def worker(args: argparse.Namespace) -> None:
         engine.step(shard(batch, world))
         wait_for_every_rank()  # the slowest rank's step is the step
         times.append(time.perf_counter() - started)
-    base = [p for n, p in engine.model.named_parameters() if "lora_" not in n]
-    held = sum(getattr(p, "_local_tensor", p).numel() for p in base)  # a DTensor's own shard
+    held, total = base_held(engine.model)
     if world.leader:
-        total = sum(p.numel() for p in base)
         args.out.write_text(json.dumps({"times": times, "base_held": held, "base_total": total}))
     end()  # leaves the group, skips the interpreter's finalization (trainer/distributed.py)
 

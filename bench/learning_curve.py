@@ -81,9 +81,10 @@ def run_flywheel(
     database_url: str | None,
     concurrency: int = 8,
     trainer_processes: int = 1,
+    shard_base: bool = False,
 ) -> Curve:
     name = "Flywheel" if trainer_processes == 1 else f"Flywheel, {trainer_processes} ranks"
-    if os.environ.get("FLYWHEEL_SHARD_BASE") == "true":  # --shard-base: the trainer reads it
+    if shard_base:  # the trainer reads FLYWHEEL_SHARD_BASE, which main() set
         name += ", base sharded (FSDP2)"
     curve = Curve(name)
     started = time.perf_counter()
@@ -573,6 +574,7 @@ def main() -> None:
                 args.database_url,
                 args.agent_concurrency,
                 args.trainer_processes,
+                args.shard_base,
             )
         )
     if not args.skip_trl:

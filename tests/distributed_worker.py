@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from tests.test_microbatch import gradient_of_one_step, samples, settings_for
-from trainer.distributed import World, end, join, shard
+from trainer.distributed import World, base_held, end, join, shard
 from trainer.engine import Engine
 
 
@@ -43,11 +43,10 @@ def main() -> None:
             "ratio": [stats.is_ratio_min, stats.is_ratio_max],
         }
         weights = {n: p.detach().clone() for n, p in engine.model.named_parameters() if n in grads}
-        base = [p for n, p in engine.model.named_parameters() if "lora_" not in n]
-        held = sum(getattr(p, "_local_tensor", p).numel() for p in base)
+        held, total = base_held(engine.model)
         torch.save(
             {"world": world.size, "rows": rows, "grads": grads, "weights": weights}
-            | {"base_held": held, "base_total": sum(p.numel() for p in base)}
+            | {"base_held": held, "base_total": total}
             | report,
             out / f"{loss_type}-rank{world.rank}.pt",
         )

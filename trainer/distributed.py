@@ -133,6 +133,15 @@ def shard_base(model: torch.nn.Module, world: World) -> None:
     log.info("the base model sharded over %d ranks (FSDP2)", world.size)
 
 
+def base_held(model: torch.nn.Module) -> tuple[int, int]:
+    """How many of the base model's weights this rank holds, of how many (sharded: its part)."""
+    from torch.distributed.tensor import DTensor
+
+    base = [p for name, p in model.named_parameters() if "lora_" not in name]
+    held = sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in base)
+    return held, sum(p.numel() for p in base)
+
+
 def _tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return dict(model.named_parameters()) | dict(model.named_buffers())
 

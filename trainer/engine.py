@@ -380,10 +380,10 @@ class Engine:
         losses = []
         model.train()
         batch = trainer.prepare(rows)
+        budget = trainer.settings.micro_batch_tokens
         # TRL gathers per-row metrics in each loss pass: pieces cut alike on every rank
-        parts = pieces(
-            batch, trainer.settings.micro_batch_tokens, everyone(lengths(batch), self.world)
-        )
+        ranks = everyone(lengths(batch), self.world) if budget > 0 else ()
+        parts = pieces(batch, budget, ranks)
         for _ in range(trainer.args.num_iterations):  # passes 2..mu reuse the prepared batch
             loss = 0.0
             for part in parts:
