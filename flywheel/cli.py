@@ -15,7 +15,8 @@
     flywheel retain --days N [--archive DIR] [--include-untrained] [--dry-run]   # drop old days
     flywheel status [--json]            # lineages, queue, last steps, the share trained and why
     flywheel migrate [--database-url URL]
-    flywheel up [--port P] [--task calc|calc-tools|sql]   # the whole local loop, embedded defaults
+    flywheel up [--port P] [--task calc|calc-tools|sql|bfcl] [--model M]   # the whole local loop
+    flywheel model M                    # the directory M resolves to (converted once)
     flywheel demo-model DIR             # generate the tiny demo model
 
 `flywheel COMMAND --help` lists every setting of the command's process (proxy/config.py,
@@ -56,6 +57,7 @@ COMMANDS = (
     Command("status", status.arguments, status.run),
     Command("migrate", data.migrate_arguments, data.migrate),
     Command("up", local.up_arguments, local.up),
+    Command("model", local.model_arguments, local.model),
     Command("demo-model", local.demo_model_arguments, local.demo_model),
 )
 

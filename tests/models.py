@@ -19,11 +19,25 @@ from pathlib import Path
 from demo.stack import TASKS
 from fakes.processes import build_frameworks_venv, build_litellm_venv
 from tests.conftest import TEST_HOME
+from trainer.models import packaged
+
+
+def _built_by(builder: Callable[[Path], Path] | None) -> Callable[[Path], Path]:
+    assert builder is not None
+    return builder
+
+
+def _smollm2(out_dir: Path) -> Path:
+    """The packaged SmolLM2-135M-Instruct, converted (trainer/models.py) under TEST_HOME."""
+    assert out_dir == path("smollm2-135m")
+    return packaged("smollm2-135m", TEST_HOME)
+
 
 BUILDERS: dict[str, Callable[[Path], Path]] = {
-    "calculator": TASKS["calc"].build_model,
-    "calc-tools": TASKS["calc-tools"].build_model,
-    "sql": TASKS["sql"].build_model,
+    "calculator": _built_by(TASKS["calc"].build_model),
+    "calc-tools": _built_by(TASKS["calc-tools"].build_model),
+    "sql": _built_by(TASKS["sql"].build_model),
+    "smollm2-135m": _smollm2,  # a real model (issue 41): a minute to convert
     "litellm-venv": build_litellm_venv,  # the judge's and routed proxies' install (openai 2)
     "frameworks-venv": build_frameworks_venv,  # DSPy, CrewAI, LlamaIndex over litellm-venv
 }
