@@ -336,3 +336,45 @@ class Judgement(Base):
     completion_tokens: Mapped[int | None] = mapped_column(Integer)
     cost_usd: Mapped[float | None] = mapped_column(Double)  # None: litellm knew no price
     judged_at: Mapped[datetime | None]
+
+
+class Demonstration(Base):
+    """A prompt with the answer it should get, for the trainer to imitate (a supervised step on
+    the answer's tokens, trainer/sft.py): posted by an application (a labelled set, a person's
+    correction) as chat messages and an answer, or copied from a recorded call of a rewarded
+    episode with its exact token ids (rejection-sampling fine-tuning). It trains one lineage."""
+
+    __tablename__ = "demonstration"
+
+    id: Mapped[uuid.UUID] = mapped_column(Uuid, primary_key=True)
+    lineage: Mapped[str] = mapped_column(Text)
+    tenant: Mapped[str | None] = mapped_column(Text)  # NULL: the default tenant
+    source: Mapped[str] = mapped_column(Text)  # "posted" | "episode"
+    # Where it came from, stored as a call's tags are (a tenant's ids are `<tenant>/<id>`).
+    episode_id: Mapped[str | None] = mapped_column(Text)
+    task_id: Mapped[str | None] = mapped_column(Text)
+    agent_name: Mapped[str | None] = mapped_column(Text)
+    transition_id: Mapped[uuid.UUID | None] = mapped_column(Uuid)  # the call it copies
+    # Posted: the prompt's chat messages (and tools), the answer as an assistant message; the
+    # trainer renders them with the model's chat template. Copied: the call's token ids.
+    messages: Mapped[list[Any] | None] = mapped_column(JSONB)
+    tools: Mapped[list[Any] | None] = mapped_column(JSONB)
+    completion: Mapped[dict[str, Any] | None]
+    prompt_token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
+    completion_token_ids: Mapped[bytes | None] = mapped_column(LargeBinary)
+    idempotency_key: Mapped[str | None] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    # Training: how many epochs it went into, the last version it trained, the trainer's lease.
+    epochs: Mapped[int] = mapped_column(SmallInteger, server_default=sql("0"))
+    trained_at: Mapped[datetime | None]
+    trained_version: Mapped[int | None] = mapped_column(Integer)
+    claimed_by: Mapped[str | None] = mapped_column(Text)
+    claim_expires_at: Mapped[datetime | None]
+    train_attempts: Mapped[int] = mapped_column(SmallInteger, server_default=sql("0"))
+    skip_reason: Mapped[str | None] = mapped_column(Text)
+
+    __table_args__ = (
+        UniqueConstraint("lineage", "idempotency_key"),
+        # The trainer's queue: a lineage's demonstrations by epochs trained, oldest first.
+        Index("ix_demonstration_queue", "lineage", "epochs", "created_at"),
+    )

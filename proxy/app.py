@@ -21,7 +21,7 @@ from proxy.config import ProxySettings
 from proxy.edge import Edge
 from proxy.errors import ApiError, error_response, unexpected_error
 from proxy.openapi import document
-from proxy.routes import admin, episodes, export, ops, rewards, ui
+from proxy.routes import admin, demonstrations, episodes, export, ops, rewards, ui
 from proxy.services import running
 
 
@@ -42,7 +42,7 @@ def create_app(settings: ProxySettings) -> Edge:
         openapi_url=openapi_url,
     )
     _add_error_handlers(app)
-    for module in (rewards, episodes, export, admin, ops, ui):
+    for module in (rewards, demonstrations, episodes, export, admin, ops, ui):
         app.include_router(module.router)
     # The whole API's document: FastAPI's routes and the edge's (proxy/openapi.py).
     app.openapi = partial(document, app)  # type: ignore[method-assign]

@@ -31,6 +31,7 @@ SCOPE_OF = {
     "messages": "infer",
     "models": "infer",
     "rewards": "reward",
+    "demonstrations": "reward",  # training signal from the application, as rewards are
     "episodes": "read",
     "export": "read",
 }

@@ -47,7 +47,7 @@ class Quota(BaseModel, extra="forbid", frozen=True):
 
     rps: float = Field(0, ge=0)  # completion calls (every wire.ENDPOINTS route)
     concurrency: int = Field(0, ge=0)  # completion calls in flight
-    rewards_rps: float = Field(0, ge=0)  # POST /v1/rewards
+    rewards_rps: float = Field(0, ge=0)  # POST /v1/rewards and /v1/demonstrations
     reads_rps: float = Field(0, ge=0)  # GET /v1/episodes/*, /v1/export, /ui/api/*
     burst_s: float = Field(1.0, gt=0)  # each rate's bucket holds this many seconds of it
 
@@ -87,7 +87,10 @@ class ProxySettings(DatabaseSettings):
         0, ge=0, description="Completion calls a tenant may have in flight (429 beyond). 0: any."
     )
     quota_rewards_rps: float = Field(
-        0, ge=0, description="Reward posts (POST /v1/rewards) per second a tenant may make. 0: any."
+        0,
+        ge=0,
+        description="Reward and demonstration posts (POST /v1/rewards, /v1/demonstrations) per "
+        "second a tenant may make. 0: any.",
     )
     quota_reads_rps: float = Field(
         0,

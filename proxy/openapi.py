@@ -90,6 +90,16 @@ ROUTES: dict[str, Route] = {
         },
         more={202: _JOURNALED},
     ),
+    "POST /v1/demonstrations": Route(
+        s.ref("DemonstrationsAnswer"),
+        BODY
+        | {
+            403: "The lineage named is another tenant's (or shared, and the caller's tenant "
+            "has not opted into the shared lineages).",
+            404: "from_episode names no episode (of the caller's tenant).",
+            503: "Postgres unreachable: nothing was stored; repeat the post as it was.",
+        },
+    ),
     "GET /v1/episodes/{episode_id}": Route(
         s.ref("Episode"), QUERY | DATABASE | {404: "No such episode (of the caller's tenant)."}
     ),
@@ -206,6 +216,8 @@ COMPONENTS: dict[str, Schema] = {
     "AnthropicError": s.ANTHROPIC_ERROR,
     "Reward": s.REWARD,
     "RewardsAnswer": s.REWARDS_ANSWER,
+    "Demonstration": s.DEMONSTRATION,
+    "DemonstrationsAnswer": s.DEMONSTRATIONS_ANSWER,
     "Episode": s.EPISODE,
     "Transition": s.TRANSITION,
     "Adapter": s.ADAPTER,

@@ -82,6 +82,24 @@ REWARDS_ANSWER: Schema = {
     "description": "One reward posted as an object: that reward; a list: the list shape.",
     "oneOf": [ref("Reward"), listing(ref("Reward"))],
 }
+DEMONSTRATION = shape(
+    "object",
+    "id",
+    "lineage",
+    "source",
+    "status",
+    object={"const": "demonstration"},
+    id=STRING,
+    lineage=STRING,
+    source={"enum": ["posted", "episode"]},
+    transition_id=OPT_STRING,
+    status={"enum": ["created", "duplicate"]},
+)
+DEMONSTRATIONS_ANSWER: Schema = {
+    "description": "One demonstration posted as an object: its result; a list, or from_episode "
+    "(one result per call of the episode): the list shape.",
+    "oneOf": [ref("Demonstration"), listing(ref("Demonstration"))],
+}
 TRANSITION = shape(
     "id",
     "route",

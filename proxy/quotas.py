@@ -129,7 +129,7 @@ def _kind(scope: Scope) -> str | None:
     if method == "POST":
         if path in _CALLS:
             return "calls"
-        return "rewards" if path == "/v1/rewards" else None
+        return "rewards" if path in ("/v1/rewards", "/v1/demonstrations") else None
     return "reads" if method == "GET" and path.startswith(_READS) else None
 
 
@@ -137,7 +137,7 @@ def _kind(scope: Scope) -> str | None:
 _LIMITS = {
     "calls": ("completion calls per second", "rps"),
     "concurrency": ("completion calls in flight", "concurrency"),
-    "rewards": ("reward posts per second", "rewards_rps"),
+    "rewards": ("reward posts per second (demonstration posts too)", "rewards_rps"),
     "reads": ("reads per second", "reads_rps"),
 }
 

@@ -67,10 +67,13 @@ class Claims:
 
     def __init__(self, sessions: Sessions, trainer_id: str) -> None:
         self.sessions, self.trainer_id = sessions, trainer_id
-        self.held: list[tuple[list[str], bool]] = []  # (ids, counts as an attempt)
+        # (ids, counts as an attempt, their table)
+        self.held: list[tuple[list[str], bool, store.Table]] = []
 
-    def give_back(self, ids: list[str], *, attempt: bool) -> None:
-        self.held.append((ids, attempt))
+    def give_back(
+        self, ids: list[str], *, attempt: bool, table: store.Table = "transition"
+    ) -> None:
+        self.held.append((ids, attempt, table))
         try:
             self.release_held()
         except OUTAGE_ERRORS as e:
@@ -79,7 +82,9 @@ class Claims:
     def release_held(self) -> None:
         """Raises OUTAGE_ERRORS while Postgres does not answer."""
         while self.held:
-            ids, attempt = self.held[0]
+            ids, attempt, table = self.held[0]
             with self.sessions.begin() as session:
-                store.release(ids, session=session, trainer_id=self.trainer_id, attempt=attempt)
+                store.release(
+                    ids, session=session, trainer_id=self.trainer_id, attempt=attempt, table=table
+                )
             self.held.pop(0)

@@ -23,17 +23,19 @@ import logging
 import os
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from core import policy
 from core.database import Sessions
 from core.vllm import VLLMError
-from trainer import faults, metrics, ranks, report, store
+from trainer import faults, metrics, ranks, report, sft, store
 from trainer.advantages import RunningBaseline
-from trainer.batch import Batch, build_batch, staleness_in
+from trainer.batch import build_batch, staleness_in
 from trainer.canary_watch import CanaryWatch
 from trainer.config import TrainerSettings
-from trainer.engine import Engine, Snapshot, StepStats
+from trainer.engine import Engine, Snapshot
 from trainer.housekeeping import Housekeeper
 from trainer.sampling import server_defaults
 from trainer.vllm import Replicas
@@ -41,6 +43,18 @@ from trainer.vllm import Replicas
 log = logging.getLogger("flywheel.trainer")
 
 MOVED_RETRIES = 3  # times a batch is trained again from a version that became current meanwhile
+
+
+@dataclass(frozen=True)
+class Step:
+    """A trained step on its way to being published: what it trained (a GRPO batch of
+    transitions or a supervised one of demonstrations) and how to record and report it."""
+
+    ids: list[str]  # every row it claimed: given back if the publish is abandoned
+    table: store.Table
+    finish: Callable[..., None]  # store.finish or finish_demonstrations, its rows bound
+    stats: Callable[[float], dict[str, object]]  # swap seconds -> adapter_version.stats
+    report: Callable[[int, float], None]  # (version, swap seconds) -> metrics and log line
 
 
 class Trainer:
@@ -68,6 +82,7 @@ class Trainer:
         )
         self.engine = self.make_engine(resume)
         self.sampling_defaults = server_defaults(settings.generation_config, settings.model)
+        self.stops = sft.stop_ids(self.engine.tokenizer, settings.model)
         # The version the engine's weights descend from: a publish succeeds only while it is
         # current (compare-and-set), so a rollback sticks and two trainers never fork the policy.
         self.parent = current.version if current else None
@@ -92,13 +107,26 @@ class Trainer:
     # --- one step ---------------------------------------------------------------------------
 
     def step(self) -> bool:
-        """Train and publish one batch if there is one. True when a new version was published.
-        Postgres or vLLM failing (faults.INFRASTRUCTURE) raises, the batch given back first
-        without counting an attempt."""
+        """Train and publish one batch if there is one: demonstrations (a supervised step) and
+        transitions (a GRPO step) as `demonstrations` says. True when a new version was
+        published. Postgres or vLLM failing (faults.INFRASTRUCTURE) raises, the batch given back
+        first without counting an attempt."""
         s = self.settings
         self.claims.release_held()
         if self._pinned() or self.canary.holds():
             return False
+        imitated = False
+        if s.demonstrations != "off":
+            imitated, due = self._imitate()
+            if imitated and s.demonstrations == "first":
+                return True
+            if due and s.demonstrations == "first":  # due, but another trainer holds them
+                return False
+        return self._reinforce() or imitated
+
+    def _reinforce(self) -> bool:
+        """One GRPO step on credited transitions, if enough are waiting."""
+        s = self.settings
         with self.sessions.begin() as session:
             current = policy.current(session=session, lineage=self.lineage)
             claimed = store.claim(
@@ -120,28 +148,61 @@ class Trainer:
             )
         if not claimed:
             return False
+        ids = [c.id for c in claimed]
+        return self._train_from(
+            current.version if current else None, ids, "transition", lambda: self._train(claimed)
+        )
+
+    def _imitate(self) -> tuple[bool, int]:
+        """One supervised step on the lineage's demonstrations due an epoch, if any: (published,
+        how many are due an epoch, claimed by anyone)."""
+        s = self.settings
+        with self.sessions.begin() as session:
+            current = policy.current(session=session, lineage=self.lineage)
+            claimed = store.claim_demonstrations(
+                session=session,
+                trainer_id=s.trainer_id,
+                lease_s=s.lease_s,
+                lineage=self.lineage,
+                tenants=s.tenants,
+                epochs=s.sft_epochs,
+                limit=s.sft_batch,
+                max_attempts=s.max_train_attempts,
+            )
+            due = store.demonstrations_due(
+                session=session, lineage=self.lineage, tenants=s.tenants, epochs=s.sft_epochs
+            )
+        self.metrics.demonstrations_due.set(due)
+        if not claimed:
+            return False, due
+        ids = [c.id for c in claimed]
+        version = current.version if current else None
+        return self._train_from(version, ids, "demonstration", lambda: self._sft(claimed)), due
+
+    def _train_from(
+        self, version: int | None, ids: list[str], table: store.Table, train: Callable[[], bool]
+    ) -> bool:
+        """`train()` from `version` (again from the new current one if it moves meanwhile)."""
         try:
-            published = self._train_from(current.version if current else None, claimed)
+            for _ in range(1 + MOVED_RETRIES):
+                self._follow(version)
+                try:
+                    published = train()
+                    break
+                except policy.PolicyMoved as moved:
+                    log.warning("%s: training the batch again from there", moved)
+                    self.metrics.step_failure("policy_moved")
+                    version = moved.current
+            else:  # rolled back under every try: a race, no fault of the batch's
+                self._give_back(ids, reason="policy_moved", attempt=False, table=table)
+                return False
         except faults.INFRASTRUCTURE as e:
-            self._give_back([c.id for c in claimed], reason=faults.reason(e), attempt=False)
+            self._give_back(ids, reason=faults.reason(e), attempt=False, table=table)
             raise
         if published:
             self.steps += 1
             self.housekeeper.retire_old_versions()
         return published
-
-    def _train_from(self, version: int | None, claimed: list[store.Claimed]) -> bool:
-        for _ in range(1 + MOVED_RETRIES):
-            self._follow(version)
-            try:
-                return self._train(claimed)
-            except policy.PolicyMoved as moved:
-                log.warning("%s: training the batch again from there", moved)
-                self.metrics.step_failure("policy_moved")
-                version = moved.current
-        # Rolled back under every try: a race, no fault of the batch's.
-        self._give_back([c.id for c in claimed], reason="policy_moved", attempt=False)
-        return False
 
     def _pinned(self) -> bool:
         """While the lineage is pinned by hand (core/policy.py `pin`) the trainer waits, its
@@ -194,10 +255,73 @@ class Trainer:
                 store.set_aside(batch.skipped, session=session, trainer_id=s.trainer_id)
             self.metrics.batch(0, len(batch.skipped))
             return False
+        step = Step(
+            ids=list(batch.trained) + list(batch.skipped),
+            table="transition",
+            finish=partial(store.finish, trained=batch.trained, skipped=batch.skipped),
+            stats=lambda swap_s: report.stats_json(batch, stats, swap_s, self.parent),
+            report=lambda version, swap_s: report.report_step(
+                self.metrics,
+                step=self.steps + 1,
+                version=version,
+                batch=batch,
+                stats=stats,
+                swap_s=swap_s,
+                canary_rule=s.canary_rule,
+            ),
+        )
         try:
-            return self._publish(batch, stats, before)
+            return self._publish(step, before)
         except faults.INFRASTRUCTURE:
             self.engine.restore(before)  # the step's caller gives the batch back
+            raise
+
+    def _sft(self, claimed: list[store.ClaimedDemonstration]) -> bool:
+        """One supervised step on the claimed demonstrations from the engine's weights, then
+        publish (trainer/sft.py)."""
+        s = self.settings
+        ids = [c.id for c in claimed]
+        before = self.engine.snapshot()
+        try:  # only what fails here is the batch's fault
+            rendered = sft.render(claimed, self.engine.tokenizer, self.stops, self.engine.limits)
+            demos = list(rendered.demos.values())
+            stats = self.engine.sft_step(demos) if demos else None
+        except ranks.StepFailed:
+            self._give_back(ids, reason="error", table="demonstration")
+            raise
+        except Exception:  # a bad batch must not stop training: it has max_train_attempts
+            log.exception(
+                "the supervised step failed on %d demonstrations; giving them back", len(ids)
+            )
+            self.engine.restore(before)
+            self._give_back(ids, reason="error", table="demonstration")
+            return False
+        if stats is None:
+            with self.sessions.begin() as session:
+                store.set_aside_demonstrations(rendered.skipped, session=session)
+            return False
+        step = Step(
+            ids=ids,
+            table="demonstration",
+            finish=partial(
+                store.finish_demonstrations, trained=list(rendered.demos), skipped=rendered.skipped
+            ),
+            stats=lambda swap_s: report.sft_stats_json(len(demos), stats, swap_s, self.parent),
+            report=lambda version, swap_s: report.report_sft(
+                self.metrics,
+                step=self.steps + 1,
+                version=version,
+                demonstrations=len(demos),
+                skipped=rendered.skipped,
+                stats=stats,
+                swap_s=swap_s,
+                canary_rule=s.canary_rule,
+            ),
+        )
+        try:
+            return self._publish(step, before)
+        except faults.INFRASTRUCTURE:
+            self.engine.restore(before)
             raise
 
     def _follow(self, version: int | None) -> None:
@@ -224,7 +348,7 @@ class Trainer:
             self.engine = self.make_engine(path)
         self.parent = version
 
-    def _publish(self, batch: Batch, stats: StepStats, before: Snapshot) -> bool:
+    def _publish(self, step: Step, before: Snapshot) -> bool:
         s = self.settings
         with self.sessions.begin() as session:
             version = policy.next_version(session=session)
@@ -247,17 +371,15 @@ class Trainer:
         # (committed: the next step follows it; not: reconcile unloads and deletes it).
         try:
             with self.sessions.begin() as session:
-                store.finish(
+                step.finish(
                     session=session,
                     trainer_id=s.trainer_id,
-                    trained=batch.trained,
-                    skipped=batch.skipped,
                     lineage=self.lineage,
                     version=version,
                     parent=self.parent,
                     path=str(final),
                     base_model=str(s.model),
-                    stats=report.stats_json(batch, stats, swap_s, self.parent),
+                    stats=step.stats(swap_s),
                     canary_rule=s.canary_rule,
                 )
         except (store.LostClaim, policy.PolicyMoved, policy.CanaryOpen, policy.Pinned) as e:
@@ -274,32 +396,31 @@ class Trainer:
             # came: the batch goes back (to be trained at once, or after the decision or the
             # unpin), and none of it is the batch's fault.
             reason = {policy.CanaryOpen: "canary_open", policy.Pinned: "pinned"}
-            self._abandon(batch, final, before, reason=reason.get(type(e), "lost_claim"))
+            self._abandon(step, final, before, reason=reason.get(type(e), "lost_claim"))
             return False
 
         self.parent = version
-        report.report_step(
-            self.metrics,
-            step=self.steps + 1,
-            version=version,
-            batch=batch,
-            stats=stats,
-            swap_s=swap_s,
-            canary_rule=s.canary_rule,
-        )
+        step.report(version, swap_s)
         return True
 
-    def _abandon(self, batch: Batch, adapter_dir: Path, before: Snapshot, *, reason: str) -> None:
+    def _abandon(self, step: Step, adapter_dir: Path, before: Snapshot, *, reason: str) -> None:
         """Undo a step lost to a race: weights back, batch back uncharged, directory gone."""
         self.engine.restore(before)
-        self._give_back(list(batch.trained) + list(batch.skipped), reason=reason, attempt=False)
+        self._give_back(step.ids, reason=reason, attempt=False, table=step.table)
         shutil.rmtree(adapter_dir, ignore_errors=True)
 
-    def _give_back(self, ids: list[str], *, reason: str, attempt: bool = True) -> None:
+    def _give_back(
+        self,
+        ids: list[str],
+        *,
+        reason: str,
+        attempt: bool = True,
+        table: store.Table = "transition",
+    ) -> None:
         """`attempt`: the claim counts towards max_train_attempts (only when the batch itself
         failed the step). With Postgres down the claims are held, given back once it answers."""
         self.metrics.step_failure(reason)
-        self.claims.give_back(ids, attempt=attempt)
+        self.claims.give_back(ids, attempt=attempt, table=table)
 
     def reconcile(self) -> None:
         self.housekeeper.reconcile()

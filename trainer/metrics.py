@@ -54,6 +54,21 @@ _TRAINABLE_RATIO = Gauge(
 _QUEUE = Gauge(
     "flywheel_trainer_queue_transitions", "Credited, untrained transitions waiting.", ["lineage"]
 )
+_DEMONSTRATIONS_DUE = Gauge(
+    "flywheel_trainer_queue_demonstrations",
+    "Demonstrations still due an epoch of supervised steps (trainer/sft.py).",
+    ["lineage"],
+)
+_SFT_STEPS = Counter(
+    "flywheel_trainer_sft_steps_total",
+    "Supervised steps on demonstrations published (also counted in steps_total).",
+    ["lineage"],
+)
+_SFT_LOSS = Gauge(
+    "flywheel_trainer_sft_loss",
+    "Mean negative log-likelihood per answer token of the last supervised step.",
+    ["lineage"],
+)
 _CURRENT_VERSION = Gauge(
     "flywheel_trainer_current_version", "The version the lineage's alias serves.", ["lineage"]
 )
@@ -114,6 +129,9 @@ class LineageMetrics:
         self.clip_fraction = _CLIP_FRACTION.labels(lineage)
         self.staleness = _STALENESS.labels(lineage)
         self.queue = _QUEUE.labels(lineage)
+        self.demonstrations_due = _DEMONSTRATIONS_DUE.labels(lineage)
+        self.sft_steps = _SFT_STEPS.labels(lineage)
+        self.sft_loss = _SFT_LOSS.labels(lineage)
         self.current_version = _CURRENT_VERSION.labels(lineage)
         self.pinned = _PINNED.labels(lineage)
         self.backoff = _BACKOFF.labels(lineage)

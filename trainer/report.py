@@ -4,12 +4,14 @@ with the adapter version (`adapter_version.stats`, shown by `flywheel adapters l
 from __future__ import annotations
 
 import logging
+from collections import Counter
 
 from core import canary
 from trainer.batch import Batch
 from trainer.correction import BUCKETS, Tally
 from trainer.engine import StepStats
 from trainer.metrics import LineageMetrics
+from trainer.sft import SftStats
 
 log = logging.getLogger("flywheel.trainer")
 
@@ -72,6 +74,57 @@ def report_step(
         )
 
 
+def report_sft(
+    m: LineageMetrics,
+    *,
+    step: int,
+    version: int,
+    demonstrations: int,
+    skipped: dict[str, str],
+    stats: SftStats,
+    swap_s: float,
+    canary_rule: canary.Rule | None,
+) -> None:
+    m.steps.inc()
+    m.sft_steps.inc()
+    m.sft_loss.set(stats.loss)
+    if canary_rule is None:
+        m.current_version.set(version)
+    else:
+        m.canary_candidate.set(version)
+    m.step_seconds.observe(stats.seconds)
+    m.swap_seconds.observe(swap_s)
+    for reason in skipped.values():
+        m.skipped(reason, 1)
+    log.info(
+        "%s step %d -> v%d | supervised: %d demonstrations, %d answer tokens | loss %.4f"
+        " | train %.2fs swap %.0fms | set aside: %s",
+        m.lineage,
+        step,
+        version,
+        demonstrations,
+        stats.tokens,
+        stats.loss,
+        stats.seconds,
+        swap_s * 1000,
+        ", ".join(f"{k} {v}" for k, v in sorted(Counter(skipped.values()).items())) or "none",
+    )
+
+
+def sft_stats_json(
+    demonstrations: int, stats: SftStats, swap_s: float, parent: int | None
+) -> dict[str, object]:
+    return {
+        "kind": "sft",  # a supervised step on demonstrations (GRPO steps have no kind)
+        "parent": parent,
+        "demonstrations": demonstrations,
+        "tokens": stats.tokens,
+        "loss": stats.loss,
+        "train_s": stats.seconds,
+        "swap_s": swap_s,
+    }
+
+
 def correction_summary(by_staleness: dict[str, Tally]) -> str:
     """Per staleness bucket (versions): tokens, and the share truncated / rejected."""
     parts = []
@@ -89,6 +142,7 @@ def stats_json(
     batch: Batch, stats: StepStats, swap_s: float, parent: int | None
 ) -> dict[str, object]:
     return {
+        "kind": "grpo",
         "parent": parent,  # the version it was trained from (None: the base model)
         "samples": len(batch.samples),
         "reward_mean": batch.reward_mean,

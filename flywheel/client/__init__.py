@@ -9,6 +9,7 @@ Anthropic SDKs are imported only by `fw.openai()` / `fw.anthropic()`.
     with fw.episode(task="t7", agent="solver") as ep:
         answer = llm.chat.completions.create(model="policy", messages=[...])
         fw.reward(1.0)  # ep's final reward: an idempotency key made once, kept across retries
+    fw.demonstrate(messages, "the answer it should have given")  # a warm start, a correction
 
 `AsyncFlywheel` is the same, awaited (`async with fw.episode(...)`).
 """
@@ -25,6 +26,8 @@ from flywheel.client.errors import (
     RequestRejected,
 )
 from flywheel.client.records import (
+    Demonstration,
+    DemonstrationResult,
     EpisodeView,
     Reward,
     RewardResult,
@@ -37,6 +40,8 @@ from flywheel.client.sync import Flywheel
 __all__ = [
     "AsyncFlywheel",
     "AuthenticationError",
+    "Demonstration",
+    "DemonstrationResult",
     "Episode",
     "EpisodeNotFound",
     "EpisodeView",

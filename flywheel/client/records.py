@@ -78,6 +78,51 @@ def reward_results(body: Any) -> list[RewardResult]:
 
 
 @dataclass(frozen=True)
+class Demonstration:
+    """A prompt and the answer it should get, for the trainer to imitate (POST
+    /v1/demonstrations): `completion` is the answer's text, or an assistant message (with
+    `tool_calls`). It trains `lineage`, else the lineage `agent`'s calls are served by."""
+
+    messages: list[dict[str, Any]]
+    completion: str | dict[str, Any]
+    tools: list[dict[str, Any]] | None = None
+    agent: str | None = None
+    lineage: str | None = None
+    task_id: str | None = None
+    episode_id: str | None = None  # where it came from, if anywhere
+    idempotency_key: str = field(default_factory=new_key)
+
+    def body(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "messages": self.messages,
+            "completion": self.completion,
+            "idempotency_key": self.idempotency_key,
+        }
+        for name in ("tools", "agent", "lineage", "task_id", "episode_id"):
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        return out
+
+
+@dataclass(frozen=True)
+class DemonstrationResult:
+    id: str
+    lineage: str
+    source: Literal["posted", "episode"]
+    status: Literal["created", "duplicate"]  # duplicate: its key (or call) was stored before
+    transition_id: str | None  # the recorded call it copies (from an episode)
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> DemonstrationResult:
+        return cls(d["id"], d["lineage"], d["source"], d["status"], d.get("transition_id"))
+
+
+def demonstration_results(body: Any) -> list[DemonstrationResult]:
+    items = body["data"] if body.get("object") == "list" else [body]
+    return [DemonstrationResult.from_json(d) for d in items]
+
+
+@dataclass(frozen=True)
 class TransitionView:
     """One recorded call (choice) of an episode; `raw` has every field the proxy sent."""
 

@@ -11,7 +11,15 @@ import httpx
 
 from flywheel.client.base import TRANSIENT, ClientBase, single
 from flywheel.client.episode import Episode, tag_client
-from flywheel.client.records import EpisodeView, Reward, RewardResult, reward_results
+from flywheel.client.records import (
+    Demonstration,
+    DemonstrationResult,
+    EpisodeView,
+    Reward,
+    RewardResult,
+    demonstration_results,
+    reward_results,
+)
 
 if TYPE_CHECKING:  # imported when asked for: neither SDK is needed to post rewards
     import anthropic
@@ -117,6 +125,40 @@ class Flywheel(ClientBase):
         episode_id = items[0].episode_id
         body = self._send("POST", "/v1/rewards", episode_id, json=single(list(items)))
         return reward_results(body)
+
+    def demonstrate(
+        self,
+        messages: list[dict[str, Any]],
+        completion: str | dict[str, Any],
+        **fields: Any,
+    ) -> DemonstrationResult:
+        """A prompt and the answer it should get, for the trainer to imitate; `fields` are
+        Demonstration's (agent, lineage, tools, task_id, episode_id, idempotency_key)."""
+        return (self.demonstrations([Demonstration(messages, completion, **fields)]))[0]
+
+    def demonstrations(self, items: Sequence[Demonstration]) -> list[DemonstrationResult]:
+        """Several in one post: all stored, or none (each keyed: a retry stores each once)."""
+        if not items:
+            raise ValueError("demonstrations([]): nothing to post")
+        body = [d.body() for d in items] if len(items) > 1 else items[0].body()
+        return demonstration_results(self._send("POST", "/v1/demonstrations", None, json=body))
+
+    def demonstrate_episode(
+        self,
+        episode_id: str | None = None,
+        *,
+        agent: str | None = None,
+        lineage: str | None = None,
+    ) -> list[DemonstrationResult]:
+        """Every call of a recorded episode (the open one unless given) as a demonstration,
+        with its token ids as sampled: keep the episodes that went best (`agent`, `lineage`:
+        only those calls). Copying an episode again adds nothing."""
+        episode_id = self._episode_id(episode_id)
+        body: dict[str, Any] = {"from_episode": episode_id}
+        body |= {k: v for k, v in (("agent", agent), ("lineage", lineage)) if v is not None}
+        return demonstration_results(
+            self._send("POST", "/v1/demonstrations", episode_id, json=body)
+        )
 
     def episode_view(self, episode_id: str | None = None, *, tokens: bool = False) -> EpisodeView:
         """The episode as stored: its calls (tags, text, tool calls, returns) and rewards."""
