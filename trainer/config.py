@@ -11,11 +11,12 @@ import socket
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from core import canary, policy
 from core.settings import DatabaseSettings, split_commas, vllm_base_urls
+from trainer import models
 
 # vLLM accepts only these LoRA ranks (--max-lora-rank must be one of them, and >= ours).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -23,7 +24,12 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 class TrainerSettings(DatabaseSettings):
     # --- where things are -----------------------------------------------------------------
-    model: Path = Field(..., description="Base model directory (the one vLLM serves).")
+    model: Path = Field(
+        ...,
+        description="Base model: a Hugging Face directory (the one vLLM serves), a .gguf file or "
+        "a packaged model (`smollm2-135m`), converted once into `home/models/`, or a hub id "
+        "(org/name, where the hub is reachable). trainer/models.py.",
+    )
     vllm: Annotated[list[str], NoDecode] = Field(
         ..., description="vLLM base URL(s); every new adapter is loaded into each before use."
     )
@@ -122,9 +128,32 @@ class TrainerSettings(DatabaseSettings):
         "is given up and the launcher restarts it.",
     )
 
+    # --- demonstrations: supervised steps (trainer/sft.py) ------------------------------------
+    demonstrations: Literal["first", "mix", "off"] = Field(
+        "first",
+        description="The lineage's demonstrations (POST /v1/demonstrations): first (a warm "
+        "start: supervised steps while any is due an epoch, GRPO after), mix (a supervised step "
+        "and a GRPO step in turn while both have data) or off (never trained).",
+    )
+    sft_epochs: int = Field(
+        1, ge=1, description="Epochs over the demonstrations: each is trained this many times."
+    )
+    sft_batch: int = Field(8, ge=1, description="Demonstrations in one supervised step.")
+    sft_learning_rate: float = Field(
+        2e-4,
+        gt=0,
+        description="The supervised steps' AdamW learning rate (their own optimizer, apart from "
+        "GRPO's: a warm start wants a larger one).",
+    )
+
     # --- how to train (TRL's GRPO loss, PEFT LoRA) -------------------------------------------
     lora_rank: int = Field(8, description="LoRA rank (vLLM needs --max-lora-rank >= this).")
     lora_alpha: int = Field(16, ge=1, description="LoRA alpha (updates scale by alpha/rank).")
+    lora_targets: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="The modules LoRA adapts (q_proj,v_proj,...). Empty: every attention and MLP "
+        "projection of the model's architecture (trainer/models.py LORA_TARGETS).",
+    )
     learning_rate: float = Field(1e-4, gt=0, description="AdamW's learning rate (constant).")
     max_grad_norm: float = Field(1.0, gt=0, description="Gradients are clipped to this norm.")
     loss_type: str = Field("dapo", description="TRL GRPO loss_type (dapo, grpo, dr_grpo, bnpo).")
@@ -158,6 +187,12 @@ class TrainerSettings(DatabaseSettings):
         description="Backpropagate each step's batch in pieces of at most this many padded "
         "tokens (rows x longest prompt+completion), adding up to the same gradient: the loss "
         "pass's memory grows with tokens x vocabulary. 0: the whole batch in one pass.",
+    )
+    share_prompts: bool = Field(
+        True,
+        description="Rows of a batch with the same prompt (a GRPO group's samples) forward it "
+        "once and only their completions each (trainer/shared_prompts.py): P + G*C tokens "
+        "instead of G*(P+C). Off by itself with gradient_checkpointing or shard_base.",
     )
     dtype: Literal["float32", "bfloat16"] = Field(
         "float32",
@@ -225,7 +260,30 @@ class TrainerSettings(DatabaseSettings):
     )
     canary_check_s: float = Field(5.0, gt=0, description="How often to test an open canary.")
 
-    _split = field_validator("vllm", "agents", "tenants", "lineages", mode="before")(split_commas)
+    _split = field_validator(
+        "vllm", "agents", "tenants", "lineages", "lora_targets", mode="before"
+    )(split_commas)
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _resolve_model(cls, spec: object, info: ValidationInfo) -> object:
+        """A GGUF file, a packaged model or a hub id becomes the directory it converts to."""
+        if not isinstance(spec, str | Path):
+            return spec
+        try:
+            return models.resolve(spec, Path(info.data.get("home", ".flywheel")))
+        except models.ModelNotFound as e:
+            raise ValueError(str(e)) from e
+
+    @property
+    def shares_prompts(self) -> bool:
+        """`share_prompts`, where it can work (not under checkpointing or FSDP2)."""
+        return self.share_prompts and not self.gradient_checkpointing and not self.shard_base
+
+    @property
+    def lora_modules(self) -> list[str]:
+        """`lora_targets`, or the architecture's default."""
+        return self.lora_targets or models.lora_targets(self.model)
 
     _lineage = field_validator("lineage")(policy.check_lineage)
 
@@ -288,8 +346,11 @@ class TrainerSettings(DatabaseSettings):
             )
         if self.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
             raise ValueError("load_in_4bit needs bitsandbytes: pip install bitsandbytes")
-        if not (self.model / "config.json").exists():
-            raise ValueError(f"--model {self.model} has no config.json: give the model directory")
+        if not self.lora_targets:
+            try:
+                models.lora_targets(self.model)
+            except models.ModelNotFound as e:
+                raise ValueError(str(e)) from e
         self.trained_lineages()  # a tenant's lineage trains on its calls only
         owner = policy.tenant_of_lineage(self.lineage)
         if owner is not None and not self.lineages:

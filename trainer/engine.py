@@ -49,12 +49,12 @@ from trainer.distributed import (
 )
 from trainer.logprobs import processed_logprobs
 from trainer.microbatch import lengths, pieces, share
+from trainer.sft import Demo, SftStats, backward, completion_tokens
+from trainer.shared_prompts import completion_logits
 
-# The trainable weights and the optimizer state: what undoing a step needs.
-Snapshot = tuple[dict[str, torch.Tensor], dict[str, Any]]
-
-# vLLM rejects adapters with DoRA, LoRA bias or modules_to_save; these all load.
-LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# The trainable weights and both optimizers' states: what undoing a step needs.
+Snapshot = tuple[dict[str, torch.Tensor], tuple[dict[str, Any], dict[str, Any]]]
+SFT_OPTIMIZER = "sft_optimizer.pt"  # beside a version's adapter, as optimizer.pt (GRPO's)
 
 
 @dataclass(frozen=True)
@@ -192,21 +192,24 @@ class _TransitionGRPOTrainer(GRPOTrainer):
         """Each completion token's log-probability under its own row's sampling distribution
         (TRL's fused head knows one temperature and no truncation). `input_ids` rows are
         `self._active`'s, in order. The logits are materialised, (rows, tokens, vocabulary) a
-        chunk of `batch_size` rows at a time."""
+        chunk of `batch_size` rows at a time; rows with one prompt forward it once
+        (trainer/shared_prompts.py)."""
         batch_size = batch_size or input_ids.size(0)
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
             end = min(start + batch_size, input_ids.size(0))
             rows = [self._rows[i] for i in self._active[start:end]]
             ids, attention = input_ids[start:end], attention_mask[start:end]
-            out = model(
-                input_ids=ids,
-                attention_mask=attention,
-                use_cache=False,
-                logits_to_keep=logits_to_keep + 1,
+            logits = completion_logits(  # the logits before each completion token
+                model,
+                ids,
+                attention,
+                [r["prompt_ids"] for r in rows],
+                logits_to_keep,
+                share=self.settings.shares_prompts,
             )
             lp, ent = processed_logprobs(
-                out.logits[:, :-1],  # the logits before each completion token
+                logits,
                 ids[:, -logits_to_keep:],
                 attention[:, -logits_to_keep:],
                 [r["prompt_ids"] for r in rows],
@@ -239,7 +242,7 @@ def _lora(settings: TrainerSettings) -> LoraConfig:
         r=settings.lora_rank,
         lora_alpha=settings.lora_alpha,
         lora_dropout=0.0,
-        target_modules=LORA_TARGETS,
+        target_modules=settings.lora_modules,  # vLLM loads these (no DoRA, bias, modules_to_save)
         bias="none",
         use_dora=False,
         task_type="CAUSAL_LM",
@@ -341,6 +344,14 @@ class Engine:
         self.world = World.current()
         self._trained = [p for n, p in trainer.model.named_parameters() if self._own(n)]
         broadcast_parameters(self._trained, self.world)
+        # Supervised steps' own AdamW (trainer/sft.py: its moments kept apart from GRPO's).
+        self.sft_optimizer = torch.optim.AdamW(
+            self._trained, lr=settings.sft_learning_rate, weight_decay=0.0
+        )
+        if resume_from is not None and (resume_from / SFT_OPTIMIZER).exists():
+            self.sft_optimizer.load_state_dict(
+                torch.load(resume_from / SFT_OPTIMIZER, weights_only=True)
+            )
 
     def beside(self, settings: TrainerSettings, adapter: str, resume_from: Path | None) -> Engine:
         """Another lineage's engine on this one's base model (its weights are not copied)."""
@@ -411,18 +422,47 @@ class Engine:
             by_staleness=correction.by_staleness,
         )
 
+    def sft_step(self, demos: list[Demo]) -> SftStats:
+        """One supervised step on demonstrations (trainer/sft.py), with its own optimizer."""
+        model, settings = self._use(), self.trainer.settings
+        started = time.perf_counter()
+        model.train()
+        tokens = sum(everyone(completion_tokens(demos), self.world))
+        tokenizer = self.trainer.processing_class
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        loss = backward(
+            model,
+            demos,
+            budget=settings.micro_batch_tokens,
+            pad_id=pad,
+            device=self.trainer.accelerator.device,
+            total=max(1, tokens) / self.world.size,  # the gradients are averaged over the ranks
+        )
+        average_gradients(self._trained, self.world)
+        loss = average(loss, self.world, self.trainer.accelerator.device)
+        self.trainer.accelerator.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
+        self.sft_optimizer.step()
+        model.zero_grad(set_to_none=True)
+        return SftStats(loss=loss, tokens=tokens, seconds=time.perf_counter() - started)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.trainer.processing_class
+
     def snapshot(self) -> Snapshot:
         """The trainable weights and optimizer state, to undo a step that could not be published."""
         weights = {n: p.detach().clone() for n, p in self._use().named_parameters() if self._own(n)}
-        return weights, copy.deepcopy(self.trainer.optimizer.state_dict())
+        optimizers = (self.trainer.optimizer.state_dict(), self.sft_optimizer.state_dict())
+        return weights, copy.deepcopy(optimizers)
 
     def restore(self, snapshot: Snapshot) -> None:
-        weights, optimizer_state = snapshot
+        weights, (optimizer_state, sft_state) = snapshot
         with torch.no_grad():
             for name, p in self._use().named_parameters():
                 if name in weights:
                     p.copy_(weights[name])
         self.trainer.optimizer.load_state_dict(optimizer_state)
+        self.sft_optimizer.load_state_dict(sft_state)
 
     def load_adapter(self, adapter_dir: Path | None) -> None:
         """Take over a published version's weights and optimizer state (None: the base model,
@@ -447,12 +487,15 @@ class Engine:
                 result: Any = set_peft_model_state_dict(model, state, adapter_name=self.adapter)
                 if result.unexpected_keys:
                     raise ValueError(f"{adapter_dir} has weights this engine lacks")
-        optimizer = self.trainer.optimizer
-        saved = adapter_dir / "optimizer.pt" if adapter_dir is not None else None
-        if saved is not None and saved.exists():
-            optimizer.load_state_dict(torch.load(saved, weights_only=True))
-        else:
-            optimizer.state.clear()
+        for optimizer, name in (
+            (self.trainer.optimizer, "optimizer.pt"),
+            (self.sft_optimizer, SFT_OPTIMIZER),
+        ):
+            saved = adapter_dir / name if adapter_dir is not None else None
+            if saved is not None and saved.exists():
+                optimizer.load_state_dict(torch.load(saved, weights_only=True))
+            else:
+                optimizer.state.clear()
 
     def save_adapter(self, out_dir: Path) -> None:
         """adapter_config.json + adapter_model.safetensors (vLLM loads these); optimizer beside."""
@@ -462,3 +505,4 @@ class Engine:
                 path.rename(out_dir / path.name)
             (out_dir / self.adapter).rmdir()
         torch.save(self.trainer.optimizer.state_dict(), out_dir / "optimizer.pt")
+        torch.save(self.sft_optimizer.state_dict(), out_dir / SFT_OPTIMIZER)
