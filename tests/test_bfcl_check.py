@@ -1,0 +1,198 @@
+"""Our BFCL checker (demo/bfcl_check.py) against the official one (bfcl_eval's own code, run by
+tests/bfcl_official.py in a process of its own): the same verdict, parsability and error type on
+every answer of a corpus of SmolLM2's own sampled answers (tests/data/bfcl_sampled.jsonl, recorded
+by bench/bfcl_learning.py) and near-misses generated from every question's correct answer: wrong
+values and types, missing and extra parameters, wrong functions, BFCL's decoding quirks, and
+unparsable text. And our prompt is BFCL's, message for message.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from demo import bfcl
+from demo.bfcl_check import decode, score
+
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLED = ROOT / "tests" / "data" / "bfcl_sampled.jsonl"
+CATEGORY = "simple_python"
+
+
+def official(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "tests" / "bfcl_official.py")],
+        input="".join(json.dumps(i) + "\n" for i in items),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=True,
+    )
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+def render(name: str, params: dict[str, Any]) -> str:
+    return f"{name}({', '.join(f'{k}={v!r}' for k, v in params.items())})"
+
+
+def near_misses(q: bfcl.Question, rng: random.Random) -> Iterator[str]:
+    """Answers around the question's correct one, each changing one thing (a few, two)."""
+    right = bfcl.demonstration(q)
+    ((name, params),) = decode(right)[0].items()
+    declared = q.functions[0]["parameters"]["properties"]
+    required = q.functions[0]["parameters"]["required"]
+    yield right
+    yield right[1:-1]  # no brackets
+    yield f"```\n{right}\n```"
+    yield f"'{right}'"
+    yield f"[{render(name, params)}, {render(name, params)}]"  # two calls
+    yield "[]"
+    yield f"The answer is {right}"
+    yield right[: len(right) // 2]
+    yield json.dumps([{"function": name, "parameters": params}])
+    yield render(name + "_v2", params)
+    yield render(name.rsplit(".", 1)[-1], params)  # without its module
+    yield f"{name}({', '.join(repr(v) for v in params.values())})"  # positional
+    yield render(name, {**params, "extra_flag": True})
+    yield f"{name}(**{params!r})"
+    for key in [k for k in params if k in required][:2]:
+        yield render(name, {k: v for k, v in params.items() if k != key})
+    optional = [k for k in declared if k not in params]
+    if optional:
+        yield render(name, {**params, optional[0]: "something"})
+    for key, value in params.items():
+        for other in _values(value, declared[key]["type"], rng):
+            yield render(name, {**params, key: other})
+        yield f"{name}({', '.join(f'{k}={_source(k, v, key)}' for k, v in params.items())})"
+    keys = list(params)
+    if len(keys) >= 2:  # two changes at once
+        a, b = rng.sample(keys, 2)
+        changed = dict(params)
+        for key in (a, b):
+            changed[key] = rng.choice(_values(params[key], declared[key]["type"], rng) or [None])
+        yield render(name, changed)
+
+
+def _values(value: Any, kind: str, rng: random.Random) -> list[Any]:
+    """Other values of about the same kind: some right after BFCL's normalisation, most wrong."""
+    if isinstance(value, bool):
+        return [not value, int(value), str(value)]
+    if isinstance(value, int):
+        return [value + 1, -value - 1, float(value), str(value), [value]]
+    if isinstance(value, float):
+        return [value + 0.5, int(value), round(value, 1), str(value)]
+    if isinstance(value, str):
+        return [
+            value.upper(),
+            value.replace(" ", "-"),
+            value + " city",
+            value[: max(1, len(value) // 2)],
+            " ".join(reversed(value.split())),
+            f"{value}'s",
+            1,
+        ]
+    if isinstance(value, list):
+        out: list[Any] = [
+            tuple(value),
+            list(reversed(value)),
+            value[:-1],
+            [*value, value[0]] if value else [1],
+        ]
+        return [*out, value[0]] if value else out
+    if isinstance(value, dict):
+        keys = list(value)
+        out = [{k: value[k] for k in keys[1:]}, {**value, "unexpected": 1}]
+        if keys:
+            out.append({**value, keys[0]: rng.choice(["changed", 0, None])})
+        return out
+    return [None, "None"]
+
+
+def _source(key: str, value: Any, changed: str) -> str:
+    """A value in another Python form: arithmetic, a name, a call, a subscript, a sign."""
+    if key != changed:
+        return repr(value)
+    if isinstance(value, bool):
+        return "True and False"
+    if isinstance(value, int):
+        return f"{value - 3} + 3" if value % 2 else f"+{value}"
+    if isinstance(value, float):
+        return f"{value} * 1"
+    if isinstance(value, str):
+        return "value" if " " in value else f"lookup({value!r})"
+    if isinstance(value, list):
+        return f"{value!r}[0:]"
+    return f"dict(a={value!r})"
+
+
+def corpus() -> list[dict[str, Any]]:
+    questions = {q.id: q for q in bfcl.load(CATEGORY)}
+    rng = random.Random(41)
+    items = [{"id": q.id, "text": text} for q in questions.values() for text in near_misses(q, rng)]
+    if SAMPLED.exists():
+        items += [json.loads(line) for line in SAMPLED.read_text().splitlines() if line.strip()]
+    for item in items:
+        q = questions[item["id"]]
+        item |= {"functions": q.functions, "possible": q.possible, "category": CATEGORY}
+    return items
+
+
+def test_our_verdicts_are_the_official_ones_on_every_answer() -> None:
+    items = corpus()
+    theirs = official(items)
+    assert len(theirs) == len(items) >= 2000
+    disagree = []
+    outcomes: Counter[str] = Counter()
+    for item, their in zip(items, theirs, strict=True):
+        ours = score(item["text"], item["functions"], item["possible"], item["category"])
+        mine = {"valid": ours.valid, "parsable": ours.parsable, "error_type": ours.error_type}
+        outcomes[their["error_type"] or "valid"] += 1
+        if mine != their:
+            disagree.append((item["id"], item["text"], mine, their))
+    assert not disagree, f"{len(disagree)} of {len(items)} disagree, e.g. {disagree[:3]}"
+    # Not a corpus of one kind: every verdict the checker can give on simple questions shows up.
+    for kind in (
+        "valid",
+        "ast_decoder:decoder_failed",
+        "simple_function_checker:wrong_count",
+        "simple_function_checker:wrong_func_name",
+        "simple_function_checker:missing_required",
+        "simple_function_checker:unexpected_param",
+        "type_error:simple",
+        "value_error:string",
+        "value_error:others",
+        "value_error:list/tuple",
+    ):
+        assert outcomes[kind] >= 50, (kind, outcomes)
+    sampled = [i for i in items if "source" in i]
+    if sampled:  # the model's own answers: present once the benchmark has recorded them
+        assert len(sampled) >= 500
+
+
+def test_our_prompt_is_bfcls() -> None:
+    questions = bfcl.load(CATEGORY)
+    entries = [
+        {"prompt": {"id": q.id, "question": [q.messages], "function": q.functions}}
+        for q in questions
+    ]
+    assert official(entries) == [bfcl.prompt(q) for q in questions]
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["[f(x=__import__('os').getcwd() + 'a')]", "[f(x=9**9**9)]", "[f(x='a' * 10**9)]"],
+)
+def test_no_answer_is_run_as_code_or_computed_without_bound(text: str) -> None:
+    """Where BFCL's decoder `eval`s a binary operation, ours refuses what is not literal
+    arithmetic, and literal arithmetic too big to compute (BFCL would hang or run it)."""
+    q = bfcl.load(CATEGORY)[0]
+    verdict = q.score(text)
+    assert not verdict.parsable and verdict.error_type == "ast_decoder:decoder_failed"
