@@ -181,20 +181,28 @@ def test_micro_batches_add_up_to_the_whole_batchs_gradient() -> None:
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    preamble = [7, 8, 9, 10, 11, 12]  # a system prompt every demonstration starts with
     demos = [
-        sft.Demo(list(range(3, 3 + p)), list(range(40, 40 + c)))
+        sft.Demo(preamble + list(range(3 + p, 3 + 2 * p)), list(range(40, 40 + c)))
         for p, c in [(9, 3), (4, 7), (12, 2), (5, 5)]
     ]
     grads = []
-    for budget in (0, 20):
+    for budget, share in ((0, False), (20, False), (0, True)):
         model.zero_grad()
         total = sft.completion_tokens(demos)
         loss = sft.backward(
-            model, demos, budget=budget, pad_id=0, device=torch.device("cpu"), total=total
+            model,
+            demos,
+            budget=budget,
+            pad_id=0,
+            device=torch.device("cpu"),
+            total=total,
+            share=share,
         )
         grads.append(
             (loss, torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
         )
-    (whole, g_whole), (pieces, g_pieces) = grads
-    assert abs(whole - pieces) < 1e-5
-    torch.testing.assert_close(g_whole, g_pieces, rtol=1e-4, atol=1e-6)
+    (whole, g_whole), *others = grads
+    for loss, g in others:  # in pieces, and with the prompts' shared prefix forwarded once
+        assert abs(whole - loss) < 1e-5
+        torch.testing.assert_close(g, g_whole, rtol=1e-4, atol=1e-6)

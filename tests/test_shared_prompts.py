@@ -3,6 +3,7 @@ LoRA gradients as forwarding every row whole."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM
@@ -10,15 +11,19 @@ from transformers import AutoModelForCausalLM
 from demo.tiny_model import build_demo_model
 from tests.conftest import TEST_HOME
 from trainer.models import LORA_TARGETS
-from trainer.shared_prompts import completion_logits
+from trainer.shared_prompts import Plan, completion_logits
 
 PAD = 0
 
 
-def batch() -> tuple[torch.Tensor, torch.Tensor, list[list[int]], int]:
+def batch(
+    preamble: list[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, list[list[int]], int]:
     """As TRL pads a batch: prompts left-padded, completions right-padded. Three rows on one
-    prompt, two on another, one alone."""
+    prompt, two on another, one alone; all after `preamble`, if given (a system prompt)."""
     prompt_a, prompt_b, prompt_c = list(range(5, 25)), list(range(30, 37)), [60, 61, 62]
+    if preamble is not None:
+        prompt_a, prompt_b, prompt_c = (preamble + p for p in (prompt_a, prompt_b, prompt_c))
     rows = [
         (prompt_a, [70, 71, 72, 73]),
         (prompt_b, [80, 81]),
@@ -37,7 +42,10 @@ def batch() -> tuple[torch.Tensor, torch.Tensor, list[list[int]], int]:
     return torch.tensor(ids), torch.tensor(mask), [p for p, _ in rows], width_c
 
 
-def test_shared_prompts_give_the_whole_rows_logits_and_gradients() -> None:
+@pytest.mark.parametrize("preamble", [None, [100 + i for i in range(15)]])
+def test_shared_prompts_give_the_whole_rows_logits_and_gradients(
+    preamble: list[int] | None,
+) -> None:
     torch.manual_seed(0)
     base = AutoModelForCausalLM.from_pretrained(
         build_demo_model(TEST_HOME / "models" / "demo"), dtype=torch.float32
@@ -48,7 +56,11 @@ def test_shared_prompts_give_the_whole_rows_logits_and_gradients() -> None:
             r=8, lora_alpha=16, target_modules=LORA_TARGETS["qwen2"], init_lora_weights=False
         ),
     )
-    ids, mask, prompts, width_c = batch()
+    ids, mask, prompts, width_c = batch(preamble)
+    plan = Plan.of(prompts, width_c)
+    assert plan is not None and len(plan.rests) == 3
+    assert len(plan.prefix) == (0 if preamble is None else len(preamble))
+    assert plan.shared_tokens < ids.numel()  # what is shared saves tokens: the passes run
     completion_mask = mask[:, -width_c:].float()
     results = []
     for share in (False, True):
@@ -77,3 +89,10 @@ def test_without_sharing_it_is_one_plain_forward() -> None:
         expected = model(input_ids=ids, attention_mask=mask, logits_to_keep=width_c + 1).logits
         got = completion_logits(model, ids, mask, prompts, width_c, share=False)
     torch.testing.assert_close(got, expected[:, :-1])
+
+
+def test_one_prompt_for_every_row_keeps_its_last_token_for_the_answer() -> None:
+    plan = Plan.of([[1, 2, 3, 4]] * 3, 2)
+    assert plan is not None and plan.prefix == [1, 2, 3] and plan.rests == [[4]]
+    assert plan.group == [0, 0, 0]
+    assert Plan.of([[1, 2, 3]], 2) is None  # one row: nothing to share

@@ -437,6 +437,7 @@ class Engine:
             pad_id=pad,
             device=self.trainer.accelerator.device,
             total=max(1, tokens) / self.world.size,  # the gradients are averaged over the ranks
+            share=settings.shares_prompts,
         )
         average_gradients(self._trained, self.world)
         loss = average(loss, self.world, self.trainer.accelerator.device)

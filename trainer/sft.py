@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from trainer.batch import ModelLimits
+from trainer.shared_prompts import completion_logits
 from trainer.store import ClaimedDemonstration
 
 
@@ -103,21 +104,25 @@ def _tokens(
 
 
 def backward(
-    model: Any, demos: list[Demo], *, budget: int, pad_id: int, device: torch.device, total: int
+    model: Any,
+    demos: list[Demo],
+    *,
+    budget: int,
+    pad_id: int,
+    device: torch.device,
+    total: float,
+    share: bool = False,
 ) -> float:
     """Backpropagate the batch's completion NLL (summed, divided by `total`, the completion
     tokens of the whole step over every rank) in pieces of at most `budget` padded tokens
-    (0: one piece). Returns this batch's part of the loss."""
+    (0: one piece); `share`: what their prompts share forwarded once (trainer/shared_prompts.py:
+    a system prompt, a task's preamble). Returns this batch's part of the loss."""
     loss = 0.0
     for piece in _pieces(demos, budget):
         ids, attention, targets, mask = _padded(piece, pad_id, device)
-        out = model(
-            input_ids=ids,
-            attention_mask=attention,
-            use_cache=False,
-            logits_to_keep=targets.size(1) + 1,
-        )
-        logits = out.logits[:, :-1].float()  # the logits before each completion token
+        logits = completion_logits(
+            model, ids, attention, [d.prompt_ids for d in piece], targets.size(1), share=share
+        ).float()  # the logits before each completion token
         nll = torch.nn.functional.cross_entropy(
             logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none"
         ).view_as(targets)

@@ -1,12 +1,18 @@
-"""The logits before each completion token, computing each distinct prompt once.
+"""The logits before each completion token, computing what prompts share once.
 
-A GRPO group is several samples of one prompt (a task's episodes start alike), and a real
-agent's prompt is long (BFCL's system prompt and function list: ~500 tokens) while its answer is
-short (~30). Forwarding every row whole computes the same prompt G times, forward and backward:
-here rows that share a prompt forward it once, keep its keys and values (with their autograd
-graph, so the LoRA weights that made them still get their gradient), and forward only each
-row's completion on top, repeated G times. The logits are the same as the whole rows' (to
-float rounding: tests/test_shared_prompts.py), at P + G·C tokens instead of G·(P + C).
+A GRPO group is several samples of one prompt (a task's episodes start alike), and a real agent's
+prompts are long and alike: BFCL's are ~460 tokens, 254 of them the same system preamble in every
+call, answered in ~30. Forwarding every row whole computes each prompt G times, and the preamble
+for every row, forward and backward. Here a batch goes through the model in three passes instead:
+
+1. the prefix every row's prompt shares, once;
+2. each distinct prompt's rest, once, on (a copy of) that prefix's keys and values;
+3. every row's completion on its prompt's keys and values.
+
+The keys and values carry their autograd graph, so the LoRA weights that made them get the
+gradient every row sends back through them. The logits are the whole rows' (to float rounding:
+tests/test_shared_prompts.py), for about P_shared + K·P_rest + B·C tokens instead of B·(P + C)
+(K distinct prompts, B rows). A batch where that saves nothing goes through in one plain pass.
 
 Off under gradient checkpointing (it recomputes layers in the backward pass and would append to
 the cache twice) and when the base is sharded with FSDP2 (each rank's forward passes must come
@@ -15,7 +21,6 @@ in the same number: FSDP2 gathers weights in each).
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 import torch
@@ -33,50 +38,95 @@ def completion_logits(
     """(rows, completion_len, vocabulary): the logits before each of the last `completion_len`
     positions of `input_ids` (left-padded prompts, right-padded completions, as TRL batches
     them); `prompts` are the rows' unpadded prompt ids."""
-    groups: dict[tuple[int, ...], list[int]] = defaultdict(list)
-    for row, prompt in enumerate(prompts):
-        groups[tuple(prompt)].append(row)
-    shared = {p: rows for p, rows in groups.items() if share and len(rows) > 1}
-    alone = [row for p, rows in groups.items() if p not in shared for row in rows]
-    parts: list[tuple[list[int], torch.Tensor]] = []
-    if alone:
-        index = torch.tensor(alone, device=input_ids.device)
+    plan = Plan.of(prompts, completion_len) if share else None
+    if plan is None or plan.shared_tokens >= input_ids.size(0) * input_ids.size(1):
         out = model(
-            input_ids=input_ids[index],
-            attention_mask=attention_mask[index],
+            input_ids=input_ids,
+            attention_mask=attention_mask,
             use_cache=False,
             logits_to_keep=completion_len + 1,
         )
-        parts.append((alone, out.logits[:, :-1]))
-    for shared_prompt, rows in shared.items():
-        index = torch.tensor(rows, device=input_ids.device)
-        completions = input_ids[index, -completion_len:]
-        masks = attention_mask[index, -completion_len:]
-        parts.append((rows, _on_one_prompt(model, list(shared_prompt), completions, masks)))
-    if len(parts) == 1 and parts[0][0] == list(range(len(prompts))):
-        return parts[0][1]
-    out_logits = torch.cat([logits for _, logits in parts])
-    order = torch.tensor([row for rows, _ in parts for row in rows], device=input_ids.device)
-    return out_logits[torch.argsort(order)]
+        logits: torch.Tensor = out.logits[:, :-1]
+        return logits
+    return plan.logits(model, input_ids[:, -completion_len:], attention_mask[:, -completion_len:])
 
 
-def _on_one_prompt(
-    model: Any, prompt: list[int], completions: torch.Tensor, masks: torch.Tensor
-) -> torch.Tensor:
-    """The completions' logits, G rows on one prompt forwarded once."""
-    g, c = completions.shape
-    p = len(prompt)
-    device = completions.device
-    first = model(input_ids=torch.tensor([prompt], device=device), use_cache=True, logits_to_keep=1)
-    cache = first.past_key_values
-    cache.batch_repeat_interleave(g)  # one copy of the prompt's keys and values per row
-    second = model(
-        input_ids=completions,
-        attention_mask=torch.cat([torch.ones(g, p, dtype=masks.dtype, device=device), masks], 1),
-        position_ids=torch.arange(p, p + c, device=device).expand(g, c),
-        past_key_values=cache,
-        use_cache=True,
-    )
-    # The prompt's last logits predict the first completion token; each completion position's
-    # predicts the next one (the last predicts nothing asked for).
-    return torch.cat([first.logits[:, -1:].expand(g, 1, -1), second.logits[:, :-1]], 1)
+class Plan:
+    """How a batch's prompts share: the common prefix, the distinct prompts, each row's."""
+
+    def __init__(
+        self, prefix: list[int], rests: list[list[int]], group: list[int], completion_len: int
+    ) -> None:
+        self.prefix = prefix  # what every prompt starts with
+        self.rests = rests  # each distinct prompt past the prefix (never empty)
+        self.group = group  # each row's distinct prompt
+        self.completion_len = completion_len
+
+    @classmethod
+    def of(cls, prompts: list[list[int]], completion_len: int) -> Plan | None:
+        if len(prompts) < 2 or not all(prompts):
+            return None
+        distinct: dict[tuple[int, ...], int] = {}
+        group = [distinct.setdefault(tuple(p), len(distinct)) for p in prompts]
+        firsts = [list(p) for p in distinct]
+        # every prompt keeps at least its last token for pass 2: its logits predict the answer
+        shared = min(_common(firsts), min(len(p) for p in firsts) - 1)
+        return cls(firsts[0][:shared], [p[shared:] for p in firsts], group, completion_len)
+
+    @property
+    def shared_tokens(self) -> int:
+        """The tokens the three passes forward (pass 2 padded to its longest rest)."""
+        rest = max(len(r) for r in self.rests)
+        return len(self.prefix) + len(self.rests) * rest + len(self.group) * self.completion_len
+
+    def logits(
+        self, model: Any, completions: torch.Tensor, completion_mask: torch.Tensor
+    ) -> torch.Tensor:
+        device = completions.device
+        cache = None
+        if self.prefix:  # pass 1: the prefix every prompt shares
+            first = model(input_ids=torch.tensor([self.prefix], device=device), use_cache=True)
+            cache = first.past_key_values
+            cache.batch_repeat_interleave(len(self.rests))
+        # pass 2: each distinct prompt's rest, right-padded, after the shared prefix
+        width = max(len(r) for r in self.rests)
+        lengths = torch.tensor([len(r) for r in self.rests], device=device)
+        rests = torch.tensor([r + [0] * (width - len(r)) for r in self.rests], device=device)
+        rest_mask = (torch.arange(width, device=device) < lengths[:, None]).long()
+        shared = len(self.prefix)
+        ones = torch.ones(len(self.rests), shared, dtype=torch.long, device=device)
+        second = model(
+            input_ids=rests,
+            attention_mask=torch.cat([ones, rest_mask], 1),
+            position_ids=shared + torch.arange(width, device=device).expand(len(self.rests), -1),
+            past_key_values=cache,
+            use_cache=True,
+        )
+        last = second.logits[torch.arange(len(self.rests), device=device), lengths - 1]
+        # pass 3: every row's completion on its own prompt's keys and values
+        group = torch.tensor(self.group, device=device)
+        cache = second.past_key_values
+        cache.batch_select_indices(group)
+        rows, c = completions.shape
+        mask = torch.cat(
+            [torch.ones(rows, shared, dtype=torch.long, device=device), rest_mask[group]], 1
+        )
+        positions = (shared + lengths[group])[:, None] + torch.arange(c, device=device)
+        third = model(
+            input_ids=completions,
+            attention_mask=torch.cat([mask, completion_mask.long()], 1),
+            position_ids=positions,
+            past_key_values=cache,
+            use_cache=True,
+        )
+        # A prompt's last logits predict its first completion token; each completion position's
+        # predicts the next one (the last predicts nothing asked for).
+        return torch.cat([last[group][:, None], third.logits[:, :-1]], 1)
+
+
+def _common(prompts: list[list[int]]) -> int:
+    """How many tokens every prompt starts with."""
+    for i, column in enumerate(zip(*prompts, strict=False)):
+        if len(set(column)) > 1:
+            return i
+    return min(len(p) for p in prompts)
