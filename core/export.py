@@ -1,8 +1,8 @@
 """Recorded data out: transitions to JSON Lines or Parquet, streamed in constant memory.
 
-    flywheel export out.jsonl [--kind transitions|sft|pairs] [--tokens] [filters]
+    flywheel export out.jsonl [--kind transitions|sft|pairs|demonstrations] [--tokens] [filters]
 
-Three kinds of row:
+Four kinds of row:
 - `transitions`: one per recorded call, as `GET /v1/episodes/{id}` shows it (prompt messages,
   completion, tool calls, version, return, step rewards, the episode's final reward), with
   `--tokens` the exact prompt/completion token ids and behaviour logprobs.
@@ -11,6 +11,10 @@ Three kinds of row:
 - `pairs`: preference pairs (TRL's conversational `prompt` / `chosen` / `rejected`) from each
   group of calls with the same task, agent and prompt messages: its highest-return completion
   against its lowest, where the returns differ. Credited chat calls that succeeded.
+- `demonstrations`: what the trainer imitates (POST /v1/demonstrations), as `sft` rows (the
+  prompt, then the answer) with their lineage, tenant, source and how far they were trained;
+  `--tokens` adds a copied call's exact token ids. Filters: since/until (when posted), agent,
+  task, lineage, trained.
 
 The rows stream from a server-side cursor (`itersize` at a time), so memory does not grow with
 the table; Parquet is written a row group at a time. In Parquet the JSON-valued fields (messages,
@@ -34,17 +38,20 @@ from sqlalchemy.orm import Session
 from core import database
 from core.export_files import write_jsonl, write_parquet
 from core.export_kinds import (
+    DEMONSTRATION_TOKEN_COLUMNS,
+    DEMONSTRATIONS_SQL,
     PAIRS_SQL,
     TOKEN_COLUMNS,
     TRANSITIONS_SQL,
     Pairer,
     columns,
+    demonstration_row,
     sft_row,
     transition_row,
 )
 from core.tenants import OPERATOR, Principal
 
-KINDS = ("transitions", "sft", "pairs")
+KINDS = ("transitions", "sft", "pairs", "demonstrations")
 FORMATS = ("jsonl", "parquet")
 BATCH = 2000  # rows fetched per round trip, and per Parquet row group
 
@@ -125,8 +132,14 @@ def query(kind: str, where: ExportFilter, *, tokens: bool = False) -> Query:
     GET /v1/export on an async one. Both stream it through a server-side cursor."""
     if kind not in KINDS:
         raise ValueError(f"kind must be one of {', '.join(KINDS)}, not {kind!r}")
-    conditions, params = _conditions(where)
     public = where.principal.public
+    if kind == "demonstrations":
+        conditions, params = _demonstration_conditions(where)
+        sql = DEMONSTRATIONS_SQL.format(
+            tokens=DEMONSTRATION_TOKEN_COLUMNS if tokens else "", where=" AND ".join(conditions)
+        )
+        return Query(sql, params, functools.partial(demonstration_row, public=public))
+    conditions, params = _conditions(where)
     if kind == "transitions":
         sql = TRANSITIONS_SQL.format(
             tokens=TOKEN_COLUMNS if tokens else "", where=" AND ".join(conditions)
@@ -170,3 +183,31 @@ def _conditions(where: ExportFilter) -> tuple[list[str], dict[str, Any]]:
     if where.trained is not None:
         conditions.append(f"t.trained_at IS {'NOT ' if where.trained else ''}NULL")
     return conditions, params
+
+
+def _demonstration_conditions(where: ExportFilter) -> tuple[list[str], dict[str, Any]]:
+    principal = where.principal
+    if where.version is not None or where.min_reward is not None or where.max_reward is not None:
+        raise ValueError(
+            "demonstrations have no version or reward: filter them by since, until, agent, "
+            "task, lineage or trained"
+        )
+    conditions: list[str] = []
+    params: dict[str, Any] = {}
+    if not principal.every_tenant:
+        conditions.append("d.tenant IS NULL" if principal.tenant is None else "d.tenant = :tenant")
+        params["tenant"] = principal.tenant
+    for column, value, op in [
+        ("d.created_at", where.since, ">="),
+        ("d.created_at", where.until, "<"),
+        ("d.agent_name", where.agent, "="),
+        ("d.task_id", principal.own(where.task) if where.task is not None else None, "="),
+        ("d.lineage", where.lineage, "="),
+    ]:
+        if value is not None:
+            name = f"p{len(params)}"
+            params[name] = value
+            conditions.append(f"{column} {op} :{name}")
+    if where.trained is not None:
+        conditions.append(f"d.epochs {'>' if where.trained else '='} 0")
+    return conditions or ["TRUE"], params

@@ -1,5 +1,5 @@
-"""What each kind of export row is: its SQL and its shape (`transitions`, `sft`, `pairs`; see
-core/export.py), and its fields in order."""
+"""What each kind of export row is: its SQL and its shape (`transitions`, `sft`, `pairs`,
+`demonstrations`; see core/export.py), and its fields in order."""
 
 from __future__ import annotations
 
@@ -155,10 +155,52 @@ class Pairer:
         }
 
 
+# Demonstrations: a posted one's prompt and answer; a copied call's from its transition (while
+# retention keeps it), its token ids with --tokens either way.
+DEMONSTRATIONS_SQL = """
+SELECT d.id, d.lineage, d.tenant, d.source, d.episode_id, d.task_id, d.agent_name,
+       d.transition_id, coalesce(d.messages, msg.messages) AS messages, d.tools, d.completion,
+       t.text, t.tool_calls, d.created_at, d.epochs, d.trained_at, d.trained_version,
+       d.skip_reason{tokens}
+FROM demonstration d
+LEFT JOIN transition t ON t.id = d.transition_id
+{messages} ON TRUE
+WHERE {where}
+ORDER BY d.created_at, d.id""".replace("{messages}", MESSAGES_SQL.format(row="t"))
+DEMONSTRATION_TOKEN_COLUMNS = ", d.prompt_token_ids, d.completion_token_ids"
+
+
+def demonstration_row(r: dict[str, Any], public: Callable[[str], str]) -> dict[str, Any]:
+    answer = r["completion"] or _assistant(r["text"], r["tool_calls"])
+    out = {
+        "messages": [*(r["messages"] or []), answer],  # the prompt, then the answer (TRL's SFT)
+        "tools": r["tools"],
+        "id": str(r["id"]),
+        "lineage": r["lineage"],
+        "tenant": r["tenant"],
+        "source": r["source"],
+        "episode_id": public(r["episode_id"]) if r["episode_id"] else None,
+        "task_id": public(r["task_id"]) if r["task_id"] else None,
+        "agent_name": r["agent_name"],
+        "transition_id": str(r["transition_id"]) if r["transition_id"] else None,
+        "created_at": r["created_at"].isoformat(),
+        "epochs": r["epochs"],
+        "trained_at": r["trained_at"].isoformat() if r["trained_at"] else None,
+        "trained_version": r["trained_version"],
+        "skip_reason": r["skip_reason"],
+    }
+    if "completion_token_ids" in r:
+        out["prompt_token_ids"] = unpack(r["prompt_token_ids"], "i")
+        out["completion_token_ids"] = unpack(r["completion_token_ids"], "i")
+    return out
+
+
 def columns(kind: str, tokens: bool = False) -> list[str]:
     """Each kind's fields, in order (a Parquet file has them even with no rows)."""
     if kind == "transitions":
         return [*_TRANSITION_FIELDS, *(_TOKEN_FIELDS if tokens else ())]
+    if kind == "demonstrations":
+        return [*_DEMONSTRATION_FIELDS, *(_TOKEN_FIELDS[:2] if tokens else ())]
     return _SFT_FIELDS if kind == "sft" else _PAIR_FIELDS
 
 
@@ -202,6 +244,23 @@ _SFT_FIELDS = [
     "policy_version",
     "return",
     "final_reward",
+]
+_DEMONSTRATION_FIELDS = [
+    "messages",
+    "tools",
+    "id",
+    "lineage",
+    "tenant",
+    "source",
+    "episode_id",
+    "task_id",
+    "agent_name",
+    "transition_id",
+    "created_at",
+    "epochs",
+    "trained_at",
+    "trained_version",
+    "skip_reason",
 ]
 _PAIR_FIELDS = [
     "prompt",

@@ -71,7 +71,7 @@ def export_rows(args: argparse.Namespace) -> None:
         done = export(
             url, args.out, kind=args.kind, fmt=args.format, where=where, tokens=args.tokens
         )
-    except (OSError, RuntimeError, SQLAlchemyError) as e:
+    except (OSError, RuntimeError, ValueError, SQLAlchemyError) as e:
         sys.exit(f"flywheel export: {e}")
     rate = done.rows / done.seconds if done.seconds else 0.0
     print(f"{done.rows} {args.kind} rows to {done.path} in {done.seconds:.1f} s ({rate:,.0f}/s)")

@@ -3,13 +3,16 @@ episode's calls, idempotency, and every refusal a bad post gets."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from core import tenants
+from core import export, tenants
 from core.codecs import unpack
 from core.database import Sessions
+from flywheel.client import Demonstration, Flywheel, RequestRejected
 from tests.conftest import RunningProxy
 
 PROMPT = [{"role": "system", "content": "Answer with a call."}, {"role": "user", "content": "2+2?"}]
@@ -197,3 +200,69 @@ def test_another_tenants_lineage_and_episode_are_refused(
         ("acme", "acme/mine"),
         ("acme", "acme/e1"),
     ]
+
+
+def test_demonstrations_export_with_their_tenant_and_token_ids(
+    make_proxy: Any, sessions: Sessions, tmp_path: Path
+) -> None:
+    proxy = make_proxy(auth="keys", keys_refresh_s=0.1, admin_key="admin")
+    with sessions.begin() as session:
+        _, acme = tenants.create_key(
+            session=session, tenant="acme", scopes=["infer", "reward", "read"]
+        )
+        _, globex = tenants.create_key(session=session, tenant="globex", scopes=["reward", "read"])
+    proxy.wait_keys(acme, globex)
+    auth = {"Authorization": f"Bearer {acme}"}
+    with proxy.client(**auth, **{"X-Episode-Id": "good", "X-Task-Id": "t"}) as c:
+        assert c.post("/v1/chat/completions", json=CHAT).status_code == 200
+    post(proxy, {"from_episode": "good"}, **auth)
+    post(proxy, {"messages": PROMPT, "completion": "[add(a=2, b=2)]", "task_id": "t2"}, **auth)
+    post(proxy, {"messages": PROMPT, "completion": "theirs"}, Authorization=f"Bearer {globex}")
+
+    done = export.export(
+        proxy.database_url, tmp_path / "d.jsonl", kind="demonstrations", tokens=True
+    )
+    rows = [json.loads(line) for line in (tmp_path / "d.jsonl").read_text().splitlines()]
+    assert done.rows == 3 and {r["tenant"] for r in rows} == {"acme", "globex"}
+    copied = next(r for r in rows if r["source"] == "episode")
+    assert (
+        copied["messages"][0] == CHAT["messages"][0]
+        and copied["messages"][-1]["role"] == "assistant"
+    )
+    assert copied["completion_token_ids"] and copied["prompt_token_ids"]
+    posted = next(r for r in rows if r["task_id"] == "acme/t2")
+    assert posted["messages"] == [*PROMPT, {"role": "assistant", "content": "[add(a=2, b=2)]"}]
+    # Through the proxy: a tenant's own, under its own ids; a filter demonstrations lack: 400.
+    with proxy.client(**auth) as c:
+        r = c.get("/v1/export", params={"kind": "demonstrations"})
+        assert r.status_code == 200, r.text
+        mine = [json.loads(line) for line in r.text.splitlines()]
+        assert {m["tenant"] for m in mine} == {"acme"} and {m["task_id"] for m in mine} == {
+            "t",
+            "t2",
+        }
+        r = c.get("/v1/export", params={"kind": "demonstrations", "version": 1})
+        assert r.status_code == 400 and "no version" in r.json()["error"]["message"]
+    # The dashboard counts them, each tenant its own.
+    with proxy.client(Authorization="Bearer admin") as c:
+        overview = c.get("/ui/api/overview").json()
+    assert {(d["lineage"], d["total"], d["waiting"]) for d in overview["demonstrations"]} == {
+        ("acme.policy", 2, 2),
+        ("globex.policy", 1, 1),
+    }
+
+
+def test_the_client_posts_demonstrations_and_copies_episodes(proxy: RunningProxy) -> None:
+    with Flywheel(proxy.url) as fw:
+        with fw.episode("t1", "solver") as episode:
+            fw.openai().chat.completions.create(**CHAT)
+        result = fw.demonstrate(PROMPT, "[add(a=2, b=2)]", agent="solver", idempotency_key="k")
+        assert (result.status, result.lineage, result.source) == ("created", "policy", "posted")
+        assert fw.demonstrate(PROMPT, "[add(a=2, b=2)]", idempotency_key="k").status == "duplicate"
+        both = fw.demonstrations([Demonstration(PROMPT, "a"), Demonstration(PROMPT, "b")])
+        assert [r.status for r in both] == ["created", "created"]
+        [copied] = fw.demonstrate_episode(episode.id)
+        assert copied.source == "episode" and copied.transition_id is not None
+        with pytest.raises(RequestRejected, match="empty"):
+            fw.demonstrate(PROMPT, " ")
+    assert len(rows(proxy)) == 4

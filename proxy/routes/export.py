@@ -1,7 +1,7 @@
 """GET /v1/export: a tenant's own recorded data as JSON Lines, streamed (core/export.py).
 
-    GET /v1/export?kind=transitions|sft|pairs&tokens=&since=&until=&agent=&task=&version=
-                   &lineage=&min_reward=&max_reward=&trained=
+    GET /v1/export?kind=transitions|sft|pairs|demonstrations&tokens=&since=&until=&agent=&task=
+                   &version=&lineage=&min_reward=&max_reward=&trained=
 
 The rows `flywheel export` writes, for the caller's tenant under its own ids (the `read` scope,
 as /v1/episodes): for a team without access to the database. One server-side cursor per export
@@ -43,7 +43,7 @@ router = APIRouter()
 async def export_rows(
     request: Request,
     services: ServicesDep,
-    kind: Literal["transitions", "sft", "pairs"] = "transitions",
+    kind: Literal["transitions", "sft", "pairs", "demonstrations"] = "transitions",
     tokens: bool = False,
     since: datetime | None = None,
     until: datetime | None = None,
@@ -67,7 +67,10 @@ async def export_rows(
         max_reward=max_reward,
         trained=trained,
     )
-    q = export.query(kind, where, tokens=tokens)
+    try:
+        q = export.query(kind, where, tokens=tokens)
+    except ValueError as e:  # a filter the kind has not (a demonstration's version, say)
+        raise ApiError(400, str(e), param="kind") from e
     slots, principal = services.export_slots, where.principal
     tenant = "*" if principal.every_tenant else principal.tenant or ""
     refused = slots.take(tenant)

@@ -146,6 +146,9 @@ async function overview() {
     (data.queue.length ? data.queue : [{ lineage: "policy", trainable: 0 }]).map(qr => card(
       `trainer queue · ${qr.lineage}`, fmt(qr.trainable),
       qr.trainable ? `credited, untrained; oldest from v${qr.oldest_version}, credited ${ago(qr.oldest_credited_at)}` : "credited, untrained")),
+    data.demonstrations.map(d => card(
+      `demonstrations · ${d.lineage}`, fmt(d.total),
+      `${fmt(d.trained)} trained (up to ${fmt(d.epochs)} epochs) · ${fmt(d.waiting)} never yet · ${fmt(d.set_aside)} set aside · newest ${ago(d.newest)}`)),
     card("recording (this replica)", data.writer.database_up ? "up" : "Postgres down",
       data.writer.queued == null ? "" // its backlog (every tenant's) is the operator's to see
         : `${fmt(data.writer.queued)} queued · ${fmt(data.writer.journaled)} journaled`));
@@ -386,7 +389,9 @@ async function adapters() {
         a.retired_at ? h("span", { class: "pill" }, "retired") : null] },
       { label: "created", cell: a => (a.base ? "—" : when(a.created_at)) },
       { label: "parent", cell: a => (a.stats && a.stats.parent ? `v${a.stats.parent}` : a.base ? "" : "base") },
-      { label: "trained on", num: true, cell: a => (a.base ? "" : fmt(a.trained_transitions)) },
+      { label: "step", cell: a => (a.base ? "" : a.stats && a.stats.kind === "sft" ? "supervised" : "GRPO") },
+      { label: "trained on", num: true, cell: a => (a.base ? "" : a.stats && a.stats.kind === "sft"
+        ? `${fmt(a.stats.demonstrations)} demos` : fmt(a.trained_transitions)) },
       { label: "batch reward", num: true, cell: a => fmt(a.stats && a.stats.reward_mean) },
       { label: "loss", num: true, cell: a => fmt(a.stats && a.stats.loss, 4) },
       { label: "train / swap", num: true, cell: a => (a.stats && a.stats.train_s != null ? `${fmt(a.stats.train_s, 1)} s / ${fmt(a.stats.swap_s * 1000, 0)} ms` : "") },

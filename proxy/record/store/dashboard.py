@@ -96,6 +96,15 @@ WHERE t.status = 'ok' AND t.credited_at IS NOT NULL AND t.trained_at IS NULL
 GROUP BY 1 ORDER BY 1"""),
         p,
     )
+    demonstrations = await session.execute(
+        text(f"""
+SELECT lineage, count(*), count(*) FILTER (WHERE epochs > 0), max(epochs),
+       count(*) FILTER (WHERE epochs = 0 AND skip_reason IS NULL),
+       count(*) FILTER (WHERE skip_reason IS NOT NULL), max(created_at)
+FROM demonstration WHERE {_demonstrations_of(principal)}
+GROUP BY 1 ORDER BY 1"""),
+        {"tenant": principal.tenant},
+    )
     agents, tasks = [], []
     for by_agent, agent, task, n in facets:
         if by_agent:
@@ -124,7 +133,26 @@ GROUP BY 1 ORDER BY 1"""),
             }
             for lin, n, oldest, at in queue
         ],
+        "demonstrations": [
+            {
+                "lineage": lineage,
+                "total": total,
+                "trained": trained,
+                "epochs": epochs,
+                "waiting": waiting,
+                "set_aside": set_aside,
+                "newest": newest.isoformat(),
+            }
+            for lineage, total, trained, epochs, waiting, set_aside, newest in demonstrations
+        ],
     }
+
+
+def _demonstrations_of(principal: Principal) -> str:
+    """The demonstrations `principal` may see: its tenant's (the operator: every one)."""
+    if principal.every_tenant:
+        return "TRUE"
+    return "tenant IS NULL" if principal.tenant is None else "tenant = :tenant"
 
 
 async def reward_per_version(
