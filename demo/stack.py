@@ -124,6 +124,8 @@ BFCL_TRAINER_ENV = {
     "FLYWHEEL_MIN_EPISODES": "32",  # 4 questions x 8 samples a step
     "FLYWHEEL_MIN_GROUPS": "4",
     "FLYWHEEL_MAX_BATCH_TRANSITIONS": "32",
+    # a whole unshared GRPO batch of SmolLM2 needs ~22 GB of activations (bench/learner_step.md)
+    "FLYWHEEL_MICRO_BATCH_TOKENS": "8192",
     "FLYWHEEL_AGENTS": "bfcl",  # the held-out questions' agent (bfcl-eval) is never trained
     "FLYWHEEL_POLL_S": "0.5",
     "OMP_NUM_THREADS": "1",  # two cores: one for vLLM, one for the trainer
