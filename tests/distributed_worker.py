@@ -15,7 +15,13 @@ from pathlib import Path
 
 import torch
 
-from tests.test_microbatch import gradient_of_one_step, samples, settings_for
+from tests.test_microbatch import (
+    demonstrations,
+    gradient_of_one_sft_step,
+    gradient_of_one_step,
+    samples,
+    settings_for,
+)
 from trainer.distributed import World, base_held, end, join, shard
 from trainer.engine import Engine
 
@@ -50,6 +56,13 @@ def main() -> None:
             | report,
             out / f"{loss_type}-rank{world.rank}.pt",
         )
+    # a supervised step on demonstrations, from known weights, dealt out the same way
+    fill(engine)
+    sft_grads, sft_stats = gradient_of_one_sft_step(engine, shard(demonstrations(), world))
+    torch.save(
+        {"grads": sft_grads, "loss": sft_stats.loss, "tokens": sft_stats.tokens},
+        out / f"sft-rank{world.rank}.pt",
+    )
     # another lineage's adapter on the last engine's base, added after it was built (sharded)
     second = engine.beside(settings, "second", None)
     fill(second)

@@ -15,6 +15,7 @@ from trainer.config import TrainerSettings
 from trainer.engine import Engine, Sample, StepStats
 from trainer.microbatch import lengths, pieces, share
 from trainer.sampling import Sampling
+from trainer.sft import Demo, SftStats
 
 PROMPTS = [
     [1, 30, 31, 32],
@@ -57,6 +58,24 @@ def samples(engine: Engine, *, stale: bool = False) -> list[Sample]:
         sampling = Sampling(temperature=0.7, top_k=50) if i == 2 else Sampling()
         out.append(Sample(p, c, logprobs, a, a, sampling, staleness=i % 2))
     return out
+
+
+def demonstrations() -> list[Demo]:
+    """The test batch's prompts and completions, as demonstrations."""
+    return [Demo(p, c) for p, c in zip(PROMPTS, COMPLETIONS, strict=True)]
+
+
+def gradient_of_one_sft_step(engine: Engine, demos: list[Demo]) -> tuple[dict[str, Any], SftStats]:
+    """The adapter's gradient as the supervised optimizer steps with it."""
+    seen: dict[str, Any] = {}
+
+    def capture(*_: Any) -> None:
+        for name, p in engine.model.named_parameters():
+            if p.grad is not None:
+                seen[name] = p.grad.detach().clone()
+
+    engine.sft_optimizer.register_step_pre_hook(capture)
+    return seen, engine.sft_step(demos)
 
 
 def gradient_of_one_step(engine: Engine, batch: list[Sample]) -> tuple[dict[str, Any], StepStats]:

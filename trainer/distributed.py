@@ -28,7 +28,7 @@ import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,9 @@ from torch.nn.utils import parameters_to_vector
 
 from trainer.batch import Sample
 from trainer.correction import Correction, Tally
+from trainer.sft import Demo
+
+Row = TypeVar("Row", Sample, Demo)  # what a step deals out: GRPO samples, or demonstrations
 
 log = logging.getLogger("flywheel.trainer")
 
@@ -206,11 +209,12 @@ def end(code: int = 0) -> NoReturn:
     os._exit(code)
 
 
-def shard(samples: Sequence[Sample], world: World) -> list[Sample]:
-    """This rank's rows of a batch: longest first, dealt in turn (so ranks get similar token
-    counts), topped up with ballast (a copy of a real row that no token of is learned from) so
-    every rank has the same number of rows, at least one: TRL's gathers need equal shapes, and a
-    rank with no rows would skip collectives its peers wait in."""
+def shard(samples: Sequence[Row], world: World) -> list[Row]:
+    """This rank's rows of a batch (GRPO samples or demonstrations): longest first, dealt in
+    turn (so ranks get similar token counts), topped up with ballast (a copy of a real row that
+    no token of is learned from) so every rank has the same number of rows, at least one: TRL's
+    gathers need equal shapes, and a rank with no rows would skip collectives its peers wait
+    in."""
     if not samples:
         raise ValueError("an empty batch has nothing to shard")
     order = sorted(

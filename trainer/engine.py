@@ -50,6 +50,7 @@ from trainer.distributed import (
 from trainer.logprobs import processed_logprobs
 from trainer.microbatch import lengths, pieces, share
 from trainer.sft import Demo, SftStats, backward, completion_tokens
+from trainer.sft import lengths as sft_lengths
 from trainer.shared_prompts import completion_logits
 
 # The trainable weights and both optimizers' states: what undoing a step needs.
@@ -428,16 +429,19 @@ class Engine:
         started = time.perf_counter()
         model.train()
         tokens = sum(everyone(completion_tokens(demos), self.world))
+        budget = settings.micro_batch_tokens
+        ranks = everyone(sft_lengths(demos), self.world) if budget > 0 else ()  # cut alike
         tokenizer = self.trainer.processing_class
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         loss = backward(
             model,
             demos,
-            budget=settings.micro_batch_tokens,
+            budget=budget,
             pad_id=pad,
             device=self.trainer.accelerator.device,
             total=max(1, tokens) / self.world.size,  # the gradients are averaged over the ranks
             share=settings.shares_prompts,
+            ranks=ranks,
         )
         average_gradients(self._trained, self.world)
         loss = average(loss, self.world, self.trainer.accelerator.device)

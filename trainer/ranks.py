@@ -32,7 +32,7 @@ import logging
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -40,6 +40,9 @@ from trainer.batch import ModelLimits, Sample
 from trainer.config import TrainerSettings
 from trainer.distributed import World, shard
 from trainer.engine import Engine, Snapshot, StepStats
+from trainer.sft import Demo, SftStats
+
+T = TypeVar("T")
 
 log = logging.getLogger("flywheel.trainer")
 
@@ -97,14 +100,25 @@ class Led:
     def model(self) -> Any:
         return self.engine.model
 
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
     def step(self, samples: list[Sample]) -> StepStats:
+        return self._dealt("step", samples, self.engine.step)
+
+    def sft_step(self, demos: list[Demo]) -> SftStats:
+        return self._dealt("sft_step", demos, self.engine.sft_step)
+
+    def _dealt(self, command: str, rows: list[Any], step: Callable[[Any], T]) -> T:
+        """A step with its rows dealt out to every rank (the followers make the same call)."""
         token = uuid.uuid4().hex  # where a follower whose step raises says so
-        _send(("step", self.key, token))
-        shards = [shard(samples, World(r, self.world.size)) for r in range(self.world.size)]
+        _send((command, self.key, token))
+        shards = [shard(rows, World(r, self.world.size)) for r in range(self.world.size)]
         mine: list[Any] = [None]
         try:
             dist.scatter_object_list(mine, shards, src=0)
-            return self.engine.step(mine[0])
+            return step(mine[0])
         except BaseException as e:  # the step did not finish on every rank
             lost = isinstance(e, dist.DistBackendError) or (
                 isinstance(e, RuntimeError) and "peer" in str(e)
@@ -169,11 +183,11 @@ def follow(settings: TrainerSettings) -> None:
             engines[adapter] = engine
             continue
         key = args[0]
-        if command == "step":
+        if command in ("step", "sft_step"):
             mine: list[Any] = [None]
             dist.scatter_object_list(mine, None, src=0)
             try:
-                engines[key].step(mine[0])
+                getattr(engines[key], command)(mine[0])
             except Exception as e:  # the batch broke the step here: rank 0 charges it
                 said = failures_dir(settings) / args[1]
                 said.parent.mkdir(parents=True, exist_ok=True)

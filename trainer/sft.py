@@ -19,7 +19,7 @@ are far larger and would shrink its steps for thousands of steps after a warm st
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -112,13 +112,15 @@ def backward(
     device: torch.device,
     total: float,
     share: bool = False,
+    ranks: Sequence[list[tuple[int, int]]] = (),
 ) -> float:
     """Backpropagate the batch's completion NLL (summed, divided by `total`, the completion
     tokens of the whole step over every rank) in pieces of at most `budget` padded tokens
     (0: one piece); `share`: what their prompts share forwarded once (trainer/shared_prompts.py:
-    a system prompt, a task's preamble). Returns this batch's part of the loss."""
+    a system prompt, a task's preamble); `ranks`: every rank's `lengths`, to cut alike.
+    Returns this batch's part of the loss."""
     loss = 0.0
-    for piece in _pieces(demos, budget):
+    for piece in _pieces(demos, budget, ranks):
         ids, attention, targets, mask = _padded(piece, pad_id, device)
         logits = completion_logits(
             model, ids, attention, [d.prompt_ids for d in piece], targets.size(1), share=share
@@ -136,21 +138,37 @@ def completion_tokens(demos: list[Demo]) -> int:
     return sum(len(d.completion_ids) for d in demos if not d.ballast)
 
 
-def _pieces(demos: list[Demo], budget: int) -> list[list[Demo]]:
-    """Consecutive rows (longest first) whose padded size stays within `budget` tokens."""
-    rows = sorted(demos, key=lambda d: -(len(d.prompt_ids) + len(d.completion_ids)))
+def lengths(demos: list[Demo]) -> list[tuple[int, int]]:
+    """Each row's prompt and completion length, longest rows first (the order pieces take)."""
+    return [(len(d.prompt_ids), len(d.completion_ids)) for d in _longest_first(demos)]
+
+
+def _longest_first(demos: list[Demo]) -> list[Demo]:
+    return sorted(demos, key=lambda d: -(len(d.prompt_ids) + len(d.completion_ids)))
+
+
+def _pieces(
+    demos: list[Demo], budget: int, ranks: Sequence[list[tuple[int, int]]] = ()
+) -> list[list[Demo]]:
+    """Consecutive rows (longest first) whose padded size stays within `budget` tokens; with
+    `ranks` (every rank's `lengths`, as many rows each) cut at the same row counts on every rank,
+    within the budget everywhere: under FSDP2 each forward pass is a collective."""
+    rows = _longest_first(demos)
     if budget <= 0:
         return [rows]
-    pieces: list[list[Demo]] = [[]]
-    for d in rows:
-        piece = [*pieces[-1], d]
-        prompt = max(len(x.prompt_ids) for x in piece)
-        completion = max(len(x.completion_ids) for x in piece)
-        if pieces[-1] and len(piece) * (prompt + completion) > budget:
-            pieces.append([d])
-        else:
-            pieces[-1] = piece
+    everyone = list(ranks) or [lengths(demos)]
+    pieces, start = [], 0
+    while start < len(rows):
+        end = start + 1
+        while end < len(rows) and all(_fits(r[start : end + 1], budget) for r in everyone):
+            end += 1
+        pieces.append(rows[start:end])
+        start = end
     return pieces
+
+
+def _fits(rows: list[tuple[int, int]], budget: int) -> bool:
+    return len(rows) * (max(p for p, _ in rows) + max(c for _, c in rows)) <= budget
 
 
 def _padded(
