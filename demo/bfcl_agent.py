@@ -75,7 +75,8 @@ class BfclAgent:
         self._rng = random.Random(seed)
 
     def close(self) -> None:
-        self._pool.shutdown()
+        # Ctrl-C while a round or the held-out part is in flight: stop now, not after it.
+        self._pool.shutdown(wait=False, cancel_futures=True)
         self._openai.close()
         self._flywheel.close()
 
@@ -161,6 +162,7 @@ def run(
     eval_every: int = 5,
     reward: Reward = "binary",
     demonstrate: bool = True,
+    say: Callable[[str], None] = lambda line: print(line, flush=True),
 ) -> list[Answer]:
     """The warm start's demonstrations, then rounds until `rounds` (None: until stopped), the
     held-out part asked every `eval_every` versions (and of the base model first)."""
@@ -168,8 +170,14 @@ def run(
     history: list[Answer] = []
     try:
         if demonstrate:
-            agent.post_demonstrations()
+            posted = agent.post_demonstrations()
+            say(
+                f"posted {posted} demonstrations ({len(agent.train)} training-part answers): "
+                "the trainer's warm start"
+            )
+        say(f"asking the base model the {len(agent.held_out)} held-out questions (minutes)")
         last = agent.evaluate(0)
+        say(f"held-out, base model: {last.accuracy:.2f} valid, {last.parsable:.2f} parsable")
         r = 0
         while rounds is None or r < rounds:
             answers = agent.round()

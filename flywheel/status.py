@@ -1,6 +1,7 @@
 """`flywheel status`: one screen for an operator.
 
-Each lineage's current version, pin and canary, its queue (credited, untrained) and last step;
+Each lineage's current version, pin and canary, its queue (credited, untrained), its
+demonstrations never trained yet (of all it has), and last step (a GRPO or a supervised one);
 the last steps with what the off-policy correction did; and of the last hour's and last day's
 recorded calls, the share that became training data and, for the rest, why, with what to change
 (core/trainable.py has the words).
@@ -37,6 +38,7 @@ class LineageStatus:
     canary: str | None  # "v44 at 10%"
     queue: int
     last_step: policy.Adapter | None
+    demonstrations: tuple[int, int] = (0, 0)  # (never trained yet, all)
 
 
 @dataclass
@@ -60,6 +62,13 @@ def collect(sessions: Sessions, *, steps: int = 5) -> Status:
             )
         ).all()
         queue: dict[str, int] = {lineage: int(n) for lineage, n in queued}
+        demos = session.execute(
+            text(
+                "SELECT lineage, count(*) FILTER (WHERE epochs = 0 AND skip_reason IS NULL), "
+                "count(*) FROM demonstration GROUP BY 1"
+            )
+        ).all()
+        demonstrations = {lineage: (int(new), int(n)) for lineage, new, n in demos}
         windows = {}
         for label, interval in WINDOWS:
             rows = session.execute(
@@ -67,7 +76,7 @@ def collect(sessions: Sessions, *, steps: int = 5) -> Status:
             ).all()
             windows[label] = shares([(f, lin, n) for f, lin, n in rows])
     status = Status(at=now, windows=windows)
-    names = sorted({a.lineage for a in versions} | set(pins) | set(queue))
+    names = sorted({a.lineage for a in versions} | set(pins) | set(queue) | set(demonstrations))
     for name in names:
         mine = [a for a in versions if a.lineage == name]
         current = next((a.version for a in mine if a.is_current), None)
@@ -82,6 +91,7 @@ def collect(sessions: Sessions, *, steps: int = 5) -> Status:
                 canary=f"v{test.candidate} at {test.rule.fraction:.0%}" if test else None,
                 queue=int(queue.get(name, 0)),
                 last_step=max(mine, key=lambda a: a.version, default=None),
+                demonstrations=demonstrations.get(name, (0, 0)),
             )
         )
     status.steps = sorted(versions, key=lambda a: -a.version)[:steps]
@@ -90,13 +100,18 @@ def collect(sessions: Sessions, *, steps: int = 5) -> Status:
 
 def render(s: Status) -> str:
     out = [f"Flywheel status at {s.at.astimezone(UTC):%Y-%m-%d %H:%M:%S} UTC", ""]
-    out.append(f"{'LINEAGE':<16}{'CURRENT':<10}{'PINNED':<10}{'CANARY':<14}{'QUEUE':>7}  LAST STEP")
+    out.append(
+        f"{'LINEAGE':<16}{'CURRENT':<10}{'PINNED':<10}{'CANARY':<14}{'QUEUE':>7}{'DEMOS':>12}"
+        "  LAST STEP"
+    )
     for lin in s.lineages:
         step = lin.last_step
         last = f"v{step.version} {_ago(s.at, step.created_at)}" if step else "none yet"
+        new, total = lin.demonstrations
+        demos = f"{new}/{total}" if total else "-"
         out.append(
             f"{lin.lineage:<16}{_v(lin.current):<10}{_v(lin.pinned):<10}{lin.canary or '-':<14}"
-            f"{lin.queue:>7}  {last}"
+            f"{lin.queue:>7}{demos:>12}  {last}"
         )
     if not s.lineages:
         out.append("(no lineage has a version or a queue yet)")
@@ -147,6 +162,12 @@ def _step(at: datetime, a: policy.Adapter) -> str:
         else ""
     )
     reward = stats.get("reward_mean")
+    if stats.get("kind") == "sft":  # a supervised step on demonstrations
+        loss = stats.get("loss")
+        return (
+            f"{a.name:<20}{_ago(at, a.created_at):<14}supervised: {stats.get('demonstrations')}"
+            " demonstrations" + (f", loss {loss:.3f}" if loss is not None else "")
+        )
     return (
         f"{a.name:<20}{_ago(at, a.created_at):<14}{stats.get('samples', a.trained_transitions)}"
         f" samples" + (f", reward {reward:.3f}" if reward is not None else "") + corrected
@@ -177,6 +198,10 @@ def as_json(s: Status) -> dict[str, Any]:
                 "pinned": lin.pinned,
                 "canary": lin.canary,
                 "queue": lin.queue,
+                "demonstrations": {
+                    "never_trained": lin.demonstrations[0],
+                    "all": lin.demonstrations[1],
+                },
             }
             for lin in s.lineages
         ],

@@ -14,6 +14,7 @@ from core import policy
 from core.database import Sessions
 from demo.tiny_model import build_demo_model
 from fakes.vllm import FakeVLLM
+from flywheel import status
 from tests.conftest import TEST_HOME, RunningProxy
 from tests.test_trainer_loop import play
 from trainer import sft
@@ -118,6 +119,13 @@ def test_demonstration_steps_publish_versions_that_imitate_better(
     assert proxy.query("SELECT DISTINCT epochs, trained_version FROM demonstration") == [(3, 3)]
     # Every demonstration's answer ends where the model is stopped (its end-of-turn token).
     assert all(d.completion_ids[-1] in trainer.stops for d in demos)
+    # What an operator reads: the supervised steps, and no demonstration left untrained.
+    screen = status.render(status.collect(sessions))
+    assert "policy-v3" in screen and "supervised: 8 demonstrations" in screen
+    assert status.as_json(status.collect(sessions))["lineages"][0]["demonstrations"] == {
+        "never_trained": 0,
+        "all": 8,
+    }
 
 
 def test_first_trains_the_demonstrations_before_any_grpo_step(

@@ -156,7 +156,9 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
 def _dequantise(gguf: Path, out_dir: Path) -> int:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # bars per tensor
     folder, name = gguf.parent, gguf.name
     tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
     loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
