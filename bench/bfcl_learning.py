@@ -385,7 +385,7 @@ def run_trl(args: argparse.Namespace) -> Run:
     from trainer.config import TrainerSettings
     from trainer.models import resolve
 
-    warm = _warm_adapter(args.seed)
+    warm = _warm_adapter(args.seed, args.runs)
     model_dir = resolve(MODEL, ROOT / ".flywheel")
     env = BFCL_TRAINER_ENV
 
@@ -465,9 +465,9 @@ def run_trl(args: argparse.Namespace) -> Run:
     return run
 
 
-def _warm_adapter(seed: int) -> Path:
+def _warm_adapter(seed: int, runs: Path) -> Path:
     """The warm-start adapter of the latest warm-grpo run of this seed (kept under HOME)."""
-    for line in reversed(RUNS.read_text().splitlines() if RUNS.exists() else []):
+    for line in reversed(runs.read_text().splitlines() if runs.exists() else []):
         run = json.loads(line)
         if run["arm"] == "warm-grpo" and run["seed"] == seed and run.get("warm"):
             kept = HOME / f"warm-start-seed{seed}"
@@ -506,9 +506,9 @@ def record(run: Run, args: argparse.Namespace) -> None:
         shutil.rmtree(kept, ignore_errors=True)
         shutil.copytree(run.warm["adapter"], kept)
     if not args.smoke:
-        with RUNS.open("a") as f:
+        with args.runs.open("a") as f:
             f.write(json.dumps(data) + "\n")
-    append_section(RESULTS, "BFCL learning", "bench.bfcl_learning", summary(data))
+    append_section(args.results, "BFCL learning", "bench.bfcl_learning", summary(data))
 
 
 def summary(run: dict[str, Any]) -> list[str]:
@@ -538,9 +538,10 @@ def summary(run: dict[str, Any]) -> list[str]:
     return [*lines, ""]
 
 
-def report() -> None:
+def report(args: argparse.Namespace) -> None:
     """Every recorded run: the table of held-out scores by arm (mean over seeds) and the plot."""
-    runs = [json.loads(line) for line in RUNS.read_text().splitlines()] if RUNS.exists() else []
+    path: Path = args.runs
+    runs = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     lines = [
         "| arm | seeds | held-out valid | held-out parsable | samples | wall s |",
         "|---|---|---|---|---|---|",
@@ -557,9 +558,12 @@ def report() -> None:
             label = {"warm-grpo": "warm start + GRPO", "base": "base model"}.get(arm, arm)
             lines.append(_row(label, finals, [r["costs"].get("wall_s", 0) for r in group]))
     append_section(
-        RESULTS, "BFCL learning", "bench.bfcl_learning", ["### All recorded runs\n", *lines, ""]
+        args.results,
+        "BFCL learning",
+        "bench.bfcl_learning",
+        ["### All recorded runs\n", *lines, ""],
     )
-    plot(runs)
+    plot(runs, args.plot)
     print("\n".join(lines))
 
 
@@ -574,7 +578,7 @@ def _row(label: str, evaluations: list[dict[str, Any]], walls: list[float]) -> s
     )
 
 
-def plot(runs: list[dict[str, Any]]) -> None:
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -611,8 +615,8 @@ def plot(runs: list[dict[str, Any]]) -> None:
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize=7)
     fig.tight_layout()
-    PLOT.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(PLOT, dpi=110)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
 
 
 def _smooth(values: list[float], width: int = 5) -> list[float]:
@@ -631,6 +635,9 @@ def main() -> None:
     parser.add_argument("--record-answers", type=int, default=0, help="answers kept per batch")
     parser.add_argument("--threads", type=int, default=2, help="TRL's torch threads")
     parser.add_argument("--database-url", help="Postgres (default: embedded)")
+    parser.add_argument("--runs", type=Path, default=RUNS, help="the recorded runs (JSON Lines)")
+    parser.add_argument("--results", type=Path, default=RESULTS, help="the Markdown report")
+    parser.add_argument("--plot", type=Path, default=PLOT, help="the curves' PNG")
     parser.add_argument("--record-from", type=Path, help="record a killed run's saved run.json")
     parser.add_argument("--report", action="store_true", help="table and plot every recorded run")
     parser.add_argument("--smoke", action="store_true", help="tiny: 2 rounds, 8 held-out, 8 demos")
@@ -638,7 +645,7 @@ def main() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # recorded as if Ctrl-C
     if args.report:
-        report()
+        report(args)
         return
     if args.record_from:
         saved = json.loads(args.record_from.read_text())

@@ -345,6 +345,67 @@ def test_tool_learning_report_and_plot(tmp_path: Path) -> None:
     assert curve.stat().st_size > 0
 
 
+def test_bfcl_learning_records_a_killed_run_and_reports_every_run(tmp_path: Path) -> None:
+    """bench/bfcl_learning.py's record and report from runs as its loop saves them (the loop
+    itself is the benchmark's, minutes to hours; its path is tests/test_e2e_real_model.py's)."""
+
+    def evaluation(version: int, accuracy: float, wall_s: float, samples: int) -> dict:
+        return {
+            "version": version,
+            "accuracy": accuracy,
+            "parsable": 0.97,
+            "questions": 111,
+            "wall_s": wall_s,
+            "samples": samples,
+        }
+
+    def run(seed: int, warm: float, final: float) -> dict:
+        return {
+            "arm": "warm-grpo",
+            "seed": seed,
+            "started": "2026-11-28 00:29",
+            "settings": {},
+            "rounds": [
+                {
+                    "samples": 32 * i,
+                    "wall_s": 100.0 * i,
+                    "valid": 0.4,
+                    "parsable": 0.9,
+                    "partial": 0.8,
+                    "versions": f"{36 + i}-{37 + i}",
+                }
+                for i in (1, 2)
+            ],
+            "evaluations": [evaluation(57, final, 4441.0, 672)],
+            "warm": {
+                "demonstrations": 289,
+                "steps": 37,
+                "seconds": 1509.0,
+                "version": 37,
+                "evaluation": evaluation(37, warm, 1509.0, 0),
+                "adapter": None,
+            },
+            "costs": {},
+            "notes": [],
+        }
+
+    runs, report, curve = tmp_path / "runs.jsonl", tmp_path / "report.md", tmp_path / "c.png"
+    paths = ("--runs", str(runs), "--results", str(report), "--plot", str(curve))
+    for seed, warm, final in ((0, 0.45, 0.495), (1, 0.40, 0.405)):
+        saved = tmp_path / f"run{seed}.json"
+        saved.write_text(json.dumps(run(seed, warm, final)))
+        _bench("bench.bfcl_learning", "--record-from", str(saved), *paths)
+    recorded = [json.loads(line) for line in runs.read_text().splitlines()]
+    assert [r["seed"] for r in recorded] == [0, 1]
+    assert "killed before its end" in recorded[0]["notes"][0]
+    assert "- held-out v57 after 672 samples, 4441 s: 0.495 valid" in report.read_text()
+    out = _bench("bench.bfcl_learning", "--report", *paths).stdout
+    assert "| warm start alone | 2 | 0.425 ± 0.035 | 0.970 | 0 | 1509 |" in out
+    assert "| warm start + GRPO | 2 | 0.450 ± 0.064 |" in out
+    assert out.strip() in report.read_text()
+    assert curve.read_bytes().startswith(b"\x89PNG")
+
+
 def test_durable_smoke(postgres_url: str, tmp_path: Path) -> None:
     report = tmp_path / "durable.md"
     _bench(
