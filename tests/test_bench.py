@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -349,7 +350,7 @@ def test_bfcl_learning_records_a_killed_run_and_reports_every_run(tmp_path: Path
     """bench/bfcl_learning.py's record and report from runs as its loop saves them (the loop
     itself is the benchmark's, minutes to hours; its path is tests/test_e2e_real_model.py's)."""
 
-    def evaluation(version: int, accuracy: float, wall_s: float, samples: int) -> dict:
+    def evaluation(version: int, accuracy: float, wall_s: float, samples: int) -> dict[str, Any]:
         return {
             "version": version,
             "accuracy": accuracy,
@@ -359,7 +360,7 @@ def test_bfcl_learning_records_a_killed_run_and_reports_every_run(tmp_path: Path
             "samples": samples,
         }
 
-    def run(seed: int, warm: float, final: float) -> dict:
+    def run(seed: int, warm: float, final: float) -> dict[str, Any]:
         return {
             "arm": "warm-grpo",
             "seed": seed,
