@@ -25,6 +25,7 @@ docs/img/bfcl_learning.png. Some of the model's own answers go to tests/data/bfc
     .venv/bin/python -m bench.bfcl_learning --arm base
     .venv/bin/python -m bench.bfcl_learning --arm warm-grpo --seed 0 --minutes 120
     .venv/bin/python -m bench.bfcl_learning --arm grpo-partial --seed 0 --minutes 60
+    .venv/bin/python -m bench.bfcl_learning --arm warm-grpo --set FLYWHEEL_LEARNING_RATE=2e-4
     .venv/bin/python -m bench.bfcl_learning --arm trl --seed 0 --samples 1024
     .venv/bin/python -m bench.bfcl_learning --report
     .venv/bin/python -m bench.bfcl_learning --arm warm-grpo --smoke   # minutes, for the tests
@@ -79,6 +80,7 @@ class Run:
     warm: dict[str, Any] | None = None  # the warm start: steps, seconds, its held-out score
     costs: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    overrides: dict[str, str] = field(default_factory=dict)  # --set: over the task's settings
 
 
 # --- the Flywheel arms ---------------------------------------------------------------------------
@@ -88,11 +90,11 @@ def run_flywheel(args: argparse.Namespace) -> Run:
     from trainer.models import resolve
 
     model_dir = resolve(MODEL, ROOT / ".flywheel")
-    env = dict(BFCL_TRAINER_ENV) | {"FLYWHEEL_SEED": str(args.seed)}
+    env = dict(BFCL_TRAINER_ENV) | {"FLYWHEEL_SEED": str(args.seed)} | dict(args.set)
     if args.arm == "grpo-partial":
         env["FLYWHEEL_DEMONSTRATIONS"] = "off"
     task = dataclasses.replace(TASKS["bfcl"], trainer_env=env)
-    run = Run(args.arm, args.seed, time.strftime("%Y-%m-%d %H:%M"), env)
+    run = Run(args.arm, args.seed, time.strftime("%Y-%m-%d %H:%M"), env, overrides=dict(args.set))
     home = Path(tempfile.mkdtemp(prefix=f"{args.arm}-{args.seed}-", dir=_mkdir(HOME)))
     run.notes.append(f"home (logs, adapters): {home}")
     with learning_loop(home, model_dir, task, args.database_url) as (url, loop):
@@ -546,17 +548,19 @@ def report(args: argparse.Namespace) -> None:
         "| arm | seeds | held-out valid | held-out parsable | samples | wall s |",
         "|---|---|---|---|---|---|",
     ]
-    by_arm: dict[str, list[dict[str, Any]]] = {}
+    by_arm: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for run in runs:
-        by_arm.setdefault(run["arm"], []).append(run)
-    for arm, group in by_arm.items():
+        by_arm.setdefault((run["arm"], _overrides(run)), []).append(run)
+    for (arm, overrides), group in by_arm.items():
         if arm == "warm-grpo":
             warm = [r["warm"]["evaluation"] for r in group if r.get("warm")]
-            lines.append(_row("warm start alone", warm, [r["warm"]["seconds"] for r in group]))
+            walls = [r["warm"]["seconds"] for r in group if r.get("warm")]
+            lines.append(_row(f"warm start alone{overrides}", warm, walls))
         finals = [r["evaluations"][-1] for r in group if r["evaluations"]]
         if finals:
             label = {"warm-grpo": "warm start + GRPO", "base": "base model"}.get(arm, arm)
-            lines.append(_row(label, finals, [r["costs"].get("wall_s", 0) for r in group]))
+            walls = [r["costs"].get("wall_s", r["evaluations"][-1]["wall_s"]) for r in group]
+            lines.append(_row(label + overrides, finals, walls))
     append_section(
         args.results,
         "BFCL learning",
@@ -565,6 +569,12 @@ def report(args: argparse.Namespace) -> None:
     )
     plot(runs, args.plot)
     print("\n".join(lines))
+
+
+def _overrides(run: dict[str, Any]) -> str:
+    """A run's --set settings, as a label's suffix (none: the task's own)."""
+    pairs = run.get("overrides") or {}
+    return f" ({', '.join(f'{k}={v}' for k, v in sorted(pairs.items()))})" if pairs else ""
 
 
 def _row(label: str, evaluations: list[dict[str, Any]], walls: list[float]) -> str:
@@ -586,7 +596,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
 
     fig, (held, train) = plt.subplots(1, 2, figsize=(12, 4.2))
     for run in runs:
-        label = f"{run['arm']} s{run['seed']}"
+        label = f"{run['arm']}{_overrides(run)} s{run['seed']}"
         points = ([run["warm"]["evaluation"]] if run.get("warm") else []) + run["evaluations"]
         if points:
             held.plot(
@@ -623,6 +633,13 @@ def _smooth(values: list[float], width: int = 5) -> list[float]:
     return [statistics.fmean(values[max(0, i - width + 1) : i + 1]) for i in range(len(values))]
 
 
+def _setting(text: str) -> tuple[str, str]:
+    name, sep, value = text.partition("=")
+    if not sep or not name.startswith("FLYWHEEL_"):
+        raise argparse.ArgumentTypeError(f"expected FLYWHEEL_NAME=VALUE, got {text!r}")
+    return name, value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arm", choices=["base", "warm-grpo", "grpo-partial", "trl"])
@@ -635,6 +652,14 @@ def main() -> None:
     parser.add_argument("--record-answers", type=int, default=0, help="answers kept per batch")
     parser.add_argument("--threads", type=int, default=2, help="TRL's torch threads")
     parser.add_argument("--database-url", help="Postgres (default: embedded)")
+    parser.add_argument(
+        "--set",
+        type=_setting,
+        action="append",
+        default=[],
+        metavar="FLYWHEEL_X=V",
+        help="a trainer setting over the bfcl task's (demo/stack.py BFCL_TRAINER_ENV); recorded",
+    )
     parser.add_argument("--runs", type=Path, default=RUNS, help="the recorded runs (JSON Lines)")
     parser.add_argument("--results", type=Path, default=RESULTS, help="the Markdown report")
     parser.add_argument("--plot", type=Path, default=PLOT, help="the curves' PNG")

@@ -392,17 +392,21 @@ def test_bfcl_learning_records_a_killed_run_and_reports_every_run(tmp_path: Path
 
     runs, report, curve = tmp_path / "runs.jsonl", tmp_path / "report.md", tmp_path / "c.png"
     paths = ("--runs", str(runs), "--results", str(report), "--plot", str(curve))
-    for seed, warm, final in ((0, 0.45, 0.495), (1, 0.40, 0.405)):
-        saved = tmp_path / f"run{seed}.json"
-        saved.write_text(json.dumps(run(seed, warm, final)))
+    lr = {"FLYWHEEL_LEARNING_RATE": "2e-4"}  # a run with --set: a row of its own
+    for i, (seed, warm, final, overrides) in enumerate(
+        ((0, 0.45, 0.495, {}), (1, 0.40, 0.405, {}), (0, 0.45, 0.6, lr))
+    ):
+        saved = tmp_path / f"run{i}.json"
+        saved.write_text(json.dumps(run(seed, warm, final) | {"overrides": overrides}))
         _bench("bench.bfcl_learning", "--record-from", str(saved), *paths)
     recorded = [json.loads(line) for line in runs.read_text().splitlines()]
-    assert [r["seed"] for r in recorded] == [0, 1]
+    assert [r["seed"] for r in recorded] == [0, 1, 0]
     assert "killed before its end" in recorded[0]["notes"][0]
     assert "- held-out v57 after 672 samples, 4441 s: 0.495 valid" in report.read_text()
     out = _bench("bench.bfcl_learning", "--report", *paths).stdout
     assert "| warm start alone | 2 | 0.425 ± 0.035 | 0.970 | 0 | 1509 |" in out
-    assert "| warm start + GRPO | 2 | 0.450 ± 0.064 |" in out
+    assert "| warm start + GRPO | 2 | 0.450 ± 0.064 | 0.970 | 672 | 4441 |" in out
+    assert "| warm start + GRPO (FLYWHEEL_LEARNING_RATE=2e-4) | 1 | 0.600 |" in out
     assert out.strip() in report.read_text()
     assert curve.read_bytes().startswith(b"\x89PNG")
 
