@@ -748,7 +748,7 @@ def test_calls_at_any_temperature_and_truncation_are_trained_greedy_ones_set_asi
     assert "became training data: 8 (50% of the 16 decided)" in screen
     assert "4 calls at temperature 0: greedy calls carry no exploration" in screen
     assert "4 calls decoded to a grammar by vLLM: response_format" in screen
-    assert re.search(r"^policy +v1 +- +- +0 +v1 ", screen, re.MULTILINE), screen
+    assert re.search(r"^policy +v1 +- +- +0 +- +v1 ", screen, re.MULTILINE), screen
 
 
 def test_a_reward_many_versions_late_is_still_trained(
