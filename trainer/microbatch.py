@@ -63,16 +63,22 @@ def pieces(
     if any(len(r) != len(mine) for r in everyone):
         raise ValueError("every rank needs as many rows")
     order = sorted(range(len(mine)), key=lambda i: -sum(mine[i]))
-    groups: list[list[int]] = []
-    start = 0
-    while start < len(order):
-        end = start + 1
-        while end < len(order) and all(_fits(r[start : end + 1], budget) for r in everyone):
-            end += 1
-        groups.append(order[start:end])
-        start = end
     prompt_len, completion_len = [p for p, _ in mine], [c for _, c in mine]
-    return [_take(batch, rows, prompt_len, completion_len) for rows in groups]
+    return [_take(batch, order[s], prompt_len, completion_len) for s in cuts(everyone, budget)]
+
+
+def cuts(everyone: Sequence[Lengths], budget: int) -> list[slice]:
+    """Where pieces of rows end, the same on every rank (each rank's rows longest first, as
+    many each): consecutive rows while every rank's piece stays within `budget` padded tokens;
+    a row longer than the budget is a piece alone."""
+    count, out, start = len(everyone[0]), [], 0
+    while start < count:
+        end = start + 1
+        while end < count and all(_fits(r[start : end + 1], budget) for r in everyone):
+            end += 1
+        out.append(slice(start, end))
+        start = end
+    return out
 
 
 def _fits(rows: Lengths, budget: int) -> bool:

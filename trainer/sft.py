@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from trainer import microbatch
 from trainer.batch import ModelLimits
 from trainer.shared_prompts import completion_logits
 from trainer.store import ClaimedDemonstration
@@ -156,19 +157,7 @@ def _pieces(
     rows = _longest_first(demos)
     if budget <= 0:
         return [rows]
-    everyone = list(ranks) or [lengths(demos)]
-    pieces, start = [], 0
-    while start < len(rows):
-        end = start + 1
-        while end < len(rows) and all(_fits(r[start : end + 1], budget) for r in everyone):
-            end += 1
-        pieces.append(rows[start:end])
-        start = end
-    return pieces
-
-
-def _fits(rows: list[tuple[int, int]], budget: int) -> bool:
-    return len(rows) * (max(p for p, _ in rows) + max(c for _, c in rows)) <= budget
+    return [rows[s] for s in microbatch.cuts(list(ranks) or [lengths(demos)], budget)]
 
 
 def _padded(
