@@ -86,6 +86,20 @@ def two_ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
     )
 
 
+def largest_entry(grads: dict[str, torch.Tensor]) -> float:
+    largest = max(float(g.abs().max()) for g in grads.values())
+    assert largest > 0
+    return largest
+
+
+def assert_same_gradients(theirs: dict[str, torch.Tensor], grads: dict[str, torch.Tensor]) -> None:
+    """A rank's gradients are one process's, within float32 rounding of the largest entry."""
+    largest = largest_entry(grads)
+    assert theirs.keys() == grads.keys()
+    worst = max(float((theirs[n] - grads[n]).abs().max()) for n in grads)
+    assert worst <= 1e-5 * largest, (worst, largest)
+
+
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
 def test_two_processes_take_one_processs_step(
     loss_type: str, two_ranks: Ranks, tmp_path: Path
@@ -97,12 +111,9 @@ def test_two_processes_take_one_processs_step(
     after = {n: p.detach() for n, p in alone.model.named_parameters() if n in grads}
     ranks = two_ranks.by_loss[loss_type]
     assert [r["world"] for r in ranks] == [2, 2]  # really two processes in one group
-    largest = max(float(g.abs().max()) for g in grads.values())
-    assert largest > 0
+    largest = largest_entry(grads)
     for rank in ranks:
-        assert rank["grads"].keys() == grads.keys()
-        worst = max(float((rank["grads"][n] - grads[n]).abs().max()) for n in grads)
-        assert worst <= 1e-5 * largest, (worst, largest)
+        assert_same_gradients(rank["grads"], grads)
         assert rank["loss"] == pytest.approx(stats.loss, rel=1e-5, abs=1e-7)
         # the step's report counts every rank's tokens, not the reporting rank's
         assert rank["tally"] == {k: vars(t) for k, t in stats.by_staleness.items()}
@@ -137,12 +148,8 @@ def test_a_supervised_step_on_two_processes_is_one_processs(
     alone = Engine(settings_for(tmp_path, loss_type=LOSS_TYPES[-1], micro_batch_tokens=MICRO))
     fill(alone)
     grads, stats = gradient_of_one_sft_step(alone, demonstrations())
-    largest = max(float(g.abs().max()) for g in grads.values())
-    assert largest > 0
     for rank in ranks:
-        assert rank["grads"].keys() == grads.keys()
-        worst = max(float((rank["grads"][n] - grads[n]).abs().max()) for n in grads)
-        assert worst <= 1e-5 * largest, (worst, largest)
+        assert_same_gradients(rank["grads"], grads)
         assert rank["loss"] == pytest.approx(stats.loss, rel=1e-5)
         assert rank["tokens"] == stats.tokens
 
