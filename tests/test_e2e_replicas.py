@@ -119,7 +119,9 @@ def test_episodes_stick_to_a_replica_and_each_adapter_reaches_both_first(
         watcher.join()
         admin.close()
         engine.dispose()
-    assert seen_at_publish == [{"policy-v1"}, {"policy-v1"}]
+    # Both replicas hold the new version when the alias moves. The first replica is the session's
+    # shared vLLM: adapters other tests loaded into it may still be there, so only ours is asked.
+    assert len(seen_at_publish) == 2 and all("policy-v1" in s for s in seen_at_publish)
 
     # Policy traffic on both replicas now runs the new adapter.
     before = [served(u) for u in urls]
