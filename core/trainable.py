@@ -64,6 +64,10 @@ REASONS: dict[str, tuple[str, str]] = {
         "tag X-Task-Id so attempts form a group, or set FLYWHEEL_UNGROUPED=baseline",
     ),
     "train_failed": ("failed the training step repeatedly", "see the trainer's log"),
+    "ope_holdout": (
+        "kept out of training to estimate new versions on",
+        "FLYWHEEL_OPE_HOLDOUT sets the share while FLYWHEEL_OPE is on",
+    ),
     "routed": ("answered by a provider (FLYWHEEL_ROUTES)", "provider calls have no token ids"),
     "failed_call": ("failed or aborted", "nothing to learn from a call that did not finish"),
 }

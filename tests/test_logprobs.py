@@ -165,3 +165,54 @@ def test_strict_tools_count_only_when_the_model_called_one() -> None:
     assert isinstance(sampling_of(strict, {}, made_tool_call=True), SetAside)
     loose = {"tools": [{"type": "function", "function": {"name": "calc"}}], "tool_choice": "auto"}
     assert sampling_of(loose, {}, made_tool_call=True) == Sampling()
+
+
+def test_the_backward_pass_keeps_no_whole_vocabulary_temporaries_and_chunks_change_nothing() -> (
+    None
+):
+    """Found by reading: top-p sorted the whole (B, T, V) logits (int64 indices), the penalties
+    built dense (B, T, V) counts, and the graph kept them all for the backward pass: at 8,192
+    tokens and a 152k vocabulary, 5-10 GB per tensor. The steps run a few positions at a time
+    now, recomputed in the backward pass: what the graph keeps beside the logits is less than a
+    byte per logit, and the log-probabilities and their gradients are the same chunked or not."""
+    torch.manual_seed(0)
+    B, T, Vbig = 3, 12, 512
+    s = Sampling(
+        temperature=0.7,
+        top_p=0.9,
+        top_k=50,
+        min_p=0.02,
+        presence_penalty=0.3,
+        frequency_penalty=0.2,
+        repetition_penalty=1.1,
+    )
+    ids = torch.randint(0, Vbig, (B, T))
+    mask = torch.ones(B, T)
+    mask[0, -3:] = 0
+    prompts = [[1, 2, 3], [4], [5, 6]]
+    logits = torch.randn(B, T, Vbig, requires_grad=True)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        chunked, _ = processed_logprobs(
+            logits, ids, mask, prompts, [s] * B, chunk_elements=B * 4 * Vbig
+        )
+    extra = sum(n for ptr, n in saved.items() if ptr != logits.untyped_storage().data_ptr())
+    assert extra < B * T * Vbig, f"{extra} bytes kept for {B * T * Vbig} logits"
+
+    (chunked * mask).sum().backward()
+    grad_chunked = logits.grad.clone()  # type: ignore[union-attr]
+    logits.grad = None
+    whole, _ = processed_logprobs(logits, ids, mask, prompts, [s] * B, chunk_elements=1 << 40)
+    (whole * mask).sum().backward()
+    assert torch.equal(chunked, whole)
+    assert torch.allclose(grad_chunked, logits.grad, atol=1e-6)  # type: ignore[arg-type]
+    with torch.no_grad():  # and without a graph (the behaviour side), entropy too
+        plain, entropy = processed_logprobs(
+            logits, ids, mask, prompts, [s] * B, with_entropy=True, chunk_elements=B * 5 * Vbig
+        )
+    assert torch.equal(plain, whole) and entropy is not None and entropy.shape == (B, T)

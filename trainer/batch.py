@@ -63,6 +63,26 @@ def staleness_in(lineage_versions: Sequence[int], current: int) -> Callable[[int
     return lambda sampled: max(0, upto - bisect_right(lineage_versions, sampled))
 
 
+def unscorable(
+    prompt_ids: Sequence[int] | None,
+    completion_ids: Sequence[int] | None,
+    logprobs: Sequence[float] | None,
+    limits: ModelLimits,
+) -> str | None:
+    """Why a recorded call's completion cannot be scored by this model (None: it can): what a
+    training step and an off-policy estimate (trainer/candidate.py) both need of it."""
+    if not prompt_ids or not completion_ids:
+        return "missing_token_ids"
+    if logprobs is None or len(logprobs) != len(completion_ids):
+        return "missing_logprobs"
+    ids = (*prompt_ids, *completion_ids)
+    if min(ids) < 0 or max(ids) >= limits.vocab_size:
+        return "token_out_of_vocab"  # sampled by a different base model
+    if len(ids) > limits.max_length:
+        return "too_long"
+    return None
+
+
 def skip_reason(
     c: Claimed,
     settings: TrainerSettings,
@@ -70,15 +90,9 @@ def skip_reason(
     limits: ModelLimits,
     sampled: Sampling | SetAside,
 ) -> str | None:
-    if not c.prompt_token_ids or not c.completion_token_ids:
-        return "missing_token_ids"
-    if c.logprobs is None or len(c.logprobs) != len(c.completion_token_ids):
-        return "missing_logprobs"
-    ids = (*c.prompt_token_ids, *c.completion_token_ids)
-    if min(ids) < 0 or max(ids) >= limits.vocab_size:
-        return "token_out_of_vocab"  # sampled by a different base model
-    if len(c.prompt_token_ids) + len(c.completion_token_ids) > limits.max_length:
-        return "too_long"
+    why = unscorable(c.prompt_token_ids, c.completion_token_ids, c.logprobs, limits)
+    if why is not None:
+        return why
     if c.policy_version is None:
         return "not_the_policy"  # served by a model that is not ours to train
     if isinstance(sampled, SetAside):
@@ -102,7 +116,9 @@ def build_batch(
     batch = Batch()
     usable = []
     for c in claimed:
-        sampled = sampling_of(c.params, sampling_defaults, made_tool_call=c.made_tool_call)
+        sampled = sampling_of(
+            c.params, sampling_defaults, made_tool_call=c.made_tool_call, route=c.route
+        )
         reason = skip_reason(c, settings, staleness, limits, sampled)
         if reason is None:
             assert isinstance(sampled, Sampling)

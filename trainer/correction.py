@@ -19,11 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
-Mask = Literal["geometric", "sequence", "token", "none"]
+from trainer.config import OffPolicyMask as Mask
 
 # Staleness buckets of the step's report, in versions of the lineage between sampling and training.
 BUCKETS = ((0, 0, "0"), (1, 4, "1-4"), (5, 16, "5-16"), (17, 64, "17-64"), (65, None, "65+"))

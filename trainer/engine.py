@@ -19,6 +19,7 @@ import json
 import random
 import time
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
@@ -49,6 +50,7 @@ from trainer.distributed import (
 )
 from trainer.logprobs import processed_logprobs
 from trainer.microbatch import lengths, pieces, share
+from trainer.scoring import Completion, completion_logprobs
 from trainer.sft import Demo, SftStats, backward, completion_tokens
 from trainer.sft import lengths as sft_lengths
 from trainer.shared_prompts import completion_logits
@@ -454,6 +456,14 @@ class Engine:
     def tokenizer(self) -> Any:
         return self.trainer.processing_class
 
+    def score(self, rows: Sequence[Completion]) -> list[float]:
+        """Each recorded completion's log-probability under this engine's weights now, under
+        its call's sampling settings (trainer/scoring.py): no gradient, no state changed."""
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        device = self.trainer.accelerator.device
+        share = self.trainer.settings.shares_prompts
+        return completion_logprobs(self._use(), rows, pad_id=pad, device=device, share=share)
+
     def snapshot(self) -> Snapshot:
         """The trainable weights and optimizer state, to undo a step that could not be published."""
         weights = {n: p.detach().clone() for n, p in self._use().named_parameters() if self._own(n)}
@@ -511,3 +521,19 @@ class Engine:
             (out_dir / self.adapter).rmdir()
         torch.save(self.trainer.optimizer.state_dict(), out_dir / "optimizer.pt")
         torch.save(self.sft_optimizer.state_dict(), out_dir / SFT_OPTIMIZER)
+
+
+class AtWeights:
+    """Scores under other weights (a snapshot's: the current version's, while the engine holds
+    a candidate's), the engine's own put back after."""
+
+    def __init__(self, engine: Engine, weights: Snapshot) -> None:
+        self.engine, self.weights = engine, weights
+
+    def score(self, rows: Sequence[Completion]) -> list[float]:
+        now = self.engine.snapshot()
+        self.engine.restore(self.weights)
+        try:
+            return self.engine.score(rows)
+        finally:
+            self.engine.restore(now)

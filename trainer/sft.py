@@ -28,7 +28,7 @@ import torch
 
 from trainer import microbatch
 from trainer.batch import ModelLimits
-from trainer.shared_prompts import completion_logits
+from trainer.shared_prompts import completion_logits, padded
 from trainer.store import ClaimedDemonstration
 
 
@@ -165,20 +165,19 @@ def _padded(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Prompts left-padded, completions right-padded (as a GRPO batch): ids, attention mask,
     the completion tokens and the mask of those learned from."""
-    width_p = max(len(d.prompt_ids) for d in demos)
+    ids, attention = padded(
+        [d.prompt_ids for d in demos], [d.completion_ids for d in demos], pad_id, device
+    )
     width_c = max(len(d.completion_ids) for d in demos)
-    ids, attention, targets, mask = [], [], [], []
+    targets, mask = [], []
     for d in demos:
-        left, right = width_p - len(d.prompt_ids), width_c - len(d.completion_ids)
-        ids.append([pad_id] * left + d.prompt_ids + d.completion_ids + [pad_id] * right)
-        real = [1] * (len(d.prompt_ids) + len(d.completion_ids))
-        attention.append([0] * left + real + [0] * right)
+        right = width_c - len(d.completion_ids)
         targets.append(d.completion_ids + [pad_id] * right)
         learn = 0 if d.ballast else 1
         mask.append([learn] * len(d.completion_ids) + [0] * right)
     return (
-        torch.tensor(ids, dtype=torch.long, device=device),
-        torch.tensor(attention, dtype=torch.long, device=device),
+        ids,
+        attention,
         torch.tensor(targets, dtype=torch.long, device=device),
         torch.tensor(mask, dtype=torch.float32, device=device),
     )

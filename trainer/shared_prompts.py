@@ -21,9 +21,30 @@ in the same number: FSDP2 gathers weights in each).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+
+
+def padded(
+    prompts: Sequence[Sequence[int]],
+    completions: Sequence[Sequence[int]],
+    pad_id: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows as TRL batches them and `completion_logits` reads them: prompts left-padded,
+    completions right-padded; the ids and the attention mask, (rows, P + C)."""
+    width_p, width_c = max(map(len, prompts)), max(map(len, completions))
+    ids, attention = [], []
+    for p, c in zip(prompts, completions, strict=True):
+        left, right = width_p - len(p), width_c - len(c)
+        ids.append([pad_id] * left + [*p, *c] + [pad_id] * right)
+        attention.append([0] * left + [1] * (len(p) + len(c)) + [0] * right)
+    return (
+        torch.tensor(ids, dtype=torch.long, device=device),
+        torch.tensor(attention, dtype=torch.long, device=device),
+    )
 
 
 def completion_logits(
