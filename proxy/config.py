@@ -81,7 +81,7 @@ class ProxySettings(DatabaseSettings):
         ge=0,
         description="Completion calls per second a tenant may make (a token bucket holding "
         "quota_burst_s of it); over it: 429 with Retry-After, nothing recorded. 0: no limit. "
-        "Per proxy process, as every quota.",
+        "Every quota holds across replicas: each proxy grants its share (1/N of the N alive).",
     )
     quota_concurrency: int = Field(
         0, ge=0, description="Completion calls a tenant may have in flight (429 beyond). 0: any."
@@ -103,6 +103,13 @@ class ProxySettings(DatabaseSettings):
         gt=0,
         description="Each rate's burst: after idling, a tenant may send this many seconds' worth "
         "at once (at least one request).",
+    )
+    quota_heartbeat_s: float = Field(
+        2.0,
+        gt=0,
+        le=300,
+        description="How often each proxy (with any quota set) beats its heartbeat into Postgres "
+        "and counts the proxies alive, whose number divides every quota.",
     )
     tenant_quotas: Annotated[dict[str, Quota], NoDecode] = Field(
         default_factory=dict,
@@ -195,6 +202,7 @@ class ProxySettings(DatabaseSettings):
     upstream_dead_after_s: float = Field(
         30.0,
         ge=1,
+        le=86_400,  # a day: beyond it no partition is worth waiting out (and TCP caps probes)
         description="A connection to vLLM whose packets go unanswered this long (a network "
         "partition, a vanished host) is dropped: the call goes to another replica, a stream "
         "under way ends failed. TCP keepalives probe it, so a long silent generation is not cut.",
@@ -291,6 +299,13 @@ class ProxySettings(DatabaseSettings):
         "replays, rewards), up to as many again in bursts; readers (dashboard, episodes, export, "
         "admin) have a pool of their own, so no reader can make recording wait or spill to the "
         "journal.",
+    )
+    reward_pool_size: int = Field(
+        4,
+        ge=1,
+        description="Database connections for reward and demonstration posts, up to as many "
+        "again in bursts: a pool of their own, so posts queued on one episode's row lock cannot "
+        "take the writer's connections and make recording spill to the journal.",
     )
     read_timeout_s: float = Field(
         15.0,

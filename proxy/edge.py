@@ -67,7 +67,6 @@ class Edge:
             for key in (settings.metrics_key, settings.admin_key)
             if key is not None
         ]
-        self._quotas = Quotas(settings) if Quotas.wanted(settings) else None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":  # lifespan
@@ -100,8 +99,9 @@ class Edge:
 
             await self.app(scope, receive, send_counting)
         finally:
-            if self._quotas is not None:
-                self._quotas.release(scope)  # the response has ended, however it ended
+            quotas = self._quotas()
+            if quotas is not None:
+                quotas.release(scope)  # the response has ended, however it ended
             _requests(self._route_label(scope), status).inc()
 
     async def _complete(self, endpoint: wire.Endpoint, scope: Scope, receive: Receive) -> Response:
@@ -155,9 +155,15 @@ class Edge:
                     code="admin_disabled",
                 )
             _authorize(scope, [self._admin_key], "FLYWHEEL_ADMIN_KEY")
-        if self._quotas is not None:
-            self._quotas.admit(scope)  # last: a request refused for another reason takes nothing
+        quotas = self._quotas()
+        if quotas is not None:
+            quotas.admit(scope)  # last: a request refused for another reason takes nothing
         return scope
+
+    def _quotas(self) -> Quotas | None:
+        """The tenants' quotas (services.py keeps them shared across replicas), if any is set."""
+        services = getattr(self.app.state, "services", None)
+        return services.quotas if services is not None else None
 
     def _dashboard_principal(self, scope: Scope) -> Principal:
         """The admin key sees every tenant (and may act); an API key its tenant's rows, with the

@@ -14,6 +14,10 @@ quota_refusals = Counter(
     "rewards_rps, reads_rps: proxy/quotas.py).",
     ["tenant", "limit"],
 )
+quota_replicas = Gauge(
+    "flywheel_quota_replicas",
+    "Proxies alive by their heartbeats, sharing each tenant's quota (each grants 1/N of it).",
+)
 upstream_latency = Histogram(
     "flywheel_upstream_latency_seconds",
     "Time from sending to vLLM until its response ended.",

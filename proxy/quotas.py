@@ -11,24 +11,38 @@ nothing is forwarded or recorded. An admitted completion call holds its slot unt
 which the edge calls once the response has ended, however it ended (the stream finished, the
 client left, vLLM failed).
 
-The state is this process's: behind a load balancer each replica grants a tenant its quota.
+The quota holds across replicas: each proxy beats a heartbeat into Postgres (`proxy_replica`,
+every FLYWHEEL_QUOTA_HEARTBEAT_S) and counts the replicas alive, and grants each tenant its share:
+each rate divided by that count, the calls in flight too (at least one). The cost is one small
+transaction per heartbeat, none per request. With Postgres unreachable a replica keeps the last
+count it read; a replica that stops leaves at once, one that crashes is counted until its
+heartbeat is three intervals old. (Shares are even: a load balancer that favours one replica
+gives a tenant less than its quota, never more.)
 The dashboard's reads as the operator (`OPERATOR`: the admin key, or anyone with auth off) are no
 tenant's and not limited.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 import math
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from starlette.types import Scope
 
+from core.database import OUTAGE_ERRORS, AsyncSessions
 from proxy import metrics
 from proxy.auth import principal_of
 from proxy.config import ProxySettings, Quota
 from proxy.errors import ApiError
+from proxy.record.store import replicas
 from proxy.relay import wire
+
+log = logging.getLogger(__name__)
 
 _CALLS = frozenset(endpoint.path for endpoint in wire.ENDPOINTS)
 _READS = ("/v1/episodes/", "/v1/export", "/ui/api/")
@@ -43,6 +57,12 @@ class Bucket:
     def __init__(self, rate: float, burst_s: float) -> None:
         self.rate, self.capacity = rate, max(1.0, rate * burst_s)
         self.tokens, self.at = self.capacity, time.monotonic()
+
+    def resize(self, rate: float, burst_s: float) -> None:
+        """Another share of the tenant's rate: what it holds now is kept, up to the new size."""
+        self.wait_s()  # filled at the old rate until now
+        self.rate, self.capacity = rate, max(1.0, rate * burst_s)
+        self.tokens = min(self.tokens, self.capacity)
 
     def wait_s(self) -> float:
         """0 if a request may go now (then call `take`), else the seconds until one may."""
@@ -61,6 +81,21 @@ class _Tenant:
     quota: Quota
     buckets: dict[str, Bucket] = field(default_factory=dict)  # kind -> bucket (limited kinds)
     in_flight: int = 0
+    concurrency: int = 0  # this replica's share of quota.concurrency (0: no limit)
+
+    def share(self, replicas: int) -> None:
+        """This replica's share of each limit, `replicas` being alive."""
+        quota = self.quota
+        rates = {"calls": quota.rps, "rewards": quota.rewards_rps, "reads": quota.reads_rps}
+        for kind, rate in rates.items():
+            if not rate:
+                continue
+            if kind in self.buckets:
+                self.buckets[kind].resize(rate / replicas, self.quota.burst_s)
+            else:
+                self.buckets[kind] = Bucket(rate / replicas, self.quota.burst_s)
+        concurrency = self.quota.concurrency
+        self.concurrency = max(1, concurrency // replicas) if concurrency else 0
 
 
 class Quotas:
@@ -78,6 +113,16 @@ class Quotas:
             for tenant, own in settings.tenant_quotas.items()
         }
         self._tenants: dict[str | None, _Tenant] = {}
+        self.replicas = 1  # alive, this one included (QuotaShare's heartbeat keeps it current)
+
+    def share(self, replicas: int) -> None:
+        """`replicas` proxies alive: each tenant's limits here are that share of its quota."""
+        if replicas != self.replicas:
+            log.info("%d proxies alive: each grants 1/%d of every quota", replicas, replicas)
+        metrics.quota_replicas.set(replicas)  # (1 too: the gauge starts at 0)
+        self.replicas = replicas
+        for tenant in self._tenants.values():
+            tenant.share(replicas)
 
     @staticmethod
     def wanted(settings: ProxySettings) -> bool:
@@ -95,14 +140,13 @@ class Quotas:
         if principal.every_tenant:
             return
         tenant = self._tenants.get(principal.tenant) or self._tenant(principal.tenant)
-        quota = tenant.quota
-        if kind == "calls" and quota.concurrency and tenant.in_flight >= quota.concurrency:
-            raise _refusal(tenant, "concurrency", 1.0)
+        if kind == "calls" and tenant.concurrency and tenant.in_flight >= tenant.concurrency:
+            raise _refusal(tenant, "concurrency", 1.0, self.replicas)
         bucket = tenant.buckets.get(kind)
         if bucket is not None:
             wait_s = bucket.wait_s()
             if wait_s:
-                raise _refusal(tenant, kind, wait_s)
+                raise _refusal(tenant, kind, wait_s, self.replicas)
             bucket.take()
         if kind == "calls":
             tenant.in_flight += 1
@@ -116,10 +160,9 @@ class Quotas:
 
     def _tenant(self, tenant: str | None) -> _Tenant:
         name = tenant or "default"
-        quota = self._quotas.get(name, self._default)
-        rates = {"calls": quota.rps, "rewards": quota.rewards_rps, "reads": quota.reads_rps}
-        buckets = {kind: Bucket(rate, quota.burst_s) for kind, rate in rates.items() if rate}
-        self._tenants[tenant] = state = _Tenant(name, quota, buckets)
+        state = _Tenant(name, self._quotas.get(name, self._default))
+        state.share(self.replicas)
+        self._tenants[tenant] = state
         return state
 
 
@@ -142,16 +185,57 @@ _LIMITS = {
 }
 
 
-def _refusal(tenant: _Tenant, kind: str, wait_s: float) -> ApiError:
+def _refusal(tenant: _Tenant, kind: str, wait_s: float, replicas: int) -> ApiError:
     what, limit = _LIMITS[kind]
     retry_after = max(1, math.ceil(wait_s))
     metrics.quota_refusals.labels(tenant.name, limit).inc()
+    shared = f", shared by {replicas} proxies" if replicas > 1 else ""
     return ApiError(
         429,
-        f"tenant {tenant.name!r} is at its quota of {getattr(tenant.quota, limit):g} {what} "
-        f"(FLYWHEEL_QUOTA_{limit.upper()}, or `{limit}` in FLYWHEEL_TENANT_QUOTAS); "
+        f"tenant {tenant.name!r} is at its quota of {getattr(tenant.quota, limit):g} {what}"
+        f"{shared} (FLYWHEEL_QUOTA_{limit.upper()}, or `{limit}` in FLYWHEEL_TENANT_QUOTAS); "
         f"retry after {retry_after} s",
         type="rate_limit_error",
         code="rate_limit_exceeded",
         headers={"Retry-After": str(retry_after)},
     )
+
+
+class QuotaShare:
+    """The heartbeat that keeps `Quotas.replicas` current: every `heartbeat_s`, this replica's
+    row in `proxy_replica` is touched and the replicas alive (a heartbeat within three
+    intervals) counted. Postgres unreachable: the last count stands."""
+
+    def __init__(self, quotas: Quotas, sessions: AsyncSessions, heartbeat_s: float) -> None:
+        self.quotas, self.sessions, self.heartbeat_s = quotas, sessions, heartbeat_s
+        self.replica = f"proxy-{uuid.uuid4().hex[:12]}"
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        await self.beat()  # shared from the first request when Postgres answers
+        self._task = asyncio.create_task(self._run(), name="quota-heartbeat")
+
+    async def beat(self) -> None:
+        try:
+            async with asyncio.timeout(self.heartbeat_s), self.sessions.begin() as session:
+                alive = await replicas.beat(
+                    self.replica, session=session, alive_s=3 * self.heartbeat_s
+                )
+        except (*OUTAGE_ERRORS, TimeoutError) as e:
+            log.debug("quota heartbeat missed (%s): %d replicas assumed", e, self.quotas.replicas)
+            return
+        self.quotas.share(alive)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.heartbeat_s)
+            await self.beat()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        with contextlib.suppress(*OUTAGE_ERRORS, TimeoutError):
+            async with asyncio.timeout(self.heartbeat_s), self.sessions.begin() as session:
+                await replicas.leave(self.replica, session=session)

@@ -30,6 +30,7 @@ from core.codecs import PromptMemo
 from core.database import AsyncSessions
 from proxy.auth import KeyRing
 from proxy.config import ProxySettings
+from proxy.quotas import Quotas, QuotaShare
 from proxy.record.air import ToolCheck
 from proxy.record.intake import Intake
 from proxy.record.journal import Journal
@@ -56,13 +57,15 @@ SCORING_SHARE = 0.5
 class Services:
     settings: ProxySettings
     sessionmaker: AsyncSessions  # readers: each statement bounded by FLYWHEEL_READ_TIMEOUT_S
-    writer_sessions: AsyncSessions  # the writer's own pool (FLYWHEEL_WRITER_POOL_SIZE): rewards
+    writer_sessions: AsyncSessions  # the writer's own pool (FLYWHEEL_WRITER_POOL_SIZE)
+    reward_sessions: AsyncSessions  # reward and demonstration posts (FLYWHEEL_REWARD_POOL_SIZE)
     recorder: Recorder
     upstream: Upstream
     alias: PolicyAlias
     forwarder: Forwarder
     keys: KeyRing
     migrator: Migrator
+    quotas: Quotas | None  # per-tenant limits, when any is set (the edge admits by them)
     spans: Spans | None = None  # FLYWHEEL_OTEL_ENDPOINT
     # GET /v1/export: each running export holds a reader connection (proxy/routes/export.py).
     export_slots: ExportSlots
@@ -105,14 +108,18 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
             retries=settings.route_retries,
         )
     url = await asyncio.to_thread(database.resolve_url, settings.database_url, settings.home)
-    # Two pools: readers (the API, dashboard, export, admin; each statement bounded by
-    # read_timeout_s) and the writer's own (recording, replays, rewards; never bounded by it), so
-    # readers holding every connection of theirs cannot make recording wait or spill.
+    # Three pools: readers (the API, dashboard, export, admin; each statement bounded by
+    # read_timeout_s), the writer's own (recording, replays; never bounded by it), and the posts'
+    # (rewards, demonstrations), so neither readers holding every connection of theirs nor
+    # reward posts queued on one episode's row lock can make recording wait or spill.
     engine, sessionmaker = database.create_async_sessions(
         url, statement_timeout_s=settings.read_timeout_s
     )
     writer_engine, writer_sessions = database.create_async_sessions(
         url, pool_size=settings.writer_pool_size
+    )
+    reward_engine, reward_sessions = database.create_async_sessions(
+        url, pool_size=settings.reward_pool_size
     )
     migrator = Migrator(url, sessionmaker, writer_sessions, retry_s=settings.journal_retry_s)
     await migrator.start()  # Postgres unreachable: serve on the journal, migrate when it answers
@@ -169,6 +176,10 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
     await alias.start()
     keeper = ReplicaKeeper(upstream, alias, probe_s=settings.replica_probe_s)
     await keeper.start()
+    quotas = Quotas(settings) if Quotas.wanted(settings) else None
+    share = QuotaShare(quotas, sessionmaker, settings.quota_heartbeat_s) if quotas else None
+    if share is not None:
+        await share.start()
     maintenance = Maintenance(settings, url)
     await maintenance.start(after=migrator.wait())
     # The record wing's door (AIR and durable mode are its decisions), and the relay in front.
@@ -191,12 +202,14 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
             settings=settings,
             sessionmaker=sessionmaker,
             writer_sessions=writer_sessions,
+            reward_sessions=reward_sessions,
             recorder=recorder,
             upstream=upstream,
             alias=alias,
             forwarder=forwarder,
             keys=keys,
             migrator=migrator,
+            quotas=quotas,
             spans=spans,
             export_slots=ExportSlots(settings.exports_max, settings.exports_per_tenant),
         )
@@ -204,6 +217,8 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
         # uvicorn gave the calls in flight shutdown_drain_s; all of this fits in shutdown_flush_s.
         deadline = time.monotonic() + settings.shutdown_flush_s
         await maintenance.stop()  # at once, even in the middle of a round
+        if share is not None:
+            await share.stop()  # its share goes to the other replicas
         await migrator.stop()
         await keys.stop()
         await keeper.stop()
@@ -216,6 +231,7 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
         await upstream.close()
         await engine.dispose()
         await writer_engine.dispose()
+        await reward_engine.dispose()
 
 
 def services_of(app: FastAPI) -> Services:

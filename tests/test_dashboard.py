@@ -181,6 +181,9 @@ def test_the_episode_list_filters_and_pages_by_keyset(make_proxy: Any) -> None:
         ({"version": -1}, "query.version"),
         ({"min_reward": "high"}, "query.min_reward"),
         ({"since": "yesterday"}, "query.since"),
+        # Schemathesis: a number read as seconds since 1970 where the document says date-time
+        ({"until": "0.5"}, "query.until"),
+        ({"since": "1700000000"}, "query.since"),
         ({"q": "x" * 300}, "query.q"),
         # What bench/fuzz found: values no row can hold reached Postgres and failed there (500).
         ({"agent": "a\x00b"}, "query.agent"),
@@ -191,6 +194,8 @@ def test_the_episode_list_filters_and_pages_by_keyset(make_proxy: Any) -> None:
     ]:
         r = ui(proxy, "/ui/api/episodes", **bad)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, (bad, r.text)
+    iso = ui(proxy, "/ui/api/episodes", since="2020-01-01T00:00:00Z", until="2999-01-01")
+    assert iso.status_code == 200 and len(iso.json()["data"]) == 7, iso.text
     missing = ui(proxy, "/ui/api/episodes/nope")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "episode_not_found"
 

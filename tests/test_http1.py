@@ -408,3 +408,22 @@ async def test_a_silent_replica_that_still_answers_probes_is_not_cut() -> None:
         assert await response.read() == b'{"ok":true}'
         response.release()
         pool.close()
+
+
+def test_a_dead_after_bound_beyond_linuxs_keepalive_limit_still_connects() -> None:
+    """Found by reading: TCP_KEEPIDLE above 32,767 s is EINVAL on Linux, raised outside
+    `_connect`'s error handling, so FLYWHEEL_UPSTREAM_DEAD_AFTER_S >= ~98,300 s made every call
+    a 500. The probes are clamped; the setting is bounded at a day."""
+    import socket
+
+    from pydantic import ValidationError
+
+    from proxy.config import ProxySettings
+
+    with socket.socket() as sock:
+        http1.keep_probing(sock, 200_000)
+        if hasattr(socket, "TCP_KEEPIDLE"):
+            idle = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)
+            assert idle == http1.MAX_KEEPIDLE_S
+    with pytest.raises(ValidationError, match="upstream_dead_after_s"):
+        ProxySettings(upstream=["http://127.0.0.1:1"], upstream_dead_after_s=100_000)

@@ -153,3 +153,52 @@ def test_the_key_may_come_as_x_api_key_here_only(make_proxy: Any, fake_vllm: Fak
     elsewhere = proxy.client(**{"x-api-key": "k1"}).post("/v1/chat/completions", json=CHAT)
     assert_openai_error(elsewhere, 401)  # OpenAI's routes take OpenAI's header
     assert all(h.lower() != "x-api-key" for h in fake_vllm.requests[-1]["headers"])  # not sent on
+
+
+TOOL = {"name": "calc", "input_schema": {"type": "object", "properties": {}}}
+
+
+def test_messages_calls_are_trained_under_what_vllm_was_sent(
+    proxy: RunningProxy, fake_vllm: FakeVLLM
+) -> None:
+    """Found by reading: a Messages call records the Anthropic body as its params, and the
+    trainer read them as a chat request: an `output_config.format` grammar (sent as
+    `response_format`) went unseen, `thinking.budget_tokens` too, fields the proxy never sends
+    (`min_p`, `logit_bias`, `repetition_penalty`) were applied, and `tool_choice` `{"type":
+    "auto"}` was set aside as constrained. The records go through the trainer's claim and
+    sampling here, as a step would read them."""
+    from tests.conftest import trainer_claims
+    from trainer.sampling import CONSTRAINED, UNSUPPORTED, Sampling, SetAside, sampling_of
+
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
+    cases: dict[str, tuple[dict[str, Any], Sampling | str]] = {
+        "plain": ({"temperature": 0.7, "top_k": 20}, Sampling(temperature=0.7, top_k=20)),
+        "dropped": (
+            {"min_p": 0.5, "logit_bias": {"5": 100}, "repetition_penalty": 1.5},
+            Sampling(),
+        ),
+        "auto": ({"tools": [TOOL], "tool_choice": {"type": "auto"}}, Sampling()),
+        "any": ({"tools": [TOOL], "tool_choice": {"type": "any"}}, CONSTRAINED),
+        "format": (
+            {"output_config": {"format": {"type": "json_schema", "json_schema": schema}}},
+            CONSTRAINED,
+        ),
+        "budget": ({"thinking": {"type": "enabled", "budget_tokens": 64}}, UNSUPPORTED),
+    }
+    with proxy.client() as c:
+        for name, (extra, _) in cases.items():
+            body = {**ASK, "model": "policy", **extra}
+            r = c.post("/episode/m-" + name + "/v1/messages", json=body)
+            assert r.status_code == 200, (name, r.text)
+            c.post("/v1/rewards", json={"episode_id": "m-" + name, "reward": 1.0})
+    proxy.wait_rows('SELECT 1 FROM transition WHERE "return" IS NOT NULL', len(cases))
+    claimed = {c.episode_id.removeprefix("m-"): c for c in trainer_claims(proxy.database_url)}
+    assert set(claimed) == set(cases)
+    for name, (_, expected) in cases.items():
+        c = claimed[name]
+        assert c.route == "messages"
+        got = sampling_of(c.params, {}, made_tool_call=c.made_tool_call, route=c.route)
+        if isinstance(expected, Sampling):
+            assert got == expected, name
+        else:
+            assert isinstance(got, SetAside) and got.reason == expected, (name, got)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -97,3 +97,41 @@ def test_a_read_past_the_read_timeout_is_a_503_that_says_what_to_narrow(
         assert "FLYWHEEL_READ_TIMEOUT_S" in error["message"] and narrow in error["message"]
     # Once the lock is gone the same reads answer.
     assert httpx.get(proxy.url + "/ui/api/overview", params={"hours": 1}).status_code == 200
+
+
+def test_reward_posts_queued_on_one_episode_do_not_starve_the_writer(make_proxy: Any) -> None:
+    """Found by reading: reward posts shared the writer's pool, so a burst of them on one episode
+    (each waiting on its row lock, each holding a connection) left the writer none past its
+    timeout, and every tenant's traffic went to the journal as if Postgres were down."""
+    proxy = make_proxy(
+        writer_linger_s=0, writer_pool_size=1, reward_pool_size=1, writer_write_timeout_s=2
+    )
+    with proxy.client(**{"X-Episode-Id": "hot"}) as c:
+        assert c.post("/v1/chat/completions", json=CHAT).status_code == 200
+    proxy.wait_rows("SELECT 1 FROM transition WHERE episode_id = 'hot'", 1)
+    bodies = [{"episode_id": "hot", "reward": float(i)} for i in range(4)]
+    with psycopg.connect(proxy.database_url) as lock, ThreadPoolExecutor(4) as pool:
+        lock.execute("SELECT 1 FROM episode WHERE id = 'hot' FOR UPDATE")  # held: posts queue
+        posts = [
+            pool.submit(httpx.post, proxy.url + "/v1/rewards", json=b, timeout=30) for b in bodies
+        ]
+        proxy.wait_until(
+            lambda: (
+                proxy.query("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")[
+                    0
+                ][0]
+                >= 1
+            ),
+            "a reward post waiting on the episode's lock",
+        )
+        with proxy.client(**{"X-Episode-Id": "cold"}) as c:  # another episode's call meanwhile
+            r = c.post("/v1/chat/completions", json=CHAT)
+        assert r.status_code == 200
+        stored = proxy.wait_rows(
+            "SELECT id::text FROM transition WHERE episode_id = 'cold'", 1, timeout=5
+        )
+        assert [row[0] for row in stored] == [r.headers["x-transition-id"]]
+        assert proxy.services.recorder.journal.pending == 0  # stored, not journaled
+        lock.rollback()
+        answers = [p.result(timeout=30) for p in posts]
+    assert all(a.status_code in (200, 202) for a in answers), [a.text for a in answers]

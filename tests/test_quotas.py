@@ -255,3 +255,29 @@ def test_json_quotas_and_defaults_under_a_tenants_own() -> None:
     )
     assert settings.tenant_quotas["acme"].concurrency == 1
     assert settings.tenant_quotas["acme"].model_fields_set == {"concurrency"}  # rps: the default's
+
+
+def test_a_quota_holds_across_replicas_each_granting_its_share(
+    keyed: Any, sessions: Sessions
+) -> None:
+    """Quotas were per process: N replicas granted a tenant N times its quota. Each proxy beats a
+    heartbeat into Postgres now and grants 1/N of every limit, N being the replicas alive; one
+    that stops gives its share back to the others."""
+    (acme,) = keys(sessions, "acme")
+    quota = {"tenant_quotas": "acme:rps=4", "quota_burst_s": 1.0, "quota_heartbeat_s": 0.2}
+    one, two = keyed(**quota), keyed(**quota)
+    for proxy in (one, two):
+        proxy.wait_keys(acme)
+        assert proxy.services.quotas is not None
+        proxy.wait_until(lambda p=proxy: p.services.quotas.replicas == 2, "both proxies counted")
+    answers = []
+    for proxy in (one, two):  # a burst at each: 4 at once in all (2 each), not 4 each
+        with client(proxy, acme) as c:
+            answers += [c.post("/v1/chat/completions", json=CHAT) for _ in range(4)]
+    admitted = sum(a.status_code == 200 for a in answers)
+    assert 4 <= admitted <= 5, [a.status_code for a in answers]  # (+1: refilled meanwhile)
+    message = refused(next(a for a in answers if a.status_code == 429))
+    assert "shared by 2 proxies" in message, message
+    one.stop()  # it leaves: the other grants the whole quota again
+    two.wait_until(lambda: two.services.quotas.replicas == 1, "one proxy left")  # type: ignore[union-attr]
+    assert proxy.query("SELECT count(*) FROM proxy_replica") == [(1,)]

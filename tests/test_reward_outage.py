@@ -98,11 +98,11 @@ def test_a_reward_posted_during_an_outage_is_journaled_and_stored_after_it(
         "SELECT idempotency_key, value, transition_id::text, source FROM reward "
         "WHERE episode_id = 'ep' ORDER BY value"
     )
-    assert [(k, v, t) for k, v, t, _ in rewards if not k.startswith("journal:")] == [
+    assert [(k, v, t) for k, v, t, _ in rewards if not k.startswith("auto:")] == [
         ("s", 0.5, during),  # joined to the transition it names: replayed after it
         ("final", 1.0, None),
     ]
-    assert [(v, s) for k, v, _, s in rewards if k.startswith("journal:")] == [(0.25, "judge")]
+    assert [(v, s) for k, v, _, s in rewards if k.startswith("auto:")] == [(0.25, "judge")]
     episode = second.query("SELECT final_reward FROM episode WHERE id = 'ep'")
     assert episode == [(0.25,)]  # the later final reward of the list replaced the first
     credited = second.query(
@@ -187,3 +187,95 @@ def commits(db: psycopg.Connection[Any]) -> int:
     ).fetchone()
     db.execute("SELECT pg_stat_clear_snapshot()")
     return int(row[0])  # type: ignore[index]
+
+
+def test_a_reward_whose_commit_landed_unseen_is_stored_once_after_replay(
+    make_proxy: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Found by reading: a live write that times out during COMMIT may have landed; it is
+    journaled and replayed. An unkeyed reward got its key only when journaled, so the replay
+    stored it again and a step reward's return doubled. Every reward is keyed before its first
+    attempt now, and the replay finds it a duplicate."""
+    from proxy.routes import rewards as route
+
+    proxy = make_proxy(journal_retry_s=0.2)
+    step = call(proxy, "unseen")
+    proxy.wait_rows("SELECT 1 FROM transition WHERE episode_id = 'unseen'", 1)
+    real = route.rewards.add_rewards
+
+    async def lands_then_times_out(items: Any, *, session: Any, **kw: Any) -> Any:
+        async with proxy.services.writer_sessions.begin() as own:  # COMMIT goes through...
+            await real(items, session=own, **kw)
+        raise TimeoutError("COMMIT unanswered")  # ...and its answer is lost
+
+    monkeypatch.setattr(route.rewards, "add_rewards", lands_then_times_out)
+    r = post(proxy, {"episode_id": "unseen", "transition_id": step, "reward": 0.5})
+    assert r.status_code == 202 and r.json()["status"] == "journaled", r.text
+    monkeypatch.setattr(route.rewards, "add_rewards", real)
+    wait_for(lambda: proxy.services.recorder.journal.pending == 0)
+    stored = "SELECT count(*), sum(value) FROM reward WHERE episode_id = 'unseen'"
+    assert proxy.query(stored) == [(1, 0.5)]
+
+
+async def test_a_final_reward_replayed_after_a_newer_one_does_not_replace_it(
+    make_proxy: Any, tmp_path: Path
+) -> None:
+    """Found by reading: proxy A journals a final reward of 1.0 while cut off, proxy B stores a
+    corrected 0.0, and A's replay set 1.0 over it. The last *posted* final reward wins now; the
+    stale one is kept in the history."""
+    proxy = make_proxy()
+    call(proxy, "late")
+    proxy.wait_rows("SELECT 1 FROM transition WHERE episode_id = 'late'", 1)
+    cut_off = Journal(tmp_path / "proxy-a")  # A's journal: 1.0, posted a minute ago
+    stale = {"episode_id": "late", "reward": 1.0, "idempotency_key": "a"}
+    cut_off.append_rewards([{"posted_at": time.time() - 60, "rewards": [stale]}])
+    assert post(proxy, {"episode_id": "late", "reward": 0.0}).status_code == 200  # through B
+
+    async def replay() -> None:  # A's journal, as A's writer replays it
+        engine, sessionmaker = database.create_async_sessions(proxy.database_url)
+        try:
+            assert await reward_journal.replay_rewards(
+                cut_off, sessionmaker, gamma=None, timeout_s=15
+            )
+        finally:
+            await engine.dispose()
+
+    await replay()
+    assert proxy.query("SELECT final_reward FROM episode WHERE id = 'late'") == [(0.0,)]
+    history = "SELECT value FROM reward WHERE episode_id = 'late' ORDER BY value"
+    assert proxy.query(history) == [(0.0,), (1.0,)]
+    returns = "SELECT DISTINCT \"return\" FROM transition WHERE episode_id = 'late'"
+    assert proxy.query(returns) == [(0.0,)]
+    # A newer post still replaces it, live or replayed.
+    newer = {"episode_id": "late", "reward": 0.5, "idempotency_key": "b"}
+    cut_off.append_rewards([{"posted_at": time.time() + 1, "rewards": [newer]}])
+    await replay()
+    assert proxy.query("SELECT final_reward FROM episode WHERE id = 'late'") == [(0.5,)]
+
+
+def test_database_up_reads_0_while_only_rewards_wait_for_a_database_that_is_down(
+    own_postgres: Any, make_proxy: Any
+) -> None:
+    """Found by reading: with only reward posts journaled, the replay found no transitions to
+    write and set flywheel_database_up to 1 without reaching Postgres."""
+    proxy = make_proxy(database_url=own_postgres.url, journal_retry_s=0.2)
+    call(proxy, "down")
+    proxy.wait_rows("SELECT 1 FROM transition WHERE episode_id = 'down'", 1)
+
+    def gauge() -> float:
+        text = httpx.get(proxy.url + "/metrics").text
+        (line,) = [x for x in text.splitlines() if x.startswith("flywheel_database_up ")]
+        return float(line.split()[1])
+
+    own_postgres.stop()
+    try:
+        r = post(proxy, {"episode_id": "down", "reward": 1.0})
+        assert r.status_code == 202, r.text
+        time.sleep(1.5)  # several replay attempts (journal_retry_s 0.2)
+        assert proxy.services.recorder.journal.pending == 1
+        assert gauge() == 0.0
+    finally:
+        own_postgres.start()
+    wait_for(lambda: proxy.services.recorder.journal.pending == 0)
+    assert gauge() == 1.0
+    assert proxy.query("SELECT final_reward FROM episode WHERE id = 'down'") == [(1.0,)]

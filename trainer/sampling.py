@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from core import anthropic
+
 SAMPLING_EPS = 1e-5  # vLLM's: a temperature below it is greedy decoding
 LOGIT_BIAS_LIMIT = 100.0  # vLLM clamps each bias into [-100, 100]
 
@@ -102,8 +104,16 @@ def sampling_of(
     defaults: dict[str, float],
     *,
     made_tool_call: bool,
+    route: str = "chat",
 ) -> Sampling | SetAside:
-    """The settings a recorded call (its request minus the prompt) was sampled with."""
+    """The settings a recorded call (its request minus the prompt) was sampled with. A Messages
+    call (`route` "messages") recorded the Anthropic body as posted: its settings are those of
+    the chat request the proxy sent vLLM for it (core/anthropic.py)."""
+    if route == "messages":
+        try:
+            params = anthropic.sent_fields(params)
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            return SetAside(UNSUPPORTED, f"unreadable Messages request: {e!r}")
     constrained = _constrained(params, made_tool_call)
     if constrained:
         return SetAside(CONSTRAINED, constrained)

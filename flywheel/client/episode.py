@@ -30,6 +30,11 @@ PATH_KEYS = {"id": "episode", "task_id": "task", "agent_name": "agent"}
 ON_ERROR_SOURCE = "error"  # the source of the reward `on_error` posts
 
 _current: ContextVar[Episode | None] = ContextVar("flywheel_episode", default=None)
+# The episodes entered in this context, innermost last, each with the token that undoes its entry.
+# Per context, not on the Episode: two tasks or threads entering one episode each undo their own.
+_entered: ContextVar[tuple[tuple[Episode, Token[Episode | None]], ...]] = ContextVar(
+    "flywheel_entered", default=()
+)
 
 
 def current() -> Episode | None:
@@ -64,7 +69,6 @@ class Episode:
     on_error: float | None = None
     post_sync: Callable[[float, str], object] | None = field(default=None, repr=False)
     post_async: Callable[[float, str], Awaitable[object]] | None = field(default=None, repr=False)
-    _tokens: list[Token[Episode | None]] = field(default_factory=list, repr=False)
 
     def __post_init__(self) -> None:
         for name in ("id", "task_id", "agent_name"):
@@ -82,12 +86,22 @@ class Episode:
 
     def agent(self, name: str) -> Episode:
         """This episode as agent `name` calls it (multi-agent); enter it like the episode."""
-        return replace(self, agent_name=name, on_error=None, _tokens=[])
+        return replace(self, agent_name=name, on_error=None)
+
+    def _enter(self) -> None:
+        _entered.set((*_entered.get(), (self, _current.set(self))))
+
+    def _exit(self) -> None:
+        *outer, (innermost, token) = _entered.get()
+        if innermost is not self:
+            raise RuntimeError(f"episode {self.id} left while an episode inside it is still open")
+        _entered.set(tuple(outer))
+        _current.reset(token)
 
     def __enter__(self) -> Episode:
         if self.on_error is not None and self.post_sync is None:
             raise TypeError("this episode posts on_error asynchronously: use `async with`")
-        self._tokens.append(_current.set(self))
+        self._enter()
         return self
 
     def __exit__(
@@ -96,7 +110,7 @@ class Episode:
         error: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        _current.reset(self._tokens.pop())
+        self._exit()
         if error is not None and self.on_error is not None and self.post_sync is not None:
             try:
                 self.post_sync(self.on_error, ON_ERROR_SOURCE)
@@ -104,7 +118,7 @@ class Episode:
                 log.warning("episode %s: the on_error reward was not posted: %s", self.id, e)
 
     async def __aenter__(self) -> Episode:
-        self._tokens.append(_current.set(self))
+        self._enter()
         return self
 
     async def __aexit__(
@@ -113,7 +127,7 @@ class Episode:
         error: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        _current.reset(self._tokens.pop())
+        self._exit()
         if error is None or self.on_error is None:
             return
         try:

@@ -294,11 +294,19 @@ class Recorder:
             return
         self._replaying = True
         try:
-            await self._replay_segments()
-            if time.monotonic() >= self._next_replay and not await reward_journal.replay_rewards(
+            if not await self._replay_segments() or time.monotonic() < self._next_replay:
+                return  # (the last call at a stop comes early: no wait on a known outage)
+            if await reward_journal.replay_rewards(
                 self.journal, self._sessionmaker, gamma=self._gamma, timeout_s=self._timeout_s
             ):
-                self._next_replay = time.monotonic() + self._retry_s
+                log.info("journal replayed; Postgres is back")
+                self._database_ok = True
+                metrics.database_up.set(1)
+                return
+            self._next_replay = time.monotonic() + self._retry_s
+            if not self.journal.failing("read"):  # Postgres, not the disk: it is still down
+                self._database_ok = False
+                metrics.database_up.set(0)
         finally:
             self._replaying = False
 
@@ -309,27 +317,28 @@ class Recorder:
         self._wake.set()  # a writer idle on an empty queue replays it once Postgres answers
         return reward_journal.append(self.journal, post)
 
-    async def _replay_segments(self) -> None:
+    async def _replay_segments(self) -> bool:
+        """The journaled transitions into Postgres, oldest first; False: not all of them yet.
+        (Postgres is up again only once the rewards journaled behind them are applied too.)"""
         for segment in self.journal.segments():
             with self.journal.guard("read"):
                 records = self.journal.read(segment)
             if self.journal.failing("read"):
                 self._next_replay = time.monotonic() + self._retry_s
-                return
+                return False
             try:  # chunk by chunk, sized by bytes and time (proxy/record/replay.py)
                 await self._chunks.insert(segment, records, self._insert, self._pending.stored)
             except OUTAGE_ERRORS:
                 self._next_replay = time.monotonic() + self._retry_s
                 self._database_ok = False
-                return
+                metrics.database_up.set(0)
+                return False
             except Exception:
                 await self._isolate(records)  # (each one stored, rejected or journaled again)
             with self.journal.guard("remove"):  # a segment left behind only replays again
                 self.journal.remove(segment, len(records))
             metrics.journal_pending.set(self.journal.pending)
-        log.info("journal replayed; Postgres is back")
-        self._database_ok = True
-        metrics.database_up.set(1)
+        return True
 
     def _journal(self, records: list[TransitionRecord]) -> bool:
         """To disk; if the journal fails, back to the front of the queue (False)."""

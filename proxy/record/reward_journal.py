@@ -3,11 +3,12 @@ writer's journal, behind the transitions queued before it) and answered 202; the
 applies it once Postgres answers, after every transition journaled before it
 (proxy/record/recorder.py). What Postgres refuses at replay is set aside, never dropped.
 
-- Idempotency across the outage: a reward without a key is given one (`journal:<uuid>`) before it
-  is journaled, so a replay that repeats it (a crash between its commit and the segment's removal)
-  stores it once. A key posted again during the outage, or once during and once after it, is
-  stored once: while anything waits in the journal every reward goes there too, in order, and the
-  later one replays as a "duplicate".
+- Idempotency across the outage: a reward without a key is given one (`auto:<uuid>`, `keyed`)
+  before its first attempt, live or journaled, so neither a replay that repeats it (a crash
+  between its commit and the segment's removal) nor the replay of a live write whose COMMIT
+  landed unseen (timed out, then journaled) stores it twice. A key posted again during the
+  outage, or once during and once after it, is stored once: while anything waits in the journal
+  every reward goes there too, in order, and the later one replays as a "duplicate".
 - What only Postgres can tell is known at replay: a key reused with another value, a transition of
   another episode, a tool call id several steps share, a return already trained on. The post is
   then applied reward by reward, and each refused one goes to the journal's `rejected/` with the
@@ -44,15 +45,21 @@ Entry = dict[str, Any]  # one post as journaled: {"posted_at": unix s, "rewards"
 REPLAY_BATCH = 1000  # rewards per transaction at replay (a post of 10,000 stays whole)
 
 
-def journal_entry(rewards: list[RewardIn]) -> Entry:
-    """One post as the journal keeps it: every reward with an idempotency key (see above)."""
-    keyed = [
-        r
-        if r.idempotency_key
-        else r.model_copy(update={"idempotency_key": f"journal:{uuid.uuid4()}"})
+def keyed(rewards: list[RewardIn]) -> list[RewardIn]:
+    """Every reward with an idempotency key: the one it was posted with, else a new one (see
+    above). Given once per post, before anything is written."""
+    return [
+        r if r.idempotency_key else r.model_copy(update={"idempotency_key": f"auto:{uuid.uuid4()}"})
         for r in rewards
     ]
-    return {"posted_at": time.time(), "rewards": [r.model_dump(mode="json") for r in keyed]}
+
+
+def journal_entry(rewards: list[RewardIn], posted_at: float | None = None) -> Entry:
+    """One post as the journal keeps it: every reward with an idempotency key (`keyed`), and
+    when it was posted (unix s; default now): at replay a final reward posted before the one
+    stored since does not replace it (store/rewards.py `add_rewards`)."""
+    posted = [r.model_dump(mode="json") for r in keyed(rewards)]
+    return {"posted_at": time.time() if posted_at is None else posted_at, "rewards": posted}
 
 
 def append(journal: Journal, entry: Entry) -> bool:
@@ -132,7 +139,8 @@ async def _apply_batch(
         return await _apply(posts[0], journal, sessionmaker, gamma=gamma, timeout_s=timeout_s)
     try:
         items = [RewardIn.model_validate(r) for post in posts for r in post["rewards"]]
-        await _store(items, sessionmaker, gamma=gamma, timeout_s=timeout_s)
+        at = [_posted_at(post) for post in posts for _ in post["rewards"]]
+        await _store(items, at, sessionmaker, gamma=gamma, timeout_s=timeout_s)
     except OUTAGE_ERRORS:
         raise
     except Exception:  # one of them is refused: find it by halving, the rest stored in order
@@ -155,7 +163,9 @@ async def _apply(
     aside. Raises OUTAGE_ERRORS (nothing of it is then stored)."""
     try:
         items = [RewardIn.model_validate(r) for r in post["rewards"]]
-        await _store(items, sessionmaker, gamma=gamma, timeout_s=timeout_s)
+        await _store(
+            items, [_posted_at(post)] * len(items), sessionmaker, gamma=gamma, timeout_s=timeout_s
+        )
     except OUTAGE_ERRORS:
         raise
     except Exception as e:  # refused as data, or not a post at all: not the database's fault
@@ -174,12 +184,23 @@ async def _apply(
     log.info("%d journaled rewards of one post stored", len(items))
 
 
+def _posted_at(post: dict[str, Any]) -> float:
+    """When the post was made (a line journaled without it, or hand-edited: now)."""
+    at = post.get("posted_at")
+    return float(at) if isinstance(at, int | float) and not isinstance(at, bool) else time.time()
+
+
 async def _store(
-    items: list[RewardIn], sessionmaker: AsyncSessions, *, gamma: float | None, timeout_s: float
+    items: list[RewardIn],
+    posted_at: list[float],
+    sessionmaker: AsyncSessions,
+    *,
+    gamma: float | None,
+    timeout_s: float,
 ) -> None:
     """One transaction for these rewards (both replay paths), counted once committed."""
     async with refusals_as_outage(), asyncio.timeout(timeout_s), sessionmaker.begin() as session:
-        saved = await add_rewards(items, session=session, gamma=gamma)
+        saved = await add_rewards(items, session=session, gamma=gamma, posted_at=posted_at)
     for r, s in zip(items, saved, strict=True):
         metrics.rewards_ingested.labels(_kind(r), s.status).inc()
 

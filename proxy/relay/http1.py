@@ -127,6 +127,9 @@ class Pool:
         return connection
 
 
+MAX_KEEPIDLE_S = 32_767  # Linux's MAX_TCP_KEEPIDLE and MAX_TCP_KEEPINTVL
+
+
 def keep_probing(sock: socket.socket, dead_after_s: float) -> None:
     """Drop the connection once the peer has acknowledged nothing for `dead_after_s`.
 
@@ -136,7 +139,9 @@ def keep_probing(sock: socket.socket, dead_after_s: float) -> None:
     goes to another replica if nothing reached the client yet, and a stream ends `failed`.
     Without this a partitioned replica held each call until the whole deadline (600 s).
     """
-    idle = max(1, int(dead_after_s / 3))
+    # Linux refuses (EINVAL) a keepalive idle or interval above MAX_TCP_KEEPIDLE: clamped, so a
+    # bound of a day or more still probes (proxy/config.py bounds the setting itself at a day).
+    idle = min(MAX_KEEPIDLE_S, max(1, int(dead_after_s / 3)))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (
         ("TCP_KEEPIDLE", idle),  # silent this long: start probing

@@ -19,6 +19,8 @@ sees (and its token ids) is the one vLLM's own `/v1/messages` would render:
   `disable_parallel_tool_use` `parallel_tool_calls`;
 - `max_tokens`, `stop_sequences` (as `stop`), `temperature`, `top_p`, `top_k` go as they are;
   `thinking` and `output_config` as vLLM maps them; `metadata` is recorded, not sent.
+  (These fields are core/anthropic.py's `sent_fields`: the trainer reads a Messages call's
+  sampling from them too.)
 """
 
 from __future__ import annotations
@@ -26,12 +28,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from core import anthropic
 from proxy.errors import ApiError
 
 ROLES = ("user", "assistant", "system")  # vLLM also takes a system message among them
-TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}  # and "tool": a named one
-# (Anthropic's field, the chat request's): sent when given
-SAMPLING = (("stop_sequences", "stop"), ("temperature",) * 2, ("top_p",) * 2, ("top_k",) * 2)
 # The content blocks taken (vLLM's, but its tool search's tool_addition, tool_removal and
 # tool_reference), and the types of their fields, as vLLM's request model checks them.
 BLOCKS = ("text", "image", "tool_use", "tool_result", "thinking", "redacted_thinking")
@@ -116,7 +116,7 @@ def _check_tools(tools: Any, tool_choice: Any) -> None:
     if tool_choice is None:
         return
     kind = tool_choice.get("type") if isinstance(tool_choice, dict) else None
-    if kind not in TOOL_CHOICES and kind != "tool":
+    if kind not in anthropic.TOOL_CHOICES and kind != "tool":
         raise ApiError(
             400, "`tool_choice.type` must be auto, any, tool or none", param="tool_choice"
         )
@@ -132,25 +132,9 @@ def chat_request(body: dict[str, Any]) -> dict[str, Any]:
         out.append({"role": "system", "content": system})
     for message in body["messages"]:
         _convert_message(message, out)
-    chat: dict[str, Any] = {"messages": out, "max_tokens": body["max_tokens"]}
-    chat["max_completion_tokens"] = body["max_tokens"]
-    for key, chat_key in SAMPLING:
-        if body.get(key) is not None:
-            chat[chat_key] = body[key]
+    chat: dict[str, Any] = {"messages": out} | anthropic.sent_fields(body)
     if body.get("stream"):
         chat["stream"] = True
-    _thinking_and_output(body, chat)
-    tool_choice = body.get("tool_choice")
-    if tool_choice is not None:
-        chat["parallel_tool_calls"] = not tool_choice.get("disable_parallel_tool_use", False)
-        kind = tool_choice["type"]
-        chat["tool_choice"] = TOOL_CHOICES.get(kind) or {
-            "type": "function",
-            "function": {"name": tool_choice["name"]},
-        }
-    if body.get("tools") is not None:
-        chat["tools"] = [_function(tool) for tool in body["tools"]]
-        chat.setdefault("tool_choice", "auto")
     return chat
 
 
@@ -259,29 +243,3 @@ def _image_url(source: Any) -> str:
     if source.get("type") == "url":
         return str(source.get("url", ""))
     return f"data:{source.get('media_type', 'image/jpeg')};base64,{source.get('data', '')}"
-
-
-def _function(tool: dict[str, Any]) -> dict[str, Any]:
-    function = {"name": tool["name"], "parameters": tool["input_schema"]}
-    for key in ("description", "strict", "defer_loading"):
-        if tool.get(key) is not None:
-            function[key] = tool[key]
-    return {"type": "function", "function": function}
-
-
-def _thinking_and_output(body: dict[str, Any], chat: dict[str, Any]) -> None:
-    """`thinking` and `output_config`, as vLLM maps them (a disabled thinking: effort "none")."""
-    thinking = body.get("thinking") or {}
-    if thinking.get("type") == "disabled":
-        chat["reasoning_effort"] = "none"
-    elif thinking.get("type") == "enabled" and thinking.get("budget_tokens") is not None:
-        chat["thinking_token_budget"] = thinking["budget_tokens"]
-    output = body.get("output_config") or {}
-    form = output.get("format") or {}
-    if isinstance(form, dict) and form.get("json_schema"):
-        chat["response_format"] = {
-            "type": form.get("type"),
-            "json_schema": {"name": form.get("type"), "schema": form["json_schema"]},
-        }
-    if output.get("effort") is not None:
-        chat["reasoning_effort"] = output["effort"]

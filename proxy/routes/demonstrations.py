@@ -76,7 +76,7 @@ async def store_demonstrations(
         await services.recorder.wait_stored(stored, timeout=STORED_WAIT_S)  # its last calls
     added: list[list[Added]] = []
     try:
-        async with services.writer_sessions.begin() as session:
+        async with services.reward_sessions.begin() as session:
             created = iter(
                 await demonstrations.add_posted(posted, session=session) if posted else []
             )

@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncGenerator
-from datetime import datetime
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Literal
 
 import orjson
@@ -33,6 +32,7 @@ from core.database import OUTAGE_ERRORS
 from proxy.auth import principal_of
 from proxy.config import TAG_PATTERN
 from proxy.errors import ApiError, database_error
+from proxy.routes.query import IsoTime
 from proxy.services import ExportSlots, ServicesDep
 
 log = logging.getLogger(__name__)
@@ -45,8 +45,8 @@ async def export_rows(
     services: ServicesDep,
     kind: Literal["transitions", "sft", "pairs", "demonstrations"] = "transitions",
     tokens: bool = False,
-    since: datetime | None = None,
-    until: datetime | None = None,
+    since: IsoTime | None = None,
+    until: IsoTime | None = None,
     agent: str | None = Query(None, pattern=TAG_PATTERN),
     task: str | None = Query(None, pattern=TAG_PATTERN),
     version: int | None = Query(None, ge=0, le=policy.MAX_VERSION),
@@ -92,35 +92,46 @@ async def export_rows(
         raise
 
     async def lines() -> AsyncGenerator[bytes]:
+        async for partition in result.mappings().partitions():
+            shaped = (q.shape(dict(row)) for row in partition)
+            yield b"".join(
+                orjson.dumps(out, option=orjson.OPT_APPEND_NEWLINE)
+                for out in shaped
+                if out is not None
+            )
+
+    async def close() -> None:  # the cursor, then its connection back to the pool
         try:
-            async for partition in result.mappings().partitions():
-                shaped = (q.shape(dict(row)) for row in partition)
-                yield b"".join(
-                    orjson.dumps(out, option=orjson.OPT_APPEND_NEWLINE)
-                    for out in shaped
-                    if out is not None
-                )
-        finally:
             await result.close()
+        finally:
             await session.close()
 
     idle_s = services.settings.export_idle_timeout_s
-    return ExportStream(lines(), slots, tenant, idle_s=idle_s)
+    return ExportStream(lines(), close, slots, tenant, idle_s=idle_s)
 
 
 class ExportStream(Response):
-    """The lines, streamed; the cursor, its connection and the slot released however the stream
-    ends: done, the client gone (`http.disconnect`), or the client reading nothing for `idle_s`
-    (a line that cannot go out for that long: the stream is cut, its connection closed)."""
+    """The lines, streamed; the cursor, its connection (`close`) and the slot released however
+    the stream ends: done, the client gone (`http.disconnect`), the client reading nothing for
+    `idle_s` (a line that cannot go out for that long: the stream is cut, its connection
+    closed), or the response never started (its start refused: the lines' generator never ran,
+    so a `finally` inside it would not either)."""
 
     media_type = "application/x-ndjson"
 
     def __init__(
-        self, lines: AsyncGenerator[bytes], slots: ExportSlots, tenant: str, *, idle_s: float
+        self,
+        lines: AsyncGenerator[bytes],
+        close: Callable[[], Awaitable[None]],
+        slots: ExportSlots,
+        tenant: str,
+        *,
+        idle_s: float,
     ) -> None:
         self.status_code, self.background = 200, None
         self.init_headers()
-        self._lines, self._slots, self._tenant, self._idle_s = lines, slots, tenant, idle_s
+        self._lines, self._close, self._slots = lines, close, slots
+        self._tenant, self._idle_s = tenant, idle_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         sending = asyncio.current_task()
@@ -151,8 +162,11 @@ class ExportStream(Response):
                 raise
         finally:
             watcher.cancel()
-            await self._lines.aclose()
-            self._slots.give_back(self._tenant)
+            try:
+                await self._lines.aclose()
+                await self._close()
+            finally:
+                self._slots.give_back(self._tenant)
 
     async def _send(self, send: Send, chunk: bytes, *, more: bool) -> None:
         # A send waits while the client's socket is full (uvicorn's flow control): that long.

@@ -89,14 +89,18 @@ async def store_rewards(
 ) -> tuple[int, dict[str, Any]]:
     """Store every reward of the body or none (200), or journal them all (202: Postgres cannot
     take them now); episode ids are the caller's (its tenant's)."""
+    posted_at = time.time()  # the last posted final reward wins, however late it is applied
     items = parse_rewards(body)
     if principal.tenant is not None:  # the tenant's own episodes (core/tenants.py)
         items = [r.model_copy(update={"episode_id": principal.own(r.episode_id)}) for r in items]
+    # Keyed before the first attempt: a live write whose COMMIT lands unseen (timed out below)
+    # is journaled, and its replay must find it a duplicate, not store it again.
+    items = reward_journal.keyed(items)
     recorder = services.recorder
     if not recorder.database_up:
         # The writer is journaling (Postgres was unreachable moments ago) or replaying: the
         # rewards go behind its transitions, so that replay keeps their order and their keys'.
-        return journaled(items, body, services, principal)
+        return journaled(items, body, services, principal, posted_at)
     by_episode: dict[str, list[RewardIn]] = {}
     for r in items:
         by_episode.setdefault(r.episode_id, []).append(r)
@@ -107,7 +111,7 @@ async def store_rewards(
         wanted = None if by_call else step_ids or None
         stored = await _wait_stored(services, episode_id, wanted)
         if not stored and not recorder.database_up:  # Postgres went away meanwhile
-            return journaled(items, body, services, principal)
+            return journaled(items, body, services, principal, posted_at)
         if not stored and (step_ids or by_call):
             raise ApiError(
                 503,
@@ -121,11 +125,14 @@ async def store_rewards(
         # 10 s and a new one for 5 s more; the rewards are journaled instead (bench/chaos.py).
         async with (
             asyncio.timeout(services.settings.writer_write_timeout_s),
-            services.writer_sessions.begin() as session,  # the writer's pool: not the readers'
+            services.reward_sessions.begin() as session,  # their own pool: not the writer's
         ):
             try:
                 saved = await rewards.add_rewards(
-                    items, session=session, gamma=services.settings.credit_gamma
+                    items,
+                    session=session,
+                    gamma=services.settings.credit_gamma,
+                    posted_at=[posted_at] * len(items),
                 )
             except rewards.UnknownTransition as e:
                 raise ApiError(
@@ -143,9 +150,9 @@ async def store_rewards(
         if not is_outage(e):  # (a refusal above is an ApiError: not an outage)
             raise
         # Unreachable, or refusing for a reason of its own (a read-only standby): the rewards
-        # wait in the journal. (Had the commit gone through unseen, a keyed reward replays as a
-        # duplicate; an unkeyed one would be stored twice.)
-        return journaled(items, body, services, principal)
+        # wait in the journal. (Had the commit gone through unseen, each reward replays as a
+        # duplicate of itself: every one has a key by now.)
+        return journaled(items, body, services, principal, posted_at)
     results = []
     for r, s in zip(items, saved, strict=True):
         results.append(_result(r, principal, s.transition_id, s.status, s.credited))
@@ -170,10 +177,10 @@ async def _wait_stored(services: Services, episode_id: str, wanted: list[str] | 
 
 
 def journaled(
-    items: list[RewardIn], body: Any, services: Services, principal: Principal
+    items: list[RewardIn], body: Any, services: Services, principal: Principal, posted_at: float
 ) -> tuple[int, dict[str, Any]]:
     """202: the rewards are in the journal (fsync'd), to be applied when it is replayed."""
-    if not services.recorder.journal_rewards(reward_journal.journal_entry(items)):
+    if not services.recorder.journal_rewards(reward_journal.journal_entry(items, posted_at)):
         raise ApiError(
             503,
             "database unavailable and the journal failing "

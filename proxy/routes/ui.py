@@ -36,6 +36,7 @@ from proxy.errors import ApiError, database_error
 from proxy.record.store import dashboard
 from proxy.routes.admin import canary_json, pin_json
 from proxy.routes.episodes import read_episode
+from proxy.routes.query import IsoTime
 from proxy.services import ServicesDep
 
 STATIC = Path(__file__).resolve().parent.parent / "ui"
@@ -171,8 +172,8 @@ async def list_episodes(
     version: int | None = Query(None, ge=0, le=policy.MAX_VERSION),
     min_reward: float | None = Query(None, allow_inf_nan=False),
     max_reward: float | None = Query(None, allow_inf_nan=False),
-    since: datetime | None = None,
-    until: datetime | None = None,
+    since: IsoTime | None = None,
+    until: IsoTime | None = None,
     limit: int = Query(50, ge=1, le=200),
     after: str | None = Query(None, max_length=1024),
 ) -> Response:

@@ -395,6 +395,7 @@ async function adapters() {
       { label: "batch reward", num: true, cell: a => fmt(a.stats && a.stats.reward_mean) },
       { label: "loss", num: true, cell: a => fmt(a.stats && a.stats.loss, 4) },
       { label: "train / swap", num: true, cell: a => (a.stats && a.stats.train_s != null ? `${fmt(a.stats.train_s, 1)} s / ${fmt(a.stats.swap_s * 1000, 0)} ms` : "") },
+      { label: "before serving", cell: a => beforeServing(a.stats) },
       { label: "reward in service", num: true, cell: a => { const r = a.base ? base : reward[`${lineage}|${a.version}`]; return r ? `${fmt(r.mean)} (${fmt(r.rewarded)} ep.)` : "—"; } },
       { label: "", cell: a => (a.retired_at ? "" : [
         a.is_current || held ? null : h("button", { onclick: () => activate(lineage, a.version) },
@@ -405,6 +406,24 @@ async function adapters() {
   return [h("h1", {}, "Adapters"), h("p", { class: "muted" },
     "Activating a version loads it into every vLLM replica and then moves the lineage's alias (POST /admin/adapters/N/activate, as `flywheel adapters activate`). Pinning does the same and holds the lineage there: the trainer publishes nothing to it and no canary opens until it is unpinned. Reward in service: the last 30 days' episodes that version served."),
   status, sections, h("h2", {}, "Canaries"), canaryTable(canaries.data)];
+}
+
+// What a version was judged on before it served (issue 42): the promotion gate's verdict (its
+// reason on hover), its eval-set scores against the current version's, its off-policy estimate.
+function beforeServing(stats) {
+  if (!stats) return "";
+  const gate = stats.gate;
+  const pill = gate ? h("span", {
+    class: `pill ${gate.outcome === "pass" ? "good" : gate.outcome === "fail" ? "bad" : "warn"}`,
+    title: gate.reason }, `gate ${gate.outcome}`) : null;
+  const scores = Object.entries(stats.evals || {}).sort().map(([name, e]) =>
+    h("div", { class: "eval" }, `${name} ${fmt(e.score)} vs ${fmt(e.current)}`));
+  const ope = stats.ope;
+  const estimate = !ope ? null : ope.refused ? h("div", {}, "estimate refused")
+    : ope.candidate && ope.candidate.value != null
+      ? h("div", {}, `est. ${fmt(ope.candidate.value)} vs ${fmt(ope.current.value)}`) : null;
+  const why = gate && gate.outcome !== "pass" ? h("div", { class: "muted gate-reason" }, gate.reason) : null;
+  return [pill, ...scores, estimate, why];
 }
 
 // ---- routing -------------------------------------------------------------------------------

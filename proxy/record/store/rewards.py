@@ -5,7 +5,9 @@ wait for their transition, AIR's own, and the returns credit assignment derives 
 
 from __future__ import annotations
 
+import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -46,7 +48,11 @@ class Stored:
 
 
 async def add_rewards(
-    rewards: list[RewardIn], *, session: AsyncSession, gamma: float | None
+    rewards: list[RewardIn],
+    *,
+    session: AsyncSession,
+    gamma: float | None,
+    posted_at: Sequence[float] | None = None,
 ) -> list[Stored]:
     """Record rewards and re-credit their episodes, in a few statements however many there are
     (a post may hold 10,000). All or nothing: raises UnknownTransition, AmbiguousToolCall,
@@ -57,14 +63,22 @@ async def add_rewards(
     "pending": kept, and joined to it when the writer stores it (`attach_pending_rewards`), as a
     final reward for an episode not seen yet is. Posts for one episode are serialised by the
     episode row lock; the unique constraint backs it up.
+
+    `posted_at` (unix seconds, one per reward; default now): when each was posted. The last
+    *posted* final reward is the episode's, not the last applied: a reward journaled while one
+    proxy was cut off, replayed after a newer one was stored through another, is kept in the
+    history but does not replace it (`episode.final_reward_at` is when the current one was
+    posted, by the posting proxy's clock).
     """
+    now = time.time()
+    posted = list(posted_at) if posted_at is not None else [now] * len(rewards)
     await lock_episodes(dict.fromkeys(r.episode_id for r in rewards), session=session)
     seen = await _stored_keys(rewards, session=session)
     owners = await _owners([r.transition_id for r in rewards if r.transition_id], session=session)
     out: list[tuple[str, uuid.UUID | None]] = []
     rows: list[dict[str, Any]] = []
-    finals: dict[str, float] = {}
-    for r in rewards:
+    finals: dict[str, tuple[float, float]] = {}  # episode -> (value, posted at)
+    for r, at in zip(rewards, posted, strict=True):
         if r.idempotency_key is not None and (r.episode_id, r.idempotency_key) in seen:
             value = seen[r.episode_id, r.idempotency_key]
             if value != r.reward:
@@ -97,8 +111,8 @@ async def add_rewards(
                 status, row["pending_transition_id"], target = "pending", target, None
             elif owner != r.episode_id:
                 raise UnknownTransition(f"no transition {target} in episode {r.episode_id!r}")
-        else:
-            finals[r.episode_id] = r.reward  # the last of several for one episode wins
+        elif r.episode_id not in finals or finals[r.episode_id][1] <= at:
+            finals[r.episode_id] = (r.reward, at)  # the last posted of several wins
         row["transition_id"] = target if status == "accepted" else None
         rows.append(row)
         out.append((status, row["transition_id"]))
@@ -106,11 +120,17 @@ async def add_rewards(
     if finals:
         await session.execute(
             text(
-                "UPDATE episode AS e SET final_reward = u.v, final_reward_at = now() "
-                "FROM unnest(CAST(:ids AS text[]), CAST(:vs AS float8[])) AS u(id, v) "
-                "WHERE e.id = u.id"
+                "UPDATE episode AS e SET final_reward = u.v, final_reward_at = to_timestamp(u.at) "
+                "FROM unnest(CAST(:ids AS text[]), CAST(:vs AS float8[]), CAST(:ats AS float8[])) "
+                "AS u(id, v, at) "
+                "WHERE e.id = u.id "
+                "AND (e.final_reward_at IS NULL OR e.final_reward_at <= to_timestamp(u.at))"
             ),
-            {"ids": list(finals), "vs": list(finals.values())},
+            {
+                "ids": list(finals),
+                "vs": [v for v, _ in finals.values()],
+                "ats": [at for _, at in finals.values()],
+            },
         )
     if rows:  # ON CONFLICT: only if the episode lock were bypassed (the key is stored then)
         await session.execute(
