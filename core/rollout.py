@@ -5,24 +5,37 @@ The one failure policy of "load into every replica, then move the alias": `load_
 loads into each replica that answers, skips one that does not, and undoes its own loads when one
 refuses; the caller moves the alias only once it returns. `activate` (a rollback, or a pin) is
 that order end to end: POST /admin/adapters/N/activate on the proxy and `flywheel adapters
-activate N` both call it; the trainer's publish and retirement use the other two
+activate N` both call it; `import_adapter` is the same for an adapter trained elsewhere
+(`flywheel adapters import DIR`); the trainer's publish and retirement use the other two
 (trainer/vllm.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 from core import policy
 from core.database import AsyncSessions, run_sync
 from core.vllm import Unreachable, VLLMAdmin, VLLMError
 
 log = logging.getLogger(__name__)
+
+
+# What is copied of an imported adapter: the weights vLLM and the trainer read. An optimizer
+# state saved beside them is not (the trainer's Adam starts fresh on imported weights).
+ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+
+class BadAdapter(ValueError):
+    """The directory is not a PEFT LoRA adapter this project can serve and train."""
 
 
 class NoReplica(VLLMError):
@@ -129,4 +142,78 @@ async def activate(
     rollout = await load_everywhere(vllm, urls, adapter.name, adapter.path)
     async with sessions.begin() as session:
         await run_sync(session, policy.make_current, version=version, pin=pin, note=note)
+    return adapter, rollout
+
+
+def check_adapter(source: Path) -> dict[str, object]:
+    """A PEFT LoRA adapter directory's config, or BadAdapter saying what is wrong with it."""
+    missing = [name for name in ADAPTER_FILES if not (source / name).is_file()]
+    if not source.is_dir() or missing:
+        needs = ", ".join(missing or ADAPTER_FILES)
+        raise BadAdapter(f"{source} is not a PEFT LoRA adapter directory: it needs {needs}")
+    try:
+        config = json.loads((source / "adapter_config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadAdapter(f"{source}/adapter_config.json does not read as JSON: {e}") from e
+    if not isinstance(config, dict) or config.get("peft_type") != "LORA":
+        raise BadAdapter(f"{source} is not a LoRA adapter (its peft_type is not LORA)")
+    if not isinstance(config.get("r"), int) or not isinstance(config.get("target_modules"), list):
+        raise BadAdapter(f"{source}/adapter_config.json lacks an integer r or target_modules")
+    return config
+
+
+async def import_adapter(
+    source: Path,
+    *,
+    sessions: AsyncSessions,
+    vllm: VLLMAdmin,
+    urls: Sequence[str],
+    adapters_dir: Path,
+    lineage: str = policy.DEFAULT_LINEAGE,
+) -> tuple[policy.Adapter, Rollout]:
+    """An adapter trained elsewhere (a warm start, another team's fine-tune) as `lineage`'s next
+    version: copied into `adapters_dir` as `<lineage>-vN`, loaded everywhere, then made current
+    (the order of a publish). The lineage's trainer starts from it, or takes its weights over
+    at its next publish. Raises BadAdapter, Pinned, AdapterRejected or NoReplica, and then
+    nothing is left behind: no row, no directory, nothing loaded."""
+    config = check_adapter(source)
+    async with sessions() as session:  # refused before anything is copied (checked again below)
+        held = await run_sync(session, policy.pin_of, lineage=lineage)
+    if held is not None:
+        raise policy.Pinned(held)
+    async with sessions.begin() as session:
+        version = await run_sync(session, policy.next_version)
+    name = policy.adapter_name(lineage, version)
+    final = (adapters_dir / name).resolve()
+    partial = adapters_dir / f".{name}.tmp"
+    partial.mkdir(parents=True)
+    for file in ADAPTER_FILES:
+        shutil.copyfile(source / file, partial / file)
+    os.rename(partial, final)  # vLLM never sees a half-copied adapter
+    try:
+        rollout = await load_everywhere(vllm, urls, name, str(final))
+    except BaseException:
+        shutil.rmtree(final, ignore_errors=True)
+        raise
+    try:
+        async with sessions.begin() as session:
+            await run_sync(
+                session,
+                policy.add_current,
+                lineage=lineage,
+                version=version,
+                path=str(final),
+                base_model=str(config.get("base_model_name_or_path") or ""),
+                stats={"imported_from": str(source.resolve())},
+            )
+            adapter = await run_sync(session, policy.get, version=version)
+    except policy.Pinned:  # pinned meanwhile: nothing committed, so nothing is left
+        await asyncio.gather(
+            *(vllm.unload(url, name) for url in rollout.loaded), return_exceptions=True
+        )
+        shutil.rmtree(final, ignore_errors=True)
+        raise
+    # Postgres failing above raises with the directory left: whether it committed is unknown
+    # (committed: it serves; not: the trainer's reconcile unloads and deletes the orphan).
+    assert adapter is not None
     return adapter, rollout

@@ -1,14 +1,17 @@
-"""`flywheel adapters list|canaries|activate|pin|unpin`: the adapter versions of every lineage,
-their canaries, and moving a lineage's alias by hand (rollback, pin) through `core/policy.py`,
-the same code path as the trainer's publish and the proxy's admin routes.
+"""`flywheel adapters list|canaries|activate|pin|unpin|import`: the adapter versions of every
+lineage, their canaries, moving a lineage's alias by hand (rollback, pin) and bringing in an
+adapter trained elsewhere, through `core/policy.py` and `core/rollout.py`, the same code path as
+the trainer's publish and the proxy's admin routes.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from core import canary, database, policy, rollout
@@ -27,6 +30,19 @@ def arguments(parser: argparse.ArgumentParser) -> None:
         "base; unpin: this lineage (default policy)",
     )
     parser.add_argument("--note", help="with pin: why, shown with the pin")
+    parser.add_argument(
+        "--adapter",
+        type=Path,
+        help="with import: a PEFT LoRA adapter directory (adapter_config.json and "
+        "adapter_model.safetensors) trained elsewhere on the served base model",
+    )
+    parser.add_argument(
+        "--adapters-dir",
+        type=Path,
+        default=os.environ.get("FLYWHEEL_ADAPTERS_DIR"),
+        help="with import: the trainer's adapters directory (its FLYWHEEL_ADAPTERS_DIR), which "
+        "vLLM reads too; the adapter is copied in as <lineage>-vN",
+    )
     add_settings(parser, DatabaseSettings)
 
 
@@ -152,10 +168,50 @@ def _activate(args: argparse.Namespace, url: str) -> None:
         print(f"lineage {adapter.lineage} now serves {adapter.name}{pinned}")
 
 
+def _import(args: argparse.Namespace, url: str) -> None:
+    """import: copy the adapter in as the lineage's next version, load it, make it current."""
+    if args.adapter is None or args.adapters_dir is None or not args.vllm:
+        sys.exit(
+            "flywheel adapters import --adapter DIR --adapters-dir DIR --vllm URL [--vllm URL ...]"
+            " [--lineage L]"
+        )
+    try:
+        urls = vllm_base_urls(args.vllm, "--vllm")
+        lineage = policy.check_lineage(args.lineage or policy.DEFAULT_LINEAGE)
+        rollout.check_adapter(args.adapter)
+    except ValueError as e:
+        sys.exit(f"flywheel adapters: {e}")
+
+    async def bring_in() -> tuple[policy.Adapter, rollout.Rollout]:
+        engine, sessions = database.create_async_sessions(url, pool_size=1)
+        vllm = VLLMAdmin(api_key=None)
+        try:
+            return await rollout.import_adapter(
+                args.adapter,
+                sessions=sessions,
+                vllm=vllm,
+                urls=urls,
+                adapters_dir=args.adapters_dir,
+                lineage=lineage,
+            )
+        finally:
+            await vllm.close()
+            await engine.dispose()
+
+    try:
+        adapter, went = asyncio.run(bring_in())
+    except (policy.Pinned, VLLMError, OSError) as e:
+        sys.exit(f"flywheel adapters: {e}")
+    for unreachable in went.unreachable:
+        print(f"warning: {unreachable} unreachable; it does not have the adapter yet")
+    print(f"lineage {adapter.lineage} now serves {adapter.name} (imported from {args.adapter})")
+
+
 ACTIONS: dict[str, Callable[[argparse.Namespace, str], None]] = {
     "list": _list,
     "activate": _activate,
     "pin": _activate,
     "unpin": _unpin,
     "canaries": _canaries,
+    "import": _import,
 }

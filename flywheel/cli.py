@@ -11,6 +11,8 @@
     flywheel adapters unpin [--lineage L]             # let the trainer publish to it again
     flywheel keys create --tenant T [--scopes infer,reward,read] [--name N]   # prints the key once
     flywheel keys list | flywheel keys revoke ID
+    flywheel eval add NAME --lineage L --from items.jsonl [--scorer exact|python:mod:fn]
+    flywheel eval list [--lineage L] | flywheel eval remove NAME --lineage L
     flywheel export OUT.jsonl|OUT.parquet [--kind transitions|sft|pairs] [--tokens] [filters]
     flywheel retain --days N [--archive DIR] [--include-untrained] [--dry-run]   # drop old days
     flywheel status [--json]            # lineages, queue, last steps, the share trained and why
@@ -32,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from core import database
-from flywheel import adapters, data, keys, local, serve, status
+from flywheel import adapters, data, evals, keys, local, serve, status
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ COMMANDS = (
     Command("judge", serve.judge_arguments, serve.judge),
     Command("adapters", adapters.arguments, adapters.run),
     Command("keys", keys.arguments, keys.run),
+    Command("eval", evals.arguments, evals.run),
     Command("export", data.export_arguments, data.export_rows),
     Command("retain", data.retain_arguments, data.retain),
     Command("status", status.arguments, status.run),

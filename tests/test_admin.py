@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -222,3 +223,70 @@ def test_the_admin_routes_answer_503_while_postgres_is_down(
         r = admin.request(method, url)
         assert r.status_code == 503, (url, r.text)
         assert r.json()["error"]["message"] == "database unavailable"
+
+
+def _lora_dir(path: Path, rank: int = 8) -> Path:
+    path.mkdir()
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": 16, "target_modules": ["q_proj"]}
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    (path / "adapter_model.safetensors").write_bytes(b"weights")
+    (path / "optimizer.pt").write_bytes(b"another run's Adam")
+    return path
+
+
+def test_flywheel_adapters_import(database_url: str, fake_vllm: FakeVLLM, tmp_path: Path) -> None:
+    """An adapter trained elsewhere becomes the lineage's next version: copied into the adapters
+    directory under its version's name, loaded into vLLM, then current. Refused without a trace:
+    a directory that is not a LoRA adapter, one vLLM rejects, a pinned lineage."""
+    adapters = tmp_path / "adapters"
+    env = {**os.environ, "FLYWHEEL_DATABASE_URL": database_url}
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "flywheel", "adapters", "import", "--vllm", fake_vllm.url,
+             "--adapters-dir", str(adapters), "--lineage", "writer", *argv],
+            env=env, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    def rows() -> list[tuple[Any, ...]]:
+        with psycopg.connect(database_url, autocommit=True) as conn:
+            return conn.execute(
+                "SELECT version, name, path, is_current, trained_transitions, stats "
+                "FROM adapter_version WHERE lineage = 'writer' ORDER BY version"
+            ).fetchall()
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for bad, says in [
+        (empty, "needs adapter_config.json, adapter_model.safetensors"),
+        (tmp_path / "nowhere", "is not a PEFT LoRA adapter directory"),
+    ]:
+        refused = run("--adapter", str(bad))
+        assert refused.returncode != 0 and says in refused.stderr, refused.stderr
+    not_lora = _lora_dir(tmp_path / "ia3")
+    (not_lora / "adapter_config.json").write_text('{"peft_type": "IA3"}')
+    assert "is not a LoRA adapter" in run("--adapter", str(not_lora)).stderr
+    too_big = run("--adapter", str(_lora_dir(tmp_path / "r64", rank=64)))
+    assert too_big.returncode != 0 and "max_lora_rank" in too_big.stderr, too_big.stderr
+    assert rows() == [] and not [p for p in adapters.iterdir()]  # nothing left behind
+
+    source = _lora_dir(tmp_path / "warm-start")
+    done = run("--adapter", str(source))
+    assert done.returncode == 0, done.stderr
+    [(version, name, path, current, trained, stats)] = rows()
+    assert name == f"writer-v{version}" and current and trained == 0
+    assert stats == {"imported_from": str(source)}
+    assert f"lineage writer now serves writer-v{version}" in done.stdout
+    assert Path(path) == (adapters / name).resolve() and fake_vllm.loras[name] == path
+    assert sorted(p.name for p in Path(path).iterdir()) == [
+        "adapter_config.json",
+        "adapter_model.safetensors",
+    ]  # the weights only: the trainer's optimizer starts fresh on them
+    again = run("--adapter", str(source))  # a second import is a new version, the first kept
+    assert again.returncode == 0 and [r[3] for r in rows()] == [False, True]
+
+    with psycopg.connect(database_url, autocommit=True) as conn:
+        conn.execute("INSERT INTO lineage_pin (lineage, version) VALUES ('writer', %s)", (version,))
+    pinned = run("--adapter", str(source))
+    assert pinned.returncode != 0 and "lineage writer is pinned" in pinned.stderr
+    assert len(rows()) == 2 and len(list(adapters.iterdir())) == 2

@@ -149,3 +149,28 @@ def test_the_cli_imports_no_package_an_image_lacks() -> None:
     ).stdout.split()
     heavy = {"demo", "bench", "httpx", "torch", "transformers", "trl", "litellm", "vllm"}
     assert heavy.isdisjoint(loaded), heavy.intersection(loaded)
+
+
+def test_a_skip_fails_the_run_under_ci_and_is_named_either_way(tmp_path: Path) -> None:
+    """tests/no_silent_skips.py: a test skipped for what the environment lacks hid on CI."""
+    (tmp_path / "test_one.py").write_text(
+        "import pytest\n\n"
+        "def test_runs():\n    pass\n\n"
+        "def test_needs_root():\n    pytest.skip('iptables needs root')\n"
+    )
+
+    def run(ci: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "pytest", "-p", "tests.no_silent_skips", "-ra", "-q",
+             "-p", "no:cacheprovider", str(tmp_path / "test_one.py")],
+            env={**os.environ, "CI": ci, "PYTHONPATH": str(Path.cwd())},
+            capture_output=True, text=True, timeout=120, cwd=tmp_path,
+        )  # fmt: skip
+
+    here = run("")
+    assert here.returncode == 0 and "SKIPPED" in here.stdout
+    assert "iptables needs root" in here.stdout
+    ci = run("true")
+    assert ci.returncode == 1, ci.stdout
+    assert "1 skipped under CI, where none may be" in ci.stdout
+    assert "test_one.py::test_needs_root: Skipped: iptables needs root" in ci.stdout
