@@ -17,6 +17,10 @@ sequence for all lineages, so `N` names one adapter everywhere (`<lineage>-vN`).
     pin                 activate, and hold the lineage there: publish raises Pinned (the trainer
                         waits, its queue kept), make_current too unless it moves the pin;
                         `unpin` lets the trainer go on from the pinned version
+    import   (by hand)  an adapter trained elsewhere copied in as policy-vN/ -> load_everywhere
+                        -> `add_current`: N inserted and made current in one transaction;
+                        `flywheel adapters import DIR` calls `rollout.import_adapter`. The
+                        lineage's trainer takes its weights over at its next publish (PolicyMoved)
     retire   (trainer)  mark_retired (under the lock) -> unload_everywhere -> delete the directory
 
 Whoever moves `is_current` or retires a version holds Lock.PUBLISH (core/locks.py) for that
@@ -233,10 +237,13 @@ def publish(
     stats: dict[str, Any],
     trained_transitions: int,
     canary_rule: canary.Rule | None = None,
+    rejected: bool = False,
 ) -> None:
     """Record a new version as its lineage's current one (named `<lineage>-v<version>`); every
     proxy's alias follows when this commits. With `canary_rule` (fraction > 0) it becomes the
-    lineage's canary candidate instead, the current version staying as it is.
+    lineage's canary candidate instead, the current version staying as it is. `rejected` (the
+    trainer's promotion gate, trainer/gate.py): recorded retired, never served, the current
+    version staying as it is.
 
     Compare-and-set: `parent` (the version the new one was trained from; None: the base model)
     must still be the lineage's current one, else PolicyMoved and nothing is written. Without it
@@ -252,22 +259,22 @@ def publish(
     now = session.scalar(select(AdapterVersion.version).where(*mine))
     if now != parent:
         raise PolicyMoved(parent, now, lineage)
-    candidate = canary_rule is not None and canary_rule.fraction > 0
+    candidate = not rejected and canary_rule is not None and canary_rule.fraction > 0
     if candidate and canary.opened(session=session, lineage=lineage):
         raise CanaryOpen(f"lineage {lineage} has a canary open already")
-    if not candidate:
+    serves = not candidate and not rejected  # at once, in place of the current version
+    if serves:
         session.execute(update(AdapterVersion).where(*mine).values(is_current=False))
-    session.execute(
-        insert(AdapterVersion).values(
-            version=version,
-            lineage=lineage,
-            name=adapter_name(lineage, version),
-            path=path,
-            base_model=base_model,
-            is_current=not candidate,
-            trained_transitions=trained_transitions,
-            stats=stats,
-        )
+    _insert(
+        session,
+        lineage=lineage,
+        version=version,
+        path=path,
+        base_model=base_model,
+        is_current=serves,
+        trained_transitions=trained_transitions,
+        stats=stats,
+        retired=rejected,
     )
     if candidate:
         assert canary_rule is not None
@@ -335,6 +342,60 @@ def make_current(
             .on_conflict_do_update(index_elements=[LineagePin.lineage], set_=values)
         )
     session.execute(text(f"NOTIFY {POLICY_CHANNEL}"))
+
+
+def add_current(
+    *,
+    session: Session,
+    lineage: str,
+    version: int,
+    path: str,
+    base_model: str,
+    stats: dict[str, Any],
+) -> None:
+    """Record a version that no trainer of this lineage made (an imported adapter) and make it
+    current, as a rollback would: whatever the lineage served before is its parent no longer,
+    a canary open is closed as superseded, a pin refuses it (Pinned)."""
+    _insert(
+        session,
+        lineage=lineage,
+        version=version,
+        path=path,
+        base_model=base_model,
+        is_current=False,
+        trained_transitions=0,
+        stats=stats,
+    )
+    make_current(version, session=session)
+
+
+def _insert(
+    session: Session,
+    *,
+    lineage: str,
+    version: int,
+    path: str,
+    base_model: str,
+    is_current: bool,
+    trained_transitions: int,
+    stats: dict[str, Any],
+    retired: bool = False,
+) -> None:
+    """A version's row, named `<lineage>-v<version>` (publish's and add_current's); `retired`:
+    retired from the start (rejected by the trainer's gate)."""
+    session.execute(
+        insert(AdapterVersion).values(
+            version=version,
+            lineage=lineage,
+            name=adapter_name(lineage, version),
+            path=path,
+            base_model=base_model,
+            is_current=is_current,
+            trained_transitions=trained_transitions,
+            stats=stats,
+            retired_at=func.now() if retired else None,
+        )
+    )
 
 
 def unpin(lineage: str, *, session: Session) -> Pin | None:

@@ -338,6 +338,17 @@ class Judgement(Base):
     judged_at: Mapped[datetime | None]
 
 
+class ProxyReplica(Base):
+    """A running proxy, by its heartbeat: a tenant's quota is shared among those alive
+    (proxy/quotas.py); a row whose heartbeat stopped is deleted by the next one to beat."""
+
+    __tablename__ = "proxy_replica"
+
+    id: Mapped[str] = mapped_column(Text, primary_key=True)
+    started_at: Mapped[datetime] = mapped_column(server_default=func.now())
+    heartbeat_at: Mapped[datetime] = mapped_column(server_default=func.now())
+
+
 class Demonstration(Base):
     """A prompt with the answer it should get, for the trainer to imitate (a supervised step on
     the answer's tokens, trainer/sft.py): posted by an application (a labelled set, a person's
@@ -378,3 +389,25 @@ class Demonstration(Base):
         # The trainer's queue: a lineage's demonstrations by epochs trained, oldest first.
         Index("ix_demonstration_queue", "lineage", "epochs", "created_at"),
     )
+
+
+class EvalSet(Base):
+    """Prompts a lineage's every new version is asked at temperature 0 before it serves
+    (trainer/evals.py), each with what its answer is scored against, and how (core/evals.py):
+    `exact` (the answer's text is the reference, or one of them) or `python:module:function`.
+    Small by design (hundreds of items), so its items are one JSONB array; `digest` names
+    their content, so a score is compared only with a score on the same items."""
+
+    __tablename__ = "eval_set"
+
+    id: Mapped[int] = mapped_column(Integer, Identity(), primary_key=True)
+    lineage: Mapped[str] = mapped_column(Text)
+    name: Mapped[str] = mapped_column(Text)
+    scorer: Mapped[str] = mapped_column(Text)
+    # [{"messages": [...], "tools": [...] | null, "reference": any, "max_tokens": int | null}]
+    items: Mapped[list[Any]] = mapped_column(JSONB)
+    digest: Mapped[str] = mapped_column(Text)
+    source: Mapped[str] = mapped_column(Text)  # the file it was made from, for `eval list`
+    created_at: Mapped[datetime] = mapped_column(server_default=func.now())
+
+    __table_args__ = (UniqueConstraint("lineage", "name"),)

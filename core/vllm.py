@@ -10,6 +10,8 @@ with a refusal; the message is its own), both `VLLMError`.
 
 from __future__ import annotations
 
+from typing import Any
+
 import aiohttp
 import orjson
 
@@ -124,3 +126,26 @@ class VLLMAdmin:
         if status != 200:
             raise VLLMError(f"{base_url}/detokenize: {status} {body[:200]!r}")
         return str(orjson.loads(body)["prompt"])
+
+    async def base_model(self, base_url: str) -> str:
+        """The name vLLM serves its base model under (the model it lists without a parent)."""
+        status, body = await self.models(base_url)
+        try:
+            if status != 200:
+                raise ValueError(f"status {status}")
+            return str(next(m["id"] for m in orjson.loads(body)["data"] if not m.get("parent")))
+        except (ValueError, KeyError, TypeError, StopIteration) as e:
+            raise VLLMError(f"{base_url} did not list its base model: {e}") from e
+
+    async def chat(
+        self, base_url: str, body: dict[str, Any], *, timeout_s: float
+    ) -> dict[str, Any]:
+        """POST /v1/chat/completions: vLLM's answer, or VLLMError with its refusal."""
+        status, answer = await self._call(
+            "POST", f"{base_url}/v1/chat/completions", json=body, timeout_s=timeout_s
+        )
+        if status != 200:
+            raise AdapterRejected(
+                f"{base_url} answered {status}: {answer[:300].decode(errors='replace')}"
+            )
+        return dict(orjson.loads(answer))

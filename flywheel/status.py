@@ -166,11 +166,35 @@ def _step(at: datetime, a: policy.Adapter) -> str:
         loss = stats.get("loss")
         return (
             f"{a.name:<20}{_ago(at, a.created_at):<14}supervised: {stats.get('demonstrations')}"
-            " demonstrations" + (f", loss {loss:.3f}" if loss is not None else "")
+            " demonstrations" + (f", loss {loss:.3f}" if loss is not None else "") + _ope(stats)
         )
     return (
         f"{a.name:<20}{_ago(at, a.created_at):<14}{stats.get('samples', a.trained_transitions)}"
         f" samples" + (f", reward {reward:.3f}" if reward is not None else "") + corrected
+    ) + _ope(stats)
+
+
+def _ope(stats: dict[str, Any]) -> str:
+    """Its eval-set scores and off-policy estimate against its parent's (FLYWHEEL_EVALS,
+    FLYWHEEL_OPE), if made, and the promotion gate's verdict (FLYWHEEL_GATE) when not a pass."""
+    verdict = stats.get("gate") or {}
+    if verdict and verdict.get("outcome") != "pass":
+        return f"; gate {verdict['outcome']}: {verdict['reason']}"
+    said = "".join(
+        f"; eval {name} {e['score']:.3f} vs {e['current']:.3f}"
+        for name, e in sorted((stats.get("evals") or {}).items())
+    )
+    ope = stats.get("ope")
+    if not ope:
+        return said
+    if ope.get("refused"):
+        return said + f"; estimate refused ({ope['episodes']} episodes: not enough overlap)"
+    if not ope.get("candidate") or ope["candidate"]["value"] is None:
+        return said + "; no logged episode to estimate on"
+    d = ope["difference"]
+    return said + (
+        f"; estimated {ope['candidate']['value']:.3f} vs {ope['current']['value']:.3f} "
+        f"({d['value']:+.3f} [{d['low']:+.3f}, {d['high']:+.3f}], {ope['episodes']} episodes)"
     )
 
 

@@ -21,6 +21,7 @@ from typing import Any
 import psycopg
 import pytest
 from playwright.sync_api import sync_playwright
+from psycopg.types.json import Jsonb
 
 from core import canary, policy
 from core.database import Sessions
@@ -78,6 +79,7 @@ def reward(proxy: RunningProxy, episode: str, value: float) -> None:
 class Stack:
     proxy: RunningProxy
     versions: list[int]  # v1, v2 (trained, current), v3 (the rolled-back canary)
+    rejected: int  # v4, failed by the promotion gate on its eval set
 
 
 @pytest.fixture
@@ -117,6 +119,31 @@ def stack(make_proxy: Any, sessions: Sessions, fake_vllm: FakeVLLM, tmp_path: Pa
         decision = canary.decide(evidence, rule, age_s=0)
         assert decision is not None and decision.action == "rollback", evidence
         assert policy.decide_canary(opened, decision, session=session)
+    # What the promotion gate made of v2 (passed) and of a v4 it failed (issue 42).
+    with sessions.begin() as session:
+        rejected = policy.next_version(session=session)
+    judged = {
+        "evals": {"arithmetic": {"score": 0.82, "current": 0.79, "items": 50, "digest": "d"}},
+        "ope": {"candidate": {"value": 0.71}, "current": {"value": 0.66}, "episodes": 64},
+        "gate": {"outcome": "pass", "reason": "not worse by the margin 0.02"},
+    }
+    failed = {
+        "evals": {"arithmetic": {"score": 0.4, "current": 0.82, "items": 50, "digest": "d"}},
+        "gate": {
+            "outcome": "fail",
+            "reason": f"eval arithmetic 0.400 against v{versions[1]}'s 0.820",
+        },
+    }
+    with psycopg.connect(proxy.database_url, autocommit=True) as conn:
+        conn.execute(
+            "UPDATE adapter_version SET stats = coalesce(stats, '{}') || %s WHERE version = %s",
+            (Jsonb(judged), versions[1]),
+        )
+        conn.execute(
+            "INSERT INTO adapter_version (version, name, path, base_model, stats, retired_at) "
+            "VALUES (%s, %s, '/gone', 'demo', %s, now())",
+            (rejected, f"policy-v{rejected}", Jsonb(failed)),
+        )
     # Spread the history over the last five hours, in the order it was made.
     with psycopg.connect(proxy.database_url, autocommit=True) as conn:
         conn.execute("""
@@ -137,7 +164,7 @@ def stack(make_proxy: Any, sessions: Sessions, fake_vllm: FakeVLLM, tmp_path: Pa
                 skip_reason = CASE n.i % 9 WHEN 0 THEN 'greedy'
                                            WHEN 4 THEN 'constrained_decoding' END
             FROM numbered n WHERE n.id = t.id AND n.i <= 60""")
-    return Stack(proxy, versions)
+    return Stack(proxy, versions, rejected)
 
 
 @pytest.fixture
@@ -235,7 +262,14 @@ def test_the_dashboard_in_a_browser(stack: Stack, page: Any, tmp_path: Path) -> 
     page.wait_for_selector("tr.current")
     assert "tenant * · admin" in page.inner_text("#who")
     assert page.locator("tr.current td").first.inner_text().startswith(f"v{v2} ")
-    assert page.locator("tr.retired td").first.inner_text().startswith(f"v{v3} ")  # rolled back
+    assert page.locator(f"tr.retired:has-text('v{v3} ')").count() == 1  # rolled back
+    # Before serving: v2 passed the gate (its eval score and estimate beside the current's); v4
+    # failed it, retired unserved, the reason on the page.
+    judged = page.locator("tr.current td").nth(8).inner_text()
+    assert "gate pass" in judged and "arithmetic 0.820 vs 0.790" in judged, judged
+    assert "est. 0.710 vs 0.660" in judged, judged
+    v4 = page.locator(f"tr.retired:has-text('v{stack.rejected} ')").inner_text()
+    assert "gate fail" in v4 and f"eval arithmetic 0.400 against v{v2}'s 0.820" in v4, v4
     shot(page, "adapters", tmp_path)
     page.locator("tr", has_text=f"v{v1} ").locator("button:has-text('Activate')").click()
     page.wait_for_selector(f"tr.current:has-text('v{v1} ')")

@@ -18,12 +18,16 @@ from typing import Any
 
 import httpx
 import pytest
-import torch
+from sqlalchemy import text
+from sqlalchemy.orm import Session
 
+from core import policy
 from core.database import Sessions
 from demo.tiny_model import build_demo_model
+from flywheel import status
 from tests.conftest import TEST_HOME, RunningProxy, trainer_claims
-from trainer.batch import build_batch, staleness_in
+from tests.zero_staleness import fresh_batch, scored
+from trainer import candidate, store
 from trainer.config import TrainerSettings
 from trainer.loop import Trainer
 from trainer.sampling import Sampling
@@ -49,6 +53,12 @@ CASES: dict[str, dict[str, Any]] = {
         "logit_bias": {"5": 2.0, "17": -3.0},
     },
 }
+
+
+def window(session: Session, version: int) -> list[store.LoggedCall]:
+    return store.logged_window(
+        session=session, lineage="policy", version=version, tenants=[], episodes=100
+    )
 
 
 def call(c: httpx.Client, episode: str, task: str, **sampling: Any) -> httpx.Response:
@@ -79,6 +89,10 @@ def test_recomputed_logprobs_equal_the_recorded_ones_for_every_sampling_setting(
         metrics_port=0,
         learning_rate=5e-2,  # one step that moves the policy well away from the base model
         retire_grace_s=0,
+        max_batch_transitions=10,  # the last step leaves episodes to evaluate v2 on
+        ope="log",
+        ope_holdout=0,  # v2 is estimated on v1's episodes no step claimed (held-out ones:
+        ope_min_ess=2,  # tests/test_trainer_loop.py)
     )
     replicas = Replicas(settings.vllm, None)
     trainer = Trainer(settings, sessions, replicas)
@@ -102,38 +116,19 @@ def test_recomputed_logprobs_equal_the_recorded_ones_for_every_sampling_setting(
 
         claimed = [c for c in trainer_claims(real_proxy.database_url) if c.episode_id != "probe"]
         assert len(claimed) == 2 * len(CASES)
-        assert {c.policy_version for c in claimed} == {1}  # served by the adapter
-        batch = build_batch(
-            claimed,
-            settings,
-            staleness=staleness_in([1], 1),
-            baseline=None,
-            limits=trainer.engine.limits,
-            sampling_defaults={},
-        )
+        batch = fresh_batch(trainer, claimed, 1)  # every one served by v1, the engine's
         assert not batch.skipped
         trained = [c for c in claimed if c.id in batch.trained]  # the samples' order
         case_of = {
             id(s): c.episode_id.rsplit("-", 1)[0].replace("_", " ")
             for s, c in zip(batch.samples, trained, strict=True)
         }
-        engine = trainer.engine.trainer  # at v1's weights: the step would start here
-
-        def scored(samples: list[Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            rows = [vars(s) | {"prompt": ""} for s in samples]
-            out = engine._generate_and_score_completions(rows)
-            return (
-                out["old_per_token_logps"],
-                out["sampling_per_token_logps"],
-                out["completion_mask"].bool(),
-            )
-
-        learner, behaviour, mask = scored(batch.samples)
+        learner, behaviour, mask = scored(trainer, batch.samples)  # at v1's weights
         plain = [
             type(s)(**(vars(s) | {"sampling": Sampling()}))  # how the trainer scored before
             for s in batch.samples
         ]
-        before, _, _ = scored(plain)
+        before, _, _ = scored(trainer, plain)
         misses: dict[str, float] = {}
         for b, sample in enumerate(batch.samples):
             case = case_of[id(sample)]
@@ -146,6 +141,53 @@ def test_recomputed_logprobs_equal_the_recorded_ones_for_every_sampling_setting(
                 assert miss <= 1e-3
             else:
                 assert miss > 1e-2, f"{case}: the old scoring would have passed ({miss:.2e})"
+
+        # The same identity on the off-policy evaluation's path (trainer/scoring.py), which
+        # weighs a candidate's calls: claimed episodes are no window's, given back they are.
+        with sessions.begin() as session:
+            assert not window(session, 1)
+            store.release_all(session=session, trainer_id="t")
+            calls = window(session, 1)
+        served = {c.episode_id for c in claimed}
+        assert served <= {c.episode_id for c in calls}
+        assert all(c.ours for c in calls)
+        rows = [candidate.completion_of(c, {}, trainer.engine.limits) for c in calls]
+        sums = trainer.engine.score([r for r in rows if not isinstance(r, str)])
+        assert len(sums) == len(calls)
+        for c, learned in zip(calls, sums, strict=True):
+            assert c.logprobs is not None
+            assert abs(learned - sum(c.logprobs)) <= 1e-3 * len(c.logprobs), c.episode_id
+        # At v1's weights the candidate is the current version: no difference, the logged mean.
+        same = candidate.evaluate(
+            trainer.engine,
+            trainer.engine,
+            calls,
+            settings,
+            current_version=1,
+            sampling_defaults={},
+            limits=trainer.engine.limits,
+        )
+        assert same.comparison is not None and not same.left_out
+        assert same.comparison.difference.value == pytest.approx(0.0, abs=1e-3)
+        assert same.comparison.candidate.value == pytest.approx(same.comparison.logged, abs=1e-3)
+
+        # A real step with FLYWHEEL_OPE=log: v2 is estimated on v1's episodes it did not train on.
+        assert trainer.step()
+        with sessions.begin() as session:
+            v2 = policy.current(session=session, lineage="policy")
+            left = {c.episode_id for c in window(session, 1)}
+            trained = set(
+                session.scalars(
+                    text("SELECT episode_id FROM transition WHERE trained_version = :v"),
+                    {"v": v2.version if v2 else None},
+                )
+            )
+        assert v2 is not None and v2.stats is not None and trained
+        ope = v2.stats["ope"]
+        assert ope["episodes"] == len(left) > 0 and not left & trained, ope
+        assert ope["candidate"]["value"] is not None and ope["refused"] is None, ope
+        assert ope["current"]["value"] == pytest.approx(ope["logged"])
+        assert f"], {len(left)} episodes)" in status.render(status.collect(sessions))
     finally:
         trainer.release_claims()
         replicas.close()

@@ -25,6 +25,7 @@ from tests.test_trainer_loop import make_trainer, play  # noqa: F401  (a fixture
 from trainer import faults
 from trainer.config import TrainerSettings
 from trainer.loop import Trainer
+from trainer.turns import Turns
 from trainer.vllm import Replicas
 
 pytestmark = pytest.mark.slow
@@ -159,14 +160,15 @@ def test_the_trainer_backs_off_while_vllm_is_down_then_trains(
     proxy: RunningProxy,
     make_trainer: Any,  # noqa: F811
 ) -> None:
-    """run() through an outage: waits that double up to the cap, shown in
-    flywheel_trainer_backoff_seconds, back to 0 once a step gets through."""
+    """The trainer process's loop (Turns.run) through an outage: waits that double up to the
+    cap, shown in flywheel_trainer_backoff_seconds, back to 0 once a step gets through."""
     play(proxy)
     port = free_port()
     trainer = make_trainer(
         vllm=[f"http://127.0.0.1:{port}"], backoff_s=0.05, backoff_max_s=0.2, max_steps=1
     )
-    runner = threading.Thread(target=trainer.run)
+    turns = Turns(trainer.settings, trainer.sessions, trainer.vllm, trainers=[trainer])
+    runner = threading.Thread(target=turns.run)
     runner.start()
     try:
         wait_until(lambda: trainer.backoff.failures >= 4)
@@ -175,7 +177,7 @@ def test_the_trainer_backs_off_while_vllm_is_down_then_trains(
         with FakeVLLM(port=port):
             runner.join(120)
     finally:
-        trainer.settings.max_steps = 0  # ends run() however the test went
+        trainer.settings.max_steps = 0  # ends the loop however the test went
         runner.join(120)
     assert trainer.steps == 1 and trainer.backoff.failures == 0
     assert gauge(trainer.metrics.backoff) == 0

@@ -33,7 +33,7 @@ from demo.vllm_server import free_port
 from fakes.vllm import FakeVLLM
 from flywheel import status
 from tests.conftest import TEST_HOME, RunningProxy
-from trainer import store
+from trainer import gate, store
 from trainer.config import TrainerSettings
 from trainer.loop import Trainer
 from trainer.vllm import Replicas
@@ -793,3 +793,80 @@ def test_an_orphans_directory_stays_while_a_replica_may_still_hold_it(
     assert orphan.exists()  # but the replica that did not answer may still have it
     make_trainer().reconcile()  # every replica answers
     assert not orphan.exists()
+
+
+def test_held_out_episodes_are_never_trained_and_each_version_is_estimated_on_them(
+    proxy: RunningProxy, make_trainer: Any, sessions: Sessions
+) -> None:
+    """FLYWHEEL_OPE (trainer/candidate.py): a share of episodes, by a hash of their id, is set
+    aside as `ope_holdout` and never trained; each new version is estimated on them against the
+    current one, the calls an older version served scored under the current version's weights
+    (the fake vLLM's logprobs are not the model's: this is about which rows, not the values)."""
+    share = 0.3
+    play(proxy, tasks=4, episodes_per_task=8, agent="a")
+    trainer = make_trainer(ope="log", ope_holdout=share, ope_min_ess=1, ope_resamples=20)
+    assert trainer.step()  # v1, from the base model: its held-out episodes, served by the base
+    first = {f"a-t{t}-e{e}" for t in range(4) for e in range(8)}
+    held = {e for e in first if store.held_out(e, share)}
+    assert 0 < len(held) < len(first)
+    rows = proxy.query("SELECT episode_id, skip_reason, trained_version FROM transition")
+    assert {(e, r, v) for e, r, v in rows} == {
+        (e, "ope_holdout", None) if e in held else (e, None, 1) for e in first
+    }
+    v1 = current(sessions)
+    assert v1 is not None and v1.stats is not None
+    assert v1.stats["ope"]["episodes"] == len(held) and v1.stats["ope"]["rescored"] == 0
+
+    play(proxy, tasks=4, episodes_per_task=8, agent="b")  # served by v1
+    assert trainer.step()  # v2: both sets of held-out episodes, v1's own and the base's
+    second = {f"b-t{t}-e{e}" for t in range(4) for e in range(8)}
+    held_b = {e for e in second if store.held_out(e, share)}
+    v2 = current(sessions)
+    assert v2 is not None and v2.stats is not None and v2.version == 2
+    ope = v2.stats["ope"]
+    assert ope["episodes"] == len(held) + len(held_b), ope
+    assert ope["rescored"] == len(held), ope  # the base's calls, under v1's weights
+    assert ope["reused"] == len(held), ope  # ... as v1 scored them when it was the candidate
+    assert ope["current"]["value"] is not None and ope["candidate"]["value"] is not None
+    trained = proxy.query("SELECT count(*) FROM transition WHERE trained_version IS NOT NULL")
+    assert trained == [(64 - len(held) - len(held_b),)]
+    screen = status.render(status.collect(sessions))
+    assert f"{len(held) + len(held_b)} calls kept out of training to estimate" in screen
+    assert f"], {ope['episodes']} episodes)" in screen
+
+
+def test_a_version_the_gate_fails_is_retired_unserved_and_training_goes_on_from_the_current(
+    proxy: RunningProxy,
+    fake_vllm: FakeVLLM,
+    make_trainer: Any,
+    sessions: Sessions,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """FLYWHEEL_GATE=ope (trainer/gate.py decides, tests/test_gate.py): a failed version is
+    recorded retired with the gate's reason, never loaded into vLLM, its batch spent; the
+    engine's weights go back to the current version's and the next version is trained from
+    there. The verdicts are chosen here: this is about what the trainer does with them."""
+    verdicts = iter([gate.Verdict("fail", "estimated worse"), gate.Verdict("pass", "not worse")])
+    monkeypatch.setattr(gate, "decide", lambda *a, **k: next(verdicts))
+    play(proxy, agent="a")
+    trainer = make_trainer(gate="ope", ope_holdout=0)
+    before = {n: p.detach().clone() for n, p in trainer.engine.model.named_parameters()}
+    assert not trainer.step()  # v1: failed
+    with sessions.begin() as session:
+        v1 = policy.get(1, session=session)
+        assert policy.current(session=session) is None
+    assert v1 is not None and v1.retired_at is not None and not v1.is_current
+    assert v1.stats and v1.stats["gate"] == {"outcome": "fail", "reason": "estimated worse"}
+    assert "policy-v1" not in fake_vllm.loras
+    assert "gate fail: estimated worse" in status.render(status.collect(sessions))
+    assert proxy.query("SELECT trained_version, count(*) FROM transition GROUP BY 1") == [(1, 8)]
+    for name, p in trainer.engine.model.named_parameters():  # back on the base model's
+        assert torch.equal(p, before[name]), name
+
+    play(proxy, agent="b")
+    assert trainer.step()  # v2: passed, from the base model (its parent), served
+    with sessions.begin() as session:
+        v2 = policy.current(session=session)
+    assert v2 is not None and v2.version == 2 and v2.stats is not None
+    assert v2.stats["parent"] is None and v2.stats["gate"]["outcome"] == "pass"
+    assert "policy-v2" in fake_vllm.loras

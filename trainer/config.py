@@ -17,9 +17,14 @@ from pydantic_settings import NoDecode
 from core import canary, policy
 from core.settings import DatabaseSettings, split_commas, vllm_base_urls
 from trainer import models
+from trainer.ope import Method
 
 # vLLM accepts only these LoRA ranks (--max-lora-rank must be one of them, and >= ours).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+# How far a transition may be from the learner (trainer/correction.py, docs/off_policy.md).
+OffPolicyMask = Literal["geometric", "sequence", "token", "none"]
 
 
 class TrainerSettings(DatabaseSettings):
@@ -164,7 +169,7 @@ class TrainerSettings(DatabaseSettings):
         ge=1,
         description="Truncation of each token's importance weight pi_old/mu (TIS).",
     )
-    off_policy_mask: Literal["geometric", "sequence", "token", "none"] = Field(
+    off_policy_mask: OffPolicyMask = Field(
         "geometric",
         description="Rejection of transitions sampled too far from the learner: by the "
         "geometric mean of their token ratios, their product, or token by token, outside "
@@ -260,6 +265,101 @@ class TrainerSettings(DatabaseSettings):
     )
     canary_check_s: float = Field(5.0, gt=0, description="How often to test an open canary.")
 
+    # --- off-policy evaluation of each candidate (trainer/candidate.py, docs/promotion.md) ---
+    ope: Literal["off", "log"] = Field(
+        "off",
+        description="Estimate each new version's episode reward from logged traffic before it "
+        "is published, against the current version's (`log`: in the step log and the version's "
+        "stats; `gate` acts on it).",
+    )
+    ope_holdout: float = Field(
+        0.1,
+        ge=0,
+        lt=1,
+        description="While `ope` is on, this share of the lineage's episodes (by a hash of the "
+        "episode id) is never trained: set aside as `ope_holdout`, it is what each new version "
+        "is estimated on, episodes no version learned from. 0: only the current version's "
+        "episodes no step has claimed yet (few, when the trainer keeps up).",
+    )
+    ope_episodes: int = Field(
+        256,
+        ge=1,
+        description="Logged episodes it is estimated on at most, the newest rewarded ones: one "
+        "forward pass per call under the new weights, and one more under the current version's "
+        "for a call another version served.",
+    )
+    ope_method: Method = Field(
+        "dr",
+        description="Weighted doubly robust with a per-task baseline, or per-decision "
+        "self-normalised importance sampling.",
+    )
+    ope_clip: float = Field(10.0, gt=1, description="The largest importance weight kept.")
+    ope_min_ess: float = Field(
+        30.0,
+        gt=0,
+        description="Under this effective sample size the estimate is refused (not enough "
+        "overlap).",
+    )
+    ope_level: float = Field(
+        0.9, gt=0, lt=1, description="The bootstrap interval's (two-sided) coverage."
+    )
+    ope_resamples: int = Field(1000, ge=10, description="Bootstrap draws.")
+
+    # --- eval sets (trainer/evals.py, `flywheel eval add`) ----------------------------------
+    evals: Literal["ask", "off"] = Field(
+        "ask",
+        description="Ask each new version the lineage's eval sets (if it has any) at temperature "
+        "0 before it serves, loaded in vLLM under its own name but no alias's, and store the "
+        "scores beside the current version's (`gate` may act on them).",
+    )
+    eval_max_tokens: int = Field(
+        256, ge=1, description="An eval answer's bound where its item names none."
+    )
+    eval_concurrency: int = Field(8, ge=1, description="Eval questions in flight at once.")
+    eval_timeout_s: float = Field(120.0, gt=0, description="One eval answer's time limit.")
+
+    # --- the promotion gate (trainer/gate.py) ----------------------------------------------
+    gate: Literal["off", "ope", "evals", "ope+evals"] = Field(
+        "off",
+        description="Decide each new version before it serves from its off-policy estimate "
+        "(`ope`, made whatever `ope` says; decided before vLLM loads it), its eval sets "
+        "(`evals`: asked whatever `evals` says) or both (each must pass): a version that fails is "
+        "recorded, retired and never served; training goes on from the current version.",
+    )
+    gate_margin: float = Field(
+        0.05,
+        ge=0,
+        description="Episode reward a version may lose: it fails when the difference's interval "
+        "is wholly below -margin, passes when wholly above.",
+    )
+    gate_eval_margin: float = Field(
+        0.02,
+        ge=0,
+        description="Score a version may lose on any eval set against the current version's "
+        "before it fails.",
+    )
+    gate_min_weight: float = Field(
+        0.1,
+        gt=0,
+        lt=1,
+        description="A version whose mean importance weight on the logged episodes is under this "
+        "puts its probability where nothing was logged: it fails.",
+    )
+    gate_fallback: Literal["publish", "canary", "reject"] = Field(
+        "publish",
+        description="What an inconclusive gate does (too few logged episodes yet, an interval "
+        "across -margin, no eval sets): publish as without a gate (a canary, if canaries are on), "
+        "open a canary whatever canary_fraction says (on gate_canary_fraction if it is 0; the "
+        "other canary_* settings decide it), or reject.",
+    )
+    gate_canary_fraction: float = Field(
+        0.1,
+        gt=0,
+        lt=1,
+        description="With gate_fallback=canary and canaries off: the share of the lineage's "
+        "episodes an undecided version serves until its reward decides.",
+    )
+
     _split = field_validator(
         "vllm", "agents", "tenants", "lineages", "lora_targets", mode="before"
     )(split_commas)
@@ -274,6 +374,16 @@ class TrainerSettings(DatabaseSettings):
             return models.resolve(spec, Path(info.data.get("home", ".flywheel")))
         except models.ModelNotFound as e:
             raise ValueError(str(e)) from e
+
+    @property
+    def estimates(self) -> bool:
+        """Whether each new version is estimated from logged traffic (`ope` or `gate`)."""
+        return self.ope != "off" or "ope" in self.gate
+
+    @property
+    def asks_evals(self) -> bool:
+        """Whether each new version is asked the lineage's eval sets (`evals` or `gate`)."""
+        return self.evals != "off" or "evals" in self.gate
 
     @property
     def shares_prompts(self) -> bool:
@@ -322,8 +432,14 @@ class TrainerSettings(DatabaseSettings):
     def canary_rule(self) -> canary.Rule | None:
         if self.canary_fraction == 0:
             return None
+        return self.gate_canary_rule
+
+    @property
+    def gate_canary_rule(self) -> canary.Rule:
+        """The canary an undecided version opens with gate_fallback=canary (the configured one,
+        on gate_canary_fraction when canaries are off)."""
         return canary.Rule(
-            fraction=self.canary_fraction,
+            fraction=self.canary_fraction or self.gate_canary_fraction,
             min_episodes=self.canary_min_episodes,
             alpha=self.canary_alpha,
             margin=self.canary_margin,

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from core import policy
+from core import canary, policy
 from core.database import Sessions
 from core.vllm import VLLMError
 from trainer import faults, metrics, ranks, report, sft, store
@@ -37,6 +37,7 @@ from trainer.canary_watch import CanaryWatch
 from trainer.config import TrainerSettings
 from trainer.engine import Engine, Snapshot
 from trainer.housekeeping import Housekeeper
+from trainer.promotion import Gatekeeper
 from trainer.sampling import server_defaults
 from trainer.vllm import Replicas
 
@@ -54,7 +55,8 @@ class Step:
     table: store.Table
     finish: Callable[..., None]  # store.finish or finish_demonstrations, its rows bound
     stats: Callable[[float], dict[str, object]]  # swap seconds -> adapter_version.stats
-    report: Callable[[int, float], None]  # (version, swap seconds) -> metrics and log line
+    # (version, swap seconds, the canary it opened or None) -> metrics and log line
+    report: Callable[[int, float, canary.Rule | None], None]
 
 
 class Trainer:
@@ -97,12 +99,7 @@ class Trainer:
             settings.backoff_s, settings.backoff_max_s, self.metrics.backoff
         )
         self.claims = faults.Claims(sessions, settings.trainer_id)
-
-    def run(self) -> None:
-        """Steps until max_steps, or until SIGTERM/SIGINT (Stopping): then the claims go back."""
-        from trainer.turns import Turns  # turns.py builds Trainers: it imports this module
-
-        Turns(self.settings, self.sessions, self.vllm, trainers=[self]).run()
+        self.gatekeeper = Gatekeeper(settings, sessions, vllm, self.metrics)
 
     # --- one step ---------------------------------------------------------------------------
 
@@ -140,6 +137,7 @@ class Trainer:
                 min_episodes=s.min_episodes,
                 min_groups=s.min_groups,
                 max_attempts=s.max_train_attempts,
+                holdout=s.ope_holdout if s.estimates else 0.0,
             )
             self.metrics.queue.set(
                 store.queue_depth(
@@ -260,14 +258,14 @@ class Trainer:
             table="transition",
             finish=partial(store.finish, trained=batch.trained, skipped=batch.skipped),
             stats=lambda swap_s: report.stats_json(batch, stats, swap_s, self.parent),
-            report=lambda version, swap_s: report.report_step(
+            report=lambda version, swap_s, rule: report.report_step(
                 self.metrics,
                 step=self.steps + 1,
                 version=version,
                 batch=batch,
                 stats=stats,
                 swap_s=swap_s,
-                canary_rule=s.canary_rule,
+                canary_rule=rule,
             ),
         )
         try:
@@ -279,7 +277,6 @@ class Trainer:
     def _sft(self, claimed: list[store.ClaimedDemonstration]) -> bool:
         """One supervised step on the claimed demonstrations from the engine's weights, then
         publish (trainer/sft.py)."""
-        s = self.settings
         ids = [c.id for c in claimed]
         before = self.engine.snapshot()
         try:  # only what fails here is the batch's fault
@@ -307,7 +304,7 @@ class Trainer:
                 store.finish_demonstrations, trained=list(rendered.demos), skipped=rendered.skipped
             ),
             stats=lambda swap_s: report.sft_stats_json(len(demos), stats, swap_s, self.parent),
-            report=lambda version, swap_s: report.report_sft(
+            report=lambda version, swap_s, rule: report.report_sft(
                 self.metrics,
                 step=self.steps + 1,
                 version=version,
@@ -315,7 +312,7 @@ class Trainer:
                 skipped=rendered.skipped,
                 stats=stats,
                 swap_s=swap_s,
-                canary_rule=s.canary_rule,
+                canary_rule=rule,
             ),
         )
         try:
@@ -349,7 +346,9 @@ class Trainer:
         self.parent = version
 
     def _publish(self, step: Step, before: Snapshot) -> bool:
-        s = self.settings
+        s, keeper = self.settings, self.gatekeeper
+        judgement = keeper.estimate(self.engine, before, self.parent, self.sampling_defaults)
+        eval_sets = keeper.eval_sets(judgement)
         with self.sessions.begin() as session:
             version = policy.next_version(session=session)
         name = policy.adapter_name(self.lineage, version)
@@ -358,15 +357,26 @@ class Trainer:
         self.engine.save_adapter(partial)
         os.rename(partial, final)  # vLLM never sees a half-written adapter
 
-        try:
-            rollout = self.vllm.load_everywhere(name, str(final))
-        except VLLMError as e:  # NoReplica, AdapterRejected: the batch is not to blame
-            log.error("could not load %s; the alias stays where it was: %s", name, e)
-            shutil.rmtree(final, ignore_errors=True)
-            raise
-        for url in rollout.unreachable:
-            log.warning("vLLM %s unreachable, %s not loaded there (reconcile will)", url, name)
-        swap_s = rollout.seconds
+        swap_s: float | None = None
+        if eval_sets:
+            swap_s = self._load(name, final)  # held: loaded, but no alias names it yet
+            try:
+                keeper.ask(judgement, eval_sets, name, self.parent)
+            except faults.INFRASTRUCTURE:  # the step's caller gives the batch back
+                self._unload(name)
+                shutil.rmtree(final, ignore_errors=True)
+                raise
+        verdict = keeper.decide(judgement, processes=self.engine.world.size)
+        rejected = judgement.rejected(s.gate_fallback)
+        # A canary, if canaries are on; an undecided version with the canary fallback opens one
+        # whatever they say: real rewards decide what the gate could not.
+        canary_fallback = judgement.undecided and s.gate_fallback == "canary"
+        rule = s.gate_canary_rule if canary_fallback else s.canary_rule
+        if rejected and swap_s is not None:
+            self._unload(name)
+        elif not rejected and swap_s is None:  # a rejected version is kept for a look, unloaded
+            swap_s = self._load(name, final)
+        swap_s = 0.0 if rejected or swap_s is None else swap_s
         # Postgres failing in here raises: whether it committed is unknown, so `final` stays
         # (committed: the next step follows it; not: reconcile unloads and deletes it).
         try:
@@ -379,15 +389,13 @@ class Trainer:
                     parent=self.parent,
                     path=str(final),
                     base_model=str(s.model),
-                    stats=step.stats(swap_s),
-                    canary_rule=s.canary_rule,
+                    stats=step.stats(swap_s) | judgement.stats(),
+                    canary_rule=rule,
+                    rejected=rejected,
                 )
         except (store.LostClaim, policy.PolicyMoved, policy.CanaryOpen, policy.Pinned) as e:
             log.warning("discarding %s: %s", name, e)
-            try:
-                self.vllm.unload_everywhere(name)
-            except VLLMError as unload_error:  # reconcile unloads it once it is an orphan
-                log.warning("could not unload %s yet: %s", name, unload_error)
+            self._unload(name)
             if isinstance(e, policy.PolicyMoved):  # the batch stays ours, to train again
                 self.engine.restore(before)
                 shutil.rmtree(final, ignore_errors=True)
@@ -399,9 +407,34 @@ class Trainer:
             self._abandon(step, final, before, reason=reason.get(type(e), "lost_claim"))
             return False
 
+        if rejected:
+            assert verdict is not None
+            keeper.rejected(judgement)
+            log.warning("%s rejected by the gate (%s): %s", name, verdict.outcome, verdict.reason)
+            self.engine.restore(before)  # training goes on from the current version
+            return False
+        keeper.published(version, judgement, current=rule is None)
         self.parent = version
-        step.report(version, swap_s)
+        step.report(version, swap_s, rule)
         return True
+
+    def _load(self, name: str, final: Path) -> float:
+        """Load the new version into every vLLM: the seconds it took."""
+        try:
+            rollout = self.vllm.load_everywhere(name, str(final))
+        except VLLMError as e:  # NoReplica, AdapterRejected: the batch is not to blame
+            log.error("could not load %s; the alias stays where it was: %s", name, e)
+            shutil.rmtree(final, ignore_errors=True)
+            raise
+        for url in rollout.unreachable:
+            log.warning("vLLM %s unreachable, %s not loaded there (reconcile will)", url, name)
+        return rollout.seconds
+
+    def _unload(self, name: str) -> None:
+        try:
+            self.vllm.unload_everywhere(name)
+        except VLLMError as e:  # reconcile unloads it once it is an orphan
+            log.warning("could not unload %s yet: %s", name, e)
 
     def _abandon(self, step: Step, adapter_dir: Path, before: Snapshot, *, reason: str) -> None:
         """Undo a step lost to a race: weights back, batch back uncharged, directory gone."""

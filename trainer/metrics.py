@@ -116,6 +116,18 @@ _CANARY_DECISIONS = Counter(
     ["lineage", "action", "reason"],
 )
 
+_GATE_DECISIONS = Counter(
+    "flywheel_trainer_gate_decisions_total",
+    "New versions decided by the promotion gate (FLYWHEEL_GATE): pass, fail or inconclusive.",
+    ["lineage", "outcome"],
+)
+_EVAL_SCORE = Gauge(
+    "flywheel_trainer_eval_score",
+    "The newest version's score on each of the lineage's eval sets (candidate), and the "
+    "score of the version it was compared with (current).",
+    ["lineage", "eval_set", "version"],
+)
+
 
 class LineageMetrics:
     """The series of one lineage."""
@@ -164,6 +176,13 @@ class LineageMetrics:
     def canary_decided(self, action: str, reason: str) -> None:
         _CANARY_DECISIONS.labels(self.lineage, action, reason).inc()
         self.canary_candidate.set(0)
+
+    def gate_decided(self, outcome: str) -> None:
+        _GATE_DECISIONS.labels(self.lineage, outcome).inc()
+
+    def eval_scored(self, eval_set: str, candidate: float, current: float) -> None:
+        _EVAL_SCORE.labels(self.lineage, eval_set, "candidate").set(candidate)
+        _EVAL_SCORE.labels(self.lineage, eval_set, "current").set(current)
 
     def step_failure(self, reason: str) -> None:
         _STEP_FAILURES.labels(self.lineage, reason).inc()

@@ -13,6 +13,7 @@ stalling the queue.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -39,6 +40,7 @@ class Claimed:
     params: dict[str, Any]  # the request minus its prompt: how it was sampled
     made_tool_call: bool
     age_s: float  # since the call was made, by the database's clock
+    route: str = "chat"  # the API it came through: a Messages call's params are Anthropic's
 
 
 Table = Literal["transition", "demonstration"]  # what a claim is on
@@ -64,7 +66,7 @@ SELECT id::text AS id, episode_id, task_id, agent_name, policy_version, "return"
        logprobs, params, train_attempts,
        (jsonb_typeof(tool_calls) = 'array' AND jsonb_array_length(tool_calls) > 0)
            IS TRUE AS made_tool_call,
-       extract(epoch FROM now() - requested_at) AS age_s
+       extract(epoch FROM now() - requested_at) AS age_s, route
 FROM transition
 WHERE {_QUEUED} AND (claim_expires_at IS NULL OR claim_expires_at < now())
 ORDER BY credited_at
@@ -85,11 +87,13 @@ def claim(
     min_episodes: int,
     min_groups: int,
     max_attempts: int,
+    holdout: float = 0.0,
 ) -> list[Claimed]:
     """Claim the oldest credited, untrained transitions if they make a big enough batch.
 
     Too few: nothing is claimed (the row locks go with the transaction); rows that have used up
-    their attempts are set aside all the same.
+    their attempts, and those of the `holdout` share of episodes (`held_out`), are set aside
+    all the same.
     """
     rows = (
         session.execute(
@@ -104,16 +108,23 @@ def claim(
         .mappings()
         .all()
     )
-    failed = [r["id"] for r in rows if r["train_attempts"] >= max_attempts]
-    if failed:  # locked by this transaction; any claim on them has expired (a crashed trainer's)
+    aside = {r["id"]: "ope_holdout" for r in rows if held_out(r["episode_id"], holdout)}
+    aside |= {
+        r["id"]: "train_failed"
+        for r in rows
+        if r["train_attempts"] >= max_attempts and r["id"] not in aside
+    }
+    if aside:  # locked by this transaction; any claim on them has expired (a crashed trainer's)
         session.execute(
             text(
-                "UPDATE transition SET skip_reason = 'train_failed', claimed_by = NULL, "
-                "claim_expires_at = NULL WHERE id = ANY(CAST(:ids AS uuid[]))"
+                "UPDATE transition AS t SET skip_reason = u.reason, claimed_by = NULL, "
+                "claim_expires_at = NULL "
+                "FROM unnest(CAST(:ids AS uuid[]), CAST(:reasons AS text[])) AS u(id, reason) "
+                "WHERE t.id = u.id"
             ),
-            {"ids": failed},
+            {"ids": list(aside), "reasons": list(aside.values())},
         )
-        rows = [r for r in rows if r["train_attempts"] < max_attempts]
+        rows = [r for r in rows if r["id"] not in aside]
     claimed = [
         Claimed(
             id=r["id"],
@@ -128,6 +139,7 @@ def claim(
             params=r["params"] or {},
             made_tool_call=r["made_tool_call"],
             age_s=float(r["age_s"]),
+            route=r["route"],
         )
         for r in rows
     ]
@@ -149,6 +161,15 @@ def claim(
     return claimed
 
 
+def held_out(episode_id: str, share: float) -> bool:
+    """Whether an episode is in the `share` kept out of training to estimate new versions on
+    (FLYWHEEL_OPE_HOLDOUT): a hash of its id, the same on every trainer and every run."""
+    if share <= 0:
+        return False
+    digest = hashlib.blake2b(episode_id.encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64 < share
+
+
 def finish(
     *,
     session: Session,
@@ -162,9 +183,11 @@ def finish(
     base_model: str,
     stats: dict[str, Any],
     canary_rule: canary.Rule | None = None,
+    rejected: bool = False,
 ) -> None:
-    """Make `version` current (or the lineage's canary candidate, with `canary_rule`) and mark
-    its batch trained (and the set-aside rows skipped).
+    """Make `version` current (or the lineage's canary candidate, with `canary_rule`; or record
+    it rejected by the gate, `rejected`) and mark its batch trained (and the set-aside rows
+    skipped).
 
     `trained` maps each row to the return it was trained on: a row claimed by someone else now,
     or whose return a reward has changed since, is LostClaim. `parent` is the version the step
@@ -197,6 +220,7 @@ def finish(
         stats=stats,
         trained_transitions=len(trained),
         canary_rule=canary_rule,
+        rejected=rejected,
     )
 
 
@@ -262,6 +286,96 @@ def queue_depth(*, session: Session, lineage: str, agents: list[str], tenants: l
             {"lineage": lineage, "agents": agents or None, "tenants": tenants or None},
         ).scalar_one()
     )
+
+
+# --- logged episodes to evaluate a candidate on (trainer/candidate.py) --------------------------
+
+
+@dataclass(frozen=True)
+class LoggedCall:
+    episode_id: str
+    task_id: str | None
+    final_reward: float
+    ours: bool  # served by this lineage: the candidate would have served it
+    policy_version: int | None
+    step_reward: float  # its own step rewards' sum
+    prompt_token_ids: list[int] | None
+    completion_token_ids: list[int] | None
+    logprobs: list[float] | None
+    params: dict[str, Any]
+    made_tool_call: bool
+    route: str
+    id: str = ""  # the transition's: a version's score of it is kept for the next estimate
+
+
+# The newest rewarded episodes no version learned from, every call of them in order: each of
+# the lineage's calls held out (`ope_holdout`), or served by the current `version` and neither
+# trained, claimed nor set aside (a candidate trained on an episode would grade itself on it).
+_WINDOW = f"""
+WITH recent AS (
+    SELECT episode_id, max(requested_at) AS at FROM (
+        SELECT episode_id, requested_at FROM transition
+        WHERE lineage = :lineage AND status = 'ok'
+          AND (skip_reason = 'ope_holdout' OR policy_version = :version)
+          AND (CAST(:tenants AS text[]) IS NULL
+               OR {TENANT_OF_EPISODE} = ANY(CAST(:tenants AS text[])))
+        ORDER BY requested_at DESC LIMIT :scan
+    ) AS newest GROUP BY episode_id
+), window_ AS (
+    SELECT e.id, e.task_id, e.final_reward, r.at FROM recent r JOIN episode e ON e.id = r.episode_id
+    WHERE e.final_reward IS NOT NULL AND NOT EXISTS (
+        SELECT 1 FROM transition o WHERE o.episode_id = e.id AND o.lineage = :lineage
+          AND (o.status <> 'ok' OR o.skip_reason IS DISTINCT FROM 'ope_holdout' AND (
+               o.policy_version IS DISTINCT FROM :version OR o.trained_at IS NOT NULL
+               OR o.skip_reason IS NOT NULL OR o.claim_expires_at > now())))
+    ORDER BY r.at DESC LIMIT :episodes
+)
+SELECT t.episode_id, w.task_id, w.final_reward, t.lineage IS NOT DISTINCT FROM :lineage AS ours,
+       t.policy_version,
+       (SELECT coalesce(sum(r.value), 0.0) FROM reward r WHERE r.transition_id = t.id)
+           AS step_reward,
+       {PROMPT_IDS_SQL.format(row="t")} AS prompt_token_ids, t.completion_token_ids, t.logprobs,
+       t.params, (jsonb_typeof(t.tool_calls) = 'array' AND jsonb_array_length(t.tool_calls) > 0)
+           IS TRUE AS made_tool_call, t.route, t.id
+FROM window_ w JOIN transition t ON t.episode_id = w.id
+WHERE t.status = 'ok'
+ORDER BY w.at DESC, t.episode_id, t.requested_at, t.choice_index
+"""
+
+
+def logged_window(
+    *, session: Session, lineage: str, version: int, tenants: list[str], episodes: int
+) -> list[LoggedCall]:
+    """Every call of up to `episodes` logged episodes to estimate a candidate on (`_WINDOW`);
+    `version` is the lineage's current one."""
+    rows = session.execute(
+        text(_WINDOW),
+        {
+            "lineage": lineage,
+            "version": version,
+            "tenants": tenants or None,
+            "episodes": episodes,
+            "scan": 8 * episodes,
+        },
+    ).mappings()
+    return [
+        LoggedCall(
+            episode_id=r["episode_id"],
+            task_id=r["task_id"],
+            final_reward=r["final_reward"],
+            ours=r["ours"],
+            policy_version=r["policy_version"],
+            step_reward=float(r["step_reward"]),
+            prompt_token_ids=unpack(r["prompt_token_ids"], "i"),
+            completion_token_ids=unpack(r["completion_token_ids"], "i"),
+            logprobs=unpack(r["logprobs"], "f"),
+            params=r["params"] or {},
+            made_tool_call=r["made_tool_call"],
+            route=r["route"],
+            id=str(r["id"]),
+        )
+        for r in rows
+    ]
 
 
 # --- demonstrations (trainer/sft.py) ------------------------------------------------------------
@@ -363,6 +477,7 @@ def finish_demonstrations(
     base_model: str,
     stats: dict[str, Any],
     canary_rule: canary.Rule | None = None,
+    rejected: bool = False,
 ) -> None:
     """Make `version` current (or the lineage's canary) and count an epoch for each trained
     demonstration; LostClaim if another trainer holds some of them now."""
@@ -390,6 +505,7 @@ def finish_demonstrations(
         stats=stats,
         trained_transitions=0,
         canary_rule=canary_rule,
+        rejected=rejected,
     )
 
 

