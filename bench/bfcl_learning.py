@@ -12,6 +12,9 @@ Arms (one run each; `--seed` sets the trainer's seed and the agent's question or
   steps, `demonstrations=first`) with no traffic meanwhile, the held-out part asked (the warm
   start alone), then GRPO from the agent's traffic (binary reward), the held-out part asked
   every `--eval-every` versions and at the end.
+- `warm-rft`: as `warm-grpo`, and each round's valid answers copied back as demonstrations
+  (rejection-sampling fine-tuning, the client's `demonstrate_episode`): supervised steps on the
+  policy's own successes between the GRPO steps (`demonstrations=mix`).
 - `grpo-partial`: GRPO alone from the base model, rewarded with the partial credit.
 - `trl`: TRL's own GRPOTrainer (coupled: transformers generates, no vLLM, no proxy) from the
   same warm start (a `warm-grpo` run's warm-start adapter) on the same training part, for
@@ -24,8 +27,10 @@ docs/img/bfcl_learning.png. Some of the model's own answers go to tests/data/bfc
 
     .venv/bin/python -m bench.bfcl_learning --arm base
     .venv/bin/python -m bench.bfcl_learning --arm warm-grpo --seed 0 --minutes 120
+    .venv/bin/python -m bench.bfcl_learning --arm warm-rft --seed 0 --reuse-warm
     .venv/bin/python -m bench.bfcl_learning --arm grpo-partial --seed 0 --minutes 60
     .venv/bin/python -m bench.bfcl_learning --arm warm-grpo --set FLYWHEEL_LEARNING_RATE=2e-4
+    .venv/bin/python -m bench.bfcl_learning --arm warm-grpo --seed 0 --reuse-warm  # GRPO only
     .venv/bin/python -m bench.bfcl_learning --arm trl --seed 0 --samples 1024
     .venv/bin/python -m bench.bfcl_learning --report
     .venv/bin/python -m bench.bfcl_learning --arm warm-grpo --smoke   # minutes, for the tests
@@ -42,10 +47,13 @@ import random
 import shutil
 import signal
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,7 +62,9 @@ import httpx
 import psutil
 import psycopg
 
+from bench import trl_reference
 from bench.common import append_section, learning_loop
+from core import database, policy
 from demo import bfcl
 from demo.bfcl_agent import MAX_TOKENS, TEMPERATURE, Answer, BfclAgent, Evaluation
 from demo.stack import BFCL_TRAINER_ENV, TASKS
@@ -93,6 +103,8 @@ def run_flywheel(args: argparse.Namespace) -> Run:
     env = dict(BFCL_TRAINER_ENV) | {"FLYWHEEL_SEED": str(args.seed)} | dict(args.set)
     if args.arm == "grpo-partial":
         env["FLYWHEEL_DEMONSTRATIONS"] = "off"
+    if args.arm == "warm-rft":
+        env["FLYWHEEL_DEMONSTRATIONS"] = "mix"  # supervised steps on successes between GRPO's
     task = dataclasses.replace(TASKS["bfcl"], trainer_env=env)
     run = Run(args.arm, args.seed, time.strftime("%Y-%m-%d %H:%M"), env, overrides=dict(args.set))
     home = Path(tempfile.mkdtemp(prefix=f"{args.arm}-{args.seed}-", dir=_mkdir(HOME)))
@@ -112,9 +124,14 @@ def run_flywheel(args: argparse.Namespace) -> Run:
                 run.evaluations.append(_evaluation(agent.evaluate(0, held_out), 0.0, 0))
                 _keep_answers(args, run.evaluations[-1], "base")
                 return run
-            if args.arm == "warm-grpo":
+            warm = args.arm in ("warm-grpo", "warm-rft")
+            if warm and args.reuse_warm:
+                run.warm = reuse_warm(run, loop, home)
+                t0 -= run.warm["evaluation"]["wall_s"]  # its time counts in the wall time
+            elif warm:
                 run.warm = warm_start(agent, url, t0, held_out, args)
                 _keep_answers(args, run.warm["evaluation"], "warm")
+                _keep_warm(run, args)
                 _save(run, home)
             grpo(agent, run, url, t0, held_out, args, home)
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what was measured is still recorded
@@ -139,7 +156,7 @@ def warm_start(
     seconds = time.perf_counter() - t0
     steps = _steps(url, "sft")
     print(f"warm start: {posted} demonstrations, {steps} supervised steps, {seconds:.0f} s")
-    evaluation = _evaluate(agent, version, held_out, t0, 0)
+    evaluation = _evaluate(agent, url, version, held_out, t0, 0)
     return {
         "demonstrations": posted,
         "steps": steps,
@@ -148,6 +165,33 @@ def warm_start(
         "evaluation": evaluation,
         "adapter": _adapter_path(url, version),
     }
+
+
+def reuse_warm(run: Run, loop: Any, home: Path) -> dict[str, Any]:
+    """The kept warm start of this seed (`_keep_warm`), imported as the lineage's current version
+    by `flywheel adapters import`: GRPO starts from the same weights, and the warm start's
+    record (its held-out score, its seconds) is the kept one's."""
+    kept = _warm_dir(run.seed)
+    if not (kept / "warm.json").exists():
+        raise SystemExit(
+            f"no warm start kept for seed {run.seed} ({kept}): run without --reuse-warm"
+        )
+    saved = json.loads((kept / "warm.json").read_text())
+    shaped = {k: run.settings.get(k) for k in WARM_SETTINGS}
+    if saved["settings"] != shaped:
+        raise SystemExit(f"{kept} was trained with {saved['settings']}, this run has {shaped}")
+    imported = subprocess.run(
+        [sys.executable, "-m", "flywheel", "adapters", "import", "--adapter", str(kept),
+         "--adapters-dir", str(home / "adapters"), "--vllm", loop.vllm_url],
+        env={**os.environ, "FLYWHEEL_DATABASE_URL": loop.database_url},
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    if imported.returncode != 0:
+        raise SystemExit(f"importing {kept} failed: {imported.stderr}")
+    print(imported.stdout.strip(), flush=True)
+    run.notes.append(f"warm start reused from {kept} (trained {saved['warm']['seconds']:.0f} s)")
+    warm: dict[str, Any] = saved["warm"] | {"reused": str(kept)}
+    return warm
 
 
 def grpo(
@@ -174,30 +218,60 @@ def grpo(
             flush=True,
         )
         _keep_answers(args, {"answers": answers}, "grpo")
+        if args.arm == "warm-rft":
+            line["kept"] = agent.keep_the_best(answers)
         # At most one round ahead of the trainer: a round's samples are trained on by the next
         # step or the one after (staleness 1-2 versions), not queued behind an ever longer line.
         while _waiting(url) > QUESTIONS * SAMPLES and time.perf_counter() < deadline:
             time.sleep(1)
         version = _current(url)
         if version - asked >= args.eval_every:
-            run.evaluations.append(_evaluate(agent, version, held_out, t0, samples))
+            run.evaluations.append(_evaluate(agent, url, version, held_out, t0, samples))
             asked = version
         _save(run, home)
     version = _current(url)
     if not run.evaluations or run.evaluations[-1]["version"] != version:
-        run.evaluations.append(_evaluate(agent, version, held_out, t0, samples))
+        run.evaluations.append(_evaluate(agent, url, version, held_out, t0, samples))
 
 
 def _evaluate(
-    agent: BfclAgent, version: int, held_out: list[bfcl.Question], t0: float, samples: int
+    agent: BfclAgent,
+    url: str,
+    version: int,
+    held_out: list[bfcl.Question],
+    t0: float,
+    samples: int,
 ) -> dict[str, Any]:
-    evaluation = _evaluation(agent.evaluate(version, held_out), time.perf_counter() - t0, samples)
+    with _held(url, version):
+        asked = agent.evaluate(version, held_out)
+    evaluation = _evaluation(asked, time.perf_counter() - t0, samples)
     print(
         f"held-out v{version}: {evaluation['accuracy']:.3f} valid, "
         f"{evaluation['parsable']:.3f} parsable",
         flush=True,
     )
     return evaluation
+
+
+@contextlib.contextmanager
+def _held(url: str, version: int) -> Iterator[None]:
+    """The lineage pinned at `version` while its held-out part is asked (`core/policy.py`, as
+    `flywheel adapters pin` does): the trainer publishes nothing meanwhile, its queue waiting,
+    so retention cannot retire the version under the questions. (A warm-rft run's supervised
+    steps on the successes it had posted went on during its last ask, and `policy@11` was gone
+    before the ask ended.)"""
+    if not version:  # the base model: nothing to retire
+        yield
+        return
+    engine, sessions = database.create_sessions(url)
+    try:
+        with sessions.begin() as session:
+            policy.make_current(version, session=session, pin=True, note="held-out ask")
+        yield
+    finally:
+        with sessions.begin() as session:
+            policy.unpin(policy.DEFAULT_LINEAGE, session=session)
+        engine.dispose()
 
 
 def _evaluation(e: Evaluation, wall_s: float, samples: int) -> dict[str, Any]:
@@ -382,22 +456,16 @@ def run_trl(args: argparse.Namespace) -> Run:
 
     with warnings.catch_warnings():  # TRL warns about vLLM's version; no vLLM on this side
         warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
-        from trl import GRPOConfig, GRPOTrainer  # type: ignore[attr-defined]
+        from trl import GRPOTrainer  # type: ignore[attr-defined]
 
-    from trainer.config import TrainerSettings
     from trainer.models import resolve
 
     warm = _warm_adapter(args.seed, args.runs)
     model_dir = resolve(MODEL, ROOT / ".flywheel")
-    env = BFCL_TRAINER_ENV
-
-    def setting(name: str) -> Any:
-        default = TrainerSettings.model_fields[name].default
-        value = env.get(f"FLYWHEEL_{name.upper()}")
-        return default if value is None else type(default)(value)
+    env = dict(BFCL_TRAINER_ENV) | dict(args.set)  # the Flywheel arm's settings, overrides too
 
     torch.set_num_threads(args.threads)
-    run = Run("trl", args.seed, time.strftime("%Y-%m-%d %H:%M"), dict(env))
+    run = Run("trl", args.seed, time.strftime("%Y-%m-%d %H:%M"), env, overrides=dict(args.set))
     run.notes.append(f"from the warm start {warm}")
     batch = QUESTIONS * SAMPLES
     train, _ = bfcl.split(bfcl.load())
@@ -410,29 +478,16 @@ def run_trl(args: argparse.Namespace) -> Run:
         texts = [c[0]["content"] for c in completions]
         return [float(by_id[q].score(t).valid) for t, q in zip(texts, question, strict=True)]
 
-    config = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl-bfcl-"),
-        use_cpu=True,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        logging_steps=1,
+    config = trl_reference.grpo_config(
+        env,
+        name="bfcl",
         seed=args.seed,
-        max_steps=args.samples // batch,
-        per_device_train_batch_size=batch,
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
-        num_generations=SAMPLES,
-        max_completion_length=MAX_TOKENS,
+        samples=args.samples,
+        batch=batch,
+        group=SAMPLES,
+        max_tokens=MAX_TOKENS,
         temperature=TEMPERATURE,
-        top_p=1.0,
-        top_k=0,
-        learning_rate=setting("learning_rate"),
-        lr_scheduler_type="constant",
-        max_grad_norm=setting("max_grad_norm"),
-        loss_type=setting("loss_type"),
-        epsilon=setting("epsilon"),
-        beta=setting("beta"),
+        bf16=False,  # float32, as our trainer (bf16 autocast on a CPU is slower, and not ours)
         shuffle_dataset=False,  # the seeded order above
     )
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -467,17 +522,52 @@ def run_trl(args: argparse.Namespace) -> Run:
     return run
 
 
+# What shapes a warm start: a kept one is reused only by runs that agree on all of these.
+WARM_SETTINGS = (
+    "FLYWHEEL_LORA_RANK",
+    "FLYWHEEL_LORA_ALPHA",
+    "FLYWHEEL_LORA_TARGETS",
+    "FLYWHEEL_SFT_LEARNING_RATE",
+    "FLYWHEEL_SFT_BATCH",
+    "FLYWHEEL_SFT_EPOCHS",
+    "FLYWHEEL_SEED",
+)
+
+
+def _warm_dir(seed: int) -> Path:
+    return HOME / f"warm-start-seed{seed}"
+
+
+def _keep_warm(run: Run, args: argparse.Namespace) -> None:
+    """The warm start's adapter and record, kept beyond the run's home the moment it exists
+    (retention deletes old versions; a killed run loses nothing of it): the TRL arm starts from
+    it, and `--reuse-warm` runs GRPO from it without training it again."""
+    assert run.warm is not None
+    if args.smoke or not run.warm.get("adapter") or not Path(run.warm["adapter"]).exists():
+        return
+    kept = _warm_dir(run.seed)
+    shutil.rmtree(kept, ignore_errors=True)
+    shutil.copytree(run.warm["adapter"], kept)
+    shaped = {k: run.settings.get(k) for k in WARM_SETTINGS}
+    record = {k: v for k, v in run.warm.items() if k != "adapter"}
+    record["evaluation"] = {k: v for k, v in record["evaluation"].items() if k != "answers"}
+    (kept / "warm.json").write_text(json.dumps({"settings": shaped, "warm": record}, indent=1))
+
+
 def _warm_adapter(seed: int, runs: Path) -> Path:
-    """The warm-start adapter of the latest warm-grpo run of this seed (kept under HOME)."""
+    """This seed's warm-start adapter: the one kept by `_keep_warm`, else the one a recorded
+    warm-grpo run of this seed left (copied there, if its home still has it)."""
+    kept = _warm_dir(seed)
+    if (kept / "warm.json").exists():
+        return kept
     for line in reversed(runs.read_text().splitlines() if runs.exists() else []):
         run = json.loads(line)
         if run["arm"] == "warm-grpo" and run["seed"] == seed and run.get("warm"):
-            kept = HOME / f"warm-start-seed{seed}"
             if not kept.exists() and run["warm"].get("adapter"):
                 shutil.copytree(run["warm"]["adapter"], kept)
             if kept.exists():
                 return kept
-    raise SystemExit(f"no warm-grpo run of seed {seed} recorded yet: run that arm first")
+    raise SystemExit(f"no warm start of seed {seed} kept or recorded yet: run warm-grpo first")
 
 
 def _save(run: Run, home: Path) -> None:
@@ -502,11 +592,6 @@ def _without_answers(data: dict[str, Any]) -> dict[str, Any]:
 
 def record(run: Run, args: argparse.Namespace) -> None:
     data = _without_answers(asdict(run))
-    if run.warm and run.warm.get("adapter") and Path(run.warm["adapter"]).exists():
-        # kept for the TRL arm, beyond the run's home
-        kept = HOME / f"warm-start-seed{run.seed}"
-        shutil.rmtree(kept, ignore_errors=True)
-        shutil.copytree(run.warm["adapter"], kept)
     if not args.smoke:
         with args.runs.open("a") as f:
             f.write(json.dumps(data) + "\n")
@@ -558,7 +643,11 @@ def report(args: argparse.Namespace) -> None:
             lines.append(_row(f"warm start alone{overrides}", warm, walls))
         finals = [r["evaluations"][-1] for r in group if r["evaluations"]]
         if finals:
-            label = {"warm-grpo": "warm start + GRPO", "base": "base model"}.get(arm, arm)
+            label = {
+                "warm-grpo": "warm start + GRPO",
+                "warm-rft": "warm start + GRPO + its own successes (RFT)",
+                "base": "base model",
+            }.get(arm, arm)
             walls = [r["costs"].get("wall_s", r["evaluations"][-1]["wall_s"]) for r in group]
             lines.append(_row(label + overrides, finals, walls))
     append_section(
@@ -642,13 +731,18 @@ def _setting(text: str) -> tuple[str, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--arm", choices=["base", "warm-grpo", "grpo-partial", "trl"])
+    parser.add_argument("--arm", choices=["base", "warm-grpo", "warm-rft", "grpo-partial", "trl"])
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--minutes", type=float, default=120, help="the whole run's wall time")
     parser.add_argument("--samples", type=int, default=10**9, help="GRPO samples at most")
     parser.add_argument("--eval-every", type=int, default=10, help="versions between held-out asks")
     parser.add_argument("--held-out", type=int, default=0, help="ask only the first N (0: all)")
     parser.add_argument("--demonstrations", type=int, default=0, help="post only N (0: all)")
+    parser.add_argument(
+        "--reuse-warm",
+        action="store_true",
+        help="warm-grpo: GRPO from this seed's kept warm start (imported), not trained again",
+    )
     parser.add_argument("--record-answers", type=int, default=0, help="answers kept per batch")
     parser.add_argument("--threads", type=int, default=2, help="TRL's torch threads")
     parser.add_argument("--database-url", help="Postgres (default: embedded)")

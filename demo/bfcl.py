@@ -155,3 +155,46 @@ def _resolved(value: Any) -> Any:
     if isinstance(value, list):
         return [_resolved(v) for v in value]
     return value
+
+
+# --- as an eval set (core/evals.py): the promotion gate's second witness --------------------
+
+
+def eval_item(q: Question, max_tokens: int = 128) -> dict[str, Any]:
+    """A question as an eval-set item: BFCL's prompt, and what the AST check needs to score an
+    answer as the reference."""
+    reference = {"id": q.id, "category": q.category, "functions": q.functions,
+                 "possible": q.possible}  # fmt: skip
+    return {"messages": prompt(q), "tools": None, "reference": reference, "max_tokens": max_tokens}
+
+
+def eval_score(answer: dict[str, Any], item: dict[str, Any]) -> float:
+    """The eval set's scorer (`flywheel eval add ... --scorer python:demo.bfcl:eval_score`): 1
+    for a valid call by BFCL's AST check, else 0."""
+    r = item["reference"]
+    verdict = score(answer.get("content") or "", r["functions"], r["possible"], r["category"])
+    return 1.0 if verdict.valid else 0.0
+
+
+def main() -> None:
+    """`python -m demo.bfcl eval-set OUT.jsonl [--questions N]`: an eval set of the training
+    part's questions (every k-th, never a held-out one), for `flywheel eval add`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("action", choices=["eval-set"])
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--questions", type=int, default=50)
+    parser.add_argument("--category", default="simple_python")
+    args = parser.parse_args()
+    train, _ = split(load(args.category))
+    chosen = train[:: max(1, len(train) // args.questions)][: args.questions]
+    args.out.write_text("".join(json.dumps(eval_item(q)) + "\n" for q in chosen))
+    print(
+        f"{len(chosen)} training-part questions of {args.category} in {args.out}: flywheel eval "
+        f"add bfcl --lineage policy --from {args.out} --scorer python:demo.bfcl:eval_score"
+    )
+
+
+if __name__ == "__main__":
+    main()

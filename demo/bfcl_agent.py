@@ -43,6 +43,7 @@ class Answer:
     reward: float  # what was posted
     policy_version: str
     failed: str | None = None
+    episode_id: str = ""
 
 
 @dataclass(frozen=True)
@@ -114,8 +115,21 @@ class BfclAgent:
                     reward = verdict.partial
                 self._flywheel.reward(reward, idempotency_key=episode_id)
         except Exception as e:  # counted, never hidden
-            return Answer(q.id, "", False, False, 0.0, 0.0, "?", failed=repr(e))
-        return Answer(q.id, text, verdict.valid, verdict.parsable, verdict.partial, reward, version)
+            return Answer(q.id, "", False, False, 0.0, 0.0, "?", repr(e), episode_id)
+        return Answer(
+            q.id, text, verdict.valid, verdict.parsable, verdict.partial, reward, version,
+            episode_id=episode_id,
+        )  # fmt: skip
+
+    def keep_the_best(self, answers: Sequence[Answer]) -> int:
+        """Rejection sampling: each valid answer's call copied as a demonstration, its token
+        ids as sampled (POST /v1/demonstrations `from_episode`); how many were new."""
+        return sum(
+            r.status == "created"
+            for a in answers
+            if a.valid and a.episode_id
+            for r in self._flywheel.demonstrate_episode(a.episode_id, agent=AGENT)
+        )
 
     def evaluate(self, version: int, questions: Sequence[Question] | None = None) -> Evaluation:
         """The held-out part (or `questions`) at temperature 0 through policy@N."""

@@ -25,7 +25,7 @@ from demo import bfcl
 from demo.vllm_server import free_port, start_vllm, stop_vllm, wait_ready
 from tests.conftest import TEST_HOME, RunningProxy, trainer_claims
 from tests.models import built
-from trainer.batch import build_batch, staleness_in
+from tests.zero_staleness import fresh_batch, scored
 from trainer.config import TrainerSettings
 from trainer.loop import Trainer
 from trainer.vllm import Replicas
@@ -118,21 +118,10 @@ def test_demonstrations_then_grpo_on_a_real_model_with_exact_logprobs(
                     c.post("/v1/rewards", json={"episode_id": episode, "reward": reward + e * 1e-3})
 
         claimed = [c for c in trainer_claims(proxy.database_url) if c.episode_id != "probe"]
-        assert len(claimed) == 8 and {c.policy_version for c in claimed} == {1}
-        batch = build_batch(
-            claimed,
-            settings,
-            staleness=staleness_in([1], 1),
-            baseline=None,
-            limits=trainer.engine.limits,
-            sampling_defaults={},
-        )
+        assert len(claimed) == 8
+        batch = fresh_batch(trainer, claimed, 1)
         assert not batch.skipped and len(batch.samples) == 8
-        scored = trainer.engine.trainer._generate_and_score_completions(
-            [vars(s) | {"prompt": ""} for s in batch.samples]
-        )
-        learner, behaviour = scored["old_per_token_logps"], scored["sampling_per_token_logps"]
-        mask = scored["completion_mask"].bool()
+        learner, behaviour, mask = scored(trainer, batch.samples)
         worst = (learner - behaviour)[mask].abs().max().item()
         assert worst <= 1e-3, f"|recomputed - recorded| = {worst:.2e}"
         assert mask.sum() >= 8  # tokens were compared
