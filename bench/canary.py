@@ -23,7 +23,6 @@ counted (there must be none). Appends a dated section to bench/canary.md.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import math
 import shutil
@@ -37,9 +36,8 @@ import psycopg
 import torch
 from safetensors.torch import load_file, save_file
 
-from bench.common import append_section, learning_loop
-from core import canary, database, policy, rollout
-from core.vllm import VLLMAdmin
+from bench.common import append_section, learning_loop, load_adapter, unload_adapter
+from core import canary, database, policy
 from demo.agent import Agent, Episode, print_round
 from demo.calculator import build_calculator_model
 from demo.stack import TASKS, TRAINER_ENV
@@ -182,7 +180,7 @@ def corrupt_one(url: str, vllm_url: str, adapters_dir: Path, rule: canary.Rule) 
             if "lora_B" in key:
                 weights[key] = torch.randn_like(weight) * NOISE_STD
         save_file(weights, path / "adapter_model.safetensors")
-        asyncio.run(_load(vllm_url, name, str(path)))
+        load_adapter(vllm_url, name, str(path))
         try:
             with sessions.begin() as session:
                 policy.publish(
@@ -197,29 +195,13 @@ def corrupt_one(url: str, vllm_url: str, adapters_dir: Path, rule: canary.Rule) 
                     canary_rule=rule,
                 )
         except (policy.CanaryOpen, policy.PolicyMoved):
-            asyncio.run(_unload(vllm_url, name))
+            unload_adapter(vllm_url, name)
             shutil.rmtree(path)
             return None
         print(f"published corrupted v{version} (from v{current.version}) as the candidate")
         return version
     finally:
         engine.dispose()
-
-
-async def _load(vllm_url: str, name: str, path: str) -> None:
-    vllm = VLLMAdmin(api_key=None)
-    try:
-        await rollout.load_everywhere(vllm, [vllm_url], name, path)
-    finally:
-        await vllm.close()
-
-
-async def _unload(vllm_url: str, name: str) -> None:
-    vllm = VLLMAdmin(api_key=None)
-    try:
-        await rollout.unload_everywhere(vllm, [vllm_url], name)
-    finally:
-        await vllm.close()
 
 
 def _round(agent: Agent, r: int) -> list[Episode]:

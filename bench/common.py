@@ -32,7 +32,8 @@ import orjson
 import psutil
 import psycopg
 
-from core import database
+from core import database, rollout
+from core.vllm import VLLMAdmin
 from demo.vllm_server import free_port
 from fakes.processes import WORK, Server, child_env, start_server
 
@@ -378,3 +379,20 @@ def append_section(path: Path, title: str, module: str, lines: Sequence[str]) ->
         path.write_text(f"# {title} (appended by bench/{module.rpartition('.')[2]}.py)\n")
     with path.open("a") as f:
         f.write("\n".join(section))
+
+
+def load_adapter(vllm_url: str, name: str, path: str) -> None:
+    """Load a LoRA adapter into one vLLM under `name`, as a trainer does (core/rollout.py)."""
+    asyncio.run(_with_vllm(lambda vllm: rollout.load_everywhere(vllm, [vllm_url], name, path)))
+
+
+def unload_adapter(vllm_url: str, name: str) -> None:
+    asyncio.run(_with_vllm(lambda vllm: rollout.unload_everywhere(vllm, [vllm_url], name)))
+
+
+async def _with_vllm(call: Callable[[VLLMAdmin], Any]) -> None:
+    vllm = VLLMAdmin(api_key=None)
+    try:
+        await call(vllm)
+    finally:
+        await vllm.close()

