@@ -13,10 +13,13 @@ from functools import partial
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException
 from starlette.responses import Response
+from starlette.routing import Mount
 from starlette.staticfiles import StaticFiles
 
+from proxy import route_table
 from proxy.config import ProxySettings
 from proxy.edge import Edge
 from proxy.errors import ApiError, error_response, unexpected_error
@@ -47,7 +50,20 @@ def create_app(settings: ProxySettings) -> Edge:
     # The whole API's document: FastAPI's routes and the edge's (proxy/openapi.py).
     app.openapi = partial(document, app)  # type: ignore[method-assign]
     app.mount("/ui/static", StaticFiles(directory=ui.STATIC), name="ui-static")
+    route_table.ROUTES.check_mounted(mounted(app))  # every route has its row (proxy/route_table.py)
     return Edge(app, settings)
+
+
+def mounted(app: FastAPI) -> set[tuple[str, str, str]]:
+    """The app's routes as (method, path, router): the module of proxy/routes/ that answers."""
+    found = set()
+    for route in app.router.routes:
+        if isinstance(route, APIRoute):
+            router = route.endpoint.__module__.rpartition(".")[2]
+            found |= {(method, route.path, router) for method in route.methods}
+        elif isinstance(route, Mount):  # the dashboard's static files
+            found.add(("GET", route.path + "/{file:path}", "ui"))
+    return found
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -4,7 +4,7 @@ Keys come from two places: FLYWHEEL_API_KEYS (the default tenant, every scope; c
 constant time, as ever) and the `api_key` table (core/tenants.py: hashed, per tenant, scoped,
 revocable), which every proxy re-reads every `keys_refresh_s`, so a created or revoked key takes
 effect on every replica within that. If Postgres is unreachable the last keys read stay in force.
-Which scope each route needs is `SCOPE_OF` (edge.py applies it); `OPS_PATHS` take the metrics key.
+Which scope each route needs is its row's `access` (proxy/route_table.py; edge.py applies it).
 """
 
 from __future__ import annotations
@@ -20,25 +20,9 @@ from core import tenants
 from core.database import OUTAGE_ERRORS, AsyncSessions, run_sync
 from core.tenants import DEFAULT, Principal
 from proxy.errors import ApiError
+from proxy.route_table import Access
 
 log = logging.getLogger(__name__)
-
-# The scope a /v1/ path needs, by its first segment after /v1/ (unlisted paths: any valid key).
-SCOPE_OF = {
-    "chat": "infer",
-    "completions": "infer",
-    "responses": "infer",
-    "messages": "infer",
-    "models": "infer",
-    "rewards": "reward",
-    "demonstrations": "reward",  # training signal from the application, as rewards are
-    "episodes": "read",
-    "export": "read",
-}
-
-# What the metrics key (FLYWHEEL_METRICS_KEY, or the admin key) opens once keys are on: the
-# metrics, and /healthz's detail (without a key: its status alone, for the probes).
-OPS_PATHS = ("/metrics", "/healthz")
 
 
 class KeyRing:
@@ -93,13 +77,13 @@ class KeyRing:
         )
 
 
-def require(principal: Principal, path: str) -> None:
-    """403 unless the principal's key has the scope the /v1/ path needs."""
-    scope = SCOPE_OF.get(path.removeprefix("/v1/").partition("/")[0])
-    if scope is not None and scope not in principal.scopes:
+def require(principal: Principal, access: Access, path: str) -> None:
+    """403 unless the principal's key has the scope the access names (`infer`, `reward` or
+    `read`; any other access is not an API key's to give)."""
+    if access not in principal.scopes:
         raise ApiError(
             403,
-            f"this API key lacks the {scope!r} scope that {path} needs "
+            f"this API key lacks the {access!r} scope that {path} needs "
             f"(it has: {', '.join(sorted(principal.scopes)) or 'none'})",
             type="permission_error",
             code="insufficient_scope",

@@ -2,7 +2,9 @@
 
 - path-form tags: `/episode/e1/task/t1/v1/...` is served as `/v1/...` with the tags kept aside;
 - the Host check (proxy/hosts.py: a 421 for a name not allowed, against DNS rebinding);
-- auth: with keys on (FLYWHEEL_API_KEYS or FLYWHEEL_AUTH=keys), `/v1/*` needs
+- auth, by the path's row in proxy/route_table.py (its `access`); a path without a row is a 404
+  before anything else (fails closed; on `/v1/` after the key check, so that no key learns which
+  paths exist). With keys on (FLYWHEEL_API_KEYS or FLYWHEEL_AUTH=keys), `/v1/*` needs
   `Authorization: Bearer <key>` (never logged) with the route's scope; the caller's Principal
   (its tenant: proxy/auth.py, core/tenants.py) goes into the scope as `flywheel.principal`;
   Anthropic's Messages route takes the key as `x-api-key` too, as Anthropic's clients send it;
@@ -32,14 +34,15 @@ from starlette.routing import Match
 from starlette.types import Message, Receive, Scope, Send
 
 from core.tenants import OPERATOR, Principal
-from proxy import metrics
-from proxy.auth import OPS_PATHS, require
+from proxy import metrics, route_table
+from proxy.auth import require
 from proxy.config import ProxySettings
 from proxy.errors import ApiError, unexpected_error
 from proxy.hosts import HostCheck
 from proxy.quotas import Quotas
 from proxy.relay import wire
 from proxy.relay.tags import split_path
+from proxy.route_table import KEY_SCOPES
 from proxy.routes.completions import complete
 from proxy.services import services_of
 
@@ -135,19 +138,21 @@ class Edge:
             tags, path = split
             scope = dict(scope, path=path, raw_path=path.encode())
             scope["flywheel.path_tags"] = tags
-        if self._auth_on and scope["path"].startswith("/v1/"):
-            headers = dict(scope["headers"])
-            header = headers.get(b"authorization", b"")
-            if not header and scope["path"] == wire.MESSAGES.path and b"x-api-key" in headers:
-                header = b"Bearer " + headers[b"x-api-key"]
-            principal = services_of(self.app).keys.authenticate(header)
-            require(principal, scope["path"])
+        access = route_table.ROUTES.access(scope["path"])
+        unknown_v1 = access is None and scope["path"].startswith("/v1/")
+        if self._auth_on and (access in KEY_SCOPES or unknown_v1):
+            principal = self._api_principal(scope)
+            if access is not None:
+                require(principal, access, scope["path"])
             scope["flywheel.principal"] = principal
-        if scope["path"].startswith("/ui/api/"):
+        if access is None:  # fails closed: a path without a row reaches nothing
+            message = f"{scope['method']} {scope['path']}: Not Found"
+            raise ApiError(404, message, type="NotFoundError")
+        if access == "dashboard":
             scope["flywheel.principal"] = self._dashboard_principal(scope)
-        if scope["path"] in OPS_PATHS:
+        if access == "ops":
             scope["flywheel.ops"] = self._ops_detail(scope)
-        if scope["path"].startswith("/admin/"):
+        if access == "admin":
             if self._admin_key is None:
                 raise ApiError(
                     403,
@@ -159,6 +164,14 @@ class Edge:
         if quotas is not None:
             quotas.admit(scope)  # last: a request refused for another reason takes nothing
         return scope
+
+    def _api_principal(self, scope: Scope) -> Principal:
+        """The caller of a /v1/ path by its key (Anthropic's SDK sends it as `x-api-key`)."""
+        headers = dict(scope["headers"])
+        header = headers.get(b"authorization", b"")
+        if not header and scope["path"] == wire.MESSAGES.path and b"x-api-key" in headers:
+            header = b"Bearer " + headers[b"x-api-key"]
+        return services_of(self.app).keys.authenticate(header)
 
     def _quotas(self) -> Quotas | None:
         """The tenants' quotas (services.py keeps them shared across replicas), if any is set."""
@@ -177,7 +190,7 @@ class Edge:
         if not self._auth_on:
             return OPERATOR
         principal = services_of(self.app).keys.authenticate(header)
-        require(principal, "/v1/episodes")
+        require(principal, "read", scope["path"])
         return principal
 
     def _ops_detail(self, scope: Scope) -> bool:

@@ -12,9 +12,8 @@ from __future__ import annotations
 
 from starlette.types import Scope
 
+from proxy import route_table
 from proxy.errors import ApiError
-
-ANY_NAME_PATHS = frozenset({"/livez", "/healthz", "/metrics"})
 
 
 class HostCheck:
@@ -28,7 +27,7 @@ class HostCheck:
     def check(self, scope: Scope) -> None:
         """Raise a 421 for a Host not allowed (a request without one, not from a browser, may
         pass)."""
-        if self._any or scope["path"] in ANY_NAME_PATHS:
+        if self._any or any(row.probe for row in route_table.ROUTES.of_path(scope["path"])):
             return
         for key, value in scope["headers"]:
             if key == b"host":

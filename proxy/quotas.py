@@ -2,8 +2,8 @@
 proxy, so that another's calls do not queue behind it.
 
 Four limits, each 0 for none, per tenant (core/tenants.py; the default tenant is `default`):
-completion calls per second and in flight (every `wire.ENDPOINTS` route), reward posts per
-second, reads per second (`GET /v1/episodes/*`, `/v1/export`, `/ui/api/*`). A rate is a token
+completion calls per second and in flight, reward posts per second, reads per second: which a
+route counts against is its row's `quota` (proxy/route_table.py). A rate is a token
 bucket holding `burst_s` seconds of it (at least one request). The edge asks `admit` before
 anything else is done with a request: over a limit it is a 429 (OpenAI's shape, Anthropic's at
 `/v1/messages`) with `Retry-After` (whole seconds until the bucket holds a request again), and
@@ -35,17 +35,14 @@ from dataclasses import dataclass, field
 from starlette.types import Scope
 
 from core.database import OUTAGE_ERRORS, AsyncSessions
-from proxy import metrics
+from proxy import metrics, route_table
 from proxy.auth import principal_of
 from proxy.config import ProxySettings, Quota
 from proxy.errors import ApiError
 from proxy.record.store import replicas
-from proxy.relay import wire
 
 log = logging.getLogger(__name__)
 
-_CALLS = frozenset(endpoint.path for endpoint in wire.ENDPOINTS)
-_READS = ("/v1/episodes/", "/v1/export", "/ui/api/")
 _SLOT = "flywheel.quota_slot"  # in the scope of an admitted completion call: its tenant's state
 
 
@@ -167,13 +164,9 @@ class Quotas:
 
 
 def _kind(scope: Scope) -> str | None:
-    """Which limit a request counts against (None: no quota's)."""
-    path, method = scope["path"], scope["method"]
-    if method == "POST":
-        if path in _CALLS:
-            return "calls"
-        return "rewards" if path in ("/v1/rewards", "/v1/demonstrations") else None
-    return "reads" if method == "GET" and path.startswith(_READS) else None
+    """Which limit a request counts against: its route's (proxy/route_table.py; None: none)."""
+    row = route_table.ROUTES.lookup(scope["method"], scope["path"])
+    return row.quota if row is not None else None
 
 
 # kind -> (what it counts, its limit's name in Quota)

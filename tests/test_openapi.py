@@ -125,16 +125,16 @@ def test_the_document_is_valid_openapi_and_every_error_is_openai_shaped() -> Non
     assert doc["paths"]["/v1/rewards"]["post"]["responses"]["202"]  # journaled
 
 
-def test_a_route_without_its_row_in_proxy_openapi_fails_the_build(
+def test_a_route_without_its_row_in_the_route_table_fails_the_build(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     app = create_app(SETTINGS).app
     app.add_api_route("/v1/new", lambda: None, methods=["GET"])
-    with pytest.raises(LookupError, match="GET /v1/new has no row"):
+    with pytest.raises(LookupError, match=r"GET /v1/new has no doc in proxy/route_table\.py"):
         app.openapi()
     new = wire.Endpoint("new", "/v1/new", "input")
     monkeypatch.setattr(wire, "ENDPOINTS", (*wire.ENDPOINTS, new))
-    with pytest.raises(LookupError, match="POST /v1/new has no row"):
+    with pytest.raises(LookupError, match=r"POST /v1/new has no doc in proxy/route_table\.py"):
         create_app(SETTINGS).app.openapi()
 
 
