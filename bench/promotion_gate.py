@@ -56,7 +56,6 @@ from trainer import evals as asking
 from trainer.candidate import Evaluated
 from trainer.config import TrainerSettings
 from trainer.engine import AtWeights, Engine
-from trainer.ope import Comparison, Estimate
 from trainer.vllm import Replicas
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -199,12 +198,9 @@ def _eval_margin(settings: dict[str, str]) -> float:
 
 def _judged_on_evals(v: Version, estimated: gate.Verdict, settings: dict[str, str]) -> Version:
     """The eval set's verdict and both verdicts together, from the version's eval score."""
-    e = v.evals
-    if e is None:
+    if v.evals is None:
         return v
-    score = asking.Score(float(e["score"]), int(e["items"]), 0, float(e.get("seconds", 0)))
-    current = asking.Score(float(e["current"]), int(e["items"]), 0, 0.0)
-    compared = asking.Compared("sums", "", score, current, int(e.get("current_version", 0)))
+    compared = asking.Compared.from_stats("sums", v.evals)
     on_evals = gate.from_evals([compared], margin=_eval_margin(settings))
     both = gate.combine([estimated, on_evals])
     return dataclasses.replace(v, eval_verdict=on_evals.outcome, both=both.outcome)
@@ -212,31 +208,7 @@ def _judged_on_evals(v: Version, estimated: gate.Verdict, settings: dict[str, st
 
 def _verdict(v: Version, settings: dict[str, str]) -> Version:
     """What the gate would have said of a normal version, from the estimate in its stats."""
-    o = v.ope
-
-    def est(d: dict[str, Any] | None, refused: str | None) -> Estimate:
-        d = d or {}
-        return Estimate(
-            d.get("value"),
-            d.get("low"),
-            d.get("high"),
-            float(d.get("ess", 0.0)),
-            int(o.get("episodes", 0)),
-            refused,
-            float(d.get("mean_weight", 1.0)),
-        )
-
-    comparison = None
-    if o.get("candidate"):
-        refused = o.get("refused")
-        comparison = Comparison(
-            est(o["candidate"], refused),
-            est(o["current"], refused),
-            est(o["difference"], refused),
-            float(o.get("logged", 0.0)),
-        )
-    judged = Evaluated(comparison, episodes=int(o.get("episodes", 0)))
-    verdict = gate.decide(judged, **_gate_settings(settings))
+    verdict = gate.decide(Evaluated.from_stats(v.ope), **_gate_settings(settings))
     v = dataclasses.replace(v, verdict=verdict.outcome, reason=verdict.reason)
     return _judged_on_evals(v, verdict, settings)
 

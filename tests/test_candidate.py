@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from trainer.batch import ModelLimits
-from trainer.candidate import evaluate
+from trainer.candidate import Evaluated, evaluate
 from trainer.config import TrainerSettings
 from trainer.scoring import Completion
 from trainer.store import LoggedCall
@@ -94,6 +94,9 @@ def test_only_the_lineages_calls_are_weighed_and_unweighable_episodes_are_left_o
     assert c.candidate.value == pytest.approx(expected)
     assert c.current.value == pytest.approx(c.logged)
     assert "ope: candidate" in judged.line() and judged.stats()["left_out"]["greedy"] == 1
+    # What the version's stats keep reads back as the same judgement (a report's re-judging).
+    again = Evaluated.from_stats(judged.stats())
+    assert again.stats() == judged.stats() and again.line() == judged.line()
 
 
 def test_nothing_to_estimate_on_says_why(tmp_path: Path) -> None:

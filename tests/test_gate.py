@@ -87,6 +87,12 @@ def test_the_eval_sets_fail_a_version_worse_by_more_than_the_margin_only() -> No
     assert from_evals([], margin=0.02).outcome == "inconclusive"
 
 
+def test_an_eval_sets_stats_read_back_as_the_same_comparison() -> None:
+    compared = eval_set(47, 49)
+    again = Compared.from_stats("sums", compared.stats())
+    assert again.stats() == compared.stats() and again.difference == compared.difference
+
+
 def test_each_witness_must_pass() -> None:
     ok, unsure, bad = Verdict("pass", "a"), Verdict("inconclusive", "b"), Verdict("fail", "c")
     assert combine([ok, ok]).outcome == "pass"

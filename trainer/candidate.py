@@ -68,6 +68,30 @@ class Evaluated:
             }
         return out
 
+    @classmethod
+    def from_stats(cls, stats: dict[str, Any]) -> Evaluated:
+        """What `stats()` kept, read back (a report judging stored versions again): the
+        comparison and the counts; the per-call scores are not kept."""
+        episodes = int(stats.get("episodes", 0))
+        comparison = None
+        if stats.get("candidate"):
+            refused = stats.get("refused")
+            candidate, current, difference = (
+                _estimate(stats[key], episodes, refused)
+                for key in ("candidate", "current", "difference")
+            )
+            logged = float(stats.get("logged", 0.0))
+            comparison = Comparison(candidate, current, difference, logged)
+        return cls(
+            comparison,
+            episodes=episodes,
+            calls=int(stats.get("calls", 0)),
+            rescored=int(stats.get("rescored", 0)),
+            left_out=Counter(stats.get("left_out") or {}),
+            seconds=float(stats.get("seconds", 0.0)),
+            reused=int(stats.get("reused", 0)),
+        )
+
     def line(self) -> str:
         """The step log's line."""
         c, took = (
@@ -201,6 +225,19 @@ def _json(e: Estimate) -> dict[str, Any]:
         "ess": round(e.ess, 1),
         "mean_weight": round(e.mean_weight, 4),
     }
+
+
+def _estimate(d: dict[str, Any], episodes: int, refused: str | None) -> Estimate:
+    """`_json`'s inverse."""
+    return Estimate(
+        d.get("value"),
+        d.get("low"),
+        d.get("high"),
+        float(d.get("ess", 0.0)),
+        episodes,
+        refused,
+        float(d.get("mean_weight", 1.0)),
+    )
 
 
 def _interval(e: Estimate) -> str:

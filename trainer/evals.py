@@ -56,6 +56,16 @@ class Compared:
             "current_version": self.current_version,
         }
 
+    @classmethod
+    def from_stats(cls, name: str, stats: dict[str, Any]) -> Compared:
+        """What `stats()` kept under evals.<name>, read back."""
+        items = int(stats["items"])
+        errors = int(stats.get("scorer_errors", 0))
+        candidate = Score(float(stats["score"]), items, errors, float(stats.get("seconds", 0.0)))
+        current = Score(float(stats["current"]), items, 0, 0.0)
+        version = int(stats.get("current_version", 0))
+        return cls(name, str(stats.get("digest", "")), candidate, current, version)
+
 
 def ask(
     replicas: Replicas, model: str, eval_set: evals.EvalSet, settings: TrainerSettings
