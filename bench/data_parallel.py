@@ -76,11 +76,11 @@ def main() -> None:
 def worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
-    from trainer.batch import Sample
     from trainer.config import TrainerSettings
-    from trainer.distributed import base_held, end, join, shard
-    from trainer.engine import Engine
-    from trainer.sampling import Sampling
+    from trainer.data.batch import Sample
+    from trainer.data.sampling import Sampling
+    from trainer.learner.distributed import base_held, end, join, shard
+    from trainer.learner.engine import Engine
 
     world = join()
     home = Path(tempfile.mkdtemp(prefix=f"data-parallel-{world.rank}-"))
@@ -121,7 +121,7 @@ def worker(args: argparse.Namespace) -> None:
     held, total = base_held(engine.model)
     if world.leader:
         args.out.write_text(json.dumps({"times": times, "base_held": held, "base_total": total}))
-    end()  # leaves the group, skips the interpreter's finalization (trainer/distributed.py)
+    end()  # leaves the group, skips the interpreter's finalization (trainer/learner/distributed.py)
 
 
 def report(args: argparse.Namespace, rows: list[tuple[int, str, float, float, float]]) -> None:

@@ -3,8 +3,9 @@
 Generates a random Qwen2 model of a chosen width (default: Qwen2.5-0.5B's shape, 494M parameters,
 its 151,936-token vocabulary; `--tiny` for a CPU check), records synthetic single-call episodes
 with the proxy's own writer (`insert_transitions`) and credits them with its reward SQL
-(`add_rewards`), then runs `--steps` trainer steps: claim (`trainer/store.py`), build the batch
-(`trainer/batch.py`), one GRPO + LoRA update (`trainer/engine.py`, TRL's loss), save the adapter.
+(`add_rewards`), then runs `--steps` trainer steps: claim (`trainer/data/store.py`), build the
+batch (`trainer/data/batch.py`), one GRPO + LoRA update (`trainer/learner/engine.py`, TRL's
+loss), save the adapter.
 With `--vllm URL` each step is `trainer.loop.Trainer.step()` instead, which also publishes the
 adapter into that vLLM; without one, publishing is skipped (and the output says so). It prints, per
 step, the time, tokens/s trained and peak memory (`torch.cuda.max_memory_allocated` on CUDA, the
@@ -346,7 +347,7 @@ def run(args: argparse.Namespace, device: str) -> None:
         settings = trainer_settings(args, model_dir, url)
         steps = train(settings, args, url, device)
     if settings.shard_base:  # the engine is gone by now: leave() collects it first
-        from trainer import distributed
+        from trainer.learner import distributed
 
         distributed.leave()
     lines = report(args, device, model_dir, steps)
@@ -385,7 +386,7 @@ def train(settings: Any, args: argparse.Namespace, url: str, device: str) -> lis
     import torch
 
     from core import database
-    from trainer.engine import Engine, StepStats
+    from trainer.learner.engine import Engine, StepStats
 
     engine_db, sessions = database.create_sessions(url)
     settings.adapters_dir.mkdir(parents=True, exist_ok=True)
@@ -465,7 +466,7 @@ def join_alone(device: str) -> None:
     import torch.distributed as dist
 
     from demo.vllm_server import free_port
-    from trainer import distributed
+    from trainer.learner import distributed
 
     if "WORLD_SIZE" not in os.environ:
         os.environ |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
@@ -480,8 +481,8 @@ def join_alone(device: str) -> None:
 def engine_step(engine: Any, settings: Any, sessions: Any, step: int) -> list[tuple[int, int]]:
     """What `Trainer.step()` does short of publishing: claim, build, update, save. Returns the
     (prompt, completion) lengths it trained on."""
-    from trainer import store
-    from trainer.batch import build_batch, staleness_in
+    from trainer.data import store
+    from trainer.data.batch import build_batch, staleness_in
 
     with sessions.begin() as session:
         claimed = store.claim(

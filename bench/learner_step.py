@@ -1,6 +1,6 @@
 """The learner's step on a real model's batches: seconds and peak memory of one GRPO step and one
 supervised step of SmolLM2-135M-Instruct on BFCL-shaped batches, with and without the prompts'
-shared parts forwarded once (trainer/shared_prompts.py), whole or in micro-batches.
+shared parts forwarded once (trainer/learner/shared_prompts.py), whole or in micro-batches.
 
 A GRPO batch is 4 training-part questions x 8 sampled answers (BFCL's prompts, ~460 tokens, 254
 of them the same system preamble; answers of `--answer-tokens` sampled tokens); a supervised
@@ -43,12 +43,12 @@ def one(kind: str, share: bool, budget: int, threads: int, answer_tokens: int) -
     from transformers import AutoTokenizer
 
     from demo import bfcl
-    from trainer.batch import Sample
     from trainer.config import TrainerSettings
-    from trainer.engine import Engine
+    from trainer.data.batch import Sample
+    from trainer.data.sampling import Sampling
+    from trainer.learner.engine import Engine
+    from trainer.learner.sft import Demo
     from trainer.models import resolve
-    from trainer.sampling import Sampling
-    from trainer.sft import Demo
 
     torch.set_num_threads(threads)
     model_dir = resolve("smollm2-135m", ROOT / ".flywheel")

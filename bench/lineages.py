@@ -32,10 +32,10 @@ def measure(count: int, steps: int, model_dir: Path) -> dict[str, float]:
     """In this process: `count` lineages' engines on one base, each stepped `steps` times."""
     import torch
 
-    from trainer.batch import Sample
     from trainer.config import TrainerSettings
-    from trainer.engine import Engine
-    from trainer.sampling import Sampling
+    from trainer.data.batch import Sample
+    from trainer.data.sampling import Sampling
+    from trainer.learner.engine import Engine
 
     def rss_mib(field: str) -> float:
         for line in Path("/proc/self/status").read_text().splitlines():

@@ -51,11 +51,12 @@ from core import database, evals, policy
 from demo.agent import MAX_TOKENS, TEMPERATURE, Agent, Episode, print_round
 from demo.calculator import QUESTIONS, build_calculator_model, messages, reward
 from demo.stack import TASKS, TRAINER_ENV
-from trainer import candidate, gate, store
+from trainer import candidate, gate
 from trainer import evals as asking
 from trainer.candidate import Evaluated
 from trainer.config import TrainerSettings
-from trainer.engine import AtWeights, Engine
+from trainer.data import store
+from trainer.learner.engine import AtWeights, Engine
 from trainer.vllm import Replicas
 
 ROOT = Path(__file__).resolve().parent.parent

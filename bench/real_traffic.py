@@ -50,7 +50,7 @@ from core import database
 from demo.agent import MAX_TOKENS
 from demo.calculator import QUESTIONS, build_calculator_model, messages, reward, task_id
 from demo.stack import MODEL_NAME, TASKS
-from trainer.correction import BUCKETS
+from trainer.learner.correction import BUCKETS
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).with_suffix(".md")

@@ -4,7 +4,7 @@
 
 One mapping for both sides: the proxy sends these with the converted messages
 (proxy/relay/messages.py `chat_request`), and the trainer reads a recorded Messages call's
-sampling from them (trainer/sampling.py), since the call's `params` keep the Anthropic body as
+sampling from them (trainer/data/sampling.py), since the call's `params` keep the Anthropic body as
 posted: `output_config.format` is a grammar vLLM applied, `thinking.budget_tokens` a thinking
 budget, `tool_choice` `{"type": "auto"}` plain sampling, and fields the conversion drops
 (`min_p`, `logit_bias`, `repetition_penalty`) were never applied.

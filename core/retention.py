@@ -38,7 +38,7 @@ from core.tables import TRAINABLE
 log = logging.getLogger("flywheel.retention")
 
 BATCH = 10_000  # episodes or messages deleted per transaction
-# Untrained rows that a trainer would claim (trainer/store.py `_QUEUED`, less its filters).
+# Untrained rows that a trainer would claim (trainer/data/store.py `_QUEUED`, less its filters).
 _UNTRAINED = f"{TRAINABLE} AND lineage IS NOT NULL"
 TABLES = ("transition", "message", "token_block", "episode", "reward", "judgement")
 CONTENT = ("message", "token_block")  # stored once by digest, pruned by `last_used`

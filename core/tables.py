@@ -54,7 +54,7 @@ NAMING_CONVENTION = {
 
 
 # A transition the trainer may still learn from: the partial index below, the trainer's queue
-# (trainer/store.py) and what retention keeps (core/retention.py) say it in these words.
+# (trainer/data/store.py) and what retention keeps (core/retention.py) say it in these words.
 TRAINABLE = (
     "status = 'ok' AND credited_at IS NOT NULL AND trained_at IS NULL AND skip_reason IS NULL"
 )
@@ -351,9 +351,10 @@ class ProxyReplica(Base):
 
 class Demonstration(Base):
     """A prompt with the answer it should get, for the trainer to imitate (a supervised step on
-    the answer's tokens, trainer/sft.py): posted by an application (a labelled set, a person's
-    correction) as chat messages and an answer, or copied from a recorded call of a rewarded
-    episode with its exact token ids (rejection-sampling fine-tuning). It trains one lineage."""
+    the answer's tokens, trainer/learner/sft.py): posted by an application (a labelled set, a
+    person's correction) as chat messages and an answer, or copied from a recorded call of a
+    rewarded episode with its exact token ids (rejection-sampling fine-tuning). It trains one
+    lineage."""
 
     __tablename__ = "demonstration"
 

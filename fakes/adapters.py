@@ -1,5 +1,5 @@
 """LoRA adapters with random weights, saved as the trainer saves its own (PEFT's
-`save_pretrained`: adapter_config.json + adapter_model.safetensors, with trainer/engine.py's
+`save_pretrained`: adapter_config.json + adapter_model.safetensors, with trainer/learner/engine.py's
 targets and settings), for tests and benchmarks that need many distinct adapters vLLM loads.
 
 Each adapter's weights come from its own seed and are large enough that two adapters answer a

@@ -30,7 +30,7 @@ from fakes.vllm import FakeVLLM
 from proxy.app import create_app
 from proxy.config import ProxySettings
 from proxy.services import Services
-from trainer import store as trainer_store
+from trainer.data import store as trainer_store
 
 TEMPLATE_DB = f"flywheel_template_{os.getpid()}"  # per run: parallel runs share the server
 TEST_HOME = Path(__file__).resolve().parent.parent / ".flywheel" / "test"

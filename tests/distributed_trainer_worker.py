@@ -16,7 +16,7 @@ import sys
 from typing import Any
 
 from flywheel.cli import main
-from trainer.engine import Engine
+from trainer.learner.engine import Engine
 
 
 def die(*_: Any) -> None:

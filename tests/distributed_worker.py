@@ -22,8 +22,8 @@ from tests.test_microbatch import (
     samples,
     settings_for,
 )
-from trainer.distributed import World, base_held, end, join, shard
-from trainer.engine import Engine
+from trainer.learner.distributed import World, base_held, end, join, shard
+from trainer.learner.engine import Engine
 
 
 def main() -> None:
@@ -74,7 +74,7 @@ def main() -> None:
         {"grads": grads, "loss": stats.loss, "plain": plain, "loss_type": loss_types[-1]},
         out / f"second-rank{world.rank}.pt",
     )
-    end()  # leaves the group, skips the interpreter's finalization (trainer/distributed.py)
+    end()  # leaves the group, skips the interpreter's finalization (trainer/learner/distributed.py)
 
 
 def fill(engine: Engine) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.advantages import EPS, RunningBaseline, Scored, group_advantages
+from trainer.data.advantages import EPS, RunningBaseline, Scored, group_advantages
 
 
 def scored(tid: str, episode: str, task: str | None, ret: float, agent: str = "a") -> Scored:

@@ -1,8 +1,8 @@
-"""Staleness counts the trained lineage's own versions (trainer/batch.py)."""
+"""Staleness counts the trained lineage's own versions (trainer/data/batch.py)."""
 
 from __future__ import annotations
 
-from trainer.batch import staleness_in
+from trainer.data.batch import staleness_in
 
 
 def test_staleness_counts_only_the_lineages_own_publishes() -> None:

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from trainer.batch import ModelLimits
 from trainer.candidate import Evaluated, evaluate
 from trainer.config import TrainerSettings
-from trainer.scoring import Completion
-from trainer.store import LoggedCall
+from trainer.data.batch import ModelLimits
+from trainer.data.store import LoggedCall
+from trainer.learner.scoring import Completion
 
 LIMITS = ModelLimits(vocab_size=100, max_length=64)
 FIXED = {"sampling_defaults": {}, "limits": LIMITS}

@@ -278,7 +278,7 @@ def test_the_ddp_override_launches_the_trainer_on_its_gpus(
 def test_accelerate_configs_load_and_say_what_they_run() -> None:
     from accelerate.commands.config.config_args import load_config_from_file
 
-    from trainer import distributed
+    from trainer.learner import distributed
 
     configs = {
         p.stem: load_config_from_file(str(p)) for p in (ROOT / "deploy/accelerate").glob("*.yaml")

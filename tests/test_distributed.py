@@ -1,7 +1,7 @@
 """One lineage's step on 2 processes (torchrun, gloo) is the step one process takes.
 
 The same claimed batch, trained by one process and by two (each its shard, gradients averaged:
-trainer/distributed.py), the base model replicated on both or sharded over them (FSDP2, each
+trainer/learner/distributed.py), the base model replicated on both or sharded over them (FSDP2, each
 holding half its weights): the same averaged LoRA gradient (max abs difference <= 1e-5 of its
 largest entry), for dapo (its global token count), grpo and bnpo, with micro-batches; the same
 loss; the same adapter after the step to float32 rounding; and every row trained by exactly one
@@ -27,10 +27,10 @@ from tests.test_microbatch import (
     samples,
     settings_for,
 )
-from trainer.batch import Sample
-from trainer.distributed import World, shard
-from trainer.engine import Engine
-from trainer.sampling import Sampling
+from trainer.data.batch import Sample
+from trainer.data.sampling import Sampling
+from trainer.learner.distributed import World, shard
+from trainer.learner.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[1]
 LOSS_TYPES = ["dapo", "grpo", "bnpo"]

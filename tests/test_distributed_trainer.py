@@ -21,8 +21,9 @@ from demo.vllm_server import free_port
 from fakes.vllm import FakeVLLM
 from tests.conftest import TEST_HOME, RunningProxy
 from tests.test_trainer_loop import play
-from trainer import distributed, turns
+from trainer import turns
 from trainer.config import TrainerSettings
+from trainer.learner import distributed
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

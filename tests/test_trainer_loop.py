@@ -33,8 +33,9 @@ from demo.vllm_server import free_port
 from fakes.vllm import FakeVLLM
 from flywheel import status
 from tests.conftest import TEST_HOME, RunningProxy
-from trainer import gate, store
+from trainer import gate
 from trainer.config import TrainerSettings
+from trainer.data import store
 from trainer.loop import Trainer
 from trainer.vllm import Replicas
 
@@ -756,7 +757,7 @@ def test_a_reward_many_versions_late_is_still_trained(
 ) -> None:
     """No cliff at four versions: episodes served by the base model and rewarded only after
     six versions were published are trained by the next step (their tokens weighted by how
-    far the policy moved, trainer/correction.py)."""
+    far the policy moved, trainer/learner/correction.py)."""
     late = sampled_calls(proxy, "late", {}, rewarded=False)
     served = "SELECT 1 FROM transition WHERE episode_id LIKE 'late-%%' AND policy_version = 0"
     assert len(proxy.wait_rows(served, 4)) == 4  # by the base model

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from trainer.batch import Batch, build_batch, staleness_in
+from trainer.data.batch import Batch, build_batch, staleness_in
+from trainer.data.store import Claimed
 from trainer.loop import Trainer
-from trainer.store import Claimed
 
 
 def fresh_batch(trainer: Trainer, claimed: list[Claimed], version: int) -> Batch:

@@ -8,7 +8,7 @@ version's when another version served it (for its own, the recorded log-probabil
 current version's; for a call the current version was scored on when it was the candidate, that
 score: `Evaluated.scores`, kept by the trainer and passed back as `known`). Calls of other
 lineages or models keep weight 1. An episode is left out when one of the lineage's calls cannot
-be weighed: no token ids or logprobs, greedy or constrained decoding (trainer/sampling.py), or
+be weighed: no token ids or logprobs, greedy or constrained decoding (trainer/data/sampling.py), or
 longer than the model takes.
 """
 
@@ -20,12 +20,12 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from trainer.batch import ModelLimits, unscorable
 from trainer.config import TrainerSettings
+from trainer.data.batch import ModelLimits, unscorable
+from trainer.data.sampling import Sampling, SetAside, sampling_of
+from trainer.data.store import LoggedCall
+from trainer.learner.scoring import Completion
 from trainer.ope import Comparison, Estimate, LoggedEpisode, Window, compare
-from trainer.sampling import Sampling, SetAside, sampling_of
-from trainer.scoring import Completion
-from trainer.store import LoggedCall
 
 log = logging.getLogger("flywheel.trainer")
 

@@ -23,7 +23,7 @@ from trainer.ope import Method
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
-# How far a transition may be from the learner (trainer/correction.py, docs/off_policy.md).
+# How far a transition may be from the learner (trainer/learner/correction.py, docs/off_policy.md).
 OffPolicyMask = Literal["geometric", "sequence", "token", "none"]
 
 
@@ -133,7 +133,7 @@ class TrainerSettings(DatabaseSettings):
         "is given up and the launcher restarts it.",
     )
 
-    # --- demonstrations: supervised steps (trainer/sft.py) ------------------------------------
+    # --- demonstrations: supervised steps (trainer/learner/sft.py) ---------------------------
     demonstrations: Literal["first", "mix", "off"] = Field(
         "first",
         description="The lineage's demonstrations (POST /v1/demonstrations): first (a warm "
@@ -196,7 +196,7 @@ class TrainerSettings(DatabaseSettings):
     share_prompts: bool = Field(
         True,
         description="Rows of a batch with the same prompt (a GRPO group's samples) forward it "
-        "once and only their completions each (trainer/shared_prompts.py): P + G*C tokens "
+        "once and only their completions each (trainer/learner/shared_prompts.py): P + G*C tokens "
         "instead of G*(P+C). Off by itself with gradient_checkpointing or shard_base.",
     )
     dtype: Literal["float32", "bfloat16"] = Field(

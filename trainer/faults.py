@@ -22,7 +22,7 @@ from prometheus_client import Gauge
 
 from core.database import OUTAGE_ERRORS, Sessions
 from core.vllm import AdapterRejected, VLLMError
-from trainer import store
+from trainer.data import store
 
 log = logging.getLogger("flywheel.trainer")
 

@@ -30,15 +30,17 @@ from pathlib import Path
 from core import canary, policy
 from core.database import Sessions
 from core.vllm import VLLMError
-from trainer import faults, metrics, ranks, report, sft, store
-from trainer.advantages import RunningBaseline
-from trainer.batch import build_batch, staleness_in
+from trainer import faults, metrics, report
 from trainer.canary_watch import CanaryWatch
 from trainer.config import TrainerSettings
-from trainer.engine import Engine, Snapshot
+from trainer.data import store
+from trainer.data.advantages import RunningBaseline
+from trainer.data.batch import build_batch, staleness_in
+from trainer.data.sampling import server_defaults
 from trainer.housekeeping import Housekeeper
+from trainer.learner import ranks, sft
+from trainer.learner.engine import Engine, Snapshot
 from trainer.promotion import Gatekeeper
-from trainer.sampling import server_defaults
 from trainer.vllm import Replicas
 
 log = logging.getLogger("flywheel.trainer")
@@ -276,7 +278,7 @@ class Trainer:
 
     def _sft(self, claimed: list[store.ClaimedDemonstration]) -> bool:
         """One supervised step on the claimed demonstrations from the engine's weights, then
-        publish (trainer/sft.py)."""
+        publish (trainer/learner/sft.py)."""
         ids = [c.id for c in claimed]
         before = self.engine.snapshot()
         try:  # only what fails here is the batch's fault

@@ -56,7 +56,7 @@ _QUEUE = Gauge(
 )
 _DEMONSTRATIONS_DUE = Gauge(
     "flywheel_trainer_queue_demonstrations",
-    "Demonstrations still due an epoch of supervised steps (trainer/sft.py).",
+    "Demonstrations still due an epoch of supervised steps (trainer/learner/sft.py).",
     ["lineage"],
 )
 _SFT_STEPS = Counter(

@@ -3,10 +3,10 @@ logged, before any user sees it (docs/promotion.md says what is weighted, clippe
 
 Each logged episode is its calls in order, each with the log-ratio of the candidate's probability
 of the completion to the behaviour's (`log π(y|x) - log μ(y|x)`, summed over its tokens: the
-recorded logprobs are μ's, `trainer/logprobs.py` gives π's under the same sampling settings), the
-reward the call earned on its own (its step rewards), and the episode's final reward (earned
-after its last call). The estimand is the expected episode reward (final plus step rewards) had
-the candidate served the episodes' tasks.
+recorded logprobs are μ's, `trainer/learner/logprobs.py` gives π's under the same sampling
+settings), the reward the call earned on its own (its step rewards), and the episode's final
+reward (earned after its last call). The estimand is the expected episode reward (final plus
+step rewards) had the candidate served the episodes' tasks.
 
     wis  per-decision importance sampling, self-normalised: reward r_t weighted by the product of
          the ratios of the calls up to t (rho_t), clipped at `clip`, normalised per position

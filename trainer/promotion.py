@@ -17,10 +17,11 @@ from core import policy
 from core.database import Sessions
 from core.evals import EvalSet
 from core.evals import sets as eval_sets_of
-from trainer import candidate, evals, gate, store
+from trainer import candidate, evals, gate
 from trainer.config import TrainerSettings
-from trainer.engine import AtWeights, Engine, Snapshot
+from trainer.data import store
 from trainer.evals import Compared
+from trainer.learner.engine import AtWeights, Engine, Snapshot
 from trainer.metrics import LineageMetrics
 from trainer.vllm import Replicas
 

@@ -7,11 +7,11 @@ import logging
 from collections import Counter
 
 from core import canary
-from trainer.batch import Batch
-from trainer.correction import BUCKETS, Tally
-from trainer.engine import StepStats
+from trainer.data.batch import Batch
+from trainer.learner.correction import BUCKETS, Tally
+from trainer.learner.engine import StepStats
+from trainer.learner.sft import SftStats
 from trainer.metrics import LineageMetrics
-from trainer.sft import SftStats
 
 log = logging.getLogger("flywheel.trainer")
 

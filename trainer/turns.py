@@ -29,9 +29,10 @@ from sqlalchemy import text
 from core import database, policy
 from core.database import Sessions
 from core.tables import TRAINABLE
-from trainer import distributed, faults, ranks
+from trainer import faults
 from trainer.config import TrainerSettings
-from trainer.engine import Engine
+from trainer.learner import distributed, ranks
+from trainer.learner.engine import Engine
 from trainer.loop import Trainer
 from trainer.vllm import Replicas
 
@@ -60,7 +61,7 @@ def run(settings: TrainerSettings) -> None:
         )
     signal.signal(signal.SIGTERM, _stop)  # kubectl delete, docker stop: claims go back at once
     try:
-        if not world.leader:  # under torchrun / accelerate launch (trainer/ranks.py)
+        if not world.leader:  # under torchrun / accelerate launch (trainer/learner/ranks.py)
             try:
                 ranks.follow(settings)
             except (Stopping, KeyboardInterrupt):
@@ -164,7 +165,7 @@ class Turns:
         max_steps, poll_s = self.settings.max_steps, self.settings.poll_s
         try:
             while True:
-                if self.world.size > 1:  # each turn, busy or not (trainer/ranks.py)
+                if self.world.size > 1:  # each turn, busy or not (trainer/learner/ranks.py)
                     ranks.heartbeat()
                 if time.monotonic() >= self._next_discovery:
                     try:

@@ -1,5 +1,6 @@
 """`demonstration` (issue 41): prompts with the answers they should get, posted by an application
-or copied from a rewarded episode's calls, for the trainer's supervised steps (trainer/sft.py).
+or copied from a rewarded episode's calls, for the trainer's supervised steps
+(trainer/learner/sft.py).
 
 Revision ID: 0016
 Revises: 0015

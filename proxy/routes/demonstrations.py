@@ -1,5 +1,5 @@
 """POST /v1/demonstrations: prompts with the answers they should get, for the trainer's supervised
-steps (trainer/sft.py): a warm start from a labelled set, a person's correction, or the best
+steps (trainer/learner/sft.py): a warm start from a labelled set, a person's correction, or the best
 recorded episodes (`from_episode`: their calls' token ids, exactly as sampled).
 
 One demonstration or a list of them; all stored or none. Each trains one lineage: the one it

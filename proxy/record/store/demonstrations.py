@@ -1,7 +1,7 @@
 """Demonstrations as posted: a prompt with its answer, or copies of a recorded episode's calls
 (their token ids as sampled). Idempotent: a posted one by its key (unique per lineage), a copied
 call by its transition (copying an episode again adds nothing). The trainer's side is
-trainer/store.py."""
+trainer/data/store.py."""
 
 from __future__ import annotations
 

@@ -4,10 +4,10 @@ TRL (pinned: trl==1.16.0; the hooks below are private) owns the loss: PPO clippi
 its aggregation (`loss_type`), the optional KL to the base model (`beta`). We own the data and the
 off-policy maths (docs/off_policy.md): token ids exactly as vLLM sampled them (never
 re-tokenised); each token's log-probability recomputed under the distribution its call was really
-sampled from (`trainer/logprobs.py`: its own temperature, top-k/top-p/min-p, penalties, bias),
-so it compares like with like with the behaviour log-probs vLLM reported
+sampled from (`trainer/learner/logprobs.py`: its own temperature, top-k/top-p/min-p, penalties,
+bias), so it compares like with like with the behaviour log-probs vLLM reported
 (`--logprobs-mode processed_logprobs`); the importance weights and rejection from those to the
-learner (`trainer/correction.py`); and advantages from `trainer/advantages.py`.
+learner (`trainer/learner/correction.py`); and advantages from `trainer/data/advantages.py`.
 
 The model, adapter, optimizer and TRL trainer object live as long as the Engine (one per process).
 """
@@ -36,10 +36,10 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
     from trl import GRPOConfig, GRPOTrainer  # type: ignore[attr-defined]
 
-from trainer.batch import ModelLimits, Sample
 from trainer.config import TrainerSettings
-from trainer.correction import Correction, Tally, correct
-from trainer.distributed import (
+from trainer.data.batch import ModelLimits, Sample
+from trainer.learner.correction import Correction, Tally, correct
+from trainer.learner.distributed import (
     World,
     average,
     average_gradients,
@@ -48,12 +48,12 @@ from trainer.distributed import (
     gather_correction,
     shard_base,
 )
-from trainer.logprobs import processed_logprobs
-from trainer.microbatch import lengths, pieces, share
-from trainer.scoring import Completion, completion_logprobs
-from trainer.sft import Demo, SftStats, backward, completion_tokens
-from trainer.sft import lengths as sft_lengths
-from trainer.shared_prompts import completion_logits
+from trainer.learner.logprobs import processed_logprobs
+from trainer.learner.microbatch import lengths, pieces, share
+from trainer.learner.scoring import Completion, completion_logprobs
+from trainer.learner.sft import Demo, SftStats, backward, completion_tokens
+from trainer.learner.sft import lengths as sft_lengths
+from trainer.learner.shared_prompts import completion_logits
 
 # The trainable weights and both optimizers' states: what undoing a step needs.
 Snapshot = tuple[dict[str, torch.Tensor], tuple[dict[str, Any], dict[str, Any]]]
@@ -112,7 +112,7 @@ class _TransitionGRPOTrainer(GRPOTrainer):
         self._rows: list[dict[str, Any]] = []
         self._active: list[int] = []  # which of _rows the next log-prob pass scores, in order
         self.correction: Correction | None = None
-        self.share = 1.0  # what the next loss is multiplied by (trainer/microbatch.py)
+        self.share = 1.0  # what the next loss is multiplied by (trainer/learner/microbatch.py)
 
     def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         """`training_step` gets a piece of a batch the engine already prepared (`prepare`)."""
@@ -152,7 +152,7 @@ class _TransitionGRPOTrainer(GRPOTrainer):
         return batch
 
     def _correct(self, batch: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-        """Our importance weights and rejection in place of TRL's (trainer/correction.py). A
+        """Our importance weights and rejection in place of TRL's (trainer/learner/correction.py). A
         rejected token leaves the loss and its denominator through TRL's `tool_mask`, which
         masks the loss only (the completion mask also feeds attention)."""
         s = self.settings
@@ -196,7 +196,7 @@ class _TransitionGRPOTrainer(GRPOTrainer):
         (TRL's fused head knows one temperature and no truncation). `input_ids` rows are
         `self._active`'s, in order. The logits are materialised, (rows, tokens, vocabulary) a
         chunk of `batch_size` rows at a time; rows with one prompt forward it once
-        (trainer/shared_prompts.py)."""
+        (trainer/learner/shared_prompts.py)."""
         batch_size = batch_size or input_ids.size(0)
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
@@ -343,11 +343,11 @@ class Engine:
         # The LoRA layers, as the PeftModel the TRL trainer holds has them (TRL wraps a bare model).
         self._layers = [m for m in trainer.model.modules() if isinstance(m, BaseTunerLayer)]
         # Under torchrun / accelerate launch: the ranks' adapters start equal, and their gradients
-        # are averaged before each optimizer step (trainer/distributed.py).
+        # are averaged before each optimizer step (trainer/learner/distributed.py).
         self.world = World.current()
         self._trained = [p for n, p in trainer.model.named_parameters() if self._own(n)]
         broadcast_parameters(self._trained, self.world)
-        # Supervised steps' own AdamW (trainer/sft.py: its moments kept apart from GRPO's).
+        # Supervised steps' own AdamW (trainer/learner/sft.py: its moments kept apart from GRPO's).
         self.sft_optimizer = torch.optim.AdamW(
             self._trained, lr=settings.sft_learning_rate, weight_decay=0.0
         )
@@ -387,7 +387,7 @@ class Engine:
 
     def step(self, samples: list[Sample]) -> StepStats:
         """One batch: `num_iterations` optimizer steps with TRL's loss, each backpropagated in
-        pieces of at most `micro_batch_tokens` (trainer/microbatch.py)."""
+        pieces of at most `micro_batch_tokens` (trainer/learner/microbatch.py)."""
         trainer, model = self.trainer, self._use()
         rows = [vars(s) | {"prompt": ""} for s in samples]
         started = time.perf_counter()
@@ -426,7 +426,7 @@ class Engine:
         )
 
     def sft_step(self, demos: list[Demo]) -> SftStats:
-        """One supervised step on demonstrations (trainer/sft.py), with its own optimizer."""
+        """One supervised step on demonstrations (trainer/learner/sft.py), its own optimizer's."""
         model, settings = self._use(), self.trainer.settings
         started = time.perf_counter()
         model.train()
@@ -458,7 +458,7 @@ class Engine:
 
     def score(self, rows: Sequence[Completion]) -> list[float]:
         """Each recorded completion's log-probability under this engine's weights now, under
-        its call's sampling settings (trainer/scoring.py): no gradient, no state changed."""
+        its call's sampling settings (trainer/learner/scoring.py): no gradient, no state changed."""
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         device = self.trainer.accelerator.device
         share = self.trainer.settings.shares_prompts

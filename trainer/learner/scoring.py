@@ -2,9 +2,9 @@
 gradients: what off-policy evaluation (trainer/ope.py) weighs a candidate's calls with.
 
 The rows are laid out as a training step lays them out (left-padded prompts, right-padded
-completions, trainer/shared_prompts.py), and each token's log-probability is taken under its
-call's own sampling distribution (trainer/logprobs.py), so at the weights that served a call the
-sum equals the recorded behaviour log-probabilities' to float rounding.
+completions, trainer/learner/shared_prompts.py), and each token's log-probability is taken
+under its call's own sampling distribution (trainer/learner/logprobs.py), so at the weights that
+served a call the sum equals the recorded behaviour log-probabilities' to float rounding.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from trainer.logprobs import processed_logprobs
-from trainer.sampling import Sampling
-from trainer.shared_prompts import completion_logits, padded
+from trainer.data.sampling import Sampling
+from trainer.learner.logprobs import processed_logprobs
+from trainer.learner.shared_prompts import completion_logits, padded
 
 
 @dataclass(frozen=True)

@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.utils import parameters_to_vector
 
-from trainer.batch import Sample
-from trainer.correction import Correction, Tally
-from trainer.sft import Demo
+from trainer.data.batch import Sample
+from trainer.learner.correction import Correction, Tally
+from trainer.learner.sft import Demo
 
 Row = TypeVar("Row", Sample, Demo)  # what a step deals out: GRPO samples, or demonstrations
 

@@ -378,7 +378,7 @@ def logged_window(
     ]
 
 
-# --- demonstrations (trainer/sft.py) ------------------------------------------------------------
+# --- demonstrations (trainer/learner/sft.py) ------------------------------------------------
 
 
 @dataclass(frozen=True)

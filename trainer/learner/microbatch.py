@@ -91,7 +91,7 @@ def share(
     """What the piece's loss (as TRL computes it on the piece alone) is multiplied by so that the
     pieces' losses, and so their gradients, sum to the whole batch's. `batch` is this process's
     part of a batch trained by `processes` processes whose gradients are averaged
-    (trainer/distributed.py); its `rows_in_batch` and `num_items_in_batch` count the whole
+    (trainer/learner/distributed.py); its `rows_in_batch` and `num_items_in_batch` count the whole
     batch's real rows and kept tokens (ballast rows have none)."""
     if loss_type in BATCH_TOKEN_LOSSES:  # TRL divides the whole batch's count by `processes`
         return 1.0

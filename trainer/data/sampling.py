@@ -2,7 +2,8 @@
 
 The trainer recomputes a completion's log-probabilities under the very distribution vLLM drew it
 from (docs/off_policy.md): the same temperature, min-p, top-k and top-p, logit bias, allowed
-tokens and presence / frequency / repetition penalties, in vLLM's order (trainer/logprobs.py).
+tokens and presence / frequency / repetition penalties, in vLLM's order
+(trainer/learner/logprobs.py).
 `sampling_of` reads those settings from a transition's recorded `params` the way vLLM 0.32 does
 (a value the request leaves out is the server's default, then OpenAI's), or says why the call
 cannot be trained exactly: greedy calls carry no exploration, and what vLLM decided by a grammar

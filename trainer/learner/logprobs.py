@@ -5,7 +5,7 @@ vLLM 0.32's sampler (`v1/sample/sampler.py`, `ops/topk_topp_sampler.py`, `ops/pe
 order, and `--logprobs-mode processed_logprobs` reports the sampled token's log-probability under
 the result: allowed-token whitelist, logit bias, repetition / frequency / presence penalties, then
 temperature, min-p, top-k, top-p, softmax. The same steps here, per row, with each row's own
-settings (`trainer/sampling.py`), so the learner's probability of a recorded token and the
+settings (`trainer/data/sampling.py`), so the learner's probability of a recorded token and the
 recorded behaviour probability describe the same distribution (docs/off_policy.md). At the
 weights that served a call, the two agree to float32 rounding (tests/test_e2e_sampling.py).
 
@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from trainer.sampling import Sampling
+from trainer.data.sampling import Sampling
 
 # The log-probability given to a recorded token that the learner's distribution no longer
 # contains (it fell out of the top-k/top-p/min-p set): finite, so ratios stay numbers (exp of it

@@ -36,11 +36,11 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from trainer.batch import ModelLimits, Sample
 from trainer.config import TrainerSettings
-from trainer.distributed import World, shard
-from trainer.engine import Engine, Snapshot, StepStats
-from trainer.sft import Demo, SftStats
+from trainer.data.batch import ModelLimits, Sample
+from trainer.learner.distributed import World, shard
+from trainer.learner.engine import Engine, Snapshot, StepStats
+from trainer.learner.sft import Demo, SftStats
 
 T = TypeVar("T")
 

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
-from trainer import microbatch
-from trainer.batch import ModelLimits
-from trainer.shared_prompts import completion_logits, padded
-from trainer.store import ClaimedDemonstration
+from trainer.data.batch import ModelLimits
+from trainer.data.store import ClaimedDemonstration
+from trainer.learner import microbatch
+from trainer.learner.shared_prompts import completion_logits, padded
 
 
 @dataclass(frozen=True)
@@ -117,8 +117,9 @@ def backward(
 ) -> float:
     """Backpropagate the batch's completion NLL (summed, divided by `total`, the completion
     tokens of the whole step over every rank) in pieces of at most `budget` padded tokens
-    (0: one piece); `share`: what their prompts share forwarded once (trainer/shared_prompts.py:
-    a system prompt, a task's preamble); `ranks`: every rank's `lengths`, to cut alike.
+    (0: one piece); `share`: what their prompts share forwarded once
+    (trainer/learner/shared_prompts.py: a system prompt, a task's preamble); `ranks`: every
+    rank's `lengths`, to cut alike.
     Returns this batch's part of the loss."""
     loss = 0.0
     for piece in _pieces(demos, budget, ranks):

@@ -1,7 +1,7 @@
 """From claimed transitions to engine samples, setting aside (and counting) what can't be trained.
 
 Token ids are the ones vLLM sampled, as recorded: never re-tokenised. Torch-free: the engine
-(trainer/engine.py) takes the `Sample`s built here.
+(trainer/learner/engine.py) takes the `Sample`s built here.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from trainer.advantages import RunningBaseline, Scored, group_advantages
 from trainer.config import TrainerSettings
-from trainer.sampling import Sampling, SetAside, sampling_of
-from trainer.store import Claimed
+from trainer.data.advantages import RunningBaseline, Scored, group_advantages
+from trainer.data.sampling import Sampling, SetAside, sampling_of
+from trainer.data.store import Claimed
 
 
 @dataclass(frozen=True)
