@@ -4,24 +4,22 @@ stream to the client (`RelayResponse`), closed however the client's connection e
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
+from proxy.disconnect import cancelled_on_disconnect
 from proxy.relay.http1 import Response as UpstreamResponse
 
 
 class RelayResponse(Response):
     """A stream (SSE) whose relay is always closed when the response ends, however it ends.
 
-    A client that disconnects ends the stream: a watcher task waits for uvicorn's
-    `http.disconnect` and cancels the sending task (Starlette's StreamingResponse does the same
-    with an anyio task group per response, which cost ~0.4 ms of CPU per streamed call here).
-    The relay may then be parked at a `yield` or not started at all, and its `finally` (close
-    vLLM's request, record the transition as aborted) would run only when garbage-collected, or
-    never: it is closed here, and `after` covers "never started".
+    A client that disconnects ends the stream (proxy/disconnect.py). The relay may then be parked
+    at a `yield` or not started at all, and its `finally` (close vLLM's request, record the
+    transition as aborted) would run only when garbage-collected, or never: it is closed here,
+    and `after` covers "never started".
     """
 
     media_type = "text/event-stream"
@@ -34,29 +32,14 @@ class RelayResponse(Response):
         self._relay, self._after = relay, after
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        sending = asyncio.current_task()
-        assert sending is not None
-        left = False
-
-        async def watch() -> None:
-            nonlocal left
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            left = True
-            sending.cancel()  # lands at the await the sender is parked on, inside the try
-
-        watcher = asyncio.create_task(watch())
         try:
-            start = {"type": "http.response.start", "status": self.status_code}
-            await send({**start, "headers": self.raw_headers})
-            async for chunk in self._relay:
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except asyncio.CancelledError:
-            if not left or sending.uncancel() > 0:  # cancelled by someone else too
-                raise
+            async with cancelled_on_disconnect(receive):
+                start = {"type": "http.response.start", "status": self.status_code}
+                await send({**start, "headers": self.raw_headers})
+                async for chunk in self._relay:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            watcher.cancel()
             await self._relay.aclose()
             self._after()
 

@@ -31,6 +31,7 @@ from core import export, policy
 from core.database import OUTAGE_ERRORS
 from proxy.auth import principal_of
 from proxy.config import TAG_PATTERN
+from proxy.disconnect import cancelled_on_disconnect
 from proxy.errors import ApiError, database_error
 from proxy.routes.query import IsoTime
 from proxy.services import ExportSlots, ServicesDep
@@ -134,34 +135,20 @@ class ExportStream(Response):
         self._tenant, self._idle_s = tenant, idle_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        sending = asyncio.current_task()
-        assert sending is not None
-        left = False
-
-        async def watch() -> None:
-            nonlocal left
-            while (await receive())["type"] != "http.disconnect":
-                pass
-            left = True
-            sending.cancel()
-
-        watcher = asyncio.create_task(watch())
         try:
-            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
-            async for chunk in self._lines:
-                await self._send(send, chunk, more=True)
-            await self._send(send, b"", more=False)
+            async with cancelled_on_disconnect(receive):
+                start = {"type": "http.response.start", "status": 200}
+                await send({**start, "headers": self.raw_headers})
+                async for chunk in self._lines:
+                    await self._send(send, chunk, more=True)
+                await self._send(send, b"", more=False)
         except TimeoutError:
             log.warning(
                 "an export's client read nothing for %g s (FLYWHEEL_EXPORT_IDLE_TIMEOUT_S): "
                 "cut, its slot freed",
                 self._idle_s,
             )
-        except asyncio.CancelledError:
-            if not left or sending.uncancel() > 0:  # cancelled by someone else too
-                raise
         finally:
-            watcher.cancel()
             try:
                 await self._lines.aclose()
                 await self._close()
