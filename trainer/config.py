@@ -288,6 +288,12 @@ class TrainerSettings(DatabaseSettings):
         "forward pass per call under the new weights, and one more under the current version's "
         "for a call another version served.",
     )
+    ope_max_age_s: float = Field(
+        0.0,
+        ge=0,
+        description="Logged episodes older than this (their newest call) are not estimated on: "
+        "what the agents were asked then may no longer be what they are asked. 0: any age.",
+    )
     ope_method: Method = Field(
         "dr",
         description="Weighted doubly robust with a per-task baseline, or per-decision "

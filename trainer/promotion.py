@@ -98,6 +98,7 @@ class Gatekeeper:
                 version=current,
                 tenants=s.tenants,
                 episodes=s.ope_episodes,
+                max_age_s=s.ope_max_age_s,
             )
         known = self._scored[1] if self._scored and self._scored[0] == current else None
         try:

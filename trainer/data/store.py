@@ -317,6 +317,8 @@ WITH recent AS (
         SELECT episode_id, requested_at FROM transition
         WHERE lineage = :lineage AND status = 'ok'
           AND (skip_reason = 'ope_holdout' OR policy_version = :version)
+          AND (CAST(:max_age_s AS float8) = 0
+               OR requested_at > now() - make_interval(secs => CAST(:max_age_s AS float8)))
           AND (CAST(:tenants AS text[]) IS NULL
                OR {TENANT_OF_EPISODE} = ANY(CAST(:tenants AS text[])))
         ORDER BY requested_at DESC LIMIT :scan
@@ -344,10 +346,17 @@ ORDER BY w.at DESC, t.episode_id, t.requested_at, t.choice_index
 
 
 def logged_window(
-    *, session: Session, lineage: str, version: int, tenants: list[str], episodes: int
+    *,
+    session: Session,
+    lineage: str,
+    version: int,
+    tenants: list[str],
+    episodes: int,
+    max_age_s: float = 0.0,
 ) -> list[LoggedCall]:
     """Every call of up to `episodes` logged episodes to estimate a candidate on (`_WINDOW`);
-    `version` is the lineage's current one."""
+    `version` is the lineage's current one; an episode whose newest call is older than
+    `max_age_s` is not (0: any age)."""
     rows = session.execute(
         text(_WINDOW),
         {
@@ -356,6 +365,7 @@ def logged_window(
             "tenants": tenants or None,
             "episodes": episodes,
             "scan": 8 * episodes,
+            "max_age_s": max_age_s,
         },
     ).mappings()
     return [
