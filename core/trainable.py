@@ -63,6 +63,10 @@ REASONS: dict[str, tuple[str, str]] = {
         "alone in its task",
         "tag X-Task-Id so attempts form a group, or set FLYWHEEL_UNGROUPED=baseline",
     ),
+    "no_signal": (
+        "in a task group whose every attempt earned the same",
+        "nothing to learn from; FLYWHEEL_FLAT_GROUPS=train trains them anyway",
+    ),
     "train_failed": ("failed the training step repeatedly", "see the trainer's log"),
     "ope_holdout": (
         "kept out of training to estimate new versions on",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from trainer.data.advantages import EPS, RunningBaseline, Scored, group_advantages
+from trainer.data.advantages import EPS, RunningBaseline, Scored, flat_groups, group_advantages
 
 
 def scored(tid: str, episode: str, task: str | None, ret: float, agent: str = "a") -> Scored:
@@ -46,3 +46,16 @@ def test_baselines_are_per_agent() -> None:
     baseline.advantage("planner", 10.0)
     assert baseline.advantage("solver", 0.0) == 0.0  # solver's own first sample
     assert baseline.advantage("planner", 10.0) == pytest.approx(0.0)
+
+
+def test_a_group_whose_attempts_all_earned_the_same_is_flat() -> None:
+    items = [
+        scored("1", "e1", "failed", 0.0),
+        scored("2", "e2", "failed", 0.0),
+        scored("3", "e3", "solved", 1.0),
+        scored("4", "e4", "solved", 1.0),
+        scored("5", "e5", "mixed", 1.0),
+        scored("6", "e6", "mixed", 0.0),
+        scored("7", "e7", "alone", 0.0),  # no group: the baseline's, never flat
+    ]
+    assert flat_groups(items) == {"1", "2", "3", "4"}

@@ -86,6 +86,13 @@ class TrainerSettings(DatabaseSettings):
         description="Transitions whose task has one episode: advantage against a running "
         "per-agent baseline, or set aside.",
     )
+    flat_groups: Literal["train", "skip"] = Field(
+        "train",
+        description="A task group whose every attempt earned the same return has no advantage "
+        "to learn from: train keeps it in the step (its tokens count in the loss's "
+        "normalisation); skip sets its transitions aside (`no_signal`; DAPO's dynamic sampling), "
+        "so a batch of nothing else takes no step and publishes no version.",
+    )
     baseline_momentum: float = Field(
         0.9, ge=0, lt=1, description="Running mean/std decay of the per-agent baseline."
     )

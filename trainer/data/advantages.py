@@ -5,6 +5,11 @@ group (a group needs two episodes or more); a transition's advantage is
 (return - group mean) / (group std + eps) over all the group's transitions, as in LightningRL.
 A task seen in only one episode has no group: its transitions are compared with a running mean/std
 per agent instead (live traffic rarely repeats a task), or set aside, as configured.
+
+A group whose returns are all equal (every attempt failed, or every one succeeded) gives each of
+its transitions an advantage of 0: nothing to learn from, and under a token-mean loss its tokens
+only dilute the other groups' gradient. `flat_groups` finds them, for the batch to set aside
+(DAPO's dynamic-sampling filter; FLYWHEEL_FLAT_GROUPS).
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 EPS = 1e-4
+FLAT = 1e-9  # returns this close are the same (a group of them has no signal)
 
 
 @dataclass(frozen=True)
@@ -45,24 +51,39 @@ class RunningBaseline:
         return a
 
 
-def group_advantages(
-    items: list[Scored], baseline: RunningBaseline | None
-) -> tuple[dict[str, float], list[str]]:
-    """Advantages by transition id, and the ids set aside (ungrouped, with no baseline)."""
+def _by_task(items: list[Scored]) -> tuple[dict[str, list[Scored]], list[Scored]]:
+    """The task groups (two episodes or more of a task) and the items in none."""
     episodes_by_task: dict[str, set[str]] = defaultdict(set)
     for it in items:
         if it.task_id is not None:
             episodes_by_task[it.task_id].add(it.episode_id)
-
-    advantages: dict[str, float] = {}
-    ungrouped: list[Scored] = []
     groups: dict[str, list[Scored]] = defaultdict(list)
+    ungrouped: list[Scored] = []
     for it in items:
         if it.task_id is not None and len(episodes_by_task[it.task_id]) >= 2:
             groups[it.task_id].append(it)
         else:
             ungrouped.append(it)
+    return groups, ungrouped
 
+
+def flat_groups(items: list[Scored]) -> set[str]:
+    """The transition ids of the task groups whose every return is the same."""
+    groups, _ = _by_task(items)
+    return {
+        m.transition_id
+        for members in groups.values()
+        if max(m.ret for m in members) - min(m.ret for m in members) <= FLAT
+        for m in members
+    }
+
+
+def group_advantages(
+    items: list[Scored], baseline: RunningBaseline | None
+) -> tuple[dict[str, float], list[str]]:
+    """Advantages by transition id, and the ids set aside (ungrouped, with no baseline)."""
+    groups, ungrouped = _by_task(items)
+    advantages: dict[str, float] = {}
     for members in groups.values():
         # As in LightningRL: every transition is one sample of its task's group.
         returns = [m.ret for m in members]

@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from trainer.config import TrainerSettings
-from trainer.data.advantages import RunningBaseline, Scored, group_advantages
+from trainer.data.advantages import RunningBaseline, Scored, flat_groups, group_advantages
 from trainer.data.sampling import Sampling, SetAside, sampling_of
 from trainer.data.store import Claimed
 
@@ -127,6 +127,11 @@ def build_batch(
         else:
             batch.skipped[c.id] = reason
     scored = [Scored(c.id, c.episode_id, c.task_id, c.agent_name, c.ret) for c in usable]
+    if settings.flat_groups == "skip":
+        flat = flat_groups(scored)
+        for transition_id in flat:
+            batch.skipped[transition_id] = "no_signal"
+        scored = [s for s in scored if s.transition_id not in flat]
     advantages, set_aside = group_advantages(scored, baseline)
     for transition_id in set_aside:
         batch.skipped[transition_id] = "ungrouped"
