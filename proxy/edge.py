@@ -138,7 +138,7 @@ class Edge:
             tags, path = split
             scope = dict(scope, path=path, raw_path=path.encode())
             scope["flywheel.path_tags"] = tags
-        access = route_table.ROUTES.access(scope["path"])
+        access, row = route_table.ROUTES.match(scope["method"], scope["path"])
         unknown_v1 = access is None and scope["path"].startswith("/v1/")
         if self._auth_on and (access in KEY_SCOPES or unknown_v1):
             principal = self._api_principal(scope)
@@ -161,8 +161,8 @@ class Edge:
                 )
             _authorize(scope, [self._admin_key], "FLYWHEEL_ADMIN_KEY")
         quotas = self._quotas()
-        if quotas is not None:
-            quotas.admit(scope)  # last: a request refused for another reason takes nothing
+        if quotas is not None and row is not None and row.quota is not None:
+            quotas.admit(scope, row.quota)  # last: a request refused otherwise takes nothing
         return scope
 
     def _api_principal(self, scope: Scope) -> Principal:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from starlette.types import Scope
 
 from core.database import OUTAGE_ERRORS, AsyncSessions
-from proxy import metrics, route_table
+from proxy import metrics
 from proxy.auth import principal_of
 from proxy.config import ProxySettings, Quota
 from proxy.errors import ApiError
@@ -127,12 +127,10 @@ class Quotas:
         rates = (settings.quota_rps, settings.quota_rewards_rps, settings.quota_reads_rps)
         return any(rates) or settings.quota_concurrency > 0 or bool(settings.tenant_quotas)
 
-    def admit(self, scope: Scope) -> None:
-        """Raise a 429 if the request is over its tenant's quota; else count it (a completion
-        call takes a slot in flight, kept in the scope for `release`)."""
-        kind = _kind(scope)
-        if kind is None:
-            return
+    def admit(self, scope: Scope, kind: str) -> None:
+        """Raise a 429 if the request is over its tenant's quota of `kind` (its route's row's,
+        proxy/route_table.py); else count it (a completion call takes a slot in flight, kept in
+        the scope for `release`)."""
         principal = principal_of(scope)
         if principal.every_tenant:
             return
@@ -161,12 +159,6 @@ class Quotas:
         state.share(self.replicas)
         self._tenants[tenant] = state
         return state
-
-
-def _kind(scope: Scope) -> str | None:
-    """Which limit a request counts against: its route's (proxy/route_table.py; None: none)."""
-    row = route_table.ROUTES.lookup(scope["method"], scope["path"])
-    return row.quota if row is not None else None
 
 
 # kind -> (what it counts, its limit's name in Quota)

@@ -329,10 +329,13 @@ class Table:
         """The row of an operation as OpenAPI names it ("GET", "/ui/api/episodes/{episode_id}")."""
         return next((r for r in self.rows if r.method == method and r.template == template), None)
 
-    def access(self, path: str) -> Access | None:
-        """Who may call the path, whatever the method (a wrong one then gets the app's 405)."""
+    def match(self, method: str, path: str) -> tuple[Access | None, Row | None]:
+        """Who may call the path, whatever the method (a wrong one then gets the app's 405), and
+        the method's row (None: the path has no row for it)."""
         rows = self.of_path(path)
-        return rows[0].access if rows else None
+        if not rows:
+            return None, None
+        return rows[0].access, next((r for r in rows if r.method == method), None)
 
     def check_mounted(self, mounted: set[tuple[str, str, str]]) -> None:
         """Stop the proxy if a mounted route (method, path, router) has no row or a row no
