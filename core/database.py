@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -302,6 +302,20 @@ def create_sessions(url: str) -> tuple[Engine, Sessions]:
         json_deserializer=orjson.loads,
     )
     return engine, sessionmaker(engine, expire_on_commit=False)
+
+
+@contextlib.contextmanager
+def migrated_session(database_url: str | None, home: Path) -> Iterator[Session]:
+    """One transaction on the database a command names (the embedded one under `home` when
+    unset), migrated first: what the CLI's short commands (`keys`, `eval`) run in."""
+    url = resolve_url(database_url, home)
+    migrate(url)
+    engine, sessions = create_sessions(url)
+    try:
+        with sessions.begin() as session:
+            yield session
+    finally:
+        engine.dispose()
 
 
 async def run_sync(session: AsyncSession, fn: Callable[..., T], /, **kwargs: Any) -> T:

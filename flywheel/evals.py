@@ -47,11 +47,8 @@ def arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     """add, list or remove a lineage's eval sets"""
     settings = build(DatabaseSettings, args)
-    url = database.resolve_url(settings.database_url, settings.home)
-    database.migrate(url)
-    engine, sessions = database.create_sessions(url)
     try:
-        with sessions.begin() as session:
+        with database.migrated_session(settings.database_url, settings.home) as session:
             if args.action == "add":
                 items = _items(args)
                 added = evals.add(
@@ -81,8 +78,6 @@ def run(args: argparse.Namespace) -> None:
                     )
     except evals.BadEvalSet as e:
         sys.exit(f"flywheel eval: {e}")
-    finally:
-        engine.dispose()
 
 
 def _items(args: argparse.Namespace) -> list[dict[str, object]]:

@@ -28,11 +28,8 @@ def arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> None:
     """create, list or revoke tenants' API keys"""
     settings = build(DatabaseSettings, args)
-    url = database.resolve_url(settings.database_url, settings.home)
-    database.migrate(url)
-    engine, sessions = database.create_sessions(url)
     try:
-        with sessions.begin() as session:
+        with database.migrated_session(settings.database_url, settings.home) as session:
             if args.action == "create":
                 _create(args, session)
             elif args.action == "revoke":
@@ -50,8 +47,6 @@ def run(args: argparse.Namespace) -> None:
                     )
     except tenants.BadKeyRequest as e:
         sys.exit(f"flywheel keys: {e}")
-    finally:
-        engine.dispose()
 
 
 def _create(args: argparse.Namespace, session: Session) -> None:
