@@ -17,9 +17,10 @@ questions (demo/bfcl.py) through Flywheel, with BFCL's own prompt and answer for
 from __future__ import annotations
 
 import random
+import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -131,8 +132,14 @@ class BfclAgent:
             for r in self._flywheel.demonstrate_episode(a.episode_id, agent=AGENT)
         )
 
-    def evaluate(self, version: int, questions: Sequence[Question] | None = None) -> Evaluation:
-        """The held-out part (or `questions`) at temperature 0 through policy@N."""
+    def evaluate(
+        self,
+        version: int,
+        questions: Sequence[Question] | None = None,
+        progress: Callable[[list[Answer], int], None] | None = None,
+    ) -> Evaluation:
+        """The held-out part (or `questions`) at temperature 0 through policy@N; `progress` is
+        told the answers so far and how many were asked, after each answer."""
         asked = list(self.held_out if questions is None else questions)
 
         def one(q: Question) -> Answer:
@@ -144,7 +151,13 @@ class BfclAgent:
             verdict = q.score(text)
             return Answer(q.id, text, verdict.valid, verdict.parsable, verdict.partial, 0.0, served)
 
-        answers = list(self._pool.map(one, asked))
+        futures = [self._pool.submit(one, q) for q in asked]
+        done: list[Answer] = []
+        for future in as_completed(futures):
+            done.append(future.result())
+            if progress is not None:
+                progress(done, len(asked))
+        answers = [f.result() for f in futures]
         failed = [a.failed for a in answers if a.failed]
         if failed:
             raise RuntimeError(f"{len(failed)} held-out calls failed, e.g. {failed[0]}")
@@ -190,7 +203,7 @@ def run(
                 "the trainer's warm start"
             )
         say(f"asking the base model the {len(agent.held_out)} held-out questions (minutes)")
-        last = agent.evaluate(0)
+        last = agent.evaluate(0, progress=every_tenth(say))
         say(f"held-out, base model: {last.accuracy:.2f} valid, {last.parsable:.2f} parsable")
         r = 0
         while rounds is None or r < rounds:
@@ -205,6 +218,24 @@ def run(
     finally:
         agent.close()
     return history
+
+
+def every_tenth(say: Callable[[str], None]) -> Callable[[list[Answer], int], None]:
+    """A progress line for every tenth of an evaluation answered (the first screen is never
+    silent for minutes while the base model is asked, the trainer's warm start beside it)."""
+    started = time.monotonic()
+
+    def progress(done: list[Answer], asked: int) -> None:
+        n = len(done)
+        if n == asked or n % max(1, asked // 10) == 0:
+            valid = sum(a.valid for a in done)
+            parsable = sum(a.parsable for a in done)
+            say(
+                f"  held-out {n}/{asked} answered: {valid} valid, {parsable} parsable "
+                f"({time.monotonic() - started:.0f} s)"
+            )
+
+    return progress
 
 
 def print_round(r: int, answers: list[Answer], held_out: Evaluation | None) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from core import evals
 from demo import bfcl
-from demo.bfcl_agent import AGENT, Answer, BfclAgent
+from demo.bfcl_agent import AGENT, Answer, BfclAgent, every_tenth
 from tests.conftest import RunningProxy
 
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -57,3 +57,20 @@ def test_bfcl_as_an_eval_set_of_training_questions(tmp_path: Path) -> None:
         q = by_id[item["reference"]["id"]]
         assert score({"content": bfcl.demonstration(q)}, item) == 1.0
         assert score({"content": "To compute this, use the formula."}, item) == 0.0
+
+
+def test_an_evaluation_reports_its_progress(proxy: RunningProxy) -> None:
+    """The first screen of `flywheel up --task bfcl` is not silent while the base model is
+    asked: a line for every tenth of the questions answered, the last one at the end."""
+    agent = BfclAgent(proxy.url)
+    lines: list[str] = []
+    try:
+        asked = agent.held_out[:20]
+        result = agent.evaluate(0, asked, progress=every_tenth(lines.append))
+    finally:
+        agent.close()
+    assert result.questions == 20
+    assert len(lines) == 10, lines
+    assert [line.split()[1] for line in lines] == [f"{n}/20" for n in range(2, 21, 2)]
+    assert lines[-1].startswith("  held-out 20/20 answered: ")
+    assert f"{round(result.accuracy * 20)} valid" in lines[-1]
