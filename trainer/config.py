@@ -17,7 +17,6 @@ from pydantic_settings import NoDecode
 from core import canary, policy
 from core.settings import DatabaseSettings, split_commas, vllm_base_urls
 from trainer import models
-from trainer.ope import Method
 
 # vLLM accepts only these LoRA ranks (--max-lora-rank must be one of them, and >= ours).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -25,6 +24,10 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 # How far a transition may be from the learner (trainer/learner/correction.py, docs/off_policy.md).
 OffPolicyMask = Literal["geometric", "sequence", "token", "none"]
+# The off-policy estimator of a candidate (trainer/ope.py, docs/promotion.md). Here, not there:
+# this module is imported by every process's CLI, and trainer/ope.py needs numpy, which the proxy
+# image does not have (the first container built from Dockerfile.proxy could not start).
+OpeMethod = Literal["wis", "dr"]
 
 
 class TrainerSettings(DatabaseSettings):
@@ -301,7 +304,7 @@ class TrainerSettings(DatabaseSettings):
         description="Logged episodes older than this (their newest call) are not estimated on: "
         "what the agents were asked then may no longer be what they are asked. 0: any age.",
     )
-    ope_method: Method = Field(
+    ope_method: OpeMethod = Field(
         "dr",
         description="Weighted doubly robust with a per-task baseline, or per-decision "
         "self-normalised importance sampling.",

@@ -24,12 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
 
-Method = Literal["wis", "dr"]
+from trainer.config import OpeMethod as Method
+
 Array = npt.NDArray[np.float64]
 
 
