@@ -8,6 +8,7 @@ SQL that both processes run (the adapter lifecycle, `core/policy.py`) is written
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -193,6 +194,43 @@ class RowRefused(Exception):
     """Postgres refused the rows themselves with an error psycopg files under OperationalError
     (SQLSTATE class 54: a value too large for an index row). Not an outage: retrying never
     helps. Raised by `refusals_as_outage`."""
+
+
+# After a write's deadline, how long its cleanup may talk to Postgres before the connection is
+# dropped (see write_deadline).
+CANCEL_GRACE_S = 1.0
+
+
+@contextlib.asynccontextmanager
+async def write_deadline(timeout_s: float, grace_s: float = CANCEL_GRACE_S) -> AsyncIterator[None]:
+    """`asyncio.timeout` for a database write, which a hung Postgres cannot stretch. At the
+    deadline the write is cancelled, and psycopg then asks the server to cancel the query (up to
+    5 s) and waits for it to end (5 s more) before it closes the connection: a Postgres that
+    hangs without closing (a paused container, a frozen VM: the kernel still answers TCP) answers
+    neither, and the write ended 10 s late (docs/reliability.md). `grace_s` after the deadline a
+    second cancel makes psycopg close the connection at once. TimeoutError either way."""
+    task = asyncio.current_task()
+    assert task is not None, "write_deadline runs in a task"
+    loop = asyncio.get_running_loop()
+    fired = False
+
+    def again() -> None:
+        nonlocal fired
+        fired = True
+        task.cancel()
+
+    second = loop.call_later(timeout_s + grace_s, again)
+    try:
+        async with asyncio.timeout(timeout_s):
+            yield
+    except asyncio.CancelledError:
+        if not fired:
+            raise
+        raise TimeoutError(f"a write past its {timeout_s:g} s deadline: dropped") from None
+    finally:
+        second.cancel()
+        if fired:
+            task.uncancel()  # ours: the caller's own cancellations still count
 
 
 @contextlib.asynccontextmanager

@@ -14,7 +14,10 @@ import signal
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
+
+import psutil
 
 from core import database
 
@@ -80,6 +83,23 @@ class OwnPostgres:
             except ProcessLookupError:
                 return
             time.sleep(0.05)
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        """Every process of the server stopped (SIGSTOP) and resumed on leaving: a Postgres that
+        hangs without closing, as a paused container or a frozen VM does (the kernel still
+        answers TCP and keeps the socket open, so no timeout of the connection fires)."""
+        pid = int((self.pgdata / "postmaster.pid").read_text().split()[0])
+        postmaster = psutil.Process(pid)
+        processes = [postmaster, *postmaster.children(recursive=True)]
+        for p in processes:
+            p.send_signal(signal.SIGSTOP)
+        try:
+            yield
+        finally:
+            for p in processes:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    p.send_signal(signal.SIGCONT)
 
     @property
     def running(self) -> bool:

@@ -26,7 +26,7 @@ import time
 import orjson
 
 from core.codecs import PromptMemo
-from core.database import OUTAGE_ERRORS, AsyncSessions, refusals_as_outage
+from core.database import OUTAGE_ERRORS, AsyncSessions, refusals_as_outage, write_deadline
 from core.record import TransitionRecord
 from proxy import metrics
 from proxy.record import reward_journal
@@ -252,7 +252,7 @@ class Recorder:
         try:
             async with (
                 refusals_as_outage(),  # a read-only standby, say: wait, it is not the rows' fault
-                asyncio.timeout(self._timeout_s),
+                write_deadline(self._timeout_s),  # a hung Postgres holds it no longer
                 self._sessionmaker.begin() as session,
             ):
                 sent = await insert_transitions(

@@ -24,7 +24,6 @@ applies it once Postgres answers, after every transition journaled before it
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -33,7 +32,7 @@ from typing import Any
 
 import orjson
 
-from core.database import OUTAGE_ERRORS, AsyncSessions, refusals_as_outage
+from core.database import OUTAGE_ERRORS, AsyncSessions, refusals_as_outage, write_deadline
 from proxy import metrics
 from proxy.record.journal import Journal
 from proxy.record.schemas import RewardIn
@@ -199,7 +198,7 @@ async def _store(
     timeout_s: float,
 ) -> None:
     """One transaction for these rewards (both replay paths), counted once committed."""
-    async with refusals_as_outage(), asyncio.timeout(timeout_s), sessionmaker.begin() as session:
+    async with refusals_as_outage(), write_deadline(timeout_s), sessionmaker.begin() as session:
         saved = await add_rewards(items, session=session, gamma=gamma, posted_at=posted_at)
     for r, s in zip(items, saved, strict=True):
         metrics.rewards_ingested.labels(_kind(r), s.status).inc()

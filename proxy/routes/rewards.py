@@ -17,7 +17,6 @@ post is journaled behind the transitions (fsync'd) and answered 202 with `"statu
 
 from __future__ import annotations
 
-import asyncio
 import time
 from typing import Any
 
@@ -26,7 +25,7 @@ from fastapi import APIRouter, Request
 from pydantic import ValidationError
 from starlette.responses import Response
 
-from core.database import is_outage
+from core.database import is_outage, write_deadline
 from core.tenants import DEFAULT, Principal
 from proxy import metrics
 from proxy.auth import principal_of
@@ -122,9 +121,10 @@ async def store_rewards(
             )
     try:
         # Bounded like the writer's writes: a partition holds a pooled connection for libpq's
-        # 10 s and a new one for 5 s more; the rewards are journaled instead (bench/chaos.py).
+        # 10 s and a new one for 5 s more, a frozen server for as long as it is frozen; the
+        # rewards are journaled instead (bench/chaos.py, tests/test_hung_postgres.py).
         async with (
-            asyncio.timeout(services.settings.writer_write_timeout_s),
+            write_deadline(services.settings.writer_write_timeout_s),
             services.reward_sessions.begin() as session,  # their own pool: not the writer's
         ):
             try:
