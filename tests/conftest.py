@@ -181,6 +181,12 @@ class RunningProxy:
         """The running proxy's own parts (its recorder, journal, ...), for fault injection."""
         return self.server.config.app.app.state.services  # type: ignore[no-any-return]
 
+    def gauge(self, name: str) -> float:
+        """A metric of /metrics without labels (a proxy without keys: none needed)."""
+        lines = httpx.get(self.url + "/metrics").text.splitlines()
+        (line,) = [x for x in lines if x.startswith(f"{name} ")]
+        return float(line.split()[1])
+
     def query(self, sql: str, *params: Any) -> list[tuple[Any, ...]]:
         with psycopg.connect(self.database_url) as conn:
             return conn.execute(sql, params).fetchall()

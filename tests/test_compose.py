@@ -129,7 +129,7 @@ def stack(engine: None) -> Iterator[Stack]:
     report: dict[str, object] = {}
     t0 = time.monotonic()
     bases = images.all_bases()
-    report["stand-in bases"] = f"{time.monotonic() - t0:.0f} s ({', '.join(bases.values())})"
+    report["stand-in bases"] = f"{_since(t0)} ({', '.join(bases.values())})"
     key, metrics_key = secrets.token_urlsafe(16), secrets.token_urlsafe(16)
     port = free_port()
     env_file = WORK / "compose.env"
@@ -157,18 +157,14 @@ def stack(engine: None) -> Iterator[Stack]:
     for service, image in (("proxy", "flywheel-proxy:latest"), ("vllm", "flywheel-local:latest")):
         t = time.monotonic()
         s.compose("build", service, timeout=3000)
-        report[f"build {service} image"] = f"{time.monotonic() - t:.0f} s, {image} {_size(image)}"
+        report[f"build {service} image"] = f"{_since(t)}, {image} {_size(image)}"
     try:
         t = time.monotonic()
         s.compose("up", "-d", timeout=1200)
         report["compose up -d (model built, vLLM and proxy healthy)"] = _since(t)
         yield s
-    except BaseException:
+    finally:  # this run's logs, whatever happened (an earlier run's are replaced)
         (WORK / "logs.txt").write_text(s.compose("logs", "--no-color", check=False))
-        raise
-    finally:
-        if not (WORK / "logs.txt").exists():
-            (WORK / "logs.txt").write_text(s.compose("logs", "--no-color", check=False))
         s.compose("down", "-v", "--remove-orphans", check=False, timeout=300)
         lines = [f"- {k}: {v}" for k, v in report.items()]
         when = time.strftime("%Y-%m-%d %H:%M")

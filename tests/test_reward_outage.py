@@ -262,20 +262,15 @@ def test_database_up_reads_0_while_only_rewards_wait_for_a_database_that_is_down
     call(proxy, "down")
     proxy.wait_rows("SELECT 1 FROM transition WHERE episode_id = 'down'", 1)
 
-    def gauge() -> float:
-        text = httpx.get(proxy.url + "/metrics").text
-        (line,) = [x for x in text.splitlines() if x.startswith("flywheel_database_up ")]
-        return float(line.split()[1])
-
     own_postgres.stop()
     try:
         r = post(proxy, {"episode_id": "down", "reward": 1.0})
         assert r.status_code == 202, r.text
         time.sleep(1.5)  # several replay attempts (journal_retry_s 0.2)
         assert proxy.services.recorder.journal.pending == 1
-        assert gauge() == 0.0
+        assert proxy.gauge("flywheel_database_up") == 0.0
     finally:
         own_postgres.start()
     wait_for(lambda: proxy.services.recorder.journal.pending == 0)
-    assert gauge() == 1.0
+    assert proxy.gauge("flywheel_database_up") == 1.0
     assert proxy.query("SELECT final_reward FROM episode WHERE id = 'down'") == [(1.0,)]

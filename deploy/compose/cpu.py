@@ -104,7 +104,7 @@ def _vllm() -> dict[str, Any]:
 
 def _trainer(gpu: dict[str, Any]) -> dict[str, Any]:
     trainer = copy.deepcopy(gpu)
-    del trainer["deploy"], trainer["build"]
+    del trainer["deploy"]  # the GPU's reservation
     env = trainer["environment"]
     env["FLYWHEEL_MODEL"] = MODEL
     for key, value in TRAINER_ENV.items():  # the demo's settings, unless .env sets them
@@ -115,7 +115,7 @@ def _trainer(gpu: dict[str, Any]) -> dict[str, Any]:
     return trainer
 
 
-def _model(volumes_init: dict[str, Any]) -> dict[str, Any]:
+def _model() -> dict[str, Any]:
     return {
         "image": LOCAL_IMAGE,
         "build": _local_build(),
@@ -148,7 +148,7 @@ def cpu_compose(source: dict[str, Any]) -> dict[str, Any]:
     init["entrypoint"] = [*init["entrypoint"], "/models"]
     init["volumes"] = [*init["volumes"], "models:/models"]
     out = {
-        "model": _model(init),
+        "model": _model(),
         "vllm": _vllm(),
         "trainer": _trainer(services["trainer"]),
         "agent": _agent(services["proxy"]),
