@@ -420,7 +420,8 @@ def inject(fault: str, s: Stack, outage_s: float, extra_rewards: set[str]) -> st
             subprocess.run(["mount", "-o", "remount,ro", str(s.home / "journal")], check=True)
         s.pg.stop()
         time.sleep(short)
-        failed = journal_errors(s.url)  # evidence that the journal did fail meanwhile
+        # evidence that the journal did fail meanwhile
+        failed = common.metric(s.url, "flywheel_journal_errors_total")
         s.pg.start()
         if fault == "journal-ro":
             subprocess.run(["mount", "-o", "remount,rw", str(s.home / "journal")], check=True)
@@ -542,15 +543,6 @@ def wait_for(ready: Callable[[], object], timeout: float, what: str, *, fail: bo
             return False
         time.sleep(0.05)
     return True
-
-
-def journal_errors(url: str) -> float:
-    metrics = httpx.get(url + "/metrics", timeout=10).text
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in metrics.splitlines()
-        if line.startswith("flywheel_journal_errors_total{")
-    )
 
 
 # --- the report --------------------------------------------------------------------------------

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING
 import httpx
 import psutil
 
+from bench import common
 from fakes import netfault
 
 if TYPE_CHECKING:
@@ -89,7 +90,7 @@ def pg_disk_full(s: Stack, outage_s: float) -> str:
         if down_after is None and not _postmaster_alive(s.pg.pgdata):
             down_after = outage_s - (deadline - time.monotonic())
         time.sleep(0.2)
-    journaled = metric(s.url, "flywheel_transitions_journaled_total")
+    journaled = common.metric(s.url, "flywheel_transitions_journaled_total")
     filler.unlink()
     restarted = not _postmaster_alive(s.pg.pgdata)
     if restarted:
@@ -120,7 +121,7 @@ def _postmaster_alive(pgdata: Path) -> bool:
 
 def pg_partition(s: Stack, outage_s: float) -> str:
     assert s.pg.tcp_port is not None
-    before = metric(s.url, "flywheel_transitions_journaled_total")
+    before = common.metric(s.url, "flywheel_transitions_journaled_total")
     probes: list[str] = []  # a reward posted during it, one after another: how long it took
     with netfault.partition(s.pg.tcp_port):
         deadline = time.monotonic() + outage_s
@@ -128,7 +129,7 @@ def pg_partition(s: Stack, outage_s: float) -> str:
             probes.append(_probe_reward(s.url))
             time.sleep(max(0.0, min(2.0, deadline - time.monotonic())))
         health = _answered(s.url + "/healthz")
-    journaled = metric(s.url, "flywheel_transitions_journaled_total") - before
+    journaled = common.metric(s.url, "flywheel_transitions_journaled_total") - before
     return (
         f"the proxy journaled {journaled:.0f} during it; /healthz during it: {health}; "
         f"a reward posted every 2 s during it: {', '.join(probes)}"
@@ -148,16 +149,16 @@ def _probe_reward(url: str) -> str:
 
 def vllm_partition(s: Stack, outage_s: float, traffic: Traffic) -> str:
     port = int(s.fakes[0].url.rsplit(":", 1)[1])
-    ejected = metric(s.url, "flywheel_replica_ejections_total")
+    ejected = common.metric(s.url, "flywheel_replica_ejections_total")
     acknowledged, told = len(traffic.transitions), sum(traffic.errors.values())
     with netfault.partition(port):
         time.sleep(outage_s)
-        up = metric(s.url, "flywheel_replica_up", f'replica="{s.fakes[0].url}')
+        up = common.metric(s.url, "flywheel_replica_up", f'replica="{s.fakes[0].url}')
         health = _answered(s.url + "/healthz")
         during = len(traffic.transitions) - acknowledged, sum(traffic.errors.values()) - told
-    ejections = metric(s.url, "flywheel_replica_ejections_total") - ejected
+    ejections = common.metric(s.url, "flywheel_replica_ejections_total") - ejected
     healed = time.monotonic()
-    while time.monotonic() - healed < 30 and not metric(
+    while time.monotonic() - healed < 30 and not common.metric(
         s.url, "flywheel_replica_up", f'replica="{s.fakes[0].url}'
     ):
         time.sleep(0.2)
@@ -197,8 +198,8 @@ def journal_full_proxy_kill(s: Stack, outage_s: float) -> str:
     assert s.proxy is not None
     s.pg.stop()
     time.sleep(max(1.0, outage_s / 4))
-    held = metric(s.url, "flywheel_writer_unsaved_transitions")  # queued + in flight
-    errors = metric(s.url, "flywheel_journal_errors_total")
+    held = common.metric(s.url, "flywheel_writer_unsaved_transitions")  # queued + in flight
+    errors = common.metric(s.url, "flywheel_journal_errors_total")
     s.proxy.process.send_signal(signal.SIGKILL)
     s.proxy.process.wait()
     s.pg.start()
@@ -263,20 +264,4 @@ def proxy_oom(s: Stack, seconds: float, limit_mb: int) -> str:
         f"peak {max((m for _, m in rss), default=0):.0f} (the group's {peak:.0f}); "
         f"failcnt {failcnt}, oom_kill {kills}; "
         + (f"the proxy died ({code}) after {rss[-1][0]:.0f} s" if code is not None else "alive")
-    )
-
-
-# --- the proxy's metrics -----------------------------------------------------------------------
-
-
-def metric(url: str, name: str, labels: str = "") -> float:
-    """The sum of a metric's samples (those whose labels contain `labels`); 0 if unreachable."""
-    try:
-        text = httpx.get(url + "/metrics", timeout=10).text
-    except httpx.HTTPError:
-        return 0.0
-    return sum(
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if (line.startswith(name + "{") or line.startswith(name + " ")) and labels in line
     )

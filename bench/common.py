@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import httpx
 import orjson
 import psutil
 import psycopg
@@ -68,6 +69,20 @@ def quantile(values: list[float], q: float) -> float:
     if len(values) < 2:
         return values[0] if values else float("nan")
     return statistics.quantiles(values, n=1000, method="inclusive")[round(q * 1000) - 1]
+
+
+def metric(url: str, name: str, labels: str = "", headers: dict[str, str] | None = None) -> float:
+    """The sum of a proxy's metric's samples (those whose labels contain `labels`), read from its
+    /metrics (`headers`: the metrics key, where keys are on); 0 if unreachable."""
+    try:
+        text = httpx.get(url + "/metrics", headers=headers, timeout=10).text
+    except httpx.HTTPError:
+        return 0.0
+    return sum(
+        float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if (line.startswith(name + "{") or line.startswith(name + " ")) and labels in line
+    )
 
 
 def first_content(data: bytes) -> bool:

@@ -11,9 +11,13 @@ refusing A's excess with 429s, and one without quotas, where A's flood is served
 interleave (forwards, then backwards) so drift hits all alike; the proxy's CPU share while B is
 measured is in the table.
 
+With `--replicas N` each of the two is N proxies on the one Postgres, and both tenants' calls go
+round-robin over them (a load balancer): the quota holds across replicas (each grants its share,
+proxy/quotas.py), so A's answered rate stays at its quota, not N times it.
+
     PYTHONPATH=. .venv/bin/python -m bench.quota_fairness [--seconds 10] [--rounds 2]
         [--steady-rps 20] [--flood-rps 200] [--quota-rps 20] [--quota-concurrency 4]
-        [--latency-s 0.02] [--fake-max-running 4] [--note "..."]
+        [--latency-s 0.02] [--fake-max-running 4] [--replicas 1] [--note "..."]
 
 Issue 33's goal: a tenant at its quota does not move another tenant's p99 by more than 10 %.
 Prints the table and appends a dated section (with this command) to bench/quota_fairness.md.
@@ -43,6 +47,7 @@ GOAL_P99_MOVE = 0.10  # issue 33: B's p99 moves by at most 10 % while A floods a
 BODY = common.chat_body([{"role": "user", "content": "What is 3 + 4?"}], stream=False)
 
 
+METRICS_KEY = "bench-metrics"  # reads each replica's flywheel_quota_replicas
 A_LOADS = ("idle", "at quota", "flooding")  # tenant A: nothing, --quota-rps, --flood-rps
 
 
@@ -64,10 +69,10 @@ class Phase:
 
 
 async def open_loop(
-    url: str, key: str, rate: float, until: Any, on_answer: Any, episode: str
+    urls: list[str], key: str, rate: float, until: Any, on_answer: Any, episode: str
 ) -> None:
-    """A call every 1/rate s from the start until `until()` says stop; each answer to
-    `on_answer(status, seconds)` (status 0: the call failed)."""
+    """A call every 1/rate s from the start until `until()` says stop, round-robin over `urls`
+    (the replicas); each answer to `on_answer(status, seconds)` (status 0: the call failed)."""
     headers = {
         "Content-Type": "application/json",
         "Authorization": f"Bearer {key}",
@@ -78,7 +83,7 @@ async def open_loop(
         connector=aiohttp.TCPConnector(limit=0), timeout=timeout
     ) as session:
 
-        async def call() -> None:
+        async def call(url: str) -> None:
             started = time.perf_counter()
             try:
                 async with session.post(url, data=BODY, headers=headers) as response:
@@ -95,7 +100,7 @@ async def open_loop(
             delay = start + i / rate - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(call()))
+            tasks.append(asyncio.create_task(call(urls[i % len(urls)])))
             i += 1
         await asyncio.gather(*tasks)
 
@@ -109,17 +114,17 @@ def run_loop(coroutine: Any) -> None:
         uvloop.run(coroutine)
 
 
-def flood(url: str, key: str, rate: float, ready: Event, stop: Event, out: Any) -> None:
+def flood(urls: list[str], key: str, rate: float, ready: Event, stop: Event, out: Any) -> None:
     """Tenant A, in its own process: floods until `stop`, then sends its statuses' counts and
     how long it flooded."""
     statuses: Counter[int] = Counter()
     ready.set()
     started = time.perf_counter()
-    run_loop(open_loop(url, key, rate, stop.is_set, lambda s, _: statuses.update([s]), "a"))
+    run_loop(open_loop(urls, key, rate, stop.is_set, lambda s, _: statuses.update([s]), "a"))
     out.put((dict(statuses), time.perf_counter() - started))
 
 
-def measure_b(url: str, key: str, rate: float, seconds: float, phase: Phase) -> None:
+def measure_b(urls: list[str], key: str, rate: float, seconds: float, phase: Phase) -> None:
     deadline = time.perf_counter() + seconds
 
     def answered(status: int, latency: float) -> None:
@@ -128,16 +133,20 @@ def measure_b(url: str, key: str, rate: float, seconds: float, phase: Phase) -> 
         else:
             phase.b_failed += 1
 
-    run_loop(open_loop(url, key, rate, lambda: time.perf_counter() > deadline, answered, "b"))
+    run_loop(open_loop(urls, key, rate, lambda: time.perf_counter() > deadline, answered, "b"))
 
 
 def run_phase(
-    url: str, keys: dict[str, str], args: argparse.Namespace, meter: Any, phase: Phase
+    urls: list[str],
+    keys: dict[str, str],
+    args: argparse.Namespace,
+    meters: list[common.ProcessMeter],
+    phase: Phase,
 ) -> None:
     def measured() -> None:
-        cpu_s, started = meter.cpu_s(), time.perf_counter()
-        measure_b(url, keys["b"], args.steady_rps, args.seconds, phase)
-        phase.proxy_cpu_s += meter.cpu_s() - cpu_s
+        cpu_s, started = sum(m.cpu_s() for m in meters), time.perf_counter()
+        measure_b(urls, keys["b"], args.steady_rps, args.seconds, phase)
+        phase.proxy_cpu_s += sum(m.cpu_s() for m in meters) - cpu_s
         phase.b_seconds += time.perf_counter() - started
 
     if phase.a_load == "idle":
@@ -146,7 +155,7 @@ def run_phase(
         rate = args.quota_rps if phase.a_load == "at quota" else args.flood_rps
         spawn = multiprocessing.get_context("spawn")
         ready, stop, out = spawn.Event(), spawn.Event(), spawn.Queue()
-        a = spawn.Process(target=flood, args=(url, keys["a"], rate, ready, stop, out))
+        a = spawn.Process(target=flood, args=(urls, keys["a"], rate, ready, stop, out))
         a.start()
         ready.wait(60)
         time.sleep(0.5)  # A's calls under way before B is measured
@@ -159,25 +168,27 @@ def run_phase(
 
 
 def measure_proxy(
-    name: str, proxy: processes.Server, keys: dict[str, str], args: argparse.Namespace
+    name: str, proxies: list[processes.Server], keys: dict[str, str], args: argparse.Namespace
 ) -> list[Phase]:
-    """B with each of A's loads, interleaved (forwards, then backwards), on one proxy."""
-    url = proxy.url + "/v1/chat/completions"
-    measure_b(url, keys["b"], args.steady_rps, 1.0, Phase(name, "idle"))  # warm-up, uncounted
-    meter = common.ProcessMeter(proxy.process.pid)
+    """B with each of A's loads, interleaved (forwards, then backwards), on one proxy (or its
+    replicas, round-robin)."""
+    urls = [proxy.url + "/v1/chat/completions" for proxy in proxies]
+    measure_b(urls, keys["b"], args.steady_rps, 1.0, Phase(name, "idle"))  # warm-up, uncounted
+    meters = [common.ProcessMeter(proxy.process.pid) for proxy in proxies]
     here = {load: Phase(name, load) for load in A_LOADS}
     try:
         for r in range(args.rounds):
             for load in A_LOADS if r % 2 == 0 else reversed(A_LOADS):
                 p = here[load]
-                run_phase(url, keys, args, meter, p)
+                run_phase(urls, keys, args, meters, p)
                 print(
                     f"{name:>8}, A {load:>8}: B p50 {p.p(0.5):6.1f} ms p99 {p.p(0.99):6.1f} ms "
                     f"(so far), A's answers {dict(p.a_statuses)}",
                     file=sys.stderr,
                 )
     finally:
-        meter.close()
+        for meter in meters:
+            meter.close()
     return list(here.values())
 
 
@@ -194,6 +205,18 @@ def make_keys(url: str) -> dict[str, str]:
             }
     finally:
         engine.dispose()
+
+
+def each_counts(replicas: list[processes.Server], n: int, timeout_s: float = 60.0) -> None:
+    """Until every replica's heartbeat count (`flywheel_quota_replicas`) says `n`: before it, each
+    grants a whole quota."""
+    deadline = time.monotonic() + timeout_s
+    headers = {"Authorization": f"Bearer {METRICS_KEY}"}
+    for proxy in replicas:
+        while (seen := common.metric(proxy.url, "flywheel_quota_replicas", headers=headers)) != n:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"{proxy.url} counts {seen:g} replicas after {timeout_s:g} s")
+            time.sleep(0.5)
 
 
 def table(phases: list[Phase]) -> list[str]:
@@ -246,6 +269,9 @@ def main() -> None:
         default=4,
         help="the fake's batch: generations at once, the rest queued (0: no limit)",
     )
+    parser.add_argument(
+        "--replicas", type=int, default=1, help="proxies per configuration, round-robin"
+    )
     parser.add_argument("--database-url", help="default: an embedded Postgres (.flywheel/bench)")
     parser.add_argument("--results", type=Path, default=REPORT, help="report to append to")
     parser.add_argument("--note", default="", help="a line for the report (e.g. machine state)")
@@ -258,12 +284,19 @@ def main() -> None:
         fake = processes.start_fake(args.latency_s, max_running=args.fake_max_running)
         try:
             for name, quotas in proxies.items():
-                settings = {"FLYWHEEL_AUTH": "keys", **quotas}
-                proxy = processes.start_flywheel(fake.url, db_url, settings=settings)
+                settings = {"FLYWHEEL_AUTH": "keys", "FLYWHEEL_METRICS_KEY": METRICS_KEY, **quotas}
+                replicas: list[processes.Server] = []
                 try:
-                    phases += measure_proxy(name, proxy, keys, args)
+                    for _ in range(args.replicas):
+                        replicas.append(
+                            processes.start_flywheel(fake.url, db_url, settings=settings)
+                        )
+                    if quotas:
+                        each_counts(replicas, args.replicas)
+                    phases += measure_proxy(name, replicas, keys, args)
                 finally:
-                    proxy.stop()
+                    for proxy in replicas:
+                        proxy.stop()
         finally:
             fake.stop()
     lines = [
@@ -271,6 +304,7 @@ def main() -> None:
         f"generations at once (the rest queued); tenant B {args.steady_rps:g} calls/s, "
         f"tenant A {args.quota_rps:g} calls/s at quota, {args.flood_rps:g} when flooding (all "
         f"open loop, non-streaming chat); A's quota on the `quota` proxy: {quota}; "
+        f"{args.replicas} {'replica' if args.replicas == 1 else 'replicas, round-robin'} each; "
         f"{args.seconds:g} s per phase, "
         f"{args.rounds} rounds interleaved; {multiprocessing.cpu_count()} cores shared by the "
         f"proxy, the fake, Postgres and both load generators. {args.note}\n",

@@ -231,8 +231,9 @@ def test_quota_fairness_smoke(postgres_url: str, tmp_path: Path) -> None:
     run = _bench(
         "bench.quota_fairness",
         *("--seconds", "1", "--rounds", "1", "--flood-rps", "60", "--quota-rps", "5"),
-        *("--database-url", postgres_url, "--results", str(report)),
+        *("--replicas", "2", "--database-url", postgres_url, "--results", str(report)),
     )
+    assert "2 replicas, round-robin each" in report.read_text()
     rows = _table(report, ("quota", "no quota"))
     assert [row[:2] for row in rows] == [
         [proxy, load]
