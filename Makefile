@@ -15,7 +15,7 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 PIP_EXTRA ?=
 LOCK_VENV := .flywheel/lock-venv
 
-.PHONY: up test test-fast compose-test docker-tools lint install lock clean
+.PHONY: up test test-fast compose-test docker-tools docs lint install lock clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -116,6 +116,11 @@ test-fast: install
 # .flywheel/compose-test/report.md.
 compose-test: install docker-tools
 	$(BIN)/pytest -m compose tests/test_compose.py
+
+# The documentation site (mkdocs.yml, pages under docs/), served with live reload; the tests
+# build it with --strict (tests/test_docs.py).
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve -a 127.0.0.1:8008
 
 docker-tools:
 	command -v dockerd >/dev/null || { apt-get update -qq && apt-get install -y -qq docker.io >/dev/null; }

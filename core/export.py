@@ -19,7 +19,7 @@ Four kinds of row:
 The rows stream from a server-side cursor (`itersize` at a time), so memory does not grow with
 the table; Parquet is written a row group at a time. In Parquet the JSON-valued fields (messages,
 params, tool calls, rewards) are JSON text; token ids and logprobs are lists. Both load with one
-line of Hugging Face `datasets` (README, "Export").
+line of Hugging Face `datasets` (docs/guide/operating.md, "Export").
 """
 
 from __future__ import annotations

@@ -53,6 +53,32 @@ def add_settings(
             group.add_argument(flag, help=help_text)
 
 
+def reference(kind: type[BaseSettings]) -> list[str]:
+    """`kind`'s own settings (not those of the class it extends) as a Markdown table: variable
+    and flag, default, and the same description `--help` gives (the documentation site's
+    settings reference, docs/hooks.py)."""
+    inherited = {name for base in kind.__mro__[1:] if _settings(base) for name in _fields(base)}
+    own = {name: f for name, f in kind.model_fields.items() if name not in inherited}
+    rows = ["| variable / flag | default | what it sets |", "|---|---|---|"]
+    for name, field in own.items():
+        notes = [field.description or ""]
+        if _is(field, list):
+            notes.append("Repeat it, or separate by commas.")
+        cell = " ".join(filter(None, notes)).replace("|", "\\|").replace("\n", " ")
+        flag = "--" + name.replace("_", "-")
+        rows.append(f"| `{env_name(kind, name)}`<br>`{flag}` | `{_default(field)}` | {cell} |")
+    return rows
+
+
+def _settings(base: type) -> bool:
+    return issubclass(base, BaseSettings) and base is not BaseSettings
+
+
+def _fields(kind: type) -> dict[str, FieldInfo]:
+    fields: dict[str, FieldInfo] = kind.model_fields  # type: ignore[attr-defined]
+    return fields
+
+
 def env_name(kind: type[BaseSettings], field: str) -> str:
     return f"{kind.model_config.get('env_prefix', '')}{field}".upper()
 
