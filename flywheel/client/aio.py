@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from flywheel.client.base import TRANSIENT, ClientBase, single
+from flywheel.client.base import TRANSIENT, Call, ClientBase, Sent, T
 from flywheel.client.episode import Episode, tag_client
 from flywheel.client.records import (
     Demonstration,
@@ -18,8 +18,6 @@ from flywheel.client.records import (
     EpisodeView,
     Reward,
     RewardResult,
-    demonstration_results,
-    reward_results,
 )
 
 if TYPE_CHECKING:
@@ -105,17 +103,13 @@ class AsyncFlywheel(ClientBase):
         source: str | None = None,
         idempotency_key: str | None = None,
     ) -> RewardResult:
-        if (transition_id is None) == (tool_call_id is None):
-            raise ValueError("step_reward: give transition_id or tool_call_id (one of them)")
-        item = self._reward(value, episode_id, source, idempotency_key, transition_id, tool_call_id)
+        item = self._step_reward(
+            value, transition_id, tool_call_id, episode_id, source, idempotency_key
+        )
         return (await self.rewards([item]))[0]
 
     async def rewards(self, items: Sequence[Reward]) -> list[RewardResult]:
-        if not items:
-            raise ValueError("rewards([]): nothing to post")
-        episode_id = items[0].episode_id
-        body = await self._send("POST", "/v1/rewards", episode_id, json=single(list(items)))
-        return reward_results(body)
+        return await self._run(self._rewards_call(items))
 
     async def demonstrate(
         self,
@@ -129,12 +123,7 @@ class AsyncFlywheel(ClientBase):
 
     async def demonstrations(self, items: Sequence[Demonstration]) -> list[DemonstrationResult]:
         """Several in one post: all stored, or none (each keyed: a retry stores each once)."""
-        if not items:
-            raise ValueError("demonstrations([]): nothing to post")
-        body = [d.body() for d in items] if len(items) > 1 else items[0].body()
-        return demonstration_results(
-            await self._send("POST", "/v1/demonstrations", None, json=body)
-        )
+        return await self._run(self._demonstrations_call(items))
 
     async def demonstrate_episode(
         self,
@@ -146,33 +135,27 @@ class AsyncFlywheel(ClientBase):
         """Every call of a recorded episode (the open one unless given) as a demonstration,
         with its token ids as sampled: keep the episodes that went best (`agent`, `lineage`:
         only those calls). Copying an episode again adds nothing."""
-        episode_id = self._episode_id(episode_id)
-        body: dict[str, Any] = {"from_episode": episode_id}
-        body |= {k: v for k, v in (("agent", agent), ("lineage", lineage)) if v is not None}
-        return demonstration_results(
-            await self._send("POST", "/v1/demonstrations", episode_id, json=body)
-        )
+        return await self._run(self._demonstrate_episode_call(episode_id, agent, lineage))
 
     async def episode_view(
         self, episode_id: str | None = None, *, tokens: bool = False
     ) -> EpisodeView:
-        episode_id = self._episode_id(episode_id)
-        params = {"tokens": "true"} if tokens else None
-        body = await self._send("GET", f"/v1/episodes/{episode_id}", episode_id, params=params)
-        return EpisodeView.from_json(body)
+        return await self._run(self._episode_view_call(episode_id, tokens))
 
-    async def _send(self, method: str, path: str, episode_id: str | None, **kwargs: Any) -> Any:
-        last: httpx.Response | None = None
-        last_error = ""
-        for attempt in range(1, self.retry.attempts + 1):
+    async def _run(self, call: Call[T]) -> T:
+        tries = self._tries(call)
+        wait = next(tries)
+        while True:
+            if wait:
+                await asyncio.sleep(wait)
+            sent: Sent
             try:
-                last = await self._http.request(method, path, **kwargs)
+                sent = await self._http.request(
+                    call.method, call.path, json=call.json, params=call.params
+                )
             except TRANSIENT as e:
-                last, last_error = None, f"{type(e).__name__}: {e}"
-            else:
-                if not self._retryable(last):
-                    return self._answer(last, episode_id)
-            if attempt < self.retry.attempts:
-                retry_after = last.headers.get("retry-after") if last is not None else None
-                await asyncio.sleep(self.retry.delay(attempt, retry_after))
-        raise self._give_up(path, last, last_error)
+                sent = e
+            try:
+                wait = tries.send(sent)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from flywheel.client.base import TRANSIENT, ClientBase, single
+from flywheel.client.base import TRANSIENT, Call, ClientBase, Sent, T
 from flywheel.client.episode import Episode, tag_client
 from flywheel.client.records import (
     Demonstration,
@@ -17,8 +17,6 @@ from flywheel.client.records import (
     EpisodeView,
     Reward,
     RewardResult,
-    demonstration_results,
-    reward_results,
 )
 
 if TYPE_CHECKING:  # imported when asked for: neither SDK is needed to post rewards
@@ -113,18 +111,14 @@ class Flywheel(ClientBase):
     ) -> RewardResult:
         """An intermediate reward for one call (its X-Transition-Id, e.g. from
         `episode.transition_ids`) or for the call that made tool call `tool_call_id`."""
-        if (transition_id is None) == (tool_call_id is None):
-            raise ValueError("step_reward: give transition_id or tool_call_id (one of them)")
-        item = self._reward(value, episode_id, source, idempotency_key, transition_id, tool_call_id)
+        item = self._step_reward(
+            value, transition_id, tool_call_id, episode_id, source, idempotency_key
+        )
         return self.rewards([item])[0]
 
     def rewards(self, items: Sequence[Reward]) -> list[RewardResult]:
         """Several rewards in one post: all stored (or journaled), or none."""
-        if not items:
-            raise ValueError("rewards([]): nothing to post")
-        episode_id = items[0].episode_id
-        body = self._send("POST", "/v1/rewards", episode_id, json=single(list(items)))
-        return reward_results(body)
+        return self._run(self._rewards_call(items))
 
     def demonstrate(
         self,
@@ -134,14 +128,11 @@ class Flywheel(ClientBase):
     ) -> DemonstrationResult:
         """A prompt and the answer it should get, for the trainer to imitate; `fields` are
         Demonstration's (agent, lineage, tools, task_id, episode_id, idempotency_key)."""
-        return (self.demonstrations([Demonstration(messages, completion, **fields)]))[0]
+        return self.demonstrations([Demonstration(messages, completion, **fields)])[0]
 
     def demonstrations(self, items: Sequence[Demonstration]) -> list[DemonstrationResult]:
         """Several in one post: all stored, or none (each keyed: a retry stores each once)."""
-        if not items:
-            raise ValueError("demonstrations([]): nothing to post")
-        body = [d.body() for d in items] if len(items) > 1 else items[0].body()
-        return demonstration_results(self._send("POST", "/v1/demonstrations", None, json=body))
+        return self._run(self._demonstrations_call(items))
 
     def demonstrate_episode(
         self,
@@ -153,32 +144,26 @@ class Flywheel(ClientBase):
         """Every call of a recorded episode (the open one unless given) as a demonstration,
         with its token ids as sampled: keep the episodes that went best (`agent`, `lineage`:
         only those calls). Copying an episode again adds nothing."""
-        episode_id = self._episode_id(episode_id)
-        body: dict[str, Any] = {"from_episode": episode_id}
-        body |= {k: v for k, v in (("agent", agent), ("lineage", lineage)) if v is not None}
-        return demonstration_results(
-            self._send("POST", "/v1/demonstrations", episode_id, json=body)
-        )
+        return self._run(self._demonstrate_episode_call(episode_id, agent, lineage))
 
     def episode_view(self, episode_id: str | None = None, *, tokens: bool = False) -> EpisodeView:
         """The episode as stored: its calls (tags, text, tool calls, returns) and rewards."""
-        episode_id = self._episode_id(episode_id)
-        params = {"tokens": "true"} if tokens else None
-        body = self._send("GET", f"/v1/episodes/{episode_id}", episode_id, params=params)
-        return EpisodeView.from_json(body)
+        return self._run(self._episode_view_call(episode_id, tokens))
 
-    def _send(self, method: str, path: str, episode_id: str | None, **kwargs: Any) -> Any:
-        last: httpx.Response | None = None
-        last_error = ""
-        for attempt in range(1, self.retry.attempts + 1):
+    def _run(self, call: Call[T]) -> T:
+        tries = self._tries(call)
+        wait = next(tries)
+        while True:
+            if wait:
+                time.sleep(wait)
+            sent: Sent
             try:
-                last = self._http.request(method, path, **kwargs)
+                sent = self._http.request(
+                    call.method, call.path, json=call.json, params=call.params
+                )
             except TRANSIENT as e:
-                last, last_error = None, f"{type(e).__name__}: {e}"
-            else:
-                if not self._retryable(last):
-                    return self._answer(last, episode_id)
-            if attempt < self.retry.attempts:
-                retry_after = last.headers.get("retry-after") if last is not None else None
-                time.sleep(self.retry.delay(attempt, retry_after))
-        raise self._give_up(path, last, last_error)
+                sent = e
+            try:
+                wait = tries.send(sent)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
