@@ -64,21 +64,27 @@ POLICY_CHANNEL = "flywheel_policy"  # NOTIFY'd (delivered on commit) when `is_cu
 
 def check_lineage(name: str) -> str:
     """A valid lineage name, or ValueError saying what one is."""
-    if not LINEAGE_NAME.fullmatch(name):
-        raise ValueError(
-            f"{name!r} is not a lineage name: a role (1-63 letters, digits, '_' or '-', starting "
-            "with a letter or digit), after `<tenant>.` for a tenant's own lineage"
-        )
-    return name
+    return _checked(
+        name,
+        LINEAGE_NAME,
+        "a role (1-63 letters, digits, '_' or '-', starting with a letter or digit), after "
+        "`<tenant>.` for a tenant's own lineage",
+    )
 
 
 def check_role(name: str) -> str:
     """A lineage name without a tenant (what FLYWHEEL_ADAPTER_PER_AGENT names), or ValueError."""
-    if not ROLE_NAME.fullmatch(name):
-        raise ValueError(
-            f"{name!r} is not a lineage name: 1-63 letters, digits, '_' or '-', starting with a "
-            "letter or digit (a tenant's lineages are named `<tenant>.<name>` by the proxy)"
-        )
+    return _checked(
+        name,
+        ROLE_NAME,
+        "1-63 letters, digits, '_' or '-', starting with a letter or digit (a tenant's "
+        "lineages are named `<tenant>.<name>` by the proxy)",
+    )
+
+
+def _checked(name: str, pattern: re.Pattern[str], what: str) -> str:
+    if not pattern.fullmatch(name):
+        raise ValueError(f"{name!r} is not a lineage name: {what}")
     return name
 
 

@@ -8,9 +8,10 @@ Every client library (openai, httpx `json=`, requests, LangChain, litellm) decla
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
+from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from proxy.errors import ApiError
@@ -43,6 +44,31 @@ async def read_json(request: Request, max_bytes: int) -> tuple[Any, bool]:
         return orjson.loads(raw), b"\\u0000" in raw
     except orjson.JSONDecodeError as e:
         raise ApiError(400, f"the request body is not valid JSON: {e}") from e
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def items(body: Any, model: type[M], *, noun: str, most: int, code: str) -> list[M]:
+    """A post of one `model` (an object) or several (a list, at most `most`), each validated; a
+    400 names the first bad one by its place (`[2].reward`) and what is wrong with it."""
+    raw = body if isinstance(body, list) else [body]
+    if not raw:
+        raise ApiError(400, f"empty list: post at least one {noun}")
+    if len(raw) > most:
+        raise ApiError(400, f"{len(raw)} {noun}s in one post; at most {most}")
+    parsed = []
+    for i, item in enumerate(raw):
+        try:
+            parsed.append(model.model_validate(item))
+        except ValidationError as e:
+            first = e.errors()[0]
+            where = ".".join(str(p) for p in first["loc"])
+            param = f"[{i}].{where}" if isinstance(body, list) else where
+            raise ApiError(
+                400, f"{noun} {param or 'body'}: {first['msg']}", param=param or None, code=code
+            ) from e
+    return parsed
 
 
 def check_json_type(content_type: str | None) -> None:

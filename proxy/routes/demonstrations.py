@@ -17,7 +17,6 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
-from pydantic import ValidationError
 from starlette.responses import Response
 
 from core import policy
@@ -30,6 +29,7 @@ from proxy.record.schemas import MAX_DEMONSTRATIONS_PER_POST, DemonstrationIn
 from proxy.record.storable import pg_safe
 from proxy.record.store import demonstrations
 from proxy.record.store.demonstrations import Added
+from proxy.routes.body import items as body_items
 from proxy.routes.body import read_json
 from proxy.services import Services, ServicesDep
 
@@ -192,27 +192,13 @@ def _result(a: Added, d: DemonstrationIn, principal: Principal) -> dict[str, Any
 
 
 def parse(body: Any) -> list[DemonstrationIn]:
-    raw = body if isinstance(body, list) else [body]
-    if not raw:
-        raise ApiError(400, "empty list: post at least one demonstration")
-    if len(raw) > MAX_DEMONSTRATIONS_PER_POST:
-        raise ApiError(
-            400, f"{len(raw)} demonstrations in one post; at most {MAX_DEMONSTRATIONS_PER_POST}"
-        )
-    items = []
-    for i, item in enumerate(raw):
-        try:
-            items.append(DemonstrationIn.model_validate(item))
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            param = f"[{i}].{where}" if isinstance(body, list) else where
-            raise ApiError(
-                400,
-                f"demonstration {param or 'body'}: {first['msg']}",
-                param=param or None,
-                code="invalid_demonstration",
-            ) from e
+    items = body_items(
+        body,
+        DemonstrationIn,
+        noun="demonstration",
+        most=MAX_DEMONSTRATIONS_PER_POST,
+        code="invalid_demonstration",
+    )
     keys = [(d.lineage, d.agent, d.idempotency_key) for d in items if d.idempotency_key]
     if len(keys) != len(set(keys)):
         raise ApiError(

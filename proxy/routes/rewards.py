@@ -22,7 +22,6 @@ from typing import Any
 
 import orjson
 from fastapi import APIRouter, Request
-from pydantic import ValidationError
 from starlette.responses import Response
 
 from core.database import is_outage, write_deadline
@@ -35,6 +34,7 @@ from proxy.record.recorder import STORED_WAIT_S
 from proxy.record.schemas import MAX_REWARDS_PER_POST, RewardIn
 from proxy.record.storable import pg_safe
 from proxy.record.store import rewards
+from proxy.routes.body import items as body_items
 from proxy.routes.body import read_json
 from proxy.services import Services, ServicesDep
 
@@ -220,25 +220,9 @@ def _kind(r: RewardIn) -> str:
 
 
 def parse_rewards(body: Any) -> list[RewardIn]:
-    raw = body if isinstance(body, list) else [body]
-    if not raw:
-        raise ApiError(400, "empty reward list: post at least one reward")
-    if len(raw) > MAX_REWARDS_PER_POST:
-        raise ApiError(400, f"{len(raw)} rewards in one post; at most {MAX_REWARDS_PER_POST}")
-    items = []
-    for i, item in enumerate(raw):
-        try:
-            items.append(RewardIn.model_validate(item))
-        except ValidationError as e:
-            first = e.errors()[0]
-            where = ".".join(str(p) for p in first["loc"])
-            param = f"[{i}].{where}" if isinstance(body, list) else where
-            raise ApiError(
-                400,
-                f"reward {param or 'body'}: {first['msg']}",
-                param=param or None,
-                code="invalid_reward",
-            ) from e
+    items = body_items(
+        body, RewardIn, noun="reward", most=MAX_REWARDS_PER_POST, code="invalid_reward"
+    )
     keys = [(r.episode_id, r.idempotency_key) for r in items if r.idempotency_key]
     if len(keys) != len(set(keys)):
         raise ApiError(
