@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from pathlib import Path
 
 import orjson
 
@@ -34,7 +35,7 @@ from proxy.record.journal import Journal
 from proxy.record.known import KnownDigests
 from proxy.record.pending import UNSTORED_MAX_IDS, Pending
 from proxy.record.queue import RecordQueue
-from proxy.record.replay import ReplayChunks
+from proxy.record.replay import REPLAY_CHUNK, ReplayChunks
 from proxy.record.store.transitions import insert_transitions
 from proxy.record.tracing import Spans
 
@@ -320,14 +321,23 @@ class Recorder:
     async def _replay_segments(self) -> bool:
         """The journaled transitions into Postgres, oldest first; False: not all of them yet.
         (Postgres is up again only once the rewards journaled behind them are applied too.)"""
-        for segment in self.journal.segments():
-            with self.journal.guard("read"):
-                records = self.journal.read(segment)
-            if self.journal.failing("read"):
-                self._next_replay = time.monotonic() + self._retry_s
-                return False
+        segments = self.journal.segments()
+        while segments:
+            # Consecutive segments together (each batch journaled under load is a segment of a
+            # few records: one transaction each could not keep up with the traffic arriving).
+            group: list[tuple[Path, int]] = []
+            records: list[TransitionRecord] = []
+            while segments and (not group or len(records) < REPLAY_CHUNK):
+                segment = segments.pop(0)
+                with self.journal.guard("read"):
+                    read = self.journal.read(segment)
+                if self.journal.failing("read"):
+                    self._next_replay = time.monotonic() + self._retry_s
+                    return False
+                group.append((segment, len(read)))
+                records += read
             try:  # chunk by chunk, sized by bytes and time (proxy/record/replay.py)
-                await self._chunks.insert(segment, records, self._insert, self._pending.stored)
+                await self._chunks.insert(group[0][0], records, self._insert, self._pending.stored)
             except OUTAGE_ERRORS:
                 self._next_replay = time.monotonic() + self._retry_s
                 self._database_ok = False
@@ -335,8 +345,9 @@ class Recorder:
                 return False
             except Exception:
                 await self._isolate(records)  # (each one stored, rejected or journaled again)
-            with self.journal.guard("remove"):  # a segment left behind only replays again
-                self.journal.remove(segment, len(records))
+            for segment, count in group:
+                with self.journal.guard("remove"):  # a segment left behind only replays again
+                    self.journal.remove(segment, count)
             metrics.journal_pending.set(self.journal.pending)
         return True
 
