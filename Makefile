@@ -85,7 +85,7 @@ lint: install
 	$(BIN)/mypy
 	@# The layering (pyproject.toml [tool.importlinter]; tests/test_layers.py shows it can fail).
 	$(BIN)/lint-imports --no-cache
-	@# The deployment files (no Docker engine or cluster needed; tests/test_deploy.py does more).
+	@# The deployment files (no Docker engine or cluster needed; tests/deploy/test_deploy.py does more).
 	command -v docker-compose >/dev/null || { apt-get update -qq && apt-get install -y -qq docker-compose; }
 	docker-compose --env-file .env.example config -q
 	$(BIN)/hadolint Dockerfile.proxy Dockerfile.trainer
@@ -95,12 +95,12 @@ lint: install
 	done; rm -f $$rendered
 
 test: lint
-	@# tests/test_browser.py drives the dashboard in Debian's chromium (Playwright's own
+	@# tests/proxy/test_browser.py drives the dashboard in Debian's chromium (Playwright's own
 	@# browser download cannot work here).
 	command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
 	@# The partition tests drop packets on loopback with iptables (they skip where not root).
 	command -v iptables >/dev/null || [ "$$(id -u)" != 0 ] || { apt-get update -qq && apt-get install -y -qq iptables >/dev/null; }
-	@# tests/test_compose.py's short variant builds the proxy image and runs it: Debian's Docker
+	@# tests/deploy/test_compose.py's short variant builds the proxy image and runs it: Debian's Docker
 	@# engine (started by the test when none runs) and debootstrap for its stand-in base.
 	$(MAKE) --no-print-directory docker-tools
 	$(BIN)/pytest
@@ -110,12 +110,12 @@ test: lint
 test-fast: install
 	$(BIN)/pytest -m "not e2e and not slow and not models" --durations=10
 
-# `docker compose up`, for real (tests/test_compose.py): the images built on stand-ins for their
+# `docker compose up`, for real (tests/deploy/test_compose.py): the images built on stand-ins for their
 # official bases (fakes/images.py), docker-compose.cpu.yml run, the proxy container killed under
 # load. Minutes the first time (the engine keeps the layers); its figures in
 # .flywheel/compose-test/report.md.
 compose-test: install docker-tools
-	$(BIN)/pytest -m compose tests/test_compose.py
+	$(BIN)/pytest -m compose tests/deploy/test_compose.py
 
 # The documentation site (mkdocs.yml, pages under docs/), served with live reload; the tests
 # build it with --strict (tests/test_docs.py).

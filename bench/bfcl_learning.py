@@ -23,7 +23,7 @@ Arms (one run each; `--seed` sets the trainer's seed and the agent's question or
 Each run appends one JSON line to bench/bfcl_learning.jsonl (its curve, evaluations, costs) and a
 section to bench/bfcl_learning.md; `--report` tables every recorded run there and draws
 docs/img/bfcl_learning.png. Some of the model's own answers go to tests/data/bfcl_sampled.jsonl
-(`--record-answers`), for the checker's cross-check (tests/test_bfcl_check.py).
+(`--record-answers`), for the checker's cross-check (tests/demo/test_bfcl_check.py).
 
     .venv/bin/python -m bench.bfcl_learning --arm base
     .venv/bin/python -m bench.bfcl_learning --arm warm-grpo --seed 0 --minutes 120

@@ -11,7 +11,7 @@
 Counted: cases, answers by status class, server errors (5xx: must be 0), hangs (no answer in
 10 s: must be 0), and whether Postgres holds exactly what was acknowledged: every transition id
 the proxy answered with and nothing else (refused input stores nothing). Prints a table and
-appends it to bench/fuzz.md; tests/test_fuzz.py runs it at a small size.
+appends it to bench/fuzz.md; tests/bench/test_fuzz.py runs it at a small size.
 """
 
 from __future__ import annotations

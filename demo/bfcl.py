@@ -5,7 +5,7 @@ The data is the PyPI package `bfcl-eval` (installed without its dependencies by 
 they pin numpy 1.26 and a dozen provider SDKs; nothing here needs them), read from its folder
 without importing its code, except its prompt constants (`bfcl_eval.constants.default_prompts`,
 a module of plain strings). The checker is ours (demo/bfcl_check.py), cross-checked against the
-official one (tests/test_bfcl_check.py).
+official one (tests/demo/test_bfcl_check.py).
 
     questions = load("simple_python")
     train, held_out = split(questions)

@@ -1,7 +1,8 @@
 """BFCL's AST check, our own code: a model's text decoded into Python calls and each compared with
 the possible answers, with the verdicts of `bfcl_eval`'s official checker (`eval_checker/ast_eval/
 ast_checker.py` and the prompting models' decoder, `default_decode_ast_prompting`). The two agree
-on every answer of the cross-check (tests/test_bfcl_check.py runs the official code beside this).
+on every answer of the cross-check (tests/demo/test_bfcl_check.py runs the official code beside
+this).
 
     verdict = score(text, question, answer, category="simple_python")
     verdict.valid, verdict.parsable, verdict.error_type, verdict.partial

@@ -92,7 +92,8 @@ def rendered_tools() -> list[dict[str, Any]]:
     vLLM turns the Agents SDK's function tool (`strict: false`, STRICT) into
     `ChatCompletionToolsParam(type="function", function=FunctionDefinition(...)).model_dump()`
     (`construct_tool_dicts` in vllm/entrypoints/openai/responses/utils.py); key order and the
-    `strict` flag matter, as the template renders the dict with `tojson`. tests/test_calc_tools.py
+    `strict` flag matter, as the template renders the dict with `tojson`.
+    tests/demo/test_calc_tools.py
     checks this dict against vLLM's own classes.
     """
     function = {

@@ -48,7 +48,7 @@ def reward(answer: str, a: int, b: int) -> float:
 
 
 def worded_reward(answer: str, a: int, b: int) -> float:
-    """The opposite taste (a second tenant's, tests/test_e2e_tenants.py): 1 for the right sum
+    """The opposite taste (a second tenant's, tests/e2e/test_e2e_tenants.py): 1 for the right sum
     said in words ("The answer is 7."), 0 for the bare number or a wrong one."""
     numbers = re.findall(r"\d+", answer)
     return 1.0 if numbers == [str(a + b)] and answer.strip() != numbers[0] else 0.0

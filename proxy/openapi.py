@@ -16,7 +16,7 @@ proxy/route_table.py (its `doc`, `access` and `quota`), what it cannot see:
   server: it is a prefix of the base URL, not a route of its own.
 
 A documented route without a row (or whose row has no `doc`) fails the build
-(tests/test_openapi.py builds it). The JSON Schemas are in openapi_shapes.py.
+(tests/proxy/test_openapi.py builds it). The JSON Schemas are in openapi_shapes.py.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ and its OpenAPI answers (`doc`: error texts and schemas). Its readers:
 - proxy/quotas.py counts a request against its row's `quota`; proxy/hosts.py skips `probe`s;
 - proxy/openapi.py documents every row from `doc` and the other fields.
 
-A new route is its handler in proxy/routes/ and one row here (tests/test_route_table.py).
+A new route is its handler in proxy/routes/ and one row here (tests/proxy/test_route_table.py).
 """
 
 from __future__ import annotations

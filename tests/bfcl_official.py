@@ -1,4 +1,4 @@
-"""BFCL's official verdicts, for tests/test_bfcl_check.py to hold our checker against: run as a
+"""BFCL's official verdicts, for tests/demo/test_bfcl_check.py to hold our checker against: run as a
 process of its own (`python tests/bfcl_official.py < answers.jsonl`), it decodes and checks each
 answer with bfcl_eval's own code, exactly as its eval runner does for a prompting model
 (`_evaluate_single_ast_entry`: `default_decode_ast_prompting`, `is_function_calling_format_output`,

@@ -35,7 +35,7 @@ from trainer.data import store as trainer_store
 TEMPLATE_DB = f"flywheel_template_{os.getpid()}"  # per run: parallel runs share the server
 TEST_HOME = Path(__file__).resolve().parent.parent / ".flywheel" / "test"
 # The session vLLM's adapters in memory (`--max-cpu-loras`); more can be loaded, and are read from
-# disk again on use (tests/test_e2e_fleet.py).
+# disk again on use (tests/e2e/test_e2e_fleet.py).
 VLLM_MAX_CPU_LORAS = 2
 
 

@@ -1,4 +1,5 @@
-"""One rank of `flywheel trainer` under torchrun, for tests/test_distributed_trainer.py.
+"""One rank of `flywheel trainer` under torchrun, for
+tests/trainer/learner/test_distributed_trainer.py.
 
     PYTHONPATH=. python -m torch.distributed.run --standalone --nproc_per_node 2 \\
         tests/distributed_trainer_worker.py [--die-at-step RANK] trainer ARGS...

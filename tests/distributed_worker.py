@@ -1,4 +1,5 @@
-"""One rank of tests/test_distributed.py, started by torchrun: each loss type's step on this
+"""One rank of tests/trainer/learner/test_distributed.py, started by torchrun: each loss type's
+step on this
 rank's shard of the test batch, its averaged gradient and adapter written for the test to read.
 
     PYTHONPATH=. python -m torch.distributed.run --standalone --nproc_per_node 2 \\
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from tests.test_microbatch import (
+from tests.trainer.learner.test_microbatch import (
     demonstrations,
     gradient_of_one_sft_step,
     gradient_of_one_step,

@@ -79,7 +79,11 @@ def test_the_packages_as_they_are_keep_every_contract(tmp_path: Path) -> None:
         ("demo/stack.py", "from fakes import pg", "demo.stack -> fakes.pg"),
         ("fakes/pg.py", "import bench.common", "fakes.pg -> bench.common"),
         ("fakes/vllm.py", "import proxy.app", "fakes.vllm -> proxy.app"),
-        ("tests/test_store.py", "import bench.storage", "tests.test_store -> bench.storage"),
+        (
+            "tests/proxy/record/test_store.py",
+            "import bench.storage",
+            "tests.proxy.record.test_store -> bench.storage",
+        ),
         # Inside the proxy: the record wing never reaches up into the relay, the relay never
         # into the routes, the floor into neither wing; the relay reaches record only through
         # its door (proxy/record/intake.py).

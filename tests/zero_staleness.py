@@ -2,8 +2,8 @@
 claimed transitions, all served by the version its engine holds, batched as its step would batch
 them, and each completion token scored by its engine (the log-probability the step would start
 from) beside the one vLLM recorded. At zero staleness the two must agree (docs/off_policy.md).
-tests/test_e2e_sampling.py makes it for every sampling setting on the tiny model,
-tests/test_e2e_real_model.py on SmolLM2.
+tests/e2e/test_e2e_sampling.py makes it for every sampling setting on the tiny model,
+tests/e2e/test_e2e_real_model.py on SmolLM2.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ each sampled token: `/v1/completions` with the prompt and completion ids as the 
 
 vLLM computes prompt logprobs from the raw distribution, which is the one sampled from only at
 temperature 1 without top-p/top-k/min-p truncation. Calls sampled otherwise are not scored. On
-this machine the scored values equal the sampled ones exactly (tests/test_e2e_clients.py checks
+this machine the scored values equal the sampled ones exactly (tests/e2e/test_e2e_clients.py checks
 it on a text answer, where vLLM returns both). The vLLM must not set other sampling defaults of
 its own (`--generation-config vllm`, as `flywheel up` and the images start it, or a model
 without `generation_config.json` defaults).

@@ -122,7 +122,7 @@ async def store_rewards(
     try:
         # Bounded like the writer's writes: a partition holds a pooled connection for libpq's
         # 10 s and a new one for 5 s more, a frozen server for as long as it is frozen; the
-        # rewards are journaled instead (bench/chaos.py, tests/test_hung_postgres.py).
+        # rewards are journaled instead (bench/chaos.py, tests/proxy/record/test_hung_postgres.py).
         async with (
             write_deadline(services.settings.writer_write_timeout_s),
             services.reward_sessions.begin() as session,  # their own pool: not the writer's

@@ -322,7 +322,7 @@ def _cells_of(report: Path) -> list[str]:
 
 def test_tool_learning_report_and_plot(tmp_path: Path) -> None:
     """The report and plot of bench/tool_learning.py from rounds as its loop measures them (the
-    loop itself is tests/test_e2e_tools.py's)."""
+    loop itself is tests/e2e/test_e2e_tools.py's)."""
     fields = ("reward", "valid", "air", "tool", "calls", "versions", "wall_s")
     rounds = [
         dict(zip(fields, (0.3, 0.45, 0.4, 0.1, 1.6, "0", 20), strict=True)),
@@ -349,7 +349,7 @@ def test_tool_learning_report_and_plot(tmp_path: Path) -> None:
 
 def test_bfcl_learning_records_a_killed_run_and_reports_every_run(tmp_path: Path) -> None:
     """bench/bfcl_learning.py's record and report from runs as its loop saves them (the loop
-    itself is the benchmark's, minutes to hours; its path is tests/test_e2e_real_model.py's)."""
+    itself is the benchmark's, minutes to hours; its path is tests/e2e/test_e2e_real_model.py's)."""
 
     def evaluation(version: int, accuracy: float, wall_s: float, samples: int) -> dict[str, Any]:
         return {
@@ -428,7 +428,7 @@ def test_durable_smoke(postgres_url: str, tmp_path: Path) -> None:
         postgres_url,
         "--results",
         str(report),
-    )  # kill -9 in durable mode: tests/test_chaos.py
+    )  # kill -9 in durable mode: tests/bench/test_chaos.py
     cost = _table(report, ("2",))
     assert [(r[1], r[2]) for r in cost] == [
         ("no", "default"),

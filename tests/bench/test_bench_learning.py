@@ -1,6 +1,6 @@
 """Smoke run of bench/learning_curve.py's TRL side (two GRPO steps), so the script never rots.
 
-Flywheel's side is the loop tests/test_e2e_loop.py already runs; no timing is asserted here.
+Flywheel's side is the loop tests/e2e/test_e2e_loop.py already runs; no timing is asserted here.
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ from core.canary import Evidence, Rule
 from core.database import Sessions
 from core.stats import t_sf, welch
 from fakes.vllm import FakeVLLM
-from tests import test_lineages as lineages
 from tests.conftest import RunningProxy
-from tests.test_trainer_loop import make_trainer  # noqa: F401  (a fixture)
+from tests.core import test_lineages as lineages
+from tests.trainer.test_trainer_loop import make_trainer  # noqa: F401  (a fixture)
 
 RULE = Rule(fraction=0.5, min_episodes=8, alpha=0.05, margin=0.02, max_s=600, fallback="rollback")
 

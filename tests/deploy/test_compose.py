@@ -33,7 +33,7 @@ from fakes import images
 from fakes.pg import OwnPostgres
 from fakes.vllm import FakeVLLM
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORK = ROOT / ".flywheel" / "compose-test"
 COMPOSE = ("docker-compose", "-p", "flywheel-compose-test", "-f", "docker-compose.cpu.yml")
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "What is 2 + 3?"}]}
@@ -168,7 +168,7 @@ def stack(engine: None) -> Iterator[Stack]:
         s.compose("down", "-v", "--remove-orphans", check=False, timeout=300)
         lines = [f"- {k}: {v}" for k, v in report.items()]
         when = time.strftime("%Y-%m-%d %H:%M")
-        text = f"# tests/test_compose.py, {when}\n\n" + "\n".join(lines) + "\n"
+        text = f"# tests/deploy/test_compose.py, {when}\n\n" + "\n".join(lines) + "\n"
         (WORK / "report.md").write_text(text)
         print("\n" + text)
 

@@ -38,7 +38,7 @@ from tests.conftest import TEST_HOME
 from trainer import metrics as trainer_metrics
 from trainer.config import TrainerSettings
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent  # the venv's console scripts (flywheel, hadolint, kubectl)
 COMPOSE = ROOT / "docker-compose.yml"
 CPU_COMPOSE = ROOT / "docker-compose.cpu.yml"  # generated from COMPOSE: deploy/compose/cpu.py
@@ -120,7 +120,7 @@ def test_the_cpu_compose_file_is_generated_from_the_gpu_one() -> None:
 def test_the_cpu_stack_needs_no_gpu_no_model_dir_and_shares_the_rest(
     example_env: dict[str, str], compose: Any, tmp_path: Path
 ) -> None:
-    """tests/test_compose.py runs it; this reads it: no device reservation, no MODEL_DIR, and
+    """tests/deploy/test_compose.py runs it; this reads it: no device reservation, no MODEL_DIR, and
     Postgres, the migrations and the proxy exactly as docker-compose.yml has them."""
     env = {k: v for k, v in example_env.items() if k != "MODEL_DIR"}
     result = compose_config(env, tmp_path, "config", file=CPU_COMPOSE)
@@ -364,7 +364,8 @@ def test_dockerfiles_install_extras_that_exist() -> None:
 # The packages (or modules) each image runs, and the third-party modules they import.
 # Every image runs the CLI, which imports each process's settings (proxy, trainer and judge
 # config.py) and no other module of them: the proxy's routes to providers need litellm, which
-# only the proxy and judge images have; the trainer's engine needs torch (tests/test_cli.py).
+# only the proxy and judge images have; the trainer's engine needs torch
+# (tests/flywheel/test_cli.py).
 SETTINGS = ("proxy/config.py", "trainer/config.py", "judge/config.py")
 IMAGE_PACKAGES = {
     "Dockerfile.proxy": ("flywheel", "core", "proxy", "migrations", *SETTINGS),

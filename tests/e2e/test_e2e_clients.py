@@ -22,8 +22,8 @@ from openai import AsyncOpenAI, OpenAI
 
 from proxy.record.storable import pg_safe
 from tests.conftest import RunningProxy
-from tests.test_clients import AUTOGEN_MODEL_INFO
-from tests.test_responses import CALCULATOR, RAW
+from tests.frameworks.test_clients import AUTOGEN_MODEL_INFO
+from tests.proxy.relay.test_responses import CALCULATOR, RAW
 
 pytestmark = pytest.mark.e2e
 

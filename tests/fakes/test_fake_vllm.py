@@ -17,7 +17,7 @@ import pytest
 
 from fakes.vllm import FakeVLLM
 
-WIRE = Path(__file__).parent / "data" / "vllm_wire"
+WIRE = Path(__file__).parents[1] / "data" / "vllm_wire"
 LORA_SEQUENCE = [  # order matters: each step depends on the adapters the previous ones loaded
     "lora_load",
     "lora_load_duplicate",

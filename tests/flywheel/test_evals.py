@@ -20,7 +20,7 @@ from core.database import Sessions
 from fakes.vllm import FakeVLLM
 from flywheel import cli, status
 from tests.conftest import RunningProxy
-from tests.test_trainer_loop import make_trainer, play  # noqa: F401  (a fixture)
+from tests.trainer.test_trainer_loop import make_trainer, play  # noqa: F401  (a fixture)
 
 PROMPTS = [f"What is {i} + {i}?" for i in range(6)]
 
@@ -86,7 +86,7 @@ def test_a_set_must_have_items_a_scorer_that_imports_and_what_it_needs() -> None
     ]:
         with pytest.raises(evals.BadEvalSet, match=said):
             evals.scorer(spec)
-    evals.check("python:tests.test_evals:length_scorer", items)  # needs no reference
+    evals.check("python:tests.flywheel.test_evals:length_scorer", items)  # needs no reference
 
 
 def length_scorer(answer: dict[str, Any], item: dict[str, Any]) -> float:
@@ -240,7 +240,7 @@ def test_each_new_version_is_asked_its_eval_sets_and_the_gate_acts_on_them(
 
     with sessions.begin() as session:
         evals.remove(session=session, lineage="policy", name="like-v1")
-    add_set(sessions, "any-answer", "python:tests.test_evals:length_scorer", references)
+    add_set(sessions, "any-answer", "python:tests.flywheel.test_evals:length_scorer", references)
     play(proxy, agent="c")
     assert trainer.step()  # v3: 1.0 against v1's 1.0
     with sessions.begin() as session:

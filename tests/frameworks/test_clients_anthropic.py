@@ -2,7 +2,8 @@
 behind it: the SDK gets Anthropic's shapes, vLLM gets a chat call (with token ids and logprobs
 asked for), and the proxy records it as it records a chat call, the Anthropic request kept.
 
-As in tests/test_clients.py, each test checks both sides: what the SDK handed back, and the
+As in tests/frameworks/test_clients.py, each test checks both sides: what the SDK handed back, and
+the
 transitions stored (tags, token ids, logprobs, text, tool calls). The fake vLLM calls a tool when
 a request has tools and the last user message says "call a tool" (or a tool is forced).
 """
@@ -16,7 +17,7 @@ from anthropic import Anthropic, AsyncAnthropic
 
 from fakes.vllm import FakeVLLM
 from tests.conftest import RunningProxy
-from tests.test_clients import assert_complete, recorded, tag_headers
+from tests.frameworks.test_clients import assert_complete, recorded, tag_headers
 
 WEATHER: Any = {
     "name": "get_weather",

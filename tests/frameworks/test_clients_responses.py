@@ -1,5 +1,5 @@
 """Today's clients on the Responses API, and LangGraph's ReAct agent, through the proxy (fake
-vLLM; tests/test_e2e_clients.py runs the same kinds of calls against the real one).
+vLLM; tests/e2e/test_e2e_clients.py runs the same kinds of calls against the real one).
 
 The fake calls a tool when the input says "call a tool" and does not end with a tool's result, or
 when `tool_choice` forces one; otherwise it answers with text.
@@ -25,8 +25,8 @@ from openai import AsyncOpenAI, OpenAI
 
 from fakes.vllm import FakeVLLM
 from tests.conftest import RunningProxy
-from tests.test_clients import assert_complete, recorded, tag_headers
-from tests.test_responses import CALCULATOR
+from tests.frameworks.test_clients import assert_complete, recorded, tag_headers
+from tests.proxy.relay.test_responses import CALCULATOR
 
 
 def test_openai_responses_create_with_raw_response_headers(proxy: RunningProxy) -> None:

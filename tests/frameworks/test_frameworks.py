@@ -3,7 +3,8 @@ URL (and the tag headers, where it takes headers): Pydantic AI and smolagents he
 DSPy, CrewAI and LlamaIndex (they need litellm or openai<3) in the frameworks venv and the `openai`
 npm package in Node, each as a script of tests/clients/ run as a child (tests/client_runs.py).
 
-As tests/test_clients.py, each checks what the framework handed back and what the proxy stored:
+As tests/frameworks/test_clients.py, each checks what the framework handed back and what the proxy
+stored:
 tags, status, token ids, logprobs, text, tool calls.
 """
 
@@ -21,7 +22,7 @@ from smolagents import OpenAIServerModel, ToolCallingAgent, tool
 from fakes.vllm import FakeVLLM
 from tests import client_runs
 from tests.conftest import RunningProxy
-from tests.test_clients import MESSAGES, assert_complete, recorded, tag_headers
+from tests.frameworks.test_clients import MESSAGES, assert_complete, recorded, tag_headers
 
 CALL_A_TOOL = "Please call a tool for the weather in Paris."
 

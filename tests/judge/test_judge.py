@@ -198,7 +198,7 @@ def run_judge(
         capture_output=True,
         text=True,
         timeout=120,
-        cwd=Path(__file__).parents[1],
+        cwd=Path(__file__).parents[2],
     )
 
 

@@ -40,7 +40,8 @@ def test_admin_is_off_without_a_key_and_guarded_with_one(make_proxy: Any) -> Non
 def test_what_cannot_name_a_version_or_a_lineage_is_a_400_not_a_server_error(
     make_proxy: Any,
 ) -> None:
-    """Found by the Schemathesis run (tests/test_openapi.py): a version beyond int4 and a lineage
+    """Found by the Schemathesis run (tests/proxy/test_openapi.py): a version beyond int4 and a
+    lineage
     with a NUL reached Postgres, and the database's refusal was a 500."""
     admin = make_proxy(admin_key="root").client(Authorization="Bearer root")
     for method, url in [
@@ -208,7 +209,8 @@ def test_every_proxy_follows_a_publish_at_once_not_at_its_next_poll(
 def test_the_admin_routes_answer_503_while_postgres_is_down(
     own_postgres: Any, make_proxy: Any
 ) -> None:
-    """Found by the Schemathesis run through an outage (tests/test_openapi.py): they were 500s."""
+    """Found by the Schemathesis run through an outage (tests/proxy/test_openapi.py): they were
+    500s."""
     proxy = make_proxy(database_url=own_postgres.url, admin_key="root")
     own_postgres.stop()
     admin = proxy.client(Authorization="Bearer root")

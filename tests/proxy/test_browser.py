@@ -27,7 +27,7 @@ from core import canary, policy
 from core.database import Sessions
 from fakes.vllm import FakeVLLM
 from tests.conftest import RunningProxy
-from tests.test_lineages import publish
+from tests.core.test_lineages import publish
 
 ADMIN = "admin-secret"
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"

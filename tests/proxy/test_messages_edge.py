@@ -13,7 +13,7 @@ import pytest
 
 from fakes.vllm import FakeVLLM
 from tests.conftest import RunningProxy
-from tests.test_edge import CHAT, assert_openai_error, stored
+from tests.proxy.test_edge import CHAT, assert_openai_error, stored
 
 ASK = {"model": "demo", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
 JSON = {"Content-Type": "application/json"}

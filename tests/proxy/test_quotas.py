@@ -23,7 +23,7 @@ from proxy.relay import wire
 from tests.conftest import RunningProxy
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-# A call each completion route answers (tests/test_openapi.py VALID).
+# A call each completion route answers (tests/proxy/test_openapi.py VALID).
 BODIES = {
     wire.CHAT.path: CHAT,
     wire.COMPLETIONS.path: {"model": "demo", "prompt": "hi", "max_tokens": 2},

@@ -13,7 +13,7 @@ import pytest
 from core import database
 from demo.vllm_server import free_port
 from tests.conftest import RunningProxy
-from tests.test_air import ASK
+from tests.proxy.record.test_air import ASK
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 

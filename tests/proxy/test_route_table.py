@@ -16,7 +16,7 @@ from proxy.config import ProxySettings
 from proxy.route_table import QUERY, TABLE, Doc, Row, Table
 from proxy.routes import ops
 from tests.conftest import RunningProxy
-from tests.test_tenants import as_, new_key
+from tests.core.test_tenants import as_, new_key
 
 SETTINGS = ProxySettings(upstream=["http://127.0.0.1:1"], database_url="postgresql://x@h/db")
 WIDGETS = Row(

@@ -18,7 +18,7 @@ from proxy.app import create_app
 from proxy.config import ProxySettings
 from proxy.main import server_config
 from tests.conftest import RunningProxy
-from tests.test_responses import RESPONSE, TOOLS
+from tests.proxy.relay.test_responses import RESPONSE, TOOLS
 
 CHAT = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 6}
 

@@ -17,8 +17,8 @@ from demo.tiny_model import build_demo_model
 from fakes.vllm import FakeVLLM
 from proxy.config import ProxySettings
 from tests.conftest import TEST_HOME, RunningProxy
-from tests.test_lineages import publish
-from tests.test_tenants import as_, new_key
+from tests.core.test_lineages import publish
+from tests.core.test_tenants import as_, new_key
 from trainer.config import TrainerSettings
 
 DEFAULT_KEY = "sk-the-default-tenant"  # FLYWHEEL_API_KEYS: the default tenant's

@@ -1,7 +1,7 @@
 """How a candidate's logged window becomes weights (trainer/candidate.py): which calls are
 weighed, what leaves an episode out, and the ratios put where their calls are. The scorer is a
 stand-in that returns chosen log-probabilities; the real one is checked against vLLM's recorded
-log-probabilities in tests/test_e2e_sampling.py."""
+log-probabilities in tests/e2e/test_e2e_sampling.py."""
 
 from __future__ import annotations
 
@@ -57,7 +57,8 @@ def settings(tmp_path: Path) -> TrainerSettings:
         vllm=["http://x"],
         adapters_dir=tmp_path,
         ope="log",
-        ope_method="wis",  # the hand-computed values below; DR's own are tests/test_ope.py's
+        # the hand-computed values below; DR's own are tests/trainer/test_ope.py's
+        ope_method="wis",
         ope_min_ess=1,
         ope_resamples=20,
     )

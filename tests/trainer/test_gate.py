@@ -1,5 +1,5 @@
 """The promotion gate's decision (trainer/gate.py) on estimates of each kind; what the trainer
-does with each verdict is in tests/test_trainer_loop.py."""
+does with each verdict is in tests/trainer/test_trainer_loop.py."""
 
 from __future__ import annotations
 

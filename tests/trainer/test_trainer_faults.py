@@ -21,7 +21,7 @@ from demo.tiny_model import build_demo_model
 from demo.vllm_server import free_port
 from fakes.vllm import FakeVLLM
 from tests.conftest import TEST_HOME, RunningProxy
-from tests.test_trainer_loop import make_trainer, play  # noqa: F401  (a fixture)
+from tests.trainer.test_trainer_loop import make_trainer, play  # noqa: F401  (a fixture)
 from trainer import faults
 from trainer.config import TrainerSettings
 from trainer.loop import Trainer

@@ -17,8 +17,8 @@ from core.database import Sessions
 from demo.tiny_model import build_demo_model
 from fakes.vllm import FakeVLLM
 from tests.conftest import TEST_HOME, RunningProxy
-from tests.test_tenants import new_key
-from tests.test_trainer_loop import play
+from tests.core.test_tenants import new_key
+from tests.trainer.test_trainer_loop import play
 from trainer.config import TrainerSettings
 from trainer.turns import Turns
 from trainer.vllm import Replicas

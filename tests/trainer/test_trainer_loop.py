@@ -843,7 +843,7 @@ def test_a_version_the_gate_fails_is_retired_unserved_and_training_goes_on_from_
     sessions: Sessions,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """FLYWHEEL_GATE=ope (trainer/gate.py decides, tests/test_gate.py): a failed version is
+    """FLYWHEEL_GATE=ope (trainer/gate.py decides, tests/trainer/test_gate.py): a failed version is
     recorded retired with the gate's reason, never loaded into vLLM, its batch spent; the
     engine's weights go back to the current version's and the next version is trained from
     there. The verdicts are chosen here: this is about what the trainer does with them."""

@@ -8,7 +8,8 @@ advantages are built once over the whole claim (task groups, baselines); then ea
 its `shard`, and after the backward passes `average_gradients` makes every rank's LoRA gradient
 the average of theirs, which, with each piece's loss scaled by `trainer/microbatch.share`, is
 exactly the gradient one process would get from the whole batch (dapo's global token count
-included; tests/test_distributed.py checks it with 2 gloo processes). Every rank then takes the
+included; tests/trainer/learner/test_distributed.py checks it with 2 gloo processes). Every rank
+then takes the
 same optimizer step from the same weights, so the adapter stays identical everywhere.
 
 Why not DDP's wrapper: adapters are added to the model as lineages appear (`Engine.beside`), and

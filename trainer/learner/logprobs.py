@@ -7,7 +7,7 @@ the result: allowed-token whitelist, logit bias, repetition / frequency / presen
 temperature, min-p, top-k, top-p, softmax. The same steps here, per row, with each row's own
 settings (`trainer/data/sampling.py`), so the learner's probability of a recorded token and the
 recorded behaviour probability describe the same distribution (docs/off_policy.md). At the
-weights that served a call, the two agree to float32 rounding (tests/test_e2e_sampling.py).
+weights that served a call, the two agree to float32 rounding (tests/e2e/test_e2e_sampling.py).
 
 Differentiable: masked tokens are -inf logits (no gradient); a recorded token the learner's own
 truncation now excludes gets `OUTSIDE`, a constant, and the importance weights reject it.

@@ -12,7 +12,8 @@ backpropagates them one after another into the same gradients, then steps the op
 whole batch's, for each TRL loss: dapo (and cispo, vespo) already divide by the batch's kept
 token count; grpo, sapo, luspo and dr_grpo average over rows (share: the piece's rows / the
 batch's); bnpo divides by the piece's own kept tokens (share: those / the batch's). So the step
-is the same step whatever the budget, up to float rounding (tests/test_microbatch.py).
+is the same step whatever the budget, up to float rounding
+(tests/trainer/learner/test_microbatch.py).
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ adapters. Its engines are `Led`: each call that changes an engine's state (build
 restore, load) is first sent to the followers, which make the same call on their own copy
 (`follow`), so every rank holds the same adapters and optimizer state. A step deals the claimed
 batch out (`trainer/distributed.shard`): each rank backpropagates its shard and the gradients are
-averaged (the same step one process would take: tests/test_distributed.py), so rank 0's adapter,
+averaged (the same step one process would take: tests/trainer/learner/test_distributed.py), so rank
+0's adapter,
 which it saves and publishes, is every rank's. One version is published per step, by rank 0.
 
 A rank that dies breaks the process group: rank 0's next collective raises, which becomes

@@ -11,7 +11,8 @@ for every row, forward and backward. Here a batch goes through the model in thre
 
 The keys and values carry their autograd graph, so the LoRA weights that made them get the
 gradient every row sends back through them. The logits are the whole rows' (to float rounding:
-tests/test_shared_prompts.py), for about P_shared + K·P_rest + B·C tokens instead of B·(P + C)
+tests/trainer/learner/test_shared_prompts.py), for about P_shared + K·P_rest + B·C tokens instead
+of B·(P + C)
 (K distinct prompts, B rows). A batch where that saves nothing goes through in one plain pass.
 
 Off under gradient checkpointing (it recomputes layers in the backward pass and would append to

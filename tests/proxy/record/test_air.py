@@ -16,7 +16,7 @@ from fakes.traffic import episode_records
 from proxy.record.air import ToolCheck
 from proxy.record.store.transitions import insert_transitions
 from tests.conftest import RunningProxy
-from tests.test_responses import CALCULATOR
+from tests.proxy.relay.test_responses import CALCULATOR
 
 PARAMETERS = {
     "type": "object",

@@ -1,7 +1,8 @@
 """A Postgres that hangs without closing (a paused container, a frozen VM; here its processes
 stopped with SIGSTOP: the kernel still answers TCP, so no timeout of the connection fires) holds
 a write no longer than its deadline and a second of grace (core/database.py `write_deadline`).
-Found by tests/test_compose.py's `docker pause`: psycopg, cancelled at the deadline, asked the
+Found by tests/deploy/test_compose.py's `docker pause`: psycopg, cancelled at the deadline, asked
+the
 frozen server to cancel the query for 5 s and waited 5 s more for it to end, so the writer
 journaled nothing for the write timeout plus 10 s, and a kill in that window lost all of it."""
 

@@ -1,7 +1,7 @@
 """The writer's prompt memo is bounded for real (issue 31, item 2): the bytes it accounts follow
 what it holds, for every shape of prompt the routes record, its entries are capped, and a flood
 of one-call episodes (calls without X-Episode-Id) does not push out the conversations going on.
-The RSS soak is bench/memo_soak.py (a short run in tests/test_bench.py)."""
+The RSS soak is bench/memo_soak.py (a short run in tests/bench/test_bench.py)."""
 
 from __future__ import annotations
 

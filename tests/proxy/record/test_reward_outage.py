@@ -2,7 +2,8 @@
 answered 202, applied when the journal is replayed (after the transitions it names), its
 idempotency key honoured across the outage; a bad post is still refused at once.
 
-Uses its own embedded PostgreSQL, stopped with `pg_ctl stop -m fast` as in tests/test_outage.py.
+Uses its own embedded PostgreSQL, stopped with `pg_ctl stop -m fast` as in
+tests/proxy/record/test_outage.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""POST /v1/responses through the proxy (fake vLLM; the real one in tests/test_e2e_clients.py):
+"""POST /v1/responses through the proxy (fake vLLM; the real one in tests/e2e/test_e2e_clients.py):
 recorded as one transition per call, and the client sees exactly what vLLM would have sent it."""
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from tests.distributed_worker import fill
-from tests.test_microbatch import (
+from tests.trainer.learner.test_microbatch import (
     demonstrations,
     gradient_of_one_sft_step,
     gradient_of_one_step,
@@ -32,7 +32,7 @@ from trainer.data.sampling import Sampling
 from trainer.learner.distributed import World, shard
 from trainer.learner.engine import Engine
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 LOSS_TYPES = ["dapo", "grpo", "bnpo"]
 MICRO = 14  # tokens: pieces of 1-3 rows; alone, one rank would cut 3 and the other 2
 

@@ -20,12 +20,12 @@ from demo.tiny_model import build_demo_model
 from demo.vllm_server import free_port
 from fakes.vllm import FakeVLLM
 from tests.conftest import TEST_HOME, RunningProxy
-from tests.test_trainer_loop import play
+from tests.trainer.test_trainer_loop import play
 from trainer import turns
 from trainer.config import TrainerSettings
 from trainer.learner import distributed
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 

@@ -11,8 +11,8 @@ import torch
 from peft import get_peft_model_state_dict
 from safetensors.torch import load_file
 
-from tests.test_engine import samples_for
-from tests.test_engine import settings as settings
+from tests.trainer.learner.test_engine import samples_for
+from tests.trainer.learner.test_engine import settings as settings
 from trainer.config import TrainerSettings
 from trainer.learner.engine import Engine
 

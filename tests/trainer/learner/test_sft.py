@@ -16,7 +16,7 @@ from demo.tiny_model import build_demo_model
 from fakes.vllm import FakeVLLM
 from flywheel import status
 from tests.conftest import TEST_HOME, RunningProxy
-from tests.test_trainer_loop import play
+from tests.trainer.test_trainer_loop import play
 from trainer.config import TrainerSettings
 from trainer.data.store import ClaimedDemonstration
 from trainer.learner import sft

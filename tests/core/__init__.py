@@ -1,0 +1,1 @@
+"""core/: what the proxy and the trainer both stand on."""

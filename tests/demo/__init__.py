@@ -1,0 +1,1 @@
+"""demo/: the demo tasks, their agents and models."""

@@ -1,0 +1,1 @@
+"""The images, compose files and Kubernetes manifests: validated, built and run."""

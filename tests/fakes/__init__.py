@@ -1,0 +1,1 @@
+"""fakes/: the fake vLLM held to the real one's wire format."""

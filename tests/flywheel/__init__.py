@@ -1,0 +1,1 @@
+"""flywheel/: the console script."""

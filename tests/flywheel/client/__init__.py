@@ -1,0 +1,1 @@
+"""flywheel/client/: the applications' client."""

@@ -1,0 +1,1 @@
+"""Agent frameworks and client libraries driving the proxy (against the fake vLLM)."""

@@ -1,0 +1,1 @@
+"""proxy/: the edge, the routes, auth and quotas, the dashboard."""

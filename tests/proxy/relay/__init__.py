@@ -1,0 +1,1 @@
+"""proxy/relay/: a call to vLLM and back."""

@@ -1,0 +1,1 @@
+"""trainer/: the loop and its parts (the gate, candidates, evaluation, models)."""

@@ -1,0 +1,1 @@
+"""trainer/data/: the torch-free side: batches and advantages."""

@@ -1,0 +1,1 @@
+"""trainer/learner/: the torch side: the engine, log-probabilities, SFT, ranks."""
