@@ -1,6 +1,6 @@
 """The chaos suite's faults of issue 31 (bench/chaos.py registers and runs them; its table):
 
-  pg-disk-full         Postgres's own data directory on a 160 MiB tmpfs, filled by a filler
+  pg-disk-full         Postgres's own data directory on a 1 GiB tmpfs, filled by a filler
                        file under traffic for --outage-s, then the filler deleted (Postgres
                        started again if it stopped); the note says what Postgres did
   pg-partition         proxy and Postgres over TCP (127.0.0.1), every packet between them
@@ -49,7 +49,10 @@ FAULTS = (
     "journal-full+proxy-kill",
     "proxy-oom",
 )
-PG_DISK_MB = 160  # initdb's ~40 MiB, a WAL segment or two, and the traffic's first minutes
+# The filler takes every free block whatever the size, so the size only says how much room there
+# is once it is deleted: 160 MiB held initdb and a few minutes of traffic, not what a minute's
+# outage journals (45,000 transitions replayed filled it again, and Postgres stopped for good).
+PG_DISK_MB = 1024
 STREAM_TOKEN_DELAY_S = 0.1  # vllm-partition: streams long enough to be cut in the middle
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 
