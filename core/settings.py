@@ -1,5 +1,5 @@
 """Settings every process shares: where the data lives. Each process's own settings class
-(`proxy/config.py`, `trainer/config.py`) extends `DatabaseSettings`; it is built once at start-up
+(`proxy/config/`, `trainer/config.py`) extends `DatabaseSettings`; it is built once at start-up
 and passed down. Every field is also a `FLYWHEEL_*` environment variable.
 """
 
@@ -26,10 +26,15 @@ def vllm_base_urls(urls: list[str], name: str) -> list[str]:
     return [url.rstrip("/").removesuffix("/v1") for url in urls]
 
 
-class DatabaseSettings(BaseSettings):
-    """What the proxy and the trainer share: where the data lives."""
+class FlywheelSettings(BaseSettings):
+    """Every settings class's base: its fields are FLYWHEEL_* variables. A process's settings may
+    be assembled from several, one per concern (proxy/config/)."""
 
     model_config = SettingsConfigDict(env_prefix="FLYWHEEL_", extra="ignore")
+
+
+class DatabaseSettings(FlywheelSettings):
+    """What the proxy and the trainer share: where the data lives."""
 
     home: Path = Field(Path(".flywheel"), description="Data directory: embedded Postgres, journal.")
     database_url: str | None = Field(

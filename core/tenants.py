@@ -5,10 +5,10 @@ A key belongs to one tenant and has scopes: `infer` (completions, responses, mod
 the key itself is shown once, when `flywheel keys create` makes it. Its form is
 `fw_<id>_<secret>`: the id finds the row, the secret's hash is compared in constant time.
 
-Ownership by name: a tenant's episode and task ids are stored as `<tenant>/<id>`. A tag can
-never contain `/` (proxy/config.py TAG_PATTERN), so no client can name another tenant's episode:
-a read or a step reward across tenants finds nothing (404), a final reward for another tenant's
-id lands in the caller's own namespace. Keys from FLYWHEEL_API_KEYS, and calls without auth,
+Ownership by name: a tenant's episode and task ids are stored as `<tenant>/<id>`. A tag can never
+contain `/` (proxy/config/relay.py TAG_PATTERN), so no client can name another tenant's episode: a
+read or a step reward across tenants finds nothing (404), a final reward for another tenant's id
+lands in the caller's own namespace. Keys from FLYWHEEL_API_KEYS, and calls without auth,
 belong to the default tenant (None): ids stored as given, as before tenants existed.
 """
 

@@ -97,13 +97,7 @@ class _Tenant:
 
 class Quotas:
     def __init__(self, settings: ProxySettings) -> None:
-        self._default = Quota(
-            rps=settings.quota_rps,
-            concurrency=settings.quota_concurrency,
-            rewards_rps=settings.quota_rewards_rps,
-            reads_rps=settings.quota_reads_rps,
-            burst_s=settings.quota_burst_s,
-        )
+        self._default = settings.quota
         # A tenant's own limits over the default's: only those it names.
         self._quotas = {
             tenant: self._default.model_copy(update=own.model_dump(include=own.model_fields_set))
@@ -124,8 +118,9 @@ class Quotas:
     @staticmethod
     def wanted(settings: ProxySettings) -> bool:
         """Whether any limit is set (none: the edge skips quotas altogether)."""
-        rates = (settings.quota_rps, settings.quota_rewards_rps, settings.quota_reads_rps)
-        return any(rates) or settings.quota_concurrency > 0 or bool(settings.tenant_quotas)
+        q = settings.quota
+        limits = (q.rps, q.rewards_rps, q.reads_rps, q.concurrency)
+        return any(limits) or bool(settings.tenant_quotas)
 
     def admit(self, scope: Scope, kind: str) -> None:
         """Raise a 429 if the request is over its tenant's quota of `kind` (its route's row's,

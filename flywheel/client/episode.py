@@ -22,8 +22,8 @@ from typing import Any, TypeVar
 
 log = logging.getLogger(__name__)
 
-# The proxy's TAG_PATTERN (proxy/config.py; tests/flywheel/client/test_client.py holds them equal),
-# checked here so that a bad tag fails where it is made, not at the first call.
+# The proxy's TAG_PATTERN (proxy/config/relay.py; tests/flywheel/client/test_client.py holds them
+# equal), checked here so that a bad tag fails where it is made, not at the first call.
 TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@+=-]{0,199}$")
 HEADERS = {"id": "X-Episode-Id", "task_id": "X-Task-Id", "agent_name": "X-Agent-Name"}
 PATH_KEYS = {"id": "episode", "task_id": "task", "agent_name": "agent"}

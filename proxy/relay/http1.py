@@ -140,7 +140,7 @@ def keep_probing(sock: socket.socket, dead_after_s: float) -> None:
     Without this a partitioned replica held each call until the whole deadline (600 s).
     """
     # Linux refuses (EINVAL) a keepalive idle or interval above MAX_TCP_KEEPIDLE: clamped, so a
-    # bound of a day or more still probes (proxy/config.py bounds the setting itself at a day).
+    # bound of a day or more still probes (proxy/config/relay.py bounds the setting at a day).
     idle = min(MAX_KEEPIDLE_S, max(1, int(dead_after_s / 3)))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
     for name, value in (

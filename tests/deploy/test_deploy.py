@@ -363,10 +363,10 @@ def test_dockerfiles_install_extras_that_exist() -> None:
 
 # The packages (or modules) each image runs, and the third-party modules they import.
 # Every image runs the CLI, which imports each process's settings (proxy, trainer and judge
-# config.py) and no other module of them: the proxy's routes to providers need litellm, which
+# config) and no other module of them: the proxy's routes to providers need litellm, which
 # only the proxy and judge images have; the trainer's engine needs torch
 # (tests/flywheel/test_cli.py).
-SETTINGS = ("proxy/config.py", "trainer/config.py", "judge/config.py")
+SETTINGS = ("proxy/config", "trainer/config.py", "judge/config.py")
 IMAGE_PACKAGES = {
     "Dockerfile.proxy": ("flywheel", "core", "proxy", "migrations", *SETTINGS),
     "Dockerfile.trainer": ("flywheel", "core", "migrations", "trainer", *SETTINGS),
