@@ -344,6 +344,20 @@ def test_accelerate_configs_load_and_say_what_they_run() -> None:
     assert distributed.from_launcher(env | {"ACCELERATE_USE_FSDP": "true"}) == {"shard_base": True}
 
 
+def test_the_wheel_names_every_package_the_images_run() -> None:
+    """pyproject.toml lists its packages by hand: a package missing there is missing from every
+    image (proxy/config/ was, until the proxy image's test failed to start it)."""
+    listed = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]
+    )
+    found = {
+        ".".join(init.parent.relative_to(ROOT).parts)
+        for top in ("flywheel", "core", "proxy", "trainer", "judge", "demo", "migrations")
+        for init in (ROOT / top).rglob("__init__.py")
+    }
+    assert found <= listed, f"not in pyproject.toml's packages: {sorted(found - listed)}"
+
+
 def test_dockerfiles_install_extras_that_exist() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = set(project["optional-dependencies"])

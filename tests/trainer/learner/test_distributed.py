@@ -63,7 +63,10 @@ def two_ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
                 "2",
             ),
             *(
-                str(ROOT / "tests" / "distributed_worker.py"),
+                # as a module from the root: run as a script, tests/ would come first on
+                # sys.path and its folders (tests/fakes/, ...) hide the packages they mirror
+                "-m",
+                "tests.distributed_worker",
                 str(out),
                 str(MICRO),
                 sharded,
@@ -71,6 +74,7 @@ def two_ranks(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathF
             ),
         ],
         env=env,
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=800,

@@ -58,10 +58,13 @@ def launch(
     else:
         fault = ["--die-at-step", str(die)] if die is not None else []
         fault += ["--fail-at-step", str(fail)] if fail is not None else []
-        command = [*TORCHRUN, str(ROOT / "tests" / "distributed_trainer_worker.py"), *fault]
+        # a module from the root: as a script, tests/ (whose folders mirror the packages'
+        # names) would come first on sys.path
+        command = [*TORCHRUN, "-m", "tests.distributed_trainer_worker", *fault]
     return subprocess.run(
         [*command, *trainer],
         env=env,
+        cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=800,
