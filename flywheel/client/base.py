@@ -103,7 +103,7 @@ class ClientBase:
     def _rewards_call(self, items: Sequence[Reward]) -> Call[list[RewardResult]]:
         if not items:
             raise ValueError("rewards([]): nothing to post")
-        body = single(list(items))
+        body = single(items)
         return Call("POST", "/v1/rewards", items[0].episode_id, reward_results, json=body)
 
     def _step_reward(
@@ -124,8 +124,7 @@ class ClientBase:
     ) -> Call[list[DemonstrationResult]]:
         if not items:
             raise ValueError("demonstrations([]): nothing to post")
-        body = [d.body() for d in items] if len(items) > 1 else items[0].body()
-        return Call("POST", "/v1/demonstrations", None, demonstration_results, json=body)
+        return Call("POST", "/v1/demonstrations", None, demonstration_results, json=single(items))
 
     def _demonstrate_episode_call(
         self, episode_id: str | None, agent: str | None, lineage: str | None
@@ -188,6 +187,6 @@ class ClientBase:
         return errors.unreachable(self._url(path), attempts, last_error)
 
 
-def single(rewards: list[Reward]) -> dict[str, Any] | list[dict[str, Any]]:
-    """One reward as an object, several as a list (all or nothing)."""
-    return rewards[0].body() if len(rewards) == 1 else [r.body() for r in rewards]
+def single(items: Sequence[Reward] | Sequence[Demonstration]) -> Any:
+    """One item as an object, several as a list (all or nothing), as both routes take them."""
+    return items[0].body() if len(items) == 1 else [item.body() for item in items]
