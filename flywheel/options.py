@@ -57,26 +57,20 @@ def reference(kind: type[BaseSettings]) -> list[str]:
     """`kind`'s own settings (not those of the class it extends) as a Markdown table: variable
     and flag, default, and the same description `--help` gives (the documentation site's
     settings reference, docs/hooks.py)."""
-    inherited = {name for base in kind.__mro__[1:] if _settings(base) for name in _fields(base)}
-    own = {name: f for name, f in kind.model_fields.items() if name not in inherited}
+    inherited = {
+        name
+        for base in kind.__mro__[1:]
+        if issubclass(base, BaseSettings)
+        for name in base.model_fields
+    }
     rows = ["| variable / flag | default | what it sets |", "|---|---|---|"]
-    for name, field in own.items():
-        notes = [field.description or ""]
-        if _is(field, list):
-            notes.append("Repeat it, or separate by commas.")
-        cell = " ".join(filter(None, notes)).replace("|", "\\|").replace("\n", " ")
+    for name, field in kind.model_fields.items():
+        if name in inherited:
+            continue
+        cell = _description(field).replace("|", "\\|").replace("\n", " ")
         flag = "--" + name.replace("_", "-")
         rows.append(f"| `{env_name(kind, name)}`<br>`{flag}` | `{_default(field)}` | {cell} |")
     return rows
-
-
-def _settings(base: type) -> bool:
-    return issubclass(base, BaseSettings) and base is not BaseSettings
-
-
-def _fields(kind: type) -> dict[str, FieldInfo]:
-    fields: dict[str, FieldInfo] = kind.model_fields  # type: ignore[attr-defined]
-    return fields
 
 
 def env_name(kind: type[BaseSettings], field: str) -> str:
@@ -112,12 +106,18 @@ def quiet_http_clients() -> None:
 
 
 def _help(field: FieldInfo, env: str) -> str:
-    notes = [(field.description or "").replace("%", "%%")]  # argparse %-formats help texts
+    description = _description(field).replace("%", "%%")  # argparse %-formats help texts
+    return " ".join(filter(None, [description, f"[{env}; default: {_default(field)}]"]))
+
+
+def _description(field: FieldInfo) -> str:
+    """The field's description and how its value is given (`--help` and the reference)."""
+    notes = [field.description or ""]
     if _is(field, list):
         notes.append("Repeat it, or separate by commas.")
     if SecretStr in (_unoptional(field.annotation), *typing.get_args(field.annotation)):
         notes.append("(A flag shows in `ps`: prefer the variable.)")
-    return " ".join(filter(None, [*notes, f"[{env}; default: {_default(field)}]"]))
+    return " ".join(filter(None, notes))
 
 
 def _default(field: FieldInfo) -> str:
