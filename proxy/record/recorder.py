@@ -22,6 +22,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import deque
 from pathlib import Path
 
 import orjson
@@ -321,14 +322,14 @@ class Recorder:
     async def _replay_segments(self) -> bool:
         """The journaled transitions into Postgres, oldest first; False: not all of them yet.
         (Postgres is up again only once the rewards journaled behind them are applied too.)"""
-        segments = self.journal.segments()
+        segments = deque(self.journal.segments())
         while segments:
             # Consecutive segments together (each batch journaled under load is a segment of a
             # few records: one transaction each could not keep up with the traffic arriving).
             group: list[tuple[Path, int]] = []
             records: list[TransitionRecord] = []
             while segments and (not group or len(records) < REPLAY_CHUNK):
-                segment = segments.pop(0)
+                segment = segments.popleft()
                 with self.journal.guard("read"):
                     read = self.journal.read(segment)
                 if self.journal.failing("read"):

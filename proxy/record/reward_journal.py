@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -78,12 +79,12 @@ async def replay_rewards(
 
     Each post is a segment of its own (fsync'd before its 202): consecutive segments are read
     together, up to REPLAY_BATCH rewards, applied (`batches`), then removed."""
-    segments = journal.reward_segments(before=journal.segments())
+    segments = deque(journal.reward_segments(before=journal.segments()))
     while segments:
         group: list[tuple[Path, list[dict[str, Any]]]] = []
         rewards = 0
         while segments and (not group or rewards < REPLAY_BATCH):
-            segment = segments.pop(0)
+            segment = segments.popleft()
             with journal.guard("read"):
                 posts = journal.read_rewards(segment)
             if journal.failing("read"):
