@@ -64,7 +64,7 @@ import psycopg
 
 from bench import trl_reference
 from bench.common import append_section, learning_loop
-from core import database, policy
+from core import database, naming, pins, policy
 from demo import bfcl
 from demo.bfcl_agent import MAX_TOKENS, TEMPERATURE, Answer, BfclAgent, Evaluation
 from demo.stack import BFCL_TRAINER_ENV, TASKS
@@ -270,7 +270,7 @@ def _held(url: str, version: int) -> Iterator[None]:
         yield
     finally:
         with sessions.begin() as session:
-            policy.unpin(policy.DEFAULT_LINEAGE, session=session)
+            pins.unpin(naming.DEFAULT_LINEAGE, session=session)
         engine.dispose()
 
 

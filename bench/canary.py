@@ -37,7 +37,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from bench.common import append_section, learning_loop, load_adapter, unload_adapter
-from core import canary, database, policy
+from core import canary, database, naming, policy
 from demo.agent import Agent, Episode, print_round
 from demo.calculator import build_calculator_model
 from demo.stack import TASKS, TRAINER_ENV
@@ -172,7 +172,7 @@ def corrupt_one(url: str, vllm_url: str, adapters_dir: Path, rule: canary.Rule) 
             if current is None or canary.opened(session=session):
                 return None
             version = policy.next_version(session=session)
-        name = policy.adapter_name(policy.DEFAULT_LINEAGE, version)
+        name = naming.adapter_name(naming.DEFAULT_LINEAGE, version)
         path = adapters_dir / name
         shutil.copytree(current.path, path)
         weights = load_file(path / "adapter_model.safetensors")
@@ -185,7 +185,7 @@ def corrupt_one(url: str, vllm_url: str, adapters_dir: Path, rule: canary.Rule) 
             with sessions.begin() as session:
                 policy.publish(
                     session=session,
-                    lineage=policy.DEFAULT_LINEAGE,
+                    lineage=naming.DEFAULT_LINEAGE,
                     parent=current.version,
                     version=version,
                     path=str(path),

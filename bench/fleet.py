@@ -40,7 +40,7 @@ import httpx
 import psutil
 
 from bench.common import append_section, bench_database, process_tree, quantile
-from core import database, policy, tenants
+from core import database, naming, policy, tenants
 from demo.tiny_model import build_demo_model
 from demo.vllm_server import free_port, start_vllm, stop_vllm, wait_ready
 from fakes.adapters import make_adapters, publish_first
@@ -86,7 +86,7 @@ def publish_all(
     try:
         with sessions.begin() as session:
             names = [
-                policy.adapter_name(lineage, policy.next_version(session=session))
+                naming.adapter_name(lineage, policy.next_version(session=session))
                 for lineage in lineages
             ]
         dirs = make_adapters(model, adapters, names)
@@ -186,7 +186,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
 
     tenant_names = [args.tenant_name.format(i=i) for i in range(args.lineages)]
-    lineages = [policy.check_lineage(f"{tenant}.policy") for tenant in tenant_names]
+    lineages = [naming.check_lineage(f"{tenant}.policy") for tenant in tenant_names]
     marks = {int(m) for m in args.memory_at.split(",") if int(m) <= args.lineages}
     work = Path(tempfile.mkdtemp(prefix="fleet-", dir=WORK if WORK.exists() else None))
     model = build_demo_model(WORK / "models" / "demo")

@@ -37,7 +37,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.dialects.postgresql import insert
 from sqlalchemy.orm import Session
 
-from core.policy import LINEAGE_NAME
+from core.naming import LINEAGE_NAME
 from core.tables import EvalSet as EvalSetRow
 
 MAX_ITEMS = 10_000

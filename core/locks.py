@@ -21,9 +21,17 @@ from __future__ import annotations
 
 from enum import IntEnum, unique
 
+from sqlalchemy import text
+from sqlalchemy.orm import Session
+
 
 @unique  # two purposes with one key would wait for each other: refused at import
 class Lock(IntEnum):
     MIGRATE = 7239011
     PUBLISH = 7239012
     MAINTENANCE = 7239013
+
+
+def hold(lock: Lock, *, session: Session) -> None:
+    """Take `lock` for the rest of the session's transaction (released at commit or rollback)."""
+    session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": int(lock)})

@@ -5,7 +5,7 @@ agent role (`writer`, `rewriter`: proxy/config/relay.py's `adapter_per_agent` sa
 calls each serves; a trainer trains one, trainer/config.py's `lineage`). Lineages belong to tenants:
 a tenant's are named `<tenant>.<role>` (`acme.policy`, `acme.writer`), trained only on its calls and
 served only to it; the names without a tenant are the default tenant's, and the shared ones for
-tenants the proxy's FLYWHEEL_SHARED_LINEAGES lets in (`sees`). Version numbers come from one
+tenants the proxy's FLYWHEEL_SHARED_LINEAGES lets in (core/naming.py). Version numbers come from one
 sequence for all lineages, so `N` names one adapter everywhere (`<lineage>-vN`).
 
     publish  (trainer)  save policy-vN/ -> load_everywhere -> one transaction: the batch trained,
@@ -36,77 +36,22 @@ sessions with `core.database.run_sync`.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, fields
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, func, insert, select, text, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy import func, insert, select, text, update
 from sqlalchemy.orm import Session
 
-from core import canary
+from core import canary, locks, pins
 from core.locks import Lock
-from core.tables import AdapterVersion, LineagePin
+from core.naming import DEFAULT_LINEAGE, adapter_name
+from core.tables import AdapterVersion
 from core.tables import Canary as CanaryRow
-from core.tenants import TENANT_PATTERN
 
 BASE_VERSION = 0  # the policy before any training: the base model itself
 MAX_VERSION = 2**31 - 1  # versions are int4 columns (adapter_version, transition.policy_version)
-DEFAULT_LINEAGE = "policy"
-# Lineage names appear in adapter names, directories, model names and metric labels: a role,
-# after its tenant and a dot for a tenant's own lineage (the dot is nowhere else).
-ROLE_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,62}")
-LINEAGE_NAME = re.compile(rf"(?:{TENANT_PATTERN}\.)?{ROLE_NAME.pattern}")
-ADAPTER_NAME = re.compile(rf"({LINEAGE_NAME.pattern})-v([0-9]{{1,10}})")  # `adapter_name`
 POLICY_CHANNEL = "flywheel_policy"  # NOTIFY'd (delivered on commit) when `is_current` moves
-
-
-def check_lineage(name: str) -> str:
-    """A valid lineage name, or ValueError saying what one is."""
-    return _checked(
-        name,
-        LINEAGE_NAME,
-        "a role (1-63 letters, digits, '_' or '-', starting with a letter or digit), after "
-        "`<tenant>.` for a tenant's own lineage",
-    )
-
-
-def check_role(name: str) -> str:
-    """A lineage name without a tenant (what FLYWHEEL_ADAPTER_PER_AGENT names), or ValueError."""
-    return _checked(
-        name,
-        ROLE_NAME,
-        "1-63 letters, digits, '_' or '-', starting with a letter or digit (a tenant's "
-        "lineages are named `<tenant>.<name>` by the proxy)",
-    )
-
-
-def _checked(name: str, pattern: re.Pattern[str], what: str) -> str:
-    if not pattern.fullmatch(name):
-        raise ValueError(f"{name!r} is not a lineage name: {what}")
-    return name
-
-
-def tenant_of_lineage(lineage: str) -> str | None:
-    """The tenant whose lineage this is (None: the default tenant's, or shared)."""
-    return lineage.partition(".")[0] if "." in lineage else None
-
-
-def lineage_for(tenant: str | None, role: str, *, shared: bool) -> str:
-    """The lineage serving `role` to `tenant`: its own, or the shared one it opted into."""
-    return role if tenant is None or shared else f"{tenant}.{role}"
-
-
-def sees(tenant: str | None, lineage: str, *, shared: bool) -> bool:
-    """Whether `tenant` may be served (or name) a version of `lineage`: its own lineages, and
-    the shared ones (the default tenant's) when it opted into them."""
-    owner = tenant_of_lineage(lineage)
-    return owner == tenant or (owner is None and shared)
-
-
-def adapter_name(lineage: str, version: int) -> str:
-    return f"{lineage}-v{version}"
 
 
 @dataclass(frozen=True)
@@ -149,27 +94,6 @@ class CanaryOpen(Exception):
     """The lineage has a candidate under test already: one canary at a time per lineage."""
 
 
-@dataclass(frozen=True)
-class Pin:
-    lineage: str
-    version: int  # BASE_VERSION: held on the base model
-    pinned_at: datetime
-    note: str | None
-
-
-class Pinned(Exception):
-    """The lineage is pinned: held at its version by hand until it is unpinned."""
-
-    def __init__(self, pin: Pin) -> None:
-        super().__init__(
-            f"lineage {pin.lineage} is pinned at {_label(pin.version or None)} since "
-            f"{pin.pinned_at:%Y-%m-%d %H:%M:%S}"
-            + (f" ({pin.note})" if pin.note else "")
-            + "; unpin it, or pin another version"
-        )
-        self.pin = pin
-
-
 def _label(version: int | None) -> str:
     return "the base model" if version is None else f"v{version}"
 
@@ -201,19 +125,6 @@ def named(name: str, *, session: Session) -> Adapter | None:
     return _adapter(row) if row else None
 
 
-def _pin(row: LineagePin) -> Pin:
-    return Pin(row.lineage, row.version, row.pinned_at, row.note)
-
-
-def pin_of(lineage: str, *, session: Session) -> Pin | None:
-    row = session.get(LineagePin, lineage)
-    return _pin(row) if row else None
-
-
-def pins(*, session: Session) -> dict[str, Pin]:
-    return {row.lineage: _pin(row) for row in session.scalars(select(LineagePin))}
-
-
 def versions(*, session: Session, lineage: str | None = None) -> list[Adapter]:
     """Oldest first; of one lineage, or of all (None)."""
     query = select(AdapterVersion).order_by(AdapterVersion.version)
@@ -229,7 +140,7 @@ def next_version(*, session: Session) -> int:
 
 def _lock(session: Session) -> None:
     # Without it two publishers both clear the flag, then collide on setting it.
-    session.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": int(Lock.PUBLISH)})
+    locks.hold(Lock.PUBLISH, session=session)
 
 
 def publish(
@@ -258,9 +169,9 @@ def publish(
     takes nothing: Pinned.
     """
     _lock(session)
-    held = pin_of(lineage, session=session)
+    held = pins.pin_of(lineage, session=session)
     if held is not None:
-        raise Pinned(held)
+        raise pins.Pinned(held)
     mine = (AdapterVersion.is_current, AdapterVersion.lineage == lineage)
     now = session.scalar(select(AdapterVersion.version).where(*mine))
     if now != parent:
@@ -334,19 +245,14 @@ def make_current(
         if row.retired_at is not None:
             raise RetiredVersion(row.name, row.retired_at)
         lineage = row.lineage
-    held = pin_of(lineage, session=session)
+    held = pins.pin_of(lineage, session=session)
     if held is not None and not pin:
-        raise Pinned(held)
+        raise pins.Pinned(held)
     for open_ in canary.opened(session=session, lineage=lineage).values():
         canary.close(open_, "superseded", f"made {_label(version)} current", None, session=session)
     _move(version, lineage, session=session)
     if pin:
-        values = {"version": version or BASE_VERSION, "note": note, "pinned_at": func.now()}
-        session.execute(
-            pg_insert(LineagePin)
-            .values(lineage=lineage, **values)
-            .on_conflict_do_update(index_elements=[LineagePin.lineage], set_=values)
-        )
+        pins.hold(lineage, version or BASE_VERSION, note, session=session)
     session.execute(text(f"NOTIFY {POLICY_CHANNEL}"))
 
 
@@ -402,16 +308,6 @@ def _insert(
             retired_at=func.now() if retired else None,
         )
     )
-
-
-def unpin(lineage: str, *, session: Session) -> Pin | None:
-    """Let the lineage move again (the trainer goes on from the pinned version); the pin it
-    had, or None."""
-    _lock(session)
-    held = pin_of(lineage, session=session)
-    if held is not None:
-        session.execute(delete(LineagePin).where(LineagePin.lineage == lineage))
-    return held
 
 
 def _move(version: int | None, lineage: str, *, session: Session) -> None:

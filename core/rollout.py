@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from core import policy
+from core import naming, pins, policy
 from core.database import AsyncSessions, run_sync
 from core.vllm import Unreachable, VLLMAdmin, VLLMError
 
@@ -114,7 +114,7 @@ async def activate(
     sessions: AsyncSessions,
     vllm: VLLMAdmin,
     urls: Sequence[str],
-    lineage: str = policy.DEFAULT_LINEAGE,
+    lineage: str = naming.DEFAULT_LINEAGE,
     pin: bool = False,
     note: str | None = None,
 ) -> tuple[policy.Adapter | None, Rollout | None]:
@@ -136,9 +136,9 @@ async def activate(
         raise policy.RetiredVersion(adapter.name, adapter.retired_at)
     if not pin:  # refused before anything is loaded (make_current checks again, under the lock)
         async with sessions() as session:
-            held = await run_sync(session, policy.pin_of, lineage=adapter.lineage)
+            held = await run_sync(session, pins.pin_of, lineage=adapter.lineage)
         if held is not None:
-            raise policy.Pinned(held)
+            raise pins.Pinned(held)
     rollout = await load_everywhere(vllm, urls, adapter.name, adapter.path)
     async with sessions.begin() as session:
         await run_sync(session, policy.make_current, version=version, pin=pin, note=note)
@@ -169,7 +169,7 @@ async def import_adapter(
     vllm: VLLMAdmin,
     urls: Sequence[str],
     adapters_dir: Path,
-    lineage: str = policy.DEFAULT_LINEAGE,
+    lineage: str = naming.DEFAULT_LINEAGE,
 ) -> tuple[policy.Adapter, Rollout]:
     """An adapter trained elsewhere (a warm start, another team's fine-tune) as `lineage`'s next
     version: copied into `adapters_dir` as `<lineage>-vN`, loaded everywhere, then made current
@@ -178,12 +178,12 @@ async def import_adapter(
     nothing is left behind: no row, no directory, nothing loaded."""
     config = check_adapter(source)
     async with sessions() as session:  # refused before anything is copied (checked again below)
-        held = await run_sync(session, policy.pin_of, lineage=lineage)
+        held = await run_sync(session, pins.pin_of, lineage=lineage)
     if held is not None:
-        raise policy.Pinned(held)
+        raise pins.Pinned(held)
     async with sessions.begin() as session:
         version = await run_sync(session, policy.next_version)
-    name = policy.adapter_name(lineage, version)
+    name = naming.adapter_name(lineage, version)
     final = (adapters_dir / name).resolve()
     partial = adapters_dir / f".{name}.tmp"
     partial.mkdir(parents=True)
@@ -207,7 +207,7 @@ async def import_adapter(
                 stats={"imported_from": str(source.resolve())},
             )
             adapter = await run_sync(session, policy.get, version=version)
-    except policy.Pinned:  # pinned meanwhile: nothing committed, so nothing is left
+    except pins.Pinned:  # pinned meanwhile: nothing committed, so nothing is left
         await asyncio.gather(
             *(vllm.unload(url, name) for url in rollout.loaded), return_exceptions=True
         )

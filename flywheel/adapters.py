@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from core import canary, database, policy, rollout
+from core import canary, database, naming, pins, policy, rollout
 from core.settings import DatabaseSettings, vllm_base_urls
 from core.vllm import VLLMAdmin, VLLMError
 from flywheel.options import add_settings, build
@@ -57,7 +57,7 @@ def _list(args: argparse.Namespace, url: str) -> None:
     with sessions() as session:
         adapters = policy.versions(session=session, lineage=args.lineage)
         tests = canary.opened(session=session, lineage=args.lineage)
-        pins = policy.pins(session=session)
+        held = pins.by_lineage(session=session)
     engine.dispose()
     by_lineage: dict[str, list[policy.Adapter]] = {}
     for a in adapters:
@@ -71,11 +71,11 @@ def _list(args: argparse.Namespace, url: str) -> None:
             if test
             else ""
         )
-        held = pins.get(lineage)
+        pin = held.get(lineage)
         pinned = (
-            f"; pinned since {held.pinned_at:%Y-%m-%d %H:%M}"
-            + (f" ({held.note})" if held.note else "")
-            if held
+            f"; pinned since {pin.pinned_at:%Y-%m-%d %H:%M}"
+            + (f" ({pin.note})" if pin.note else "")
+            if pin
             else ""
         )
         print(f"lineage {lineage}: {len(versions)} versions, serving {current}{under_test}{pinned}")
@@ -119,10 +119,10 @@ def _canary_line(row: Any) -> str:
 
 
 def _unpin(args: argparse.Namespace, url: str) -> None:
-    lineage = args.lineage or policy.DEFAULT_LINEAGE
+    lineage = args.lineage or naming.DEFAULT_LINEAGE
     engine, sessions = database.create_sessions(url)
     with sessions.begin() as session:
-        was = policy.unpin(lineage, session=session)
+        was = pins.unpin(lineage, session=session)
     engine.dispose()
     print(f"lineage {lineage} unpinned" if was else f"lineage {lineage} was not pinned")
 
@@ -133,7 +133,7 @@ def _activate(args: argparse.Namespace, url: str) -> None:
         sys.exit(f"flywheel adapters {args.action} N --vllm URL [--vllm URL ...]")
     try:
         urls = vllm_base_urls(args.vllm, "--vllm")
-        lineage = policy.check_lineage(args.lineage or policy.DEFAULT_LINEAGE)
+        lineage = naming.check_lineage(args.lineage or naming.DEFAULT_LINEAGE)
     except ValueError as e:
         sys.exit(f"flywheel adapters: {e}")
 
@@ -159,7 +159,7 @@ def _activate(args: argparse.Namespace, url: str) -> None:
 
     try:
         adapter = asyncio.run(activate())
-    except (policy.UnknownVersion, policy.RetiredVersion, policy.Pinned, VLLMError) as e:
+    except (policy.UnknownVersion, policy.RetiredVersion, pins.Pinned, VLLMError) as e:
         sys.exit(f"flywheel adapters: {e}")
     pinned = ", pinned" if args.action == "pin" else ""
     if adapter is None:
@@ -177,7 +177,7 @@ def _import(args: argparse.Namespace, url: str) -> None:
         )
     try:
         urls = vllm_base_urls(args.vllm, "--vllm")
-        lineage = policy.check_lineage(args.lineage or policy.DEFAULT_LINEAGE)
+        lineage = naming.check_lineage(args.lineage or naming.DEFAULT_LINEAGE)
         rollout.check_adapter(args.adapter)
     except ValueError as e:
         sys.exit(f"flywheel adapters: {e}")
@@ -200,7 +200,7 @@ def _import(args: argparse.Namespace, url: str) -> None:
 
     try:
         adapter, went = asyncio.run(bring_in())
-    except (policy.Pinned, VLLMError, OSError) as e:
+    except (pins.Pinned, VLLMError, OSError) as e:
         sys.exit(f"flywheel adapters: {e}")
     for unreachable in went.unreachable:
         print(f"warning: {unreachable} unreachable; it does not have the adapter yet")

@@ -19,7 +19,7 @@ from typing import Any
 
 from sqlalchemy import text
 
-from core import canary, database, policy
+from core import canary, database, pins, policy
 from core.database import Sessions
 from core.settings import DatabaseSettings
 from core.tables import TRAINABLE
@@ -53,7 +53,7 @@ def collect(sessions: Sessions, *, steps: int = 5) -> Status:
     with sessions.begin() as session:
         now = session.execute(text("SELECT now()")).scalar_one()
         versions = policy.versions(session=session)
-        pins = policy.pins(session=session)
+        held = pins.by_lineage(session=session)
         canaries = canary.opened(session=session)
         queued = session.execute(
             text(
@@ -76,12 +76,12 @@ def collect(sessions: Sessions, *, steps: int = 5) -> Status:
             ).all()
             windows[label] = shares([(f, lin, n) for f, lin, n in rows])
     status = Status(at=now, windows=windows)
-    names = sorted({a.lineage for a in versions} | set(pins) | set(queue) | set(demonstrations))
+    names = sorted({a.lineage for a in versions} | set(held) | set(queue) | set(demonstrations))
     for name in names:
         mine = [a for a in versions if a.lineage == name]
         current = next((a.version for a in mine if a.is_current), None)
         test = canaries.get(name)
-        pin = pins.get(name)
+        pin = held.get(name)
         status.lineages.append(
             LineageStatus(
                 lineage=name,

@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 from pydantic import Field, SecretStr, ValidationInfo, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from core import canary, policy
+from core import canary, naming
 from core.settings import DatabaseSettings, split_commas, vllm_base_urls
 from trainer import models
 
@@ -411,13 +411,13 @@ class TrainerSettings(DatabaseSettings):
         """`lora_targets`, or the architecture's default."""
         return self.lora_targets or models.lora_targets(self.model)
 
-    _lineage = field_validator("lineage")(policy.check_lineage)
+    _lineage = field_validator("lineage")(naming.check_lineage)
 
     @field_validator("lineages")
     @classmethod
     def _check_lineages(cls, lineages: list[str]) -> list[str]:
         for name in lineages:
-            policy.check_lineage(name.replace("*", "x"))  # a pattern: `*` for any part
+            naming.check_lineage(name.replace("*", "x"))  # a pattern: `*` for any part
         if len(set(lineages)) != len(lineages):
             raise ValueError(f"lineages named twice: {','.join(lineages)}")
         return lineages
@@ -428,7 +428,7 @@ class TrainerSettings(DatabaseSettings):
 
     def for_lineage(self, lineage: str) -> TrainerSettings:
         """These settings for one lineage: a tenant's lineage trains on that tenant's calls only."""
-        owner = policy.tenant_of_lineage(lineage)
+        owner = naming.tenant_of_lineage(lineage)
         if owner is not None and self.tenants not in ([], [owner]):
             raise ValueError(
                 f"lineage {lineage!r} is tenant {owner!r}'s: it trains on that tenant's "
@@ -484,7 +484,7 @@ class TrainerSettings(DatabaseSettings):
             except models.ModelNotFound as e:
                 raise ValueError(str(e)) from e
         self.trained_lineages()  # a tenant's lineage trains on its calls only
-        owner = policy.tenant_of_lineage(self.lineage)
+        owner = naming.tenant_of_lineage(self.lineage)
         if owner is not None and not self.lineages:
             self.tenants = [owner]
         return self

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from core import canary, policy
+from core import canary, naming, pins, policy
 from core.database import Sessions
 from core.vllm import VLLMError
 from trainer import faults, metrics, report
@@ -209,10 +209,10 @@ class Trainer:
         claims free: nothing it trained could be published. Unpinned, it goes on from the
         pinned version (`_follow`), the transitions credited meanwhile still in its queue."""
         with self.sessions.begin() as session:
-            held = policy.pin_of(self.lineage, session=session)
+            held = pins.pin_of(self.lineage, session=session)
         if (held is not None) != self._was_pinned:
             if held is not None:
-                log.warning("%s: not training until it is unpinned", policy.Pinned(held))
+                log.warning("%s: not training until it is unpinned", pins.Pinned(held))
             else:
                 log.warning("%s unpinned: training again", self.lineage)
         self._was_pinned = held is not None
@@ -353,7 +353,7 @@ class Trainer:
         eval_sets = keeper.eval_sets(judgement)
         with self.sessions.begin() as session:
             version = policy.next_version(session=session)
-        name = policy.adapter_name(self.lineage, version)
+        name = naming.adapter_name(self.lineage, version)
         final = (s.adapters_dir / name).resolve()
         partial = s.adapters_dir / f".{name}.tmp"
         self.engine.save_adapter(partial)
@@ -395,7 +395,7 @@ class Trainer:
                     canary_rule=rule,
                     rejected=rejected,
                 )
-        except (store.LostClaim, policy.PolicyMoved, policy.CanaryOpen, policy.Pinned) as e:
+        except (store.LostClaim, policy.PolicyMoved, policy.CanaryOpen, pins.Pinned) as e:
             log.warning("discarding %s: %s", name, e)
             self._unload(name)
             if isinstance(e, policy.PolicyMoved):  # the batch stays ours, to train again
@@ -405,7 +405,7 @@ class Trainer:
             # A reward moved a return, another trainer took over, a canary opened or a pin
             # came: the batch goes back (to be trained at once, or after the decision or the
             # unpin), and none of it is the batch's fault.
-            reason = {policy.CanaryOpen: "canary_open", policy.Pinned: "pinned"}
+            reason = {policy.CanaryOpen: "canary_open", pins.Pinned: "pinned"}
             self._abandon(step, final, before, reason=reason.get(type(e), "lost_claim"))
             return False
 

@@ -12,7 +12,7 @@ import orjson
 from pydantic import BaseModel, ByteSize, Field, SecretStr, field_validator
 from pydantic_settings import NoDecode
 
-from core import policy
+from core import naming
 from core.settings import FlywheelSettings, split_commas, vllm_base_urls
 from core.tenants import TENANT_PATTERN
 
@@ -152,7 +152,7 @@ class RelaySettings(FlywheelSettings):
         for agent, lineage in lineages.items():
             if not re.fullmatch(TAG_PATTERN, agent):
                 raise ValueError(f"{agent!r} is not an agent name (X-Agent-Name)")
-            policy.check_role(lineage)
+            naming.check_role(lineage)
         return lineages
 
     @field_validator("routes", mode="before")

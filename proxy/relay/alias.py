@@ -37,7 +37,7 @@ from pathlib import Path
 import orjson
 import psycopg
 
-from core import canary, policy
+from core import canary, naming, policy
 from core.database import OUTAGE_ERRORS, AsyncSessions, run_sync
 from core.policy import BASE_VERSION
 from core.vllm import VLLMError
@@ -191,8 +191,8 @@ class PolicyAlias:
         self._versions[name] = version
 
     def lineage_of(self, agent: str | None, tenant: str | None = None) -> str:
-        role = self._lineage_of_agent.get(agent or "", policy.DEFAULT_LINEAGE)
-        return policy.lineage_for(tenant, role, shared=self._shares(tenant))
+        role = self._lineage_of_agent.get(agent or "", naming.DEFAULT_LINEAGE)
+        return naming.lineage_for(tenant, role, shared=self._shares(tenant))
 
     def served(self) -> list[str]:
         """Every adapter `policy` may resolve to now: each lineage's current one and canary."""
@@ -200,7 +200,7 @@ class PolicyAlias:
         return names + [c.candidate_name for c in self.canaries.values()]
 
     def sees(self, tenant: str | None, lineage: str) -> bool:
-        return policy.sees(tenant, lineage, shared=self._shares(tenant))
+        return naming.sees(tenant, lineage, shared=self._shares(tenant))
 
     async def resolve(
         self,
@@ -226,7 +226,7 @@ class PolicyAlias:
             return Resolved(name, version, lineage if version == BASE_VERSION else pinned_lineage)
         if model == self.base_model:
             return Resolved(model, BASE_VERSION, lineage)
-        named = policy.ADAPTER_NAME.fullmatch(model)
+        named = naming.ADAPTER_NAME.fullmatch(model)
         if named is not None:  # an adapter by its own name (`<lineage>-vN`): check whose
             version = int(named.group(2))
             if version not in self._names and version not in self._absent:
@@ -272,7 +272,7 @@ class PolicyAlias:
             )
         version = int(suffix)
         if version == BASE_VERSION:
-            return await self._base(), policy.DEFAULT_LINEAGE
+            return await self._base(), naming.DEFAULT_LINEAGE
         if version not in self._names:
             adapter = await self._lookup(model, version) if version <= MAX_VERSION else None
             if adapter is None:

@@ -27,7 +27,7 @@ import orjson
 from fastapi import APIRouter, Path, Query
 from starlette.responses import Response
 
-from core import canary, policy, rollout
+from core import canary, naming, pins, policy, rollout
 from core.database import OUTAGE_ERRORS, run_sync
 from core.tables import Canary as CanaryRow
 from core.vllm import AdapterRejected
@@ -36,8 +36,8 @@ from proxy.services import Services, ServicesDep
 
 router = APIRouter()
 # What could name a lineage or a version (the columns' own limits): anything else is a 400.
-LINEAGE = Query(None, pattern=f"^{policy.LINEAGE_NAME.pattern}$")
-LINEAGE_OR_POLICY = Query(policy.DEFAULT_LINEAGE, pattern=f"^{policy.LINEAGE_NAME.pattern}$")
+LINEAGE = Query(None, pattern=f"^{naming.LINEAGE_NAME.pattern}$")
+LINEAGE_OR_POLICY = Query(naming.DEFAULT_LINEAGE, pattern=f"^{naming.LINEAGE_NAME.pattern}$")
 VERSION = Path(ge=policy.BASE_VERSION, le=policy.MAX_VERSION)
 
 
@@ -74,16 +74,16 @@ async def list_canaries(
 async def list_lineages(services: ServicesDep) -> Response:
     async with database(), services.sessionmaker() as session:
         adapters = await run_sync(session, policy.versions)
-        pins = await run_sync(session, policy.pins)
+        held = await run_sync(session, pins.by_lineage)
         tests = await run_sync(session, canary.opened)
-    names = sorted({a.lineage for a in adapters} | set(pins))
+    names = sorted({a.lineage for a in adapters} | set(held))
     current = {a.lineage: a for a in adapters if a.is_current}
     data = [
         {
             "lineage": name,
             "version": current[name].version if name in current else policy.BASE_VERSION,
             "name": current[name].name if name in current else None,
-            "pinned": pin_json(pins.get(name)),
+            "pinned": pin_json(held.get(name)),
             "canary": tests[name].candidate if name in tests else None,
         }
         for name in names
@@ -112,11 +112,11 @@ async def pin(
 async def unpin(lineage: str, services: ServicesDep) -> Response:
     """Idempotent: unpinning a lineage that is not pinned answers the same, with `was` null."""
     try:
-        policy.check_lineage(lineage)
+        naming.check_lineage(lineage)
     except ValueError as e:
         raise ApiError(400, str(e), param="lineage") from e
     async with database(), services.sessionmaker.begin() as session:
-        was = await run_sync(session, policy.unpin, lineage=lineage)
+        was = await run_sync(session, pins.unpin, lineage=lineage)
     body = {"lineage": lineage, "pinned": None, "was": pin_json(was)}
     return Response(orjson.dumps(body), media_type="application/json")
 
@@ -126,7 +126,7 @@ async def _activate(
 ) -> Response:
     upstream = services.upstream
     try:
-        policy.check_lineage(lineage)
+        naming.check_lineage(lineage)
     except ValueError as e:
         raise ApiError(400, str(e), param="lineage") from e
     try:
@@ -144,7 +144,7 @@ async def _activate(
         raise ApiError(404, str(e), code="adapter_not_found") from e
     except policy.RetiredVersion as e:
         raise ApiError(409, f"{e}; it cannot be activated", code="adapter_retired") from e
-    except policy.Pinned as e:
+    except pins.Pinned as e:
         raise ApiError(409, str(e), code="lineage_pinned") from e
     except AdapterRejected as e:
         raise ApiError(
@@ -169,13 +169,11 @@ async def _activate(
         body = adapter_json(adapter) | {"is_current": True}
     if pin:
         async with database(), services.sessionmaker() as session:
-            body["pinned"] = pin_json(
-                await run_sync(session, policy.pin_of, lineage=body["lineage"])
-            )
+            body["pinned"] = pin_json(await run_sync(session, pins.pin_of, lineage=body["lineage"]))
     return Response(orjson.dumps(body), media_type="application/json")
 
 
-def pin_json(p: policy.Pin | None) -> dict[str, Any] | None:
+def pin_json(p: pins.Pin | None) -> dict[str, Any] | None:
     if p is None:
         return None
     return {"version": p.version, "since": p.pinned_at.isoformat(), "note": p.note}

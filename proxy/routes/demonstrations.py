@@ -19,7 +19,7 @@ import orjson
 from fastapi import APIRouter, Request
 from starlette.responses import Response
 
-from core import policy
+from core import naming
 from core.database import OUTAGE_ERRORS
 from core.tenants import Principal
 from proxy.auth import principal_of
@@ -140,11 +140,11 @@ def _lineage(d: DemonstrationIn, services: Services, principal: Principal) -> st
     one this proxy serves the caller."""
     settings, tenant = services.settings, principal.tenant
     shared = settings.shares(tenant)
-    roles = [policy.DEFAULT_LINEAGE, *sorted(set(settings.adapter_per_agent.values()))]
-    served = [policy.lineage_for(tenant, role, shared=shared) for role in roles]
+    roles = [naming.DEFAULT_LINEAGE, *sorted(set(settings.adapter_per_agent.values()))]
+    served = [naming.lineage_for(tenant, role, shared=shared) for role in roles]
     if d.lineage is None:
         return services.alias.lineage_of(d.agent, tenant)
-    if not policy.sees(tenant, d.lineage, shared=shared):
+    if not naming.sees(tenant, d.lineage, shared=shared):
         raise ApiError(
             403,
             f"lineage {d.lineage!r} is not one this key may train (its lineages: "

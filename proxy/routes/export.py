@@ -27,7 +27,7 @@ from sqlalchemy import text
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from core import export, policy
+from core import export, naming, policy
 from core.database import OUTAGE_ERRORS
 from proxy.auth import principal_of
 from proxy.config import TAG_PATTERN
@@ -51,7 +51,7 @@ async def export_rows(
     agent: str | None = Query(None, pattern=TAG_PATTERN),
     task: str | None = Query(None, pattern=TAG_PATTERN),
     version: int | None = Query(None, ge=0, le=policy.MAX_VERSION),
-    lineage: str | None = Query(None, pattern=f"^{policy.LINEAGE_NAME.pattern}$"),
+    lineage: str | None = Query(None, pattern=f"^{naming.LINEAGE_NAME.pattern}$"),
     min_reward: float | None = Query(None, allow_inf_nan=False),
     max_reward: float | None = Query(None, allow_inf_nan=False),
     trained: bool | None = None,

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.requests import Request
 from starlette.responses import Response
 
-from core import policy
+from core import naming
 from core.policy import BASE_VERSION
 from core.vllm import VLLMError
 from proxy.auth import principal_of
@@ -53,7 +53,7 @@ async def models(request: Request, services: ServicesDep) -> Response:
 
 def _listed_to(tenant: str | None, model: dict[str, object], services: Services) -> bool:
     """Every model but the adapters of lineages the caller may not see (another tenant's)."""
-    named = policy.ADAPTER_NAME.fullmatch(str(model.get("id", "")))
+    named = naming.ADAPTER_NAME.fullmatch(str(model.get("id", "")))
     if named is None or model.get("parent") is None:  # not an adapter (a base model)
         return True
     return services.alias.sees(tenant, named.group(1))
@@ -92,7 +92,7 @@ async def healthz(request: Request, services: ServicesDep) -> Response:
         "journal_quarantined": recorder.journal.quarantined(),
         "writer_queue": recorder.queue_depth,
         # The default lineage's current version, and every lineage's (0: the base model).
-        "policy_version": alias.current.get(policy.DEFAULT_LINEAGE, (BASE_VERSION,))[0],
+        "policy_version": alias.current.get(naming.DEFAULT_LINEAGE, (BASE_VERSION,))[0],
         "lineages": {lineage: version for lineage, (version, _) in sorted(alias.current.items())},
         # Open canaries: the candidate version and the share of episodes it serves.
         "canaries": {

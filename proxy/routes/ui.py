@@ -26,7 +26,7 @@ import orjson
 from fastapi import APIRouter, Query, Request
 from starlette.responses import FileResponse, RedirectResponse, Response
 
-from core import canary, policy
+from core import canary, naming, pins, policy
 from core.codecs import unpack
 from core.database import OUTAGE_ERRORS, run_sync
 from core.vllm import VLLMError
@@ -117,7 +117,7 @@ async def overview(
         async with services.sessionmaker() as session:
             body = await dashboard.overview(principal, window, session=session)
             currents = await run_sync(session, policy.currents)
-            pins = await run_sync(session, policy.pins)
+            held = await run_sync(session, pins.by_lineage)
             canaries = await run_sync(session, canary.history, limit=10, tenant=tenant)
     except OUTAGE_ERRORS as e:
         raise database_error(e, narrow="ask for fewer hours, or filter by agent or task") from e
@@ -128,10 +128,10 @@ async def overview(
             "version": a.version if a else policy.BASE_VERSION,
             "name": a.name if a else None,
             "since": a.created_at.isoformat() if a else None,
-            "pinned": pin_json(pins.get(lineage)),
+            "pinned": pin_json(held.get(lineage)),
         }
-        for lineage in sorted(set(currents) | set(pins))
-        if principal.every_tenant or policy.tenant_of_lineage(lineage) == principal.tenant
+        for lineage in sorted(set(currents) | set(held))
+        if principal.every_tenant or naming.tenant_of_lineage(lineage) == principal.tenant
         for a in [currents.get(lineage)]
     ]
     body["canaries"] = [canary_json(c) for c in canaries]

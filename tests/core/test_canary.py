@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from core import canary, policy
+from core import canary, naming, policy
 from core.canary import Evidence, Rule
 from core.database import Sessions
 from core.stats import t_sf, welch
@@ -211,7 +211,7 @@ def test_canaries_are_per_lineage(sessions: Sessions, fake_vllm: FakeVLLM, tmp_p
 def test_a_tenants_canaries_are_those_of_its_lineages(
     sessions: Sessions, fake_vllm: FakeVLLM, tmp_path: Path
 ) -> None:
-    """`history(tenant=...)` matches `policy.tenant_of_lineage` (a `_` in a tenant's name is
+    """`history(tenant=...)` matches `naming.tenant_of_lineage` (a `_` in a tenant's name is
     no LIKE wildcard)."""
     names = ["policy", "writer", "a_b.policy", "axb.policy", "a_b.writer"]
     for lineage in names:
@@ -219,7 +219,7 @@ def test_a_tenants_canaries_are_those_of_its_lineages(
     with sessions.begin() as session:
         for tenant in (None, "a_b", "axb", "a"):
             shown = {r.lineage for r in canary.history(session=session, tenant=tenant)}
-            assert shown == {n for n in names if policy.tenant_of_lineage(n) == tenant}, tenant
+            assert shown == {n for n in names if naming.tenant_of_lineage(n) == tenant}, tenant
         assert {r.lineage for r in canary.history(session=session)} == set(names)
 
 

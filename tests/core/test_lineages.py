@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from core import canary, policy
+from core import canary, naming, policy
 from core.database import Sessions
 from fakes.vllm import FakeVLLM
 from proxy.config import ProxySettings
@@ -33,7 +33,7 @@ def publish(
     with sessions.begin() as session:
         version = policy.next_version(session=session)
         parent = policy.current(session=session, lineage=lineage)
-    path = tmp_path / policy.adapter_name(lineage, version)
+    path = tmp_path / naming.adapter_name(lineage, version)
     path.mkdir()
     fake.loras[path.name] = str(path)
     with sessions.begin() as session:

@@ -16,7 +16,7 @@ import psycopg
 import pytest
 from sqlalchemy import text
 
-from core import canary, partitions, policy
+from core import canary, partitions, pins, policy
 from core.database import Sessions
 from core.locks import Lock
 from proxy.config import ProxySettings
@@ -24,7 +24,7 @@ from proxy.record.maintenance import Maintenance
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = ["core", "proxy", "trainer", "judge", "migrations", "flywheel", "bench", "fakes", "demo"]
-ADVISORY_CALL = re.compile(r"pg_\w*advisory\w*\(")
+ADVISORY_CALL = re.compile(r"pg_\w*advisory\w*\(|locks\.hold\(")  # hold: a transaction lock
 LITERAL_KEY = re.compile(r"pg_\w*advisory\w*\(\s*\d")
 # A statement that waits longer than this for a lock fails (LockNotAvailable): nothing here
 # should wait for a lock at all, so a failure means a wait, however fast the machine.
@@ -50,7 +50,12 @@ def test_every_advisory_lock_takes_its_key_from_the_registry() -> None:
             users.append(str(where))
             assert not LITERAL_KEY.search(source), f"{where}: an advisory lock key as a literal"
             assert "from core.locks import Lock" in source, f"{where}: key not from core.locks"
-    assert {"core/policy.py", "proxy/record/maintenance.py", "migrations/env.py"} <= set(users)
+    assert {
+        "core/policy.py",
+        "core/pins.py",
+        "proxy/record/maintenance.py",
+        "migrations/env.py",
+    } <= set(users)
 
 
 @pytest.fixture
@@ -128,7 +133,7 @@ def test_a_maintenance_round_never_holds_up_the_policys_moves(sessions: Sessions
         policy.make_current(1, session=session, pin=True, note="incident")
     with sessions.begin() as session:
         session.execute(text(LOCK_TIMEOUT))
-        assert policy.unpin("policy", session=session) is not None
+        assert pins.unpin("policy", session=session) is not None
     rule = canary.Rule(fraction=0.5)
     publish(sessions, 3, canary_rule=rule)  # a candidate beside v1
     with sessions.begin() as session:

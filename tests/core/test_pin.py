@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from core import canary, policy
+from core import canary, pins, policy
 from core.database import Sessions
 from fakes.vllm import FakeVLLM
 from tests.conftest import RunningProxy
@@ -37,9 +37,9 @@ def test_a_pinned_lineage_stays_until_unpinned(
     assert f"policy-v{v1}" in fake_vllm.loras and served(proxy) == str(v1)
 
     # Held: the trainer's publish, a canary, activate (by HTTP) are all refused.
-    with pytest.raises(policy.Pinned, match="pinned at v"):
+    with pytest.raises(pins.Pinned, match="pinned at v"):
         lineages.publish(sessions, fake_vllm, tmp_path, "policy")
-    with pytest.raises(policy.Pinned):
+    with pytest.raises(pins.Pinned):
         lineages.publish(sessions, fake_vllm, tmp_path, "policy", canary_rule=RULE)
     refused = admin.post(f"/admin/adapters/{v2}/activate")
     assert refused.status_code == 409 and refused.json()["error"]["code"] == "lineage_pinned"
@@ -79,7 +79,7 @@ def test_pinning_closes_the_open_canary_and_holds_only_its_own_lineage(
         [closed] = canary.history(session=session)
         assert (closed.candidate, closed.action) == (candidate, "superseded")
         assert policy.current(session=session, lineage="writer") is None
-        assert set(policy.pins(session=session)) == {"writer"}
+        assert set(pins.by_lineage(session=session)) == {"writer"}
     lineages.publish(sessions, fake_vllm, tmp_path, "rewriter")  # not held
 
 
@@ -103,7 +103,7 @@ def test_the_trainer_waits_on_a_pin_and_goes_on_from_the_pinned_version(
 
     # A pin that comes during a step: the batch goes back, no attempt counted, nothing published.
     with sessions.begin() as session:
-        policy.unpin("policy", session=session)
+        pins.unpin("policy", session=session)
     real_step = trainer.engine.step
 
     def step(samples: Any) -> Any:
@@ -123,7 +123,7 @@ def test_the_trainer_waits_on_a_pin_and_goes_on_from_the_pinned_version(
     # Unpinned: it trains again, from the pinned version.
     monkeypatch.setattr(trainer.engine, "step", real_step)
     with sessions.begin() as session:
-        policy.unpin("policy", session=session)
+        pins.unpin("policy", session=session)
     assert trainer.step() and trainer.metrics.pinned._value.get() == 0
     with sessions.begin() as session:
         new = policy.current(session=session)

@@ -10,7 +10,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from core import policy, rollout
+from core import naming, policy, rollout
 from core.database import Sessions
 from core.vllm import AdapterRejected, VLLMAdmin
 from fakes.vllm import FakeVLLM
@@ -143,10 +143,10 @@ def test_each_lineage_has_its_own_current_version_rollback_and_retirement(
 
 
 def test_lineage_names_are_checked() -> None:
-    assert policy.check_lineage("writer_2.a-b") == "writer_2.a-b"
+    assert naming.check_lineage("writer_2.a-b") == "writer_2.a-b"
     for bad in ("", "-x", "a/b", "a@1", "a b", "x" * 64):
         with pytest.raises(ValueError, match="not a lineage name"):
-            policy.check_lineage(bad)
+            naming.check_lineage(bad)
 
 
 def test_load_everywhere_undoes_only_its_own_loads(tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ import httpx
 import psycopg
 import pytest
 
-from core import database, policy
+from core import database, naming, policy
 from fakes.vllm import FakeVLLM
 from tests.conftest import RunningProxy
 
@@ -77,7 +77,7 @@ def test_a_proxy_started_in_an_outage_serves_the_policy_it_last_knew(
     with sessions.begin() as session:
         policy.publish(
             session=session,
-            lineage=policy.DEFAULT_LINEAGE,
+            lineage=naming.DEFAULT_LINEAGE,
             parent=None,
             version=1,
             path=str(adapter),

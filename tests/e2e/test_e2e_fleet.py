@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from core import policy
+from core import naming, policy
 from core.database import Sessions
 from demo.tiny_model import build_demo_model
 from fakes.adapters import make_adapters, publish_first
@@ -39,7 +39,7 @@ def publish_lineages(sessions: Sessions, vllm_url: str, adapters_dir: Path) -> d
     names = {}
     with sessions.begin() as session:
         for lineage in LINEAGES:
-            names[lineage] = policy.adapter_name(lineage, policy.next_version(session=session))
+            names[lineage] = naming.adapter_name(lineage, policy.next_version(session=session))
     dirs = make_adapters(
         build_demo_model(TEST_HOME / "models" / "demo"), adapters_dir, [*names.values()]
     )

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from core import canary, policy
+from core import canary, naming
 from core.database import Sessions
 from demo.tiny_model import build_demo_model
 from fakes.vllm import FakeVLLM
@@ -76,7 +76,7 @@ def test_another_tenants_version_is_not_found_however_it_is_named(
     acme, globex = new_key(sessions, "acme"), new_key(sessions, "globex")
     keyed.wait_keys(acme, globex)
     version = publish(sessions, fake_vllm, tmp_path, "acme.policy")
-    name = policy.adapter_name("acme.policy", version)
+    name = naming.adapter_name("acme.policy", version)
     keyed.wait_policy(version, "acme.policy")
 
     for model in (f"policy@{version}", name):
@@ -128,19 +128,19 @@ def test_bad_shared_lineage_settings_fail_at_start(shared: str, error: str) -> N
 
 
 def test_lineage_names_keep_tenant_and_role_apart() -> None:
-    assert policy.check_lineage("acme.writer") == "acme.writer"
+    assert naming.check_lineage("acme.writer") == "acme.writer"
     for bad in ("a.b.c", "Acme.policy", ".policy", "acme."):
         with pytest.raises(ValueError, match="not a lineage name"):
-            policy.check_lineage(bad)
+            naming.check_lineage(bad)
     with pytest.raises(ValidationError, match="not a lineage name"):
         ProxySettings(adapter_per_agent="acme.writer=sql")  # the proxy adds the tenant itself
-    assert policy.tenant_of_lineage("acme.writer") == "acme"
-    assert policy.tenant_of_lineage("writer") is None
-    assert policy.sees("acme", "acme.writer", shared=False)
-    assert not policy.sees("acme", "writer", shared=False)
-    assert policy.sees("acme", "writer", shared=True)
-    assert not policy.sees(None, "acme.writer", shared=True)
-    assert not policy.sees("globex", "acme.writer", shared=True)
+    assert naming.tenant_of_lineage("acme.writer") == "acme"
+    assert naming.tenant_of_lineage("writer") is None
+    assert naming.sees("acme", "acme.writer", shared=False)
+    assert not naming.sees("acme", "writer", shared=False)
+    assert naming.sees("acme", "writer", shared=True)
+    assert not naming.sees(None, "acme.writer", shared=True)
+    assert not naming.sees("globex", "acme.writer", shared=True)
 
 
 def test_canary_evidence_is_what_the_split_assigned_of_the_lineages_tenant(
