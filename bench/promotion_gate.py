@@ -55,7 +55,7 @@ from trainer import candidate, gate
 from trainer import evals as asking
 from trainer.candidate import Evaluated
 from trainer.config import TrainerSettings
-from trainer.data import store
+from trainer.data import logged
 from trainer.learner.engine import AtWeights, Engine
 from trainer.vllm import Replicas
 
@@ -244,7 +244,7 @@ def _corrupted(
     engine = Engine(trainer, resume_from=Path(current.path))
     own = engine.snapshot()
     with sessions.begin() as session:
-        calls = store.logged_window(
+        calls = logged.window(
             session=session,
             lineage="policy",
             version=current.version,

@@ -1,7 +1,7 @@
 """A candidate version judged on logged traffic before it is published (FLYWHEEL_OPE): its
 estimated episode reward against the current version's (trainer/ope.py, docs/promotion.md).
 
-The window is the newest rewarded episodes no version learned from (`store.logged_window`): the
+The window is the newest rewarded episodes no version learned from (`trainer/data/logged.py`): the
 held-out share of episodes (FLYWHEEL_OPE_HOLDOUT), and the current version's episodes no step has
 claimed. Each call of the lineage is scored under the candidate's weights, and under the current
 version's when another version served it (for its own, the recorded log-probabilities are the
@@ -22,8 +22,8 @@ from typing import Any, Protocol
 
 from trainer.config import TrainerSettings
 from trainer.data.batch import ModelLimits, unscorable
+from trainer.data.logged import LoggedCall
 from trainer.data.sampling import Sampling, SetAside, sampling_of
-from trainer.data.store import LoggedCall
 from trainer.learner.scoring import Completion
 from trainer.ope import Comparison, Estimate, LoggedEpisode, Window, compare
 
@@ -121,7 +121,7 @@ def evaluate(
     limits: ModelLimits,
     known: dict[str, float] | None = None,
 ) -> Evaluated:
-    """The candidate's estimate against the current version's on `calls` (`logged_window`).
+    """The candidate's estimate against the current version's on `calls` (`logged.window`).
     `candidate` scores under the new weights, `current` under the current version's: only the
     calls another version served are asked of it (the current version's own have ratio 1), and
     of those only the ones `known` (the current version's scores by transition id) lacks."""

@@ -33,7 +33,7 @@ from core.vllm import VLLMError
 from trainer import faults, metrics, report
 from trainer.canary_watch import CanaryWatch
 from trainer.config import TrainerSettings
-from trainer.data import store
+from trainer.data import demonstrations, store
 from trainer.data.advantages import RunningBaseline
 from trainer.data.batch import build_batch, staleness_in
 from trainer.data.sampling import server_defaults
@@ -55,7 +55,7 @@ class Step:
 
     ids: list[str]  # every row it claimed: given back if the publish is abandoned
     table: store.Table
-    finish: Callable[..., None]  # store.finish or finish_demonstrations, its rows bound
+    finish: Callable[..., None]  # store.finish or demonstrations.finish, its rows bound
     stats: Callable[[float], dict[str, object]]  # swap seconds -> adapter_version.stats
     # (version, swap seconds, the canary it opened or None) -> metrics and log line
     report: Callable[[int, float, canary.Rule | None], None]
@@ -159,7 +159,7 @@ class Trainer:
         s = self.settings
         with self.sessions.begin() as session:
             current = policy.current(session=session, lineage=self.lineage)
-            claimed = store.claim_demonstrations(
+            claimed = demonstrations.claim(
                 session=session,
                 trainer_id=s.trainer_id,
                 lease_s=s.lease_s,
@@ -169,7 +169,7 @@ class Trainer:
                 limit=s.sft_batch,
                 max_attempts=s.max_train_attempts,
             )
-            due = store.demonstrations_due(
+            due = demonstrations.due(
                 session=session, lineage=self.lineage, tenants=s.tenants, epochs=s.sft_epochs
             )
         self.metrics.demonstrations_due.set(due)
@@ -276,7 +276,7 @@ class Trainer:
             self.engine.restore(before)  # the step's caller gives the batch back
             raise
 
-    def _sft(self, claimed: list[store.ClaimedDemonstration]) -> bool:
+    def _sft(self, claimed: list[demonstrations.ClaimedDemonstration]) -> bool:
         """One supervised step on the claimed demonstrations from the engine's weights, then
         publish (trainer/learner/sft.py)."""
         ids = [c.id for c in claimed]
@@ -297,13 +297,15 @@ class Trainer:
             return False
         if stats is None:
             with self.sessions.begin() as session:
-                store.set_aside_demonstrations(rendered.skipped, session=session)
+                demonstrations.set_aside(rendered.skipped, session=session)
             return False
         step = Step(
             ids=ids,
             table="demonstration",
             finish=partial(
-                store.finish_demonstrations, trained=list(rendered.demos), skipped=rendered.skipped
+                demonstrations.finish,
+                trained=list(rendered.demos),
+                skipped=rendered.skipped,
             ),
             stats=lambda swap_s: report.sft_stats_json(len(demos), stats, swap_s, self.parent),
             report=lambda version, swap_s, rule: report.report_sft(
@@ -383,9 +385,7 @@ class Trainer:
         # (committed: the next step follows it; not: reconcile unloads and deletes it).
         try:
             with self.sessions.begin() as session:
-                step.finish(
-                    session=session,
-                    trainer_id=s.trainer_id,
+                publication = store.Publication(
                     lineage=self.lineage,
                     version=version,
                     parent=self.parent,
@@ -395,6 +395,7 @@ class Trainer:
                     canary_rule=rule,
                     rejected=rejected,
                 )
+                step.finish(session=session, trainer_id=s.trainer_id, publication=publication)
         except (store.LostClaim, policy.PolicyMoved, policy.CanaryOpen, pins.Pinned) as e:
             log.warning("discarding %s: %s", name, e)
             self._unload(name)

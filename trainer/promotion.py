@@ -19,7 +19,7 @@ from core.evals import EvalSet
 from core.evals import sets as eval_sets_of
 from trainer import candidate, evals, gate
 from trainer.config import TrainerSettings
-from trainer.data import store
+from trainer.data import logged
 from trainer.evals import Compared
 from trainer.learner.engine import AtWeights, Engine, Snapshot
 from trainer.metrics import LineageMetrics
@@ -92,7 +92,7 @@ class Gatekeeper:
             return judgement
         current = parent if parent is not None else policy.BASE_VERSION
         with self.sessions.begin() as session:
-            calls = store.logged_window(
+            calls = logged.window(
                 session=session,
                 lineage=self.lineage,
                 version=current,

@@ -29,7 +29,7 @@ from tests.conftest import TEST_HOME, RunningProxy, trainer_claims
 from tests.zero_staleness import fresh_batch, scored
 from trainer import candidate
 from trainer.config import TrainerSettings
-from trainer.data import store
+from trainer.data import logged, store
 from trainer.data.sampling import Sampling
 from trainer.loop import Trainer
 from trainer.vllm import Replicas
@@ -56,8 +56,8 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def window(session: Session, version: int) -> list[store.LoggedCall]:
-    return store.logged_window(
+def window(session: Session, version: int) -> list[logged.LoggedCall]:
+    return logged.window(
         session=session, lineage="policy", version=version, tenants=[], episodes=100
     )
 

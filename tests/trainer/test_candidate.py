@@ -13,7 +13,7 @@ import pytest
 from trainer.candidate import Evaluated, evaluate
 from trainer.config import TrainerSettings
 from trainer.data.batch import ModelLimits
-from trainer.data.store import LoggedCall
+from trainer.data.logged import LoggedCall
 from trainer.learner.scoring import Completion
 
 LIMITS = ModelLimits(vocab_size=100, max_length=64)

@@ -1,4 +1,4 @@
-"""The logged window a candidate is estimated on (trainer/data/store.py `logged_window`), on
+"""The logged window a candidate is estimated on (trainer/data/logged.py `window`), on
 Postgres: the newest rewarded episodes of the current version, none older than `max_age_s`."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from core import database
 from core.database import Sessions
 from fakes.traffic import episode_records
 from proxy.record.store.transitions import insert_transitions
-from trainer.data import store
+from trainer.data import logged
 
 
 async def record(database_url: str, ages_s: list[float]) -> list[str]:
@@ -36,7 +36,7 @@ async def record(database_url: str, ages_s: list[float]) -> list[str]:
 
 def window(sessions: Sessions, max_age_s: float) -> set[str]:
     with sessions.begin() as session:
-        calls = store.logged_window(
+        calls = logged.window(
             session=session,
             lineage="policy",
             version=0,

@@ -327,12 +327,7 @@ def test_a_killed_trainers_claim_is_taken_over_after_its_lease(
             trainer_id="dead",
             trained={c.id: c.ret for c in claimed},
             skipped={},
-            lineage="policy",
-            version=99,
-            parent=1,
-            path="/nowhere",
-            base_model="demo",
-            stats={},
+            publication=store.Publication("policy", 99, 1, "/nowhere", "demo", {}),
         )
     assert proxy.query("SELECT count(*) FROM transition WHERE trained_version = 1") == [(8,)]
 
@@ -466,12 +461,7 @@ def test_concurrent_publishes_are_serialised_and_only_one_child_wins(sessions: S
             trainer_id=f"t{version}",
             trained={},
             skipped={},
-            lineage="policy",
-            version=version,
-            parent=None,
-            path="/a",
-            base_model="demo",
-            stats={},
+            publication=store.Publication("policy", version, None, "/a", "demo", {}),
         )
 
     first = sessions()

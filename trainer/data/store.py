@@ -1,5 +1,7 @@
-"""All SQL of the trainer. Functions take `*, session` and never commit: the loop owns transactions.
-(The adapter versions' SQL, which the proxy shares, is in core/policy.py.)
+"""The trainer's claims on recorded calls, and the publish that marks them trained. Functions take
+`*, session` and never commit: the loop owns transactions. (Demonstrations' SQL is in
+demonstrations.py, the logged window a candidate is estimated on in logged.py; the adapter
+versions', which the proxy shares, in core/policy.py.)
 
 Claims are leases: `claimed_by` + `claim_expires_at`, taken with FOR UPDATE SKIP LOCKED, so two
 trainers never take the same rows and a crashed trainer's rows come back when its lease runs out.
@@ -14,7 +16,7 @@ stalling the queue.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Literal
 
 from sqlalchemy import text
@@ -49,6 +51,29 @@ Table = Literal["transition", "demonstration"]  # what a claim is on
 class LostClaim(Exception):
     """Our lease ran out and another trainer took (some of) the batch, or a reward changed a
     return we trained on: discard this step."""
+
+
+@dataclass(frozen=True)
+class Publication:
+    """The version a step publishes, as `policy.publish` records it: made current, or the
+    lineage's canary candidate (`canary_rule`), or recorded rejected by the gate (`rejected`).
+    `parent` is the version the step started from (None: the base model)."""
+
+    lineage: str
+    version: int
+    parent: int | None
+    path: str
+    base_model: str
+    stats: dict[str, Any]
+    canary_rule: canary.Rule | None = None
+    rejected: bool = False
+
+    def publish(self, *, session: Session, trained_transitions: int) -> None:
+        policy.publish(
+            session=session,
+            trained_transitions=trained_transitions,
+            **{f.name: getattr(self, f.name) for f in fields(self)},
+        )
 
 
 # Credited, untrained, trainable, served by this trainer's lineage, and of the agents and tenants
@@ -176,18 +201,10 @@ def finish(
     trainer_id: str,
     trained: dict[str, float],
     skipped: dict[str, str],
-    lineage: str,
-    version: int,
-    parent: int | None,
-    path: str,
-    base_model: str,
-    stats: dict[str, Any],
-    canary_rule: canary.Rule | None = None,
-    rejected: bool = False,
+    publication: Publication,
 ) -> None:
-    """Make `version` current (or the lineage's canary candidate, with `canary_rule`; or record
-    it rejected by the gate, `rejected`) and mark its batch trained (and the set-aside rows
-    skipped).
+    """Publish the step's version (`Publication`: current, the lineage's canary candidate or
+    rejected by the gate) and mark its batch trained (and the set-aside rows skipped).
 
     `trained` maps each row to the return it was trained on: a row claimed by someone else now,
     or whose return a reward has changed since, is LostClaim. `parent` is the version the step
@@ -202,7 +219,12 @@ def finish(
             'AND t."return" = u.ret '
             "RETURNING t.id"
         ),
-        {"ids": list(trained), "rets": list(trained.values()), "me": trainer_id, "v": version},
+        {
+            "ids": list(trained),
+            "rets": list(trained.values()),
+            "me": trainer_id,
+            "v": publication.version,
+        },
     ).all()
     if len(done) != len(trained):
         raise LostClaim(
@@ -210,18 +232,7 @@ def finish(
             "return changed by a reward"
         )
     set_aside(skipped, session=session, trainer_id=trainer_id)
-    policy.publish(
-        session=session,
-        lineage=lineage,
-        parent=parent,
-        version=version,
-        path=path,
-        base_model=base_model,
-        stats=stats,
-        trained_transitions=len(trained),
-        canary_rule=canary_rule,
-        rejected=rejected,
-    )
+    publication.publish(session=session, trained_transitions=len(trained))
 
 
 def set_aside(skipped: dict[str, str], *, session: Session, trainer_id: str) -> None:
@@ -286,246 +297,3 @@ def queue_depth(*, session: Session, lineage: str, agents: list[str], tenants: l
             {"lineage": lineage, "agents": agents or None, "tenants": tenants or None},
         ).scalar_one()
     )
-
-
-# --- logged episodes to evaluate a candidate on (trainer/candidate.py) --------------------------
-
-
-@dataclass(frozen=True)
-class LoggedCall:
-    episode_id: str
-    task_id: str | None
-    final_reward: float
-    ours: bool  # served by this lineage: the candidate would have served it
-    policy_version: int | None
-    step_reward: float  # its own step rewards' sum
-    prompt_token_ids: list[int] | None
-    completion_token_ids: list[int] | None
-    logprobs: list[float] | None
-    params: dict[str, Any]
-    made_tool_call: bool
-    route: str
-    id: str = ""  # the transition's: a version's score of it is kept for the next estimate
-
-
-# The newest rewarded episodes no version learned from, every call of them in order: each of
-# the lineage's calls held out (`ope_holdout`), or served by the current `version` and neither
-# trained, claimed nor set aside (a candidate trained on an episode would grade itself on it).
-_WINDOW = f"""
-WITH recent AS (
-    SELECT episode_id, max(requested_at) AS at FROM (
-        SELECT episode_id, requested_at FROM transition
-        WHERE lineage = :lineage AND status = 'ok'
-          AND (skip_reason = 'ope_holdout' OR policy_version = :version)
-          AND (CAST(:max_age_s AS float8) = 0
-               OR requested_at > now() - make_interval(secs => CAST(:max_age_s AS float8)))
-          AND (CAST(:tenants AS text[]) IS NULL
-               OR {TENANT_OF_EPISODE} = ANY(CAST(:tenants AS text[])))
-        ORDER BY requested_at DESC LIMIT :scan
-    ) AS newest GROUP BY episode_id
-), window_ AS (
-    SELECT e.id, e.task_id, e.final_reward, r.at FROM recent r JOIN episode e ON e.id = r.episode_id
-    WHERE e.final_reward IS NOT NULL AND NOT EXISTS (
-        SELECT 1 FROM transition o WHERE o.episode_id = e.id AND o.lineage = :lineage
-          AND (o.status <> 'ok' OR o.skip_reason IS DISTINCT FROM 'ope_holdout' AND (
-               o.policy_version IS DISTINCT FROM :version OR o.trained_at IS NOT NULL
-               OR o.skip_reason IS NOT NULL OR o.claim_expires_at > now())))
-    ORDER BY r.at DESC LIMIT :episodes
-)
-SELECT t.episode_id, w.task_id, w.final_reward, t.lineage IS NOT DISTINCT FROM :lineage AS ours,
-       t.policy_version,
-       (SELECT coalesce(sum(r.value), 0.0) FROM reward r WHERE r.transition_id = t.id)
-           AS step_reward,
-       {PROMPT_IDS_SQL.format(row="t")} AS prompt_token_ids, t.completion_token_ids, t.logprobs,
-       t.params, (jsonb_typeof(t.tool_calls) = 'array' AND jsonb_array_length(t.tool_calls) > 0)
-           IS TRUE AS made_tool_call, t.route, t.id
-FROM window_ w JOIN transition t ON t.episode_id = w.id
-WHERE t.status = 'ok'
-ORDER BY w.at DESC, t.episode_id, t.requested_at, t.choice_index
-"""
-
-
-def logged_window(
-    *,
-    session: Session,
-    lineage: str,
-    version: int,
-    tenants: list[str],
-    episodes: int,
-    max_age_s: float = 0.0,
-) -> list[LoggedCall]:
-    """Every call of up to `episodes` logged episodes to estimate a candidate on (`_WINDOW`);
-    `version` is the lineage's current one; an episode whose newest call is older than
-    `max_age_s` is not (0: any age)."""
-    rows = session.execute(
-        text(_WINDOW),
-        {
-            "lineage": lineage,
-            "version": version,
-            "tenants": tenants or None,
-            "episodes": episodes,
-            "scan": 8 * episodes,
-            "max_age_s": max_age_s,
-        },
-    ).mappings()
-    return [
-        LoggedCall(
-            episode_id=r["episode_id"],
-            task_id=r["task_id"],
-            final_reward=r["final_reward"],
-            ours=r["ours"],
-            policy_version=r["policy_version"],
-            step_reward=float(r["step_reward"]),
-            prompt_token_ids=unpack(r["prompt_token_ids"], "i"),
-            completion_token_ids=unpack(r["completion_token_ids"], "i"),
-            logprobs=unpack(r["logprobs"], "f"),
-            params=r["params"] or {},
-            made_tool_call=r["made_tool_call"],
-            route=r["route"],
-            id=str(r["id"]),
-        )
-        for r in rows
-    ]
-
-
-# --- demonstrations (trainer/learner/sft.py) ------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ClaimedDemonstration:
-    id: str
-    epochs: int  # epochs it has been trained in before this one
-    messages: list[Any] | None  # posted: the prompt, tools and answer the chat template renders
-    tools: list[Any] | None
-    completion: dict[str, Any] | None
-    prompt_token_ids: list[int] | None  # copied from a call: its token ids as sampled
-    completion_token_ids: list[int] | None
-
-
-# A lineage's demonstrations still due an epoch (of `epochs`), of the tenants it trains on.
-_DUE = """
-lineage = :lineage AND skip_reason IS NULL AND epochs < :epochs
-  AND (CAST(:tenants AS text[]) IS NULL
-       OR coalesce(tenant, 'default') = ANY(CAST(:tenants AS text[])))
-"""
-
-
-def claim_demonstrations(
-    *,
-    session: Session,
-    trainer_id: str,
-    lease_s: float,
-    lineage: str,
-    tenants: list[str],
-    epochs: int,
-    limit: int,
-    max_attempts: int,
-) -> list[ClaimedDemonstration]:
-    """Claim up to `limit` demonstrations due an epoch, the fewest epochs first (an epoch goes
-    round every demonstration before the next begins), oldest first. Those that have used up
-    their attempts are set aside as `train_failed`."""
-    rows = (
-        session.execute(
-            text(
-                "SELECT id::text AS id, epochs, messages, tools, completion, prompt_token_ids, "
-                f"completion_token_ids, train_attempts FROM demonstration WHERE {_DUE} "
-                "AND (claim_expires_at IS NULL OR claim_expires_at < now()) "
-                "ORDER BY epochs, created_at, id LIMIT :limit FOR UPDATE SKIP LOCKED"
-            ),
-            {"lineage": lineage, "epochs": epochs, "tenants": tenants or None, "limit": limit},
-        )
-        .mappings()
-        .all()
-    )
-    failed = [r["id"] for r in rows if r["train_attempts"] >= max_attempts]
-    if failed:
-        set_aside_demonstrations(dict.fromkeys(failed, "train_failed"), session=session)
-    rows = [r for r in rows if r["train_attempts"] < max_attempts]
-    if rows:
-        session.execute(
-            text(
-                "UPDATE demonstration SET claimed_by = :me, train_attempts = train_attempts + 1, "
-                "claim_expires_at = now() + make_interval(secs => :lease) "
-                "WHERE id = ANY(CAST(:ids AS uuid[]))"
-            ),
-            {"me": trainer_id, "lease": lease_s, "ids": [r["id"] for r in rows]},
-        )
-    return [
-        ClaimedDemonstration(
-            id=r["id"],
-            epochs=r["epochs"],
-            messages=r["messages"],
-            tools=r["tools"],
-            completion=r["completion"],
-            prompt_token_ids=unpack(r["prompt_token_ids"], "i"),
-            completion_token_ids=unpack(r["completion_token_ids"], "i"),
-        )
-        for r in rows
-    ]
-
-
-def demonstrations_due(*, session: Session, lineage: str, tenants: list[str], epochs: int) -> int:
-    """Demonstrations of the lineage still due an epoch (claimed or not)."""
-    return int(
-        session.execute(
-            text(f"SELECT count(*) FROM demonstration WHERE {_DUE}"),
-            {"lineage": lineage, "epochs": epochs, "tenants": tenants or None},
-        ).scalar_one()
-    )
-
-
-def finish_demonstrations(
-    *,
-    session: Session,
-    trainer_id: str,
-    trained: list[str],
-    skipped: dict[str, str],
-    lineage: str,
-    version: int,
-    parent: int | None,
-    path: str,
-    base_model: str,
-    stats: dict[str, Any],
-    canary_rule: canary.Rule | None = None,
-    rejected: bool = False,
-) -> None:
-    """Make `version` current (or the lineage's canary) and count an epoch for each trained
-    demonstration; LostClaim if another trainer holds some of them now."""
-    done = session.execute(
-        text(
-            "UPDATE demonstration SET epochs = epochs + 1, trained_at = now(), "
-            "trained_version = :v, train_attempts = 0, claimed_by = NULL, "
-            "claim_expires_at = NULL WHERE id = ANY(CAST(:ids AS uuid[])) AND claimed_by = :me "
-            "RETURNING id"
-        ),
-        {"ids": trained, "me": trainer_id, "v": version},
-    ).all()
-    if len(done) != len(trained):
-        raise LostClaim(
-            f"{len(trained) - len(done)} of {len(trained)} demonstrations were taken over"
-        )
-    set_aside_demonstrations(skipped, session=session)
-    policy.publish(
-        session=session,
-        lineage=lineage,
-        parent=parent,
-        version=version,
-        path=path,
-        base_model=base_model,
-        stats=stats,
-        trained_transitions=0,
-        canary_rule=canary_rule,
-        rejected=rejected,
-    )
-
-
-def set_aside_demonstrations(skipped: dict[str, str], *, session: Session) -> None:
-    """Demonstrations that will never be trained, and why (template_error, too_long, ...)."""
-    for reason in sorted(set(skipped.values())):
-        session.execute(
-            text(
-                "UPDATE demonstration SET skip_reason = :reason, claimed_by = NULL, "
-                "claim_expires_at = NULL WHERE id = ANY(CAST(:ids AS uuid[]))"
-            ),
-            {"reason": reason, "ids": [i for i, r in skipped.items() if r == reason]},
-        )

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from trainer.data.batch import ModelLimits
-from trainer.data.store import ClaimedDemonstration
+from trainer.data.demonstrations import ClaimedDemonstration
 from trainer.learner import microbatch
 from trainer.learner.shared_prompts import completion_logits, padded
 

@@ -18,7 +18,7 @@ from flywheel import status
 from tests.conftest import TEST_HOME, RunningProxy
 from tests.trainer.test_trainer_loop import play
 from trainer.config import TrainerSettings
-from trainer.data.store import ClaimedDemonstration
+from trainer.data.demonstrations import ClaimedDemonstration
 from trainer.learner import sft
 from trainer.loop import Trainer
 from trainer.vllm import Replicas
