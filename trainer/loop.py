@@ -2,34 +2,27 @@
 
 A `Trainer` trains one lineage: the transitions the proxy served from it (`flywheel trainer`
 runs one, or many over one base model: trainer/turns.py). Each step: claim a batch (lease) ->
-build samples from the recorded token ids -> one GRPO update with LoRA (TRL's loss) -> save
-`DIR/<lineage>-vN` atomically -> load it into every vLLM under the new name -> in one
-transaction make N the lineage's current version and mark the batch trained -> retire the
-lineage's old versions. Other lineages are other Trainers' business.
+build samples from the recorded token ids -> one GRPO update with LoRA (TRL's loss), or a
+supervised one on demonstrations -> publish (trainer/publisher.py: saved, loaded into every vLLM,
+made current with the batch marked trained in one transaction) -> retire old versions.
 A crash anywhere leaves no half-written adapter served and no transition trained twice: claims
 expire, partial directories are swept, and versions not recorded in Postgres are unloaded.
-
-The publish is a compare-and-set on the version the step started from: after a rollback (or
-another trainer's publish) the trainer takes over the new current version's weights and trains
-its batch again from there. A step that raises gives its batch back: a batch that keeps failing
-the step is set aside after --max-train-attempts, but Postgres or vLLM failing costs it nothing
-and the trainer backs off instead (trainer/faults.py); SIGTERM gives back every claim at once.
+After a rollback (or another trainer's publish) the trainer takes over the new current version's
+weights and trains its batch again from there. A batch that keeps failing the step is set aside
+after --max-train-attempts, but Postgres or vLLM failing costs it nothing and the trainer backs
+off instead (trainer/faults.py); SIGTERM gives back every claim at once.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import os
-import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from core import canary, naming, pins, policy
+from core import policy
 from core.database import Sessions
-from core.vllm import VLLMError
 from trainer import faults, metrics, report
 from trainer.canary_watch import CanaryWatch
 from trainer.config import TrainerSettings
@@ -40,25 +33,14 @@ from trainer.data.sampling import server_defaults
 from trainer.housekeeping import Housekeeper
 from trainer.learner import ranks, sft
 from trainer.learner.engine import Engine, Snapshot
+from trainer.pin_watch import PinWatch
 from trainer.promotion import Gatekeeper
+from trainer.publisher import Publisher, Step
 from trainer.vllm import Replicas
 
 log = logging.getLogger("flywheel.trainer")
 
 MOVED_RETRIES = 3  # times a batch is trained again from a version that became current meanwhile
-
-
-@dataclass(frozen=True)
-class Step:
-    """A trained step on its way to being published: what it trained (a GRPO batch of
-    transitions or a supervised one of demonstrations) and how to record and report it."""
-
-    ids: list[str]  # every row it claimed: given back if the publish is abandoned
-    table: store.Table
-    finish: Callable[..., None]  # store.finish or demonstrations.finish, its rows bound
-    stats: Callable[[float], dict[str, object]]  # swap seconds -> adapter_version.stats
-    # (version, swap seconds, the canary it opened or None) -> metrics and log line
-    report: Callable[[int, float, canary.Rule | None], None]
 
 
 class Trainer:
@@ -76,6 +58,7 @@ class Trainer:
         self.metrics = metrics.LineageMetrics(self.lineage)
         self.housekeeper = Housekeeper(settings, sessions, vllm)
         self.canary = CanaryWatch(settings, sessions, self.metrics, self.housekeeper)
+        self.pin = PinWatch(self.lineage, sessions, self.metrics)
         with sessions.begin() as session:
             current = policy.current(session=session, lineage=self.lineage)
         resume = Path(current.path) if current and Path(current.path).exists() else None
@@ -96,14 +79,14 @@ class Trainer:
             else None
         )
         self.steps = 0
-        self._was_pinned = False
         self.backoff = faults.Backoff(
             settings.backoff_s, settings.backoff_max_s, self.metrics.backoff
         )
         self.claims = faults.Claims(sessions, settings.trainer_id)
         self.gatekeeper = Gatekeeper(settings, sessions, vllm, self.metrics)
-
-    # --- one step ---------------------------------------------------------------------------
+        self.publisher = Publisher(
+            settings, sessions, vllm, self.gatekeeper, self._give_back, self.sampling_defaults
+        )
 
     def step(self) -> bool:
         """Train and publish one batch if there is one: demonstrations (a supervised step) and
@@ -112,7 +95,7 @@ class Trainer:
         first without counting an attempt."""
         s = self.settings
         self.claims.release_held()
-        if self._pinned() or self.canary.holds():
+        if self.pin.holds() or self.canary.holds():
             return False
         imitated = False
         if s.demonstrations != "off":
@@ -146,11 +129,8 @@ class Trainer:
                     session=session, lineage=self.lineage, agents=s.agents, tenants=s.tenants
                 )
             )
-        if not claimed:
-            return False
-        ids = [c.id for c in claimed]
-        return self._train_from(
-            current.version if current else None, ids, "transition", lambda: self._train(claimed)
+        return bool(claimed) and self._train_from(
+            current, [c.id for c in claimed], "transition", lambda: self._train(claimed)
         )
 
     def _imitate(self) -> tuple[bool, int]:
@@ -173,16 +153,22 @@ class Trainer:
                 session=session, lineage=self.lineage, tenants=s.tenants, epochs=s.sft_epochs
             )
         self.metrics.demonstrations_due.set(due)
-        if not claimed:
-            return False, due
         ids = [c.id for c in claimed]
-        version = current.version if current else None
-        return self._train_from(version, ids, "demonstration", lambda: self._sft(claimed)), due
+        trained = bool(claimed) and self._train_from(
+            current, ids, "demonstration", lambda: self._sft(claimed)
+        )
+        return trained, due
 
     def _train_from(
-        self, version: int | None, ids: list[str], table: store.Table, train: Callable[[], bool]
+        self,
+        current: policy.Adapter | None,
+        ids: list[str],
+        table: store.Table,
+        train: Callable[[], bool],
     ) -> bool:
-        """`train()` from `version` (again from the new current one if it moves meanwhile)."""
+        """`train()` from the `current` version (again from the new current one if it moves
+        meanwhile)."""
+        version = current.version if current else None
         try:
             for _ in range(1 + MOVED_RETRIES):
                 self._follow(version)
@@ -203,21 +189,6 @@ class Trainer:
             self.steps += 1
             self.housekeeper.retire_old_versions()
         return published
-
-    def _pinned(self) -> bool:
-        """While the lineage is pinned by hand (core/policy.py `pin`) the trainer waits, its
-        claims free: nothing it trained could be published. Unpinned, it goes on from the
-        pinned version (`_follow`), the transitions credited meanwhile still in its queue."""
-        with self.sessions.begin() as session:
-            held = pins.pin_of(self.lineage, session=session)
-        if (held is not None) != self._was_pinned:
-            if held is not None:
-                log.warning("%s: not training until it is unpinned", pins.Pinned(held))
-            else:
-                log.warning("%s unpinned: training again", self.lineage)
-        self._was_pinned = held is not None
-        self.metrics.pinned.set(self._was_pinned)
-        return self._was_pinned
 
     def _train(self, claimed: list[store.Claimed]) -> bool:
         """One update on the claimed rows from the engine's current weights, then publish."""
@@ -270,11 +241,7 @@ class Trainer:
                 canary_rule=rule,
             ),
         )
-        try:
-            return self._publish(step, before)
-        except faults.INFRASTRUCTURE:
-            self.engine.restore(before)  # the step's caller gives the batch back
-            raise
+        return self._publish(step, before)
 
     def _sft(self, claimed: list[demonstrations.ClaimedDemonstration]) -> bool:
         """One supervised step on the claimed demonstrations from the engine's weights, then
@@ -319,11 +286,7 @@ class Trainer:
                 canary_rule=rule,
             ),
         )
-        try:
-            return self._publish(step, before)
-        except faults.INFRASTRUCTURE:
-            self.engine.restore(before)
-            raise
+        return self._publish(step, before)
 
     def _follow(self, version: int | None) -> None:
         """Make the engine start from `version` (None: the base model) if it is not there: after
@@ -350,100 +313,15 @@ class Trainer:
         self.parent = version
 
     def _publish(self, step: Step, before: Snapshot) -> bool:
-        s, keeper = self.settings, self.gatekeeper
-        judgement = keeper.estimate(self.engine, before, self.parent, self.sampling_defaults)
-        eval_sets = keeper.eval_sets(judgement)
-        with self.sessions.begin() as session:
-            version = policy.next_version(session=session)
-        name = naming.adapter_name(self.lineage, version)
-        final = (s.adapters_dir / name).resolve()
-        partial = s.adapters_dir / f".{name}.tmp"
-        self.engine.save_adapter(partial)
-        os.rename(partial, final)  # vLLM never sees a half-written adapter
-
-        swap_s: float | None = None
-        if eval_sets:
-            swap_s = self._load(name, final)  # held: loaded, but no alias names it yet
-            try:
-                keeper.ask(judgement, eval_sets, name, self.parent)
-            except faults.INFRASTRUCTURE:  # the step's caller gives the batch back
-                self._unload(name)
-                shutil.rmtree(final, ignore_errors=True)
-                raise
-        verdict = keeper.decide(judgement, processes=self.engine.world.size)
-        rejected = judgement.rejected(s.gate_fallback)
-        # A canary, if canaries are on; an undecided version with the canary fallback opens one
-        # whatever they say: real rewards decide what the gate could not.
-        canary_fallback = judgement.undecided and s.gate_fallback == "canary"
-        rule = s.gate_canary_rule if canary_fallback else s.canary_rule
-        if rejected and swap_s is not None:
-            self._unload(name)
-        elif not rejected and swap_s is None:  # a rejected version is kept for a look, unloaded
-            swap_s = self._load(name, final)
-        swap_s = 0.0 if rejected or swap_s is None else swap_s
-        # Postgres failing in here raises: whether it committed is unknown, so `final` stays
-        # (committed: the next step follows it; not: reconcile unloads and deletes it).
         try:
-            with self.sessions.begin() as session:
-                publication = store.Publication(
-                    lineage=self.lineage,
-                    version=version,
-                    parent=self.parent,
-                    path=str(final),
-                    base_model=str(s.model),
-                    stats=step.stats(swap_s) | judgement.stats(),
-                    canary_rule=rule,
-                    rejected=rejected,
-                )
-                step.finish(session=session, trainer_id=s.trainer_id, publication=publication)
-        except (store.LostClaim, policy.PolicyMoved, policy.CanaryOpen, pins.Pinned) as e:
-            log.warning("discarding %s: %s", name, e)
-            self._unload(name)
-            if isinstance(e, policy.PolicyMoved):  # the batch stays ours, to train again
-                self.engine.restore(before)
-                shutil.rmtree(final, ignore_errors=True)
-                raise
-            # A reward moved a return, another trainer took over, a canary opened or a pin
-            # came: the batch goes back (to be trained at once, or after the decision or the
-            # unpin), and none of it is the batch's fault.
-            reason = {policy.CanaryOpen: "canary_open", pins.Pinned: "pinned"}
-            self._abandon(step, final, before, reason=reason.get(type(e), "lost_claim"))
-            return False
-
-        if rejected:
-            assert verdict is not None
-            keeper.rejected(judgement)
-            log.warning("%s rejected by the gate (%s): %s", name, verdict.outcome, verdict.reason)
-            self.engine.restore(before)  # training goes on from the current version
-            return False
-        keeper.published(version, judgement, current=rule is None)
-        self.parent = version
-        step.report(version, swap_s, rule)
-        return True
-
-    def _load(self, name: str, final: Path) -> float:
-        """Load the new version into every vLLM: the seconds it took."""
-        try:
-            rollout = self.vllm.load_everywhere(name, str(final))
-        except VLLMError as e:  # NoReplica, AdapterRejected: the batch is not to blame
-            log.error("could not load %s; the alias stays where it was: %s", name, e)
-            shutil.rmtree(final, ignore_errors=True)
+            version = self.publisher.publish(step, self.engine, before, self.parent)
+        except faults.INFRASTRUCTURE:
+            self.engine.restore(before)  # the step's caller gives the batch back
             raise
-        for url in rollout.unreachable:
-            log.warning("vLLM %s unreachable, %s not loaded there (reconcile will)", url, name)
-        return rollout.seconds
-
-    def _unload(self, name: str) -> None:
-        try:
-            self.vllm.unload_everywhere(name)
-        except VLLMError as e:  # reconcile unloads it once it is an orphan
-            log.warning("could not unload %s yet: %s", name, e)
-
-    def _abandon(self, step: Step, adapter_dir: Path, before: Snapshot, *, reason: str) -> None:
-        """Undo a step lost to a race: weights back, batch back uncharged, directory gone."""
-        self.engine.restore(before)
-        self._give_back(step.ids, reason=reason, attempt=False, table=step.table)
-        shutil.rmtree(adapter_dir, ignore_errors=True)
+        if version is None:
+            return False
+        self.parent = version
+        return True
 
     def _give_back(
         self,

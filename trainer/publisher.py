@@ -1,0 +1,157 @@
+"""A trained step on its way to serving: estimated and judged by the gate (trainer/promotion.py),
+saved atomically as `DIR/<lineage>-vN`, loaded into every vLLM, then recorded in one transaction
+with its batch marked trained (a compare-and-set on the version the step started from: see
+core/policy.py `publish`). Lost races (a reward moved a return, another trainer took the batch, a
+canary opened, a pin came) abandon the step and give its batch back uncharged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from core import canary, naming, pins, policy
+from core.database import Sessions
+from core.vllm import VLLMError
+from trainer import faults
+from trainer.config import TrainerSettings
+from trainer.data import store
+from trainer.learner.engine import Engine, Snapshot
+from trainer.promotion import Gatekeeper
+from trainer.vllm import Replicas
+
+log = logging.getLogger("flywheel.trainer")
+
+
+@dataclass(frozen=True)
+class Step:
+    """A trained step on its way to being published: what it trained (a GRPO batch of
+    transitions or a supervised one of demonstrations) and how to record and report it."""
+
+    ids: list[str]  # every row it claimed: given back if the publish is abandoned
+    table: store.Table
+    finish: Callable[..., None]  # store.finish or demonstrations.finish, its rows bound
+    stats: Callable[[float], dict[str, object]]  # swap seconds -> adapter_version.stats
+    # (version, swap seconds, the canary it opened or None) -> metrics and log line
+    report: Callable[[int, float, canary.Rule | None], None]
+
+
+class Publisher:
+    def __init__(
+        self,
+        settings: TrainerSettings,
+        sessions: Sessions,
+        vllm: Replicas,
+        gatekeeper: Gatekeeper,
+        give_back: Callable[..., None],
+        sampling_defaults: dict[str, float],
+    ) -> None:
+        self.settings, self.sessions, self.vllm = settings, sessions, vllm
+        self.gatekeeper, self.sampling_defaults = gatekeeper, sampling_defaults
+        self._give_back = give_back  # the loop's: counts the failure, hands the claims back
+
+    def publish(
+        self, step: Step, engine: Engine, before: Snapshot, parent: int | None
+    ) -> int | None:
+        """Estimate, save, load (for the gate's questions or to serve), record: the version now
+        current or under canary, or None (rejected by the gate, or lost to a race and
+        abandoned). PolicyMoved: the weights are back at `before`, the batch still ours."""
+        s, keeper = self.settings, self.gatekeeper
+        judgement = keeper.estimate(engine, before, parent, self.sampling_defaults)
+        eval_sets = keeper.eval_sets(judgement)
+        with self.sessions.begin() as session:
+            version = policy.next_version(session=session)
+        name = naming.adapter_name(s.lineage, version)
+        final = (s.adapters_dir / name).resolve()
+        partial = s.adapters_dir / f".{name}.tmp"
+        engine.save_adapter(partial)
+        os.rename(partial, final)  # vLLM never sees a half-written adapter
+
+        swap_s: float | None = None
+        if eval_sets:
+            swap_s = self._load(name, final)  # held: loaded, but no alias names it yet
+            try:
+                keeper.ask(judgement, eval_sets, name, parent)
+            except faults.INFRASTRUCTURE:  # the step's caller gives the batch back
+                self._unload(name)
+                shutil.rmtree(final, ignore_errors=True)
+                raise
+        verdict = keeper.decide(judgement, processes=engine.world.size)
+        rejected = judgement.rejected(s.gate_fallback)
+        # A canary, if canaries are on; an undecided version with the canary fallback opens one
+        # whatever they say: real rewards decide what the gate could not.
+        canary_fallback = judgement.undecided and s.gate_fallback == "canary"
+        rule = s.gate_canary_rule if canary_fallback else s.canary_rule
+        if rejected and swap_s is not None:
+            self._unload(name)
+        elif not rejected and swap_s is None:  # a rejected version is kept for a look, unloaded
+            swap_s = self._load(name, final)
+        swap_s = 0.0 if rejected or swap_s is None else swap_s
+        # Postgres failing in here raises: whether it committed is unknown, so `final` stays
+        # (committed: the next step follows it; not: reconcile unloads and deletes it).
+        try:
+            with self.sessions.begin() as session:
+                publication = store.Publication(
+                    lineage=s.lineage,
+                    version=version,
+                    parent=parent,
+                    path=str(final),
+                    base_model=str(s.model),
+                    stats=step.stats(swap_s) | judgement.stats(),
+                    canary_rule=rule,
+                    rejected=rejected,
+                )
+                step.finish(session=session, trainer_id=s.trainer_id, publication=publication)
+        except (store.LostClaim, policy.PolicyMoved, policy.CanaryOpen, pins.Pinned) as e:
+            log.warning("discarding %s: %s", name, e)
+            self._unload(name)
+            if isinstance(e, policy.PolicyMoved):  # the batch stays ours, to train again
+                engine.restore(before)
+                shutil.rmtree(final, ignore_errors=True)
+                raise
+            # A reward moved a return, another trainer took over, a canary opened or a pin
+            # came: the batch goes back (to be trained at once, or after the decision or the
+            # unpin), and none of it is the batch's fault.
+            reason = {policy.CanaryOpen: "canary_open", pins.Pinned: "pinned"}
+            self._abandon(step, engine, final, before, reason=reason.get(type(e), "lost_claim"))
+            return None
+
+        if rejected:
+            assert verdict is not None
+            keeper.rejected(judgement)
+            log.warning("%s rejected by the gate (%s): %s", name, verdict.outcome, verdict.reason)
+            engine.restore(before)  # training goes on from the current version
+            return None
+        keeper.published(version, judgement, current=rule is None)
+        step.report(version, swap_s, rule)
+        return version
+
+    def _load(self, name: str, final: Path) -> float:
+        """Load the new version into every vLLM: the seconds it took."""
+        try:
+            rollout = self.vllm.load_everywhere(name, str(final))
+        except VLLMError as e:  # NoReplica, AdapterRejected: the batch is not to blame
+            log.error("could not load %s; the alias stays where it was: %s", name, e)
+            shutil.rmtree(final, ignore_errors=True)
+            raise
+        for url in rollout.unreachable:
+            log.warning("vLLM %s unreachable, %s not loaded there (reconcile will)", url, name)
+        return rollout.seconds
+
+    def _unload(self, name: str) -> None:
+        try:
+            self.vllm.unload_everywhere(name)
+        except VLLMError as e:  # reconcile unloads it once it is an orphan
+            log.warning("could not unload %s yet: %s", name, e)
+
+    def _abandon(
+        self, step: Step, engine: Engine, adapter_dir: Path, before: Snapshot, *, reason: str
+    ) -> None:
+        """Undo a step lost to a race: weights back, batch back uncharged, directory gone."""
+        engine.restore(before)
+        self._give_back(step.ids, reason=reason, attempt=False, table=step.table)
+        shutil.rmtree(adapter_dir, ignore_errors=True)
