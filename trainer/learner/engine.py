@@ -1,15 +1,17 @@
 """One GRPO + LoRA update on recorded transitions, with TRL's loss as the engine.
 
-TRL (pinned: trl==1.16.0; the hooks below are private) owns the loss: PPO clipping (`epsilon`),
-its aggregation (`loss_type`), the optional KL to the base model (`beta`). We own the data and the
-off-policy maths (docs/off_policy.md): token ids exactly as vLLM sampled them (never
-re-tokenised); each token's log-probability recomputed under the distribution its call was really
-sampled from (`trainer/learner/logprobs.py`: its own temperature, top-k/top-p/min-p, penalties,
-bias), so it compares like with like with the behaviour log-probs vLLM reported
-(`--logprobs-mode processed_logprobs`); the importance weights and rejection from those to the
-learner (`trainer/learner/correction.py`); and advantages from `trainer/data/advantages.py`.
+TRL (pinned: trl==1.16.0; its private hooks are overridden in grpo.py) owns the loss: PPO
+clipping (`epsilon`), its aggregation (`loss_type`), the optional KL to the base model (`beta`).
+We own the data and the off-policy maths (docs/off_policy.md): token ids exactly as vLLM sampled
+them (never re-tokenised); each token's log-probability recomputed under the distribution its
+call was really sampled from (`trainer/learner/logprobs.py`: its own temperature,
+top-k/top-p/min-p, penalties, bias), so it compares like with like with the behaviour log-probs
+vLLM reported (`--logprobs-mode processed_logprobs`); the importance weights and rejection from
+those to the learner (`trainer/learner/correction.py`); and advantages from
+`trainer/data/advantages.py`.
 
-The model, adapter, optimizer and TRL trainer object live as long as the Engine (one per process).
+The model (model.py), adapter, optimizer and TRL trainer object (grpo.py) live as long as the
+Engine (one per process).
 """
 
 from __future__ import annotations
@@ -22,23 +24,17 @@ import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
-from datasets import Dataset
-from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
+from peft import PeftModel, get_peft_model, set_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-with warnings.catch_warnings():
-    # TRL warns that it was tested with vLLM <= 0.31; we never use TRL's vLLM integration.
-    warnings.filterwarnings("ignore", message="TRL currently supports vLLM")
-    from trl import GRPOConfig, GRPOTrainer  # type: ignore[attr-defined]
+from transformers import AutoTokenizer
 
 from trainer.config import TrainerSettings
 from trainer.data.batch import ModelLimits, Sample
-from trainer.learner.correction import Correction, Tally, correct
+from trainer.learner.correction import Tally
 from trainer.learner.distributed import (
     World,
     average,
@@ -48,12 +44,12 @@ from trainer.learner.distributed import (
     gather_correction,
     shard_base,
 )
-from trainer.learner.logprobs import processed_logprobs
+from trainer.learner.grpo import grpo_trainer
 from trainer.learner.microbatch import lengths, pieces, share
+from trainer.learner.model import base_model, lora
 from trainer.learner.scoring import Completion, completion_logprobs
 from trainer.learner.sft import Demo, SftStats, backward, completion_tokens
 from trainer.learner.sft import lengths as sft_lengths
-from trainer.learner.shared_prompts import completion_logits
 
 # The trainable weights and both optimizers' states: what undoing a step needs.
 Snapshot = tuple[dict[str, torch.Tensor], tuple[dict[str, Any], dict[str, Any]]]
@@ -71,185 +67,6 @@ class StepStats:
     entropy: float
     seconds: float
     by_staleness: dict[str, Tally]  # completion tokens truncated and rejected, by staleness
-
-
-def _echo_reward(completions: list[Any], reward: list[float], **_: Any) -> list[float]:
-    """TRL requires a reward function; this one reports our recorded return in its metrics."""
-    return reward
-
-
-def _four_bit() -> Any:
-    """QLoRA's base: NF4 weights, double quantisation, bfloat16 compute (bitsandbytes, CUDA)."""
-    from transformers import BitsAndBytesConfig
-
-    return BitsAndBytesConfig(  # type: ignore[no-untyped-call]
-        load_in_4bit=True,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=torch.bfloat16,
-    )
-
-
-class _TransitionGRPOTrainer(GRPOTrainer):
-    """GRPOTrainer whose "generation" returns our recorded transitions, with our advantages, our
-    per-row log-probabilities and our off-policy correction."""
-
-    def __init__(self, *, settings: TrainerSettings, **kwargs: Any) -> None:
-        # The constructor needs a dataset; it is never read (we never call train()).
-        super().__init__(
-            reward_funcs=[cast(Any, _echo_reward)],
-            train_dataset=Dataset.from_dict({"prompt": [""]}),
-            **kwargs,
-        )
-        # TRL computes the step's starting log-probs and multiplies the loss by
-        # `importance_sampling_ratio` only in its vLLM mode (grpo_trainer.py: old logps L2644,
-        # the loss L3146). Our tokens did come from vLLM, but TRL must not build its own vLLM
-        # client (L1105), so the flag goes on after construction; nothing else on our path reads
-        # it, since `_generate` is ours. The ratio itself is ours (`_correct`).
-        self.use_vllm = True
-        self.current_gradient_accumulation_steps = 1  # set by Trainer.train(), which we don't run
-        self.settings = settings
-        self._rows: list[dict[str, Any]] = []
-        self._active: list[int] = []  # which of _rows the next log-prob pass scores, in order
-        self.correction: Correction | None = None
-        self.share = 1.0  # what the next loss is multiplied by (trainer/learner/microbatch.py)
-
-    def _prepare_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
-        """`training_step` gets a piece of a batch the engine already prepared (`prepare`)."""
-        return inputs
-
-    def prepare(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        """The step's batch as TRL's loss reads it: padded ids and masks, our advantages, the
-        starting log-probs and our off-policy correction (TRL's generation step, on our rows)."""
-        return self._generate_and_score_completions(rows)
-
-    def _generate(self, prompts: list[Any]) -> tuple[Any, ...]:
-        rows = self._rows
-        return (
-            [r["prompt_ids"] for r in rows],
-            [r["completion_ids"] for r in rows],
-            None,  # tool mask
-            [""] * len(rows),  # decoded completions: only for reward functions and logs
-            [r["logprobs"] for r in rows],
-            {},  # extra fields
-            None,  # images
-            [],  # tool images
-        )
-
-    def _generate_and_score_completions(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
-        self._rows = rows
-        self._active = list(range(len(rows)))
-        self.num_generations = len(rows)  # one "group" always fits TRL's view(-1, G)
-        batch: dict[str, Any] = super()._generate_and_score_completions(rows)
-        # TRL recomputed advantages from rewards; ours (task groups, baselines) replace them
-        # before TRL shuffles the batch, so rows stay aligned; `row` follows each row through
-        # the shuffle, so the loss pass knows its sampling settings.
-        batch["advantages"] = torch.tensor(
-            [r["advantage"] for r in rows], dtype=torch.float32, device=self.accelerator.device
-        )
-        batch["row"] = torch.arange(len(rows))
-        self._correct(batch, rows)
-        return batch
-
-    def _correct(self, batch: dict[str, Any], rows: list[dict[str, Any]]) -> None:
-        """Our importance weights and rejection in place of TRL's (trainer/learner/correction.py). A
-        rejected token leaves the loss and its denominator through TRL's `tool_mask`, which
-        masks the loss only (the completion mask also feeds attention)."""
-        s = self.settings
-        real_B = torch.tensor(
-            [not r.get("ballast", False) for r in rows], device=self.accelerator.device
-        )
-        mask = batch["completion_mask"] * real_B[:, None]
-        result = correct(
-            batch["old_per_token_logps"],
-            batch["sampling_per_token_logps"],
-            mask,
-            [r["staleness"] for r in rows],
-            is_cap=s.is_cap,
-            mask=s.off_policy_mask,
-            bound=s.off_policy_bound,
-            veto=s.off_policy_veto,
-        )
-        batch["importance_sampling_ratio"] = result.weights_BT
-        batch["tool_mask"] = result.keep_BT * real_B[:, None]
-        kept = (mask * result.keep_BT).sum()
-        batch["num_items_in_batch"] = self.accelerator.gather(kept).sum()
-        batch["rows_in_batch"] = self.accelerator.gather(real_B.sum()).sum()
-        self.correction = result
-
-    def _compute_loss(self, model: Any, inputs: dict[str, Any]) -> Any:
-        self._active = inputs["row"].tolist()
-        return super()._compute_loss(model, inputs) * self.share  # type: ignore[no-untyped-call]
-
-    def _get_per_token_logps_and_entropies(
-        self,
-        model: Any,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        logits_to_keep: int,
-        batch_size: int | None = None,
-        compute_entropy: bool = False,
-        compute_aux_loss: bool = False,
-        **_: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, None]:
-        """Each completion token's log-probability under its own row's sampling distribution
-        (TRL's fused head knows one temperature and no truncation). `input_ids` rows are
-        `self._active`'s, in order. The logits are materialised, (rows, tokens, vocabulary) a
-        chunk of `batch_size` rows at a time; rows with one prompt forward it once
-        (trainer/learner/shared_prompts.py)."""
-        batch_size = batch_size or input_ids.size(0)
-        logps, entropies = [], []
-        for start in range(0, input_ids.size(0), batch_size):
-            end = min(start + batch_size, input_ids.size(0))
-            rows = [self._rows[i] for i in self._active[start:end]]
-            ids, attention = input_ids[start:end], attention_mask[start:end]
-            logits = completion_logits(  # the logits before each completion token
-                model,
-                ids,
-                attention,
-                [r["prompt_ids"] for r in rows],
-                logits_to_keep,
-                share=self.settings.shares_prompts,
-            )
-            lp, ent = processed_logprobs(
-                logits,
-                ids[:, -logits_to_keep:],
-                attention[:, -logits_to_keep:],
-                [r["prompt_ids"] for r in rows],
-                [r["sampling"] for r in rows],
-                with_entropy=compute_entropy,
-            )
-            logps.append(lp)
-            if ent is not None:
-                entropies.append(ent)
-        return torch.cat(logps), (torch.cat(entropies) if compute_entropy else None), None
-
-
-def _base_model(settings: TrainerSettings, bf16: bool, *, meta: bool) -> Any:
-    """The base model from its directory; `meta`: its shapes only (no memory), for a rank that
-    will receive its shard of rank 0's weights."""
-    dtype = torch.bfloat16 if bf16 else torch.float32
-    if meta:
-        with torch.device("meta"):
-            config = AutoConfig.from_pretrained(settings.model)
-            return AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
-    return AutoModelForCausalLM.from_pretrained(
-        settings.model,
-        dtype=dtype,
-        quantization_config=_four_bit() if settings.load_in_4bit else None,
-    )
-
-
-def _lora(settings: TrainerSettings) -> LoraConfig:
-    return LoraConfig(
-        r=settings.lora_rank,
-        lora_alpha=settings.lora_alpha,
-        lora_dropout=0.0,
-        target_modules=settings.lora_modules,  # vLLM loads these (no DoRA, bias, modules_to_save)
-        bias="none",
-        use_dora=False,
-        task_type="CAUSAL_LM",
-    )
 
 
 class Engine:
@@ -277,17 +94,17 @@ class Engine:
             if adapter in model.peft_config:  # a rebuild (another LoRA configuration)
                 model.delete_adapter(adapter)
             if resume_from is None:
-                model.add_adapter(adapter, _lora(settings))
+                model.add_adapter(adapter, lora(settings))
             else:
                 model.load_adapter(resume_from, adapter_name=adapter, is_trainable=True)
             model.set_adapter(adapter)  # only its weights train, so its optimizer has only them
         else:
             # sharded: rank 0 reads the weights and hands each rank its shard (`shard_base`)
-            model = _base_model(
+            model = base_model(
                 settings, bf16, meta=settings.shard_base and not World.current().leader
             )
             if resume_from is None:
-                peft_config = _lora(settings)
+                peft_config = lora(settings)
             else:
                 with warnings.catch_warnings():  # a meta model: rank 0 hands the weights over
                     warnings.filterwarnings("ignore", message=".*to a meta parameter")
@@ -296,39 +113,7 @@ class Engine:
                 if peft_config is not None:
                     model, peft_config = get_peft_model(model, peft_config), None
                 shard_base(model, World.current())
-        args = GRPOConfig(
-            output_dir=str(settings.home / "trainer-scratch"),
-            use_cpu=not torch.cuda.is_available(),
-            bf16=bf16,  # autocast; LoRA weights stay float32 (bfloat16 on a 4-bit base: TRL)
-            gradient_checkpointing=settings.gradient_checkpointing,
-            report_to="none",
-            save_strategy="no",
-            seed=settings.seed,
-            learning_rate=settings.learning_rate,
-            lr_scheduler_type="constant",
-            max_grad_norm=settings.max_grad_norm,
-            per_device_train_batch_size=8,  # rows per no-grad forward (old/reference log-probs)
-            num_generations=2,  # only to pass TRL's validation; see _generate_and_score_completions
-            steps_per_generation=1,
-            num_iterations=settings.num_iterations,
-            loss_type=settings.loss_type,
-            epsilon=settings.epsilon,
-            beta=settings.beta,
-            vllm_importance_sampling_correction=True,
-            vllm_importance_sampling_mode="token_truncate",
-            vllm_importance_sampling_clip_max=settings.is_cap,
-        )
-        # TRL's and transformers' attributes are typed Optional; ours are always set here.
-        trainer: Any = _TransitionGRPOTrainer(
-            settings=settings,
-            model=model,
-            args=args,
-            processing_class=tokenizer,
-            peft_config=peft_config,
-        )
-        if settings.gradient_checkpointing:  # Trainer.train() would; we never call it
-            trainer.model.gradient_checkpointing_enable({"use_reentrant": False})
-        trainer.create_optimizer_and_scheduler(num_training_steps=1)  # constant LR
+        trainer = grpo_trainer(settings, model, tokenizer, peft_config, bf16=bf16)
         if resume_from is not None and (resume_from / "optimizer.pt").exists():
             state = torch.load(resume_from / "optimizer.pt", weights_only=True)
             trainer.optimizer.load_state_dict(state)
