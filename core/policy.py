@@ -2,7 +2,7 @@
 
 A *lineage* is one line of versions with its own current version: `policy` by default, or one per
 agent role (`writer`, `rewriter`: proxy/config/relay.py's `adapter_per_agent` says which agent's
-calls each serves; a trainer trains one, trainer/config.py's `lineage`). Lineages belong to tenants:
+calls each serves; a trainer trains one, its `lineage` setting). Lineages belong to tenants:
 a tenant's are named `<tenant>.<role>` (`acme.policy`, `acme.writer`), trained only on its calls and
 served only to it; the names without a tenant are the default tenant's, and the shared ones for
 tenants the proxy's FLYWHEEL_SHARED_LINEAGES lets in (core/naming.py). Version numbers come from one

@@ -1,5 +1,5 @@
 """Settings every process shares: where the data lives. Each process's own settings class
-(`proxy/config/`, `trainer/config.py`) extends `DatabaseSettings`; it is built once at start-up
+(`proxy/config/`, `trainer/config/`) extends `DatabaseSettings`; it is built once at start-up
 and passed down. Every field is also a `FLYWHEEL_*` environment variable.
 """
 

@@ -22,7 +22,7 @@
     flywheel demo-model DIR             # generate the tiny demo model
 
 `flywheel COMMAND --help` lists every setting of the command's process (proxy/config/,
-trainer/config.py, judge/config.py, core/settings.py) as a flag with its FLYWHEEL_* variable,
+trainer/config/, judge/config.py, core/settings.py) as a flag with its FLYWHEEL_* variable,
 default and help text; flags win over variables. This package sits above all the others: the
 proxy, the trainer and the demo never import each other, only `core`.
 """

@@ -120,7 +120,11 @@ def test_the_packages_as_they_are_keep_every_contract(tmp_path: Path) -> None:
             "import trainer.loop",
             "trainer.learner.microbatch -> trainer.loop",
         ),
-        ("trainer/config.py", "import trainer.data.store", "trainer.config -> trainer.data.store"),
+        (
+            "trainer/config/data.py",
+            "import trainer.data.store",
+            "trainer.config.data -> trainer.data.store",
+        ),
     ],
 )
 def test_a_forbidden_import_breaks_a_contract(

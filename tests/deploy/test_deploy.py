@@ -380,7 +380,7 @@ def test_dockerfiles_install_extras_that_exist() -> None:
 # config) and no other module of them: the proxy's routes to providers need litellm, which
 # only the proxy and judge images have; the trainer's engine needs torch
 # (tests/flywheel/test_cli.py).
-SETTINGS = ("proxy/config", "trainer/config.py", "judge/config.py")
+SETTINGS = ("proxy/config", "trainer/config", "judge/config.py")
 IMAGE_PACKAGES = {
     "Dockerfile.proxy": ("flywheel", "core", "proxy", "migrations", *SETTINGS),
     "Dockerfile.trainer": ("flywheel", "core", "migrations", "trainer", *SETTINGS),
