@@ -5,8 +5,10 @@ and passed down. Every field is also a `FLYWHEEL_*` environment variable.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
+import orjson
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -16,6 +18,19 @@ def split_commas(value: object) -> object:
     if isinstance(value, str):
         return [part.strip() for part in value.split(",") if part.strip()]
     return value
+
+
+def json_or_short(value: object, short: Callable[[str], object]) -> object:
+    """A setting given as JSON (an object or a list) or in its short text form, which `short`
+    parses (FLYWHEEL_ROUTES, FLYWHEEL_TENANT_QUOTAS); a value that is not text is left as is."""
+    if not isinstance(value, str):
+        return value
+    if value.lstrip()[:1] in ("{", "["):
+        try:
+            return orjson.loads(value)
+        except orjson.JSONDecodeError as e:
+            raise ValueError(f"not valid JSON: {e}") from e
+    return short(value)
 
 
 def vllm_base_urls(urls: list[str], name: str) -> list[str]:

@@ -13,12 +13,11 @@ import ipaddress
 import re
 from typing import Annotated, Any, Literal
 
-import orjson
 from pydantic import BaseModel, Field, SecretStr, create_model, field_validator
 from pydantic_settings import NoDecode
 
 from core import tenants
-from core.settings import FlywheelSettings, split_commas
+from core.settings import FlywheelSettings, json_or_short, split_commas
 
 # The Host names a proxy listening on loopback answers to by default (proxy/hosts.py).
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "[::1]")
@@ -143,31 +142,7 @@ class AccessSettings(FlywheelSettings):
     @classmethod
     def _parse_quotas(cls, value: object) -> object:
         """`acme:rps=5,concurrency=2;beta:rps=50` (or JSON) -> {tenant: {limit: value}}."""
-        if not isinstance(value, str):
-            return value
-        if value.lstrip().startswith("{"):
-            try:
-                return orjson.loads(value)
-            except orjson.JSONDecodeError as e:
-                raise ValueError(f"not valid JSON: {e}") from e
-        quotas: dict[str, dict[str, str]] = {}
-        for entry in filter(None, (part.strip() for part in value.split(";"))):
-            tenant, sep, limits = (p.strip() for p in entry.partition(":"))
-            pairs = [pair.partition("=") for pair in limits.split(",")]
-            if not sep or not all(k.strip() and eq and v.strip() for k, eq, v in pairs):
-                raise ValueError(
-                    f"{entry!r} is not tenant:limit=value,...: e.g. acme:rps=5,concurrency=2"
-                )
-            if tenant in quotas:
-                raise ValueError(f"tenant {tenant!r} is given quotas twice")
-            unknown = [k.strip() for k, _, _ in pairs if k.strip() not in Quota.model_fields]
-            if unknown:
-                raise ValueError(
-                    f"{tenant}: no limit is called {unknown[0]!r} "
-                    f"(the limits: {', '.join(Quota.model_fields)})"
-                )
-            quotas[tenant] = {k.strip(): v.strip() for k, _, v in pairs}
-        return quotas
+        return json_or_short(value, _short_quotas)
 
     @field_validator("tenant_quotas")
     @classmethod
@@ -197,3 +172,24 @@ def loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a host name: it may resolve to anything
         return False
+
+
+def _short_quotas(value: str) -> dict[str, dict[str, str]]:
+    quotas: dict[str, dict[str, str]] = {}
+    for entry in filter(None, (part.strip() for part in value.split(";"))):
+        tenant, sep, limits = (p.strip() for p in entry.partition(":"))
+        pairs = [pair.partition("=") for pair in limits.split(",")]
+        if not sep or not all(k.strip() and eq and v.strip() for k, eq, v in pairs):
+            raise ValueError(
+                f"{entry!r} is not tenant:limit=value,...: e.g. acme:rps=5,concurrency=2"
+            )
+        if tenant in quotas:
+            raise ValueError(f"tenant {tenant!r} is given quotas twice")
+        unknown = [k.strip() for k, _, _ in pairs if k.strip() not in Quota.model_fields]
+        if unknown:
+            raise ValueError(
+                f"{tenant}: no limit is called {unknown[0]!r} "
+                f"(the limits: {', '.join(Quota.model_fields)})"
+            )
+        quotas[tenant] = {k.strip(): v.strip() for k, _, v in pairs}
+    return quotas

@@ -8,12 +8,11 @@ import os
 import re
 from typing import Annotated
 
-import orjson
 from pydantic import BaseModel, ByteSize, Field, SecretStr, field_validator
 from pydantic_settings import NoDecode
 
 from core import naming
-from core.settings import FlywheelSettings, split_commas, vllm_base_urls
+from core.settings import FlywheelSettings, json_or_short, split_commas, vllm_base_urls
 from core.tenants import TENANT_PATTERN
 
 # No `/`: a tenant's ids are stored as `<tenant>/<id>` (core/tenants.py), so no tag names another's.
@@ -159,20 +158,9 @@ class RelaySettings(FlywheelSettings):
     @classmethod
     def _parse_routes(cls, value: object) -> object:
         """`name=provider/model,...` or a JSON object of name -> model string or route."""
-        if not isinstance(value, str):
+        routes = json_or_short(value, _short_routes)
+        if routes is value:  # not text: pydantic checks it
             return value
-        if value.lstrip()[:1] in ("{", "["):
-            try:
-                routes = orjson.loads(value)
-            except orjson.JSONDecodeError as e:
-                raise ValueError(f"not valid JSON: {e}") from e
-        else:
-            routes = {}
-            for entry in filter(None, (part.strip() for part in value.split(","))):
-                name, sep, model = entry.partition("=")
-                if not sep:
-                    raise ValueError(f"{entry!r} is not name=provider/model")
-                routes[name.strip()] = model.strip()
         if not isinstance(routes, dict):
             raise ValueError("a JSON route list must be an object of model name -> route")
         return {k: {"model": v} if isinstance(v, str) else v for k, v in routes.items()}
@@ -190,3 +178,13 @@ class RelaySettings(FlywheelSettings):
                     "(its api_key_env) is not set"
                 )
         return routes
+
+
+def _short_routes(value: str) -> dict[str, str]:
+    routes = {}
+    for entry in filter(None, (part.strip() for part in value.split(","))):
+        name, sep, model = entry.partition("=")
+        if not sep:
+            raise ValueError(f"{entry!r} is not name=provider/model")
+        routes[name.strip()] = model.strip()
+    return routes
