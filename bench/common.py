@@ -33,7 +33,7 @@ import orjson
 import psutil
 import psycopg
 
-from core import database, rollout
+from core import database, embedded, rollout
 from core.vllm import VLLMAdmin
 from demo.vllm_server import free_port
 from fakes.processes import WORK, Server, child_env, start_server
@@ -308,7 +308,7 @@ def start_litellm(upstream: str) -> Server:
 @contextmanager
 def bench_database(database_url: str | None) -> Iterator[str]:
     """A fresh database on the given server (default: an embedded one), dropped afterwards."""
-    base = database_url or database.embedded_postgres_url(WORK / "postgres-home")
+    base = database_url or embedded.url(WORK / "postgres-home")
     name = f"bench_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(base, autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {name}")

@@ -325,13 +325,13 @@ def run(args: argparse.Namespace, device: str) -> None:
     import torch
 
     from bench.common import append_section, bench_database
-    from core import database
+    from core import embedded
 
     args.home.mkdir(parents=True, exist_ok=True)
     model_dir = build_model(args.shape, args.home, device)
     if device == "cuda":
         torch.cuda.empty_cache()  # the built model is gone: measure from a clean allocator
-    base_url = args.database_url or database.embedded_postgres_url(args.home)
+    base_url = args.database_url or embedded.url(args.home)
     print(
         f"device {device} ({torch.cuda.get_device_name() if device == 'cuda' else 'CPU'}), "
         f"torch {torch.__version__}, model {model_dir.name}"

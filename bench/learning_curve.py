@@ -38,7 +38,7 @@ import psycopg
 
 from bench import trl_reference
 from bench.common import version_key, version_span
-from core import database
+from core import database, embedded
 from demo.agent import MAX_TOKENS, TEMPERATURE, Agent, Episode, print_round
 from demo.calculator import QUESTIONS, SYSTEM, build_calculator_model, messages, reward
 from demo.stack import MODEL_NAME, TRAINER_ENV, local_loop
@@ -89,7 +89,7 @@ def run_flywheel(
         name += ", base sharded (FSDP2)"
     curve = Curve(name)
     started = time.perf_counter()
-    base = database_url or database.embedded_postgres_url(HOME)
+    base = database_url or embedded.url(HOME)
     name = f"learn_{uuid.uuid4().hex[:8]}"  # a fresh database: no leftover transitions to train on
     with psycopg.connect(base, autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {name}")

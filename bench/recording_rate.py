@@ -40,7 +40,7 @@ from prometheus_client import REGISTRY
 
 from bench import storage
 from bench.common import bench_database
-from core import database
+from core import database, embedded
 from core.record import TransitionRecord
 from fakes.traffic import episode_records
 from proxy.record.journal import Journal
@@ -176,7 +176,7 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, help="also draw stored-over-time to this PNG")
     args = parser.parse_args()
 
-    base = args.database_url or database.embedded_postgres_url(Path(tempfile.mkdtemp()))
+    base = args.database_url or embedded.url(Path(tempfile.mkdtemp()))
     if not args.results.exists():
         args.results.write_text(
             "# Recording rate (appended by bench/recording_rate.py)\n\n" + TABLE_HEADER

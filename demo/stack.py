@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core import database
+from core import database, embedded
 from demo.vllm_server import free_port, start_vllm, stop_vllm, wait_http, wait_ready
 
 log = logging.getLogger(__name__)
@@ -359,7 +359,7 @@ def _stopped(what: str, stop: Callable[[subprocess.Popen[bytes]], None], process
 
 
 def _release_postgres(home: Path) -> None:
-    for said in database.release_embedded_postgres(home):
+    for said in embedded.release(home):
         log.info("%s", said)
 
 

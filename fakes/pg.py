@@ -19,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from core import database
+from core import embedded
 
 PG_USER = "embedded_postgres" if os.geteuid() == 0 else None  # it will not run as root
 
@@ -38,7 +38,7 @@ class OwnPostgres:
         if disk_mb:  # before initdb: the whole data directory, WAL included, on the small disk
             mount = ["mount", "-t", "tmpfs", "-o", f"size={disk_mb}m,mode=0755"]
             subprocess.run([*mount, "tmpfs", str(self.home)], check=True)
-        self.url = database.embedded_postgres_url(self.home)
+        self.url = embedded.url(self.home)
         self.pgdata = self.home / "postgres"
         self.tcp_port = tcp_port
         if tcp_port:

@@ -33,7 +33,7 @@ import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from core import database
+from core import embedded
 from flywheel import adapters, data, evals, keys, local, serve, status
 
 
@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         args.run(args)
     finally:  # the embedded PostgreSQL a command used stops with the last process using it
-        database.release_embedded_postgres()
+        embedded.release()
 
 
 def parser() -> argparse.ArgumentParser:

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable
 from typing import TypeVar
 
-from core import database
+from core import embedded
 from flywheel.options import add_settings, build, configure_logging
 from flywheel.stopping import stopped_by_signals
 from judge.config import JudgeSettings
@@ -91,5 +91,5 @@ def release() -> None:
     Chosen over leaving it running: an embedded server is a convenience of one machine that
     nobody should have to remember to stop. Over stopping it outright: a trainer (or a second
     proxy) on the same FLYWHEEL_HOME may still be using it; the last one out stops it."""
-    for said in database.release_embedded_postgres():
+    for said in embedded.release():
         print(f"flywheel: {said}", file=sys.stderr, flush=True)

@@ -21,7 +21,7 @@ import psycopg
 import pytest
 import uvicorn
 
-from core import database
+from core import database, embedded
 from core.database import AsyncSessions
 from demo.tiny_model import build_demo_model
 from demo.vllm_server import free_port, start_vllm, stop_vllm, wait_ready
@@ -78,7 +78,7 @@ def postgres_url() -> Iterator[str]:
     The embedded server's data lives under .flywheel/test, not pytest's tmp dir: the server runs
     as its own system user, and pytest makes its tmp root private again on every run.
     """
-    url = os.environ.get("FLYWHEEL_TEST_DATABASE_URL") or database.embedded_postgres_url(TEST_HOME)
+    url = os.environ.get("FLYWHEEL_TEST_DATABASE_URL") or embedded.url(TEST_HOME)
     with psycopg.connect(url, autocommit=True) as conn:
         conn.execute(f"DROP DATABASE IF EXISTS {TEMPLATE_DB}")
         conn.execute(f"CREATE DATABASE {TEMPLATE_DB}")
