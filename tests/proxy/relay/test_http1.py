@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from proxy.relay import http1
+from proxy.relay import http1, keepalive
 
 OK = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\r\n\r\n{"ok":true}'
 
@@ -421,9 +421,9 @@ def test_a_dead_after_bound_beyond_linuxs_keepalive_limit_still_connects() -> No
     from proxy.config import ProxySettings
 
     with socket.socket() as sock:
-        http1.keep_probing(sock, 200_000)
+        keepalive.keep_probing(sock, 200_000)
         if hasattr(socket, "TCP_KEEPIDLE"):
             idle = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE)
-            assert idle == http1.MAX_KEEPIDLE_S
+            assert idle == keepalive.MAX_KEEPIDLE_S
     with pytest.raises(ValidationError, match="upstream_dead_after_s"):
         ProxySettings(upstream=["http://127.0.0.1:1"], upstream_dead_after_s=100_000)
