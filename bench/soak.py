@@ -8,7 +8,7 @@ The stack and the traffic of bench/chaos.py (episodes of two chat calls and a re
 two fake vLLM replicas and a Postgres of its own), with a pause between each client's episodes
 for a steady rate. Every `--sample-s` the proxy process's RSS, open file descriptors (/proc/PID/fd)
 and TCP connections, Postgres's client connections, and the writer memo's size (the proxy's
-`flywheel_*memo*` metrics, where it exports them) are sampled. Flat: after `--warmup-s`, each
+`flywheel_writer_memo_bytes`) are sampled. Flat: after `--warmup-s`, each
 figure's largest sample is at most `--flat-ratio` times its smallest (fds other than TCP
 connections, and Postgres connections: or within 4 of it); the RSS trend is printed beside.
 Prints the samples and the verdict, appends them to bench/soak.md.
@@ -21,7 +21,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
 import psutil
 import psycopg
 
@@ -40,7 +39,7 @@ class Sample:
     fds: int
     tcp: int
     postgres: int
-    memo: float | None  # the writer memo's MiB (its metric), None where the proxy exports none
+    memo: float  # the writer memo's MiB (flywheel_writer_memo_bytes)
     calls: int
 
 
@@ -58,22 +57,9 @@ def sample(at_s: float, pid: int, url: str, db: str, calls: int) -> Sample:
         p.num_fds(),
         len(p.net_connections()),
         int(row[0]),
-        memo_metric(url),
+        common.metric(url, "flywheel_writer_memo_bytes") / 2**20,
         calls,
     )
-
-
-def memo_metric(url: str) -> float | None:
-    """The writer's prompt memo in MiB, as the proxy reports it (`flywheel_*memo*_bytes`)."""
-    text = httpx.get(url + "/metrics", timeout=10).text
-    values = [
-        float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if (name := line.split(" ", 1)[0].split("{", 1)[0]).startswith("flywheel_")
-        and "memo" in name
-        and name.endswith("_bytes")
-    ]
-    return sum(values) / 2**20 if values else None
 
 
 def flat(values: list[float], ratio: float, slack: float = 0.0) -> tuple[bool, str]:
@@ -100,9 +86,7 @@ def verdict(samples: list[Sample], warmup_s: float, ratio: float) -> tuple[bool,
         "fds other than TCP connections": flat([s.fds - s.tcp for s in after], ratio, SLACK),
         "Postgres connections": flat([s.postgres for s in after], ratio, SLACK),
     }
-    memos = [s.memo for s in after if s.memo is not None]
-    if memos:
-        checks["writer memo"] = flat(memos, ratio)
+    checks["writer memo"] = flat([s.memo for s in after], ratio)
     lines = [
         f"{name} {span}: {'flat' if ok else 'NOT flat'}" for name, (ok, span) in checks.items()
     ]
@@ -135,7 +119,7 @@ def main() -> None:
             x = samples[-1]
             print(
                 f"{x.at_s:6.0f} s  RSS {x.rss_mib:6.1f} MiB  fds {x.fds:4d}  tcp {x.tcp:4d}  "
-                f"postgres {x.postgres:3d}  memo {'-' if x.memo is None else f'{x.memo:.2f}'} MiB  "
+                f"postgres {x.postgres:3d}  memo {x.memo:.2f} MiB  "
                 f"calls {x.calls}",
                 flush=True,
             )
@@ -153,7 +137,7 @@ def main() -> None:
         "|---:|---:|---:|---:|---:|---:|---:|",
         *(
             f"| {x.at_s:.0f} | {x.rss_mib:.1f} | {x.fds} | {x.tcp} | {x.postgres} "
-            f"| {'-' if x.memo is None else f'{x.memo:.2f}'} | {x.calls} |"
+            f"| {x.memo:.2f} | {x.calls} |"
             for x in samples
         ),
         "",
