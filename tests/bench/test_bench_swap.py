@@ -6,7 +6,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 
+
+@pytest.mark.slow
 def test_hot_swap_smoke(postgres_url: str, tmp_path: Path) -> None:
     report, plot = tmp_path / "swap.md", tmp_path / "swap.png"
     command = [sys.executable, "-m", "bench.hot_swap", "--swaps", "3", "--interval", "0.2"]

@@ -83,6 +83,7 @@ def test_between_looks_the_answer_does_not_change() -> None:
     assert at_31.candidate_episodes == 31  # reported, not yet tested
 
 
+@pytest.mark.slow
 def test_checking_again_and_again_rolls_back_an_equal_candidate_no_more_than_alpha() -> None:
     """The trainer checks every few seconds. Simulated: 400 canaries whose candidate is exactly
     as good as the baseline (reward 1 with probability 0.5), checked after every 4 new episodes
@@ -247,6 +248,7 @@ def wait_until_open(proxy: RunningProxy, candidate: int) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_the_proxy_splits_by_episode_and_records_each_arm(
     proxy: RunningProxy, sessions: Sessions, fake_vllm: FakeVLLM, tmp_path: Path
 ) -> None:
@@ -344,6 +346,7 @@ def test_the_trainer_opens_waits_on_and_decides_its_canary(
 # --- what an operator sees -----------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_admin_and_cli_show_open_and_decided_canaries(
     make_proxy: Any, sessions: Sessions, fake_vllm: FakeVLLM, tmp_path: Path
 ) -> None:

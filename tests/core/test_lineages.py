@@ -67,6 +67,7 @@ def wait_for(proxy: RunningProxy, agent: str, version: str) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_policy_is_served_by_the_calling_agents_own_lineage(
     make_proxy: Any, fake_vllm: FakeVLLM, sessions: Sessions, tmp_path: Path
 ) -> None:

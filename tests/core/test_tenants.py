@@ -214,6 +214,7 @@ def test_ownership_is_the_same_rule_in_python_and_in_sql(sessions: Sessions) -> 
     assert [i for i in ids if acme.owns_episode(i)] == ["acme/e1", "acme/a/b"]
 
 
+@pytest.mark.slow
 def test_the_keys_cli_creates_lists_and_revokes(database_url: str) -> None:
     env = {**os.environ, "FLYWHEEL_DATABASE_URL": database_url}
 

@@ -498,6 +498,7 @@ def image_command(name: str) -> list[str]:
     return [tool("flywheel"), *command[1:]]
 
 
+@pytest.mark.slow
 def test_proxy_image_command_serves_healthz(
     database_url: str, fake_vllm: FakeVLLM, tmp_path: Path
 ) -> None:
@@ -549,6 +550,7 @@ def test_compose_migrate_command_runs_on_the_proxy_image(
     assert "newest migration" in result.stdout
 
 
+@pytest.mark.slow
 def test_trainer_image_command_starts_and_serves_metrics(
     database_url: str, fake_vllm: FakeVLLM, tmp_path: Path
 ) -> None:

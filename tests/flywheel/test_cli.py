@@ -26,6 +26,7 @@ from trainer.config import TrainerSettings
 FLYWHEEL = [sys.executable, "-m", "flywheel"]
 
 
+@pytest.mark.slow
 def test_flywheel_proxy_serves_records_and_flushes_on_sigterm(
     database_url: str, fake_vllm: FakeVLLM, tmp_path: Path
 ) -> None:
@@ -68,6 +69,7 @@ def test_flywheel_proxy_serves_records_and_flushes_on_sigterm(
     assert sorted(r[0] for r in stored) == sorted(ids)
 
 
+@pytest.mark.slow
 def test_bad_settings_fail_at_start_naming_the_fix(tmp_path: Path) -> None:
     env = {**os.environ, "FLYWHEEL_HOME": str(tmp_path)}
     bad = subprocess.run(
@@ -153,6 +155,7 @@ def test_the_cli_imports_no_package_an_image_lacks() -> None:
     assert heavy.isdisjoint(loaded), heavy.intersection(loaded)
 
 
+@pytest.mark.slow
 def test_a_skip_fails_the_run_under_ci_and_is_named_either_way(tmp_path: Path) -> None:
     """tests/no_silent_skips.py: a test skipped for what the environment lacks hid on CI."""
     (tmp_path / "test_one.py").write_text(

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 
 from fakes.vllm import FakeVLLM
 from tests.conftest import RunningProxy
@@ -114,6 +115,7 @@ def test_a_proxy_that_cannot_see_the_adapters_can_still_roll_back(
     assert fake_vllm.loras["policy-v1"] == "/adapters/policy-v1"
 
 
+@pytest.mark.slow
 def test_flywheel_adapters_cli(database_url: str, fake_vllm: FakeVLLM, tmp_path: Path) -> None:
     path = tmp_path / "policy-v1"
     path.mkdir()
@@ -236,6 +238,7 @@ def _lora_dir(path: Path, rank: int = 8) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_flywheel_adapters_import(database_url: str, fake_vllm: FakeVLLM, tmp_path: Path) -> None:
     """An adapter trained elsewhere becomes the lineage's next version: copied into the adapters
     directory under its version's name, loaded into vLLM, then current. Refused without a trace:

@@ -194,6 +194,7 @@ def go(page: Any, url: str) -> None:
     page.wait_for_selector("main[data-ready]")
 
 
+@pytest.mark.slow
 def test_the_dashboard_in_a_browser(stack: Stack, page: Any, tmp_path: Path) -> None:
     url = stack.proxy.url
     v1, v2, v3 = stack.versions

@@ -141,6 +141,7 @@ def test_the_overview_counts_calls_rewards_versions_and_the_queue(
         assert r.status_code == 400 and r.json()["error"]["param"] == f"query.{param}", r.text
 
 
+@pytest.mark.slow
 def test_the_episode_list_filters_and_pages_by_keyset(make_proxy: Any) -> None:
     proxy = make_proxy(admin_key=ADMIN)
     for i in range(7):

@@ -43,6 +43,7 @@ def stored(proxy: RunningProxy) -> int:
         (b'{"model": "demo", "messages": [], "n": 1000}', 400),
     ],
 )
+@pytest.mark.slow
 def test_malformed_completion_requests_never_reach_vllm(
     proxy: RunningProxy, fake_vllm: FakeVLLM, raw: bytes, status: int
 ) -> None:
@@ -209,6 +210,7 @@ def test_a_version_beyond_any_adapter_is_a_404(proxy: RunningProxy) -> None:
     assert assert_openai_error(r, 404)["code"] == "model_not_found"
 
 
+@pytest.mark.slow
 def test_a_pinned_version_during_an_outage(
     own_postgres: Any, make_proxy: Any, fake_vllm: FakeVLLM
 ) -> None:

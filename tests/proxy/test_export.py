@@ -136,6 +136,7 @@ def test_sft_rows_and_preference_pairs_are_trls_conversational_formats(
     assert json.loads(pair["chosen"]) == [{"role": "assistant", "content": e0["text"]}]
 
 
+@pytest.mark.slow
 def test_filters_and_the_command_line(recorded: tuple[RunningProxy, str], tmp_path: Path) -> None:
     proxy, _ = recorded
 
@@ -279,6 +280,7 @@ def stalled_export(proxy: RunningProxy, key: str) -> socket.socket:
     return sock
 
 
+@pytest.mark.slow
 def test_a_client_that_stops_reading_loses_its_export_slot(
     make_proxy: Any, sessions: Sessions
 ) -> None:

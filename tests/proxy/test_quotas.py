@@ -155,6 +155,7 @@ def accepted_soon(proxy: RunningProxy, c: httpx.Client) -> None:
     proxy.wait_until(goes, "a free slot", timeout=5)
 
 
+@pytest.mark.slow
 def test_concurrent_calls_are_limited_and_a_slot_frees_however_the_call_ends(
     keyed: Any, sessions: Sessions, fake_vllm: FakeVLLM
 ) -> None:

@@ -269,6 +269,7 @@ def proxy_rewards(proxy: RunningProxy, episode: str) -> list[tuple[Any, Any]]:
     return [(r["pending"], r["transition_id"]) for r in rewards]
 
 
+@pytest.mark.slow
 def test_the_largest_post_is_stored_whole(proxy: RunningProxy) -> None:
     """10,000 rewards in one post (the limit) took minutes, one reward's statements at a time;
     now a few statements for all (bench/chaos.py reward-burst has the figure)."""

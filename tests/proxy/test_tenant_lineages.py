@@ -143,6 +143,7 @@ def test_lineage_names_keep_tenant_and_role_apart() -> None:
     assert not naming.sees("globex", "acme.writer", shared=True)
 
 
+@pytest.mark.slow
 def test_canary_evidence_is_what_the_split_assigned_of_the_lineages_tenant(
     keyed: RunningProxy, sessions: Sessions, fake_vllm: FakeVLLM, tmp_path: Path
 ) -> None:

@@ -406,6 +406,7 @@ async def test_a_reward_whose_answer_was_lost_is_stored_once(
     ]
 
 
+@pytest.mark.slow
 def test_a_reward_that_timed_out_is_retried_and_stored_once(
     proxy: RunningProxy, front: Any
 ) -> None:

@@ -36,6 +36,7 @@ async def select_one(sessions: database.GatedSessions) -> None:
         await session.execute(text("SELECT 1"))
 
 
+@pytest.mark.slow
 async def test_a_write_to_a_frozen_postgres_ends_a_second_after_its_deadline(own_pg: Any) -> None:
     engine, sessions = database.create_async_sessions(own_pg.url, pool_size=1)
     try:
@@ -64,6 +65,7 @@ async def test_a_write_that_ends_in_time_is_untouched(own_pg: Any) -> None:
         await engine.dispose()
 
 
+@pytest.mark.slow
 def test_the_writer_journals_a_frozen_postgres_calls_a_second_after_its_timeout(
     own_pg: Any, make_proxy: Any
 ) -> None:

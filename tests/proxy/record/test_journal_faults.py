@@ -307,6 +307,7 @@ def stored(proxy: RunningProxy, transition_id: str) -> bool:
 
 
 @pytest.mark.parametrize("durable", [False, True])
+@pytest.mark.slow
 def test_durable_mode_answers_only_once_the_transition_is_safe(
     make_proxy: Any, monkeypatch: pytest.MonkeyPatch, durable: bool
 ) -> None:

@@ -57,6 +57,7 @@ async def fails_soon(sessions: database.GatedSessions) -> float:
     return time.monotonic() - started
 
 
+@pytest.mark.slow
 async def test_a_partitioned_postgres_is_an_outage_within_seconds(database_url: str) -> None:
     if "host=" not in database_url:
         pytest.skip("the relay forwards to the embedded server's Unix socket")
@@ -76,6 +77,7 @@ async def test_a_partitioned_postgres_is_an_outage_within_seconds(database_url: 
     assert pooled_s < HANG_S and fresh_s < HANG_S
 
 
+@pytest.mark.slow
 def test_a_reward_posted_into_a_partition_is_journaled_within_the_write_timeout(
     tmp_path: Path, make_proxy: Any
 ) -> None:

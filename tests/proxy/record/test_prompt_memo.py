@@ -18,6 +18,7 @@ from fakes.traffic import PROMPT_SHAPES, one_call_prompt, through_memo
 
 @pytest.mark.parametrize("tokens", [100, 600, 3000])
 @pytest.mark.parametrize("shape", PROMPT_SHAPES)
+@pytest.mark.slow
 def test_the_memo_accounts_what_it_holds(shape: str, tokens: int) -> None:
     """Against tracemalloc, over 500 one-call episodes whose prompts only the memo keeps alive:
     within 1.25x under (allocator and version noise; the bound is what must not be exceeded by
@@ -54,6 +55,7 @@ def test_the_entry_and_byte_bounds_hold() -> None:
         assert len(memo) == max_entries or memo.nbytes > max_bytes * 0.9  # and it fills
 
 
+@pytest.mark.slow
 def test_one_call_episodes_go_before_the_conversations_going_on() -> None:
     """50 conversations make two calls, then call again between floods of one-call episodes 10x
     the memo's size: each next call finds its episode's last prompt (the plain LRU it was

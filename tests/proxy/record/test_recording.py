@@ -119,6 +119,7 @@ def read_until_end_event(lines: Iterator[str]) -> None:
 
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/responses"])
 @pytest.mark.parametrize("end_delay_s", [0.0, 1.0])
+@pytest.mark.slow
 def test_a_stream_is_recorded_before_its_end_event_reaches_the_client(
     proxy: RunningProxy, fake_vllm: FakeVLLM, route: str, end_delay_s: float
 ) -> None:

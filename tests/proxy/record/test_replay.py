@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import psycopg
+import pytest
 
 from core import database
 from core.database import AsyncSessions
@@ -59,6 +60,7 @@ async def settle(condition: Any, timeout: float) -> None:
             await asyncio.sleep(0.05)
 
 
+@pytest.mark.slow
 async def test_a_journal_of_long_prompts_replays_under_a_short_write_timeout(
     database_url: str, tmp_path: Path
 ) -> None:
@@ -94,6 +96,7 @@ async def test_a_journal_of_long_prompts_replays_under_a_short_write_timeout(
     assert not journal.segments()
 
 
+@pytest.mark.slow
 async def test_outage_bookkeeping_is_bounded_and_never_says_stored(
     postgres_down: AsyncSessions, tmp_path: Path
 ) -> None:

@@ -254,6 +254,7 @@ async def test_a_final_reward_replayed_after_a_newer_one_does_not_replace_it(
     assert proxy.query("SELECT final_reward FROM episode WHERE id = 'late'") == [(0.5,)]
 
 
+@pytest.mark.slow
 def test_database_up_reads_0_while_only_rewards_wait_for_a_database_that_is_down(
     own_postgres: Any, make_proxy: Any
 ) -> None:

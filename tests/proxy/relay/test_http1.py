@@ -367,6 +367,7 @@ async def held_stream(
 
 
 @pytest.mark.skipif(not shutil.which("iptables"), reason="a partition drops packets: iptables")
+@pytest.mark.slow
 async def test_a_stream_cut_off_by_a_partition_fails_after_dead_after_s_not_the_deadline() -> None:
     """Seen in bench/chaos.py vllm-partition: a stream under way on a replica cut off by the
     network waited for the whole upstream timeout (600 s), its client long gone."""
@@ -392,6 +393,7 @@ async def test_a_stream_cut_off_by_a_partition_fails_after_dead_after_s_not_the_
         pool.close()
 
 
+@pytest.mark.slow
 async def test_a_silent_replica_that_still_answers_probes_is_not_cut() -> None:
     """Keepalives, not an idle timer: vLLM may say nothing for minutes while it generates."""
 

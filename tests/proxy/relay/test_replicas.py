@@ -251,6 +251,7 @@ def test_previous_response_id_chains_stay_on_the_replica_that_keeps_them(
     )
 
 
+@pytest.mark.slow
 def test_a_replica_killed_mid_traffic_loses_no_call_and_no_transition(
     make_proxy: Any,
     fake_vllm: FakeVLLM,

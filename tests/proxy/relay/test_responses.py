@@ -233,6 +233,7 @@ def test_an_unknown_previous_response_gets_a_404_that_says_why(
     assert rows == [("failed", 404, r.json())]
 
 
+@pytest.mark.slow
 def test_client_disconnect_mid_stream_records_aborted(
     proxy: RunningProxy, fake_vllm: FakeVLLM
 ) -> None:

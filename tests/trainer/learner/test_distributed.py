@@ -105,6 +105,7 @@ def assert_same_gradients(theirs: dict[str, torch.Tensor], grads: dict[str, torc
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
+@pytest.mark.slow
 def test_two_processes_take_one_processs_step(
     loss_type: str, two_ranks: Ranks, tmp_path: Path
 ) -> None:
