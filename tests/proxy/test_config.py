@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from flywheel.options import _default, env_name
 from proxy.config import ProxySettings, Quota
 from proxy.config.access import AccessSettings, QuotaSettings
 from proxy.config.reads import ReadSettings
 from proxy.config.record import RecordSettings
 from proxy.config.relay import RelaySettings
 from proxy.config.serve import ServeSettings
+from tests.settings_split import assert_one_concern_each, flags_and_defaults
 
 SNAPSHOT = Path(__file__).resolve().parents[1] / "data" / "proxy_settings.txt"
 CONCERNS = (ServeSettings, AccessSettings, QuotaSettings, RelaySettings, RecordSettings)
@@ -20,21 +20,11 @@ def test_users_keep_every_variable_flag_and_default() -> None:
     """Split by concern, the settings are the ones users had (taken before the split): the same
     variables, flags and defaults. A setting added, renamed or given another default on purpose
     goes into the snapshot (tests/data/proxy_settings.txt) with it."""
-    now = [
-        f"{env_name(ProxySettings, name)} --{name.replace('_', '-')} {_default(field)}"
-        for name, field in sorted(ProxySettings.model_fields.items())
-    ]
-    assert now == SNAPSHOT.read_text().splitlines()
+    assert flags_and_defaults(ProxySettings) == SNAPSHOT.read_text().splitlines()
 
 
 def test_each_setting_belongs_to_one_concern() -> None:
-    seen: dict[str, str] = {}
-    for kind in (*CONCERNS, ReadSettings):
-        for name in kind.model_fields:
-            assert name not in seen, f"{name} is in {seen[name]} and {kind.__name__}"
-            seen[name] = kind.__name__
-    database = {"home", "database_url", "require_database_url", "log_level"}
-    assert set(seen) | database == set(ProxySettings.model_fields)
+    assert_one_concern_each(ProxySettings, (*CONCERNS, ReadSettings))
 
 
 def test_the_quota_limits_are_declared_once() -> None:

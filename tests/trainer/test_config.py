@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from pydantic import ValidationError
 
-from flywheel.options import _default, env_name
+from tests.settings_split import assert_one_concern_each, flags_and_defaults
 from trainer.config import TrainerSettings
 from trainer.config.data import DataSettings
 from trainer.config.learning import LearningSettings
@@ -22,21 +22,11 @@ def test_users_keep_every_variable_flag_and_default() -> None:
     """Split by concern, the settings are the ones users had (taken before the split): the same
     variables, flags and defaults. A setting added, renamed or given another default on purpose
     goes into the snapshot (tests/data/trainer_settings.txt) with it."""
-    now = [
-        f"{env_name(TrainerSettings, name)} --{name.replace('_', '-')} {_default(field)}"
-        for name, field in sorted(TrainerSettings.model_fields.items())
-    ]
-    assert now == SNAPSHOT.read_text().splitlines()
+    assert flags_and_defaults(TrainerSettings) == SNAPSHOT.read_text().splitlines()
 
 
 def test_each_setting_belongs_to_one_concern() -> None:
-    seen: dict[str, str] = {}
-    for kind in CONCERNS:
-        for name in kind.model_fields:
-            assert name not in seen, f"{name} is in {seen[name]} and {kind.__name__}"
-            seen[name] = kind.__name__
-    database = {"home", "database_url", "require_database_url", "log_level"}
-    assert set(seen) | database == set(TrainerSettings.model_fields)
+    assert_one_concern_each(TrainerSettings, CONCERNS)
 
 
 @pytest.fixture
