@@ -286,7 +286,7 @@ def litellm_venv(venv: Path = LITELLM_VENV) -> Path:
 def start_litellm(upstream: str) -> Server:
     """LiteLLM's proxy server: one worker, no database, one model routed to the fake."""
     exe = litellm_venv()
-    config = WORK / "litellm_config.yaml"
+    config = WORK / f"litellm_config-{os.getpid()}.yaml"  # two benchmarks may run at once
     config.write_text(
         "model_list:\n"
         f"  - model_name: {MODEL}\n"
@@ -302,7 +302,10 @@ def start_litellm(upstream: str) -> Server:
     )
     env.pop("PYTHONPATH")  # its own venv, its own packages
     argv = [str(exe), "--config", str(config), "--host", "127.0.0.1", "--num_workers", "1"]
-    return start_server("litellm_proxy", argv, "/health/liveliness", env)
+    try:
+        return start_server("litellm_proxy", argv, "/health/liveliness", env)
+    finally:
+        config.unlink()  # read at its start
 
 
 @contextmanager

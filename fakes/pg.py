@@ -12,6 +12,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,6 +23,8 @@ import psutil
 from core import embedded
 
 PG_USER = "embedded_postgres" if os.geteuid() == 0 else None  # it will not run as root
+# The server's Unix socket is DATA_DIR/.s.PGSQL.PORT, and a socket's path may have 107 bytes.
+SOCKET_PATH_MAX = 107
 
 
 class OwnPostgres:
@@ -32,8 +35,7 @@ class OwnPostgres:
     def __init__(
         self, parent: Path, *, tcp_port: int | None = None, disk_mb: int | None = None
     ) -> None:
-        self.home = parent / f"pg-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self.home.mkdir(parents=True)
+        self.home = _home(parent)
         self.disk = self.home if disk_mb else None
         if disk_mb:  # before initdb: the whole data directory, WAL included, on the small disk
             mount = ["mount", "-t", "tmpfs", "-o", f"size={disk_mb}m,mode=0755"]
@@ -112,6 +114,17 @@ class OwnPostgres:
         if self.disk:
             subprocess.run(["umount", "-l", str(self.disk)], check=False)
         shutil.rmtree(self.home, ignore_errors=True)
+
+
+def _home(parent: Path) -> Path:
+    """A new directory for the server under `parent`, or under the system's tmp dir where
+    `parent` is too deep for the socket's path (pytest's tmp dirs under xdist can be)."""
+    name = f"pg-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    if len(os.fsencode(parent / name / "postgres" / ".s.PGSQL.65535")) <= SOCKET_PATH_MAX:
+        home = parent / name
+        home.mkdir(parents=True)
+        return home
+    return Path(tempfile.mkdtemp(prefix=f"{name}-"))
 
 
 def _pg_ctl(args: list[str], pgdata: Path) -> None:

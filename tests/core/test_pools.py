@@ -42,14 +42,19 @@ def readers_all_busy(proxy: RunningProxy) -> Iterator[None]:
             await session.execute(text(f"SELECT pg_sleep({HELD_S})"))
 
     held = [run_in_proxy(proxy, hold()) for _ in range(n)]
-    sleeping = "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'SELECT pg_sleep%%'"
+    # This test's database only: the server is shared with every other test (and test process).
+    sleeping = (
+        "SELECT count(*) FROM pg_stat_activity "
+        "WHERE datname = current_database() AND query LIKE 'SELECT pg_sleep%%'"
+    )
     try:
         proxy.wait_until(lambda: proxy.query(sleeping)[0][0] >= n, f"{n} readers asleep")
         yield
     finally:
         proxy.query(
             "SELECT pg_cancel_backend(pid) FROM pg_stat_activity "
-            "WHERE query LIKE 'SELECT pg_sleep%%' AND pid <> pg_backend_pid()"
+            "WHERE datname = current_database() AND query LIKE 'SELECT pg_sleep%%' "
+            "AND pid <> pg_backend_pid()"
         )
         for future in held:
             with contextlib.suppress(Exception):
@@ -117,9 +122,10 @@ def test_reward_posts_queued_on_one_episode_do_not_starve_the_writer(make_proxy:
         ]
         proxy.wait_until(
             lambda: (
-                proxy.query("SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'")[
-                    0
-                ][0]
+                proxy.query(
+                    "SELECT count(*) FROM pg_stat_activity "
+                    "WHERE datname = current_database() AND wait_event_type = 'Lock'"
+                )[0][0]
                 >= 1
             ),
             "a reward post waiting on the episode's lock",
