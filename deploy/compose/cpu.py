@@ -77,6 +77,9 @@ def _vllm() -> dict[str, Any]:
         max_model_len=TASK.max_model_len,
     )
     env = vllm_settings({})
+    # Its threads (demo/vllm_server.py cpu_threads): the host's cores are not known here, and the
+    # trainer's container shares them; one unless .env says more.
+    env["OMP_NUM_THREADS"] = "${FLYWHEEL_VLLM_CPU_THREADS:-1}"
     return {
         "image": LOCAL_IMAGE,
         "build": _local_build(),
