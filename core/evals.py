@@ -9,7 +9,8 @@ An item, one JSON object a line:
     {"prompt": "2+2?", "reference": ["4", "four"]}          # one user message
     {"messages": [..., {"role": "assistant", "content": "4"}]}   # the last answer: the reference
     a `flywheel export --kind transitions` row                 # its prompt, its answer (`text`)
-    optional: "tools" (the request's), "max_tokens" (the answer's bound)
+    optional: "tools" (the request's), "max_tokens" (the answer's bound), "rubric" (what the
+    `judge` scorer grades this item by)
 
 Scorers (`scorer`):
 
@@ -17,8 +18,12 @@ Scorers (`scorer`):
                             list of them), else 0
     python:module:function  function(answer, item) -> float: `answer` is the assistant message
                             ({"content": ..., "tool_calls": [...] or None}), `item` the item
-                            ({"messages", "tools", "reference", "max_tokens"}); imported from
-                            the trainer's environment
+                            ({"messages", "tools", "reference", "max_tokens", "rubric"});
+                            imported from the trainer's environment
+    judge                   an LLM judge grades each answer from 0 to 1 against the item's
+                            rubric (or a default one) and its reference if it has one
+                            (core/ruler.py `grading`); the trainer calls the judge model
+                            named by FLYWHEEL_EVAL_JUDGE_MODEL at FLYWHEEL_EVAL_JUDGE_URL
 
 A set's score is the mean over its items. The SQL functions take a sync session and leave the
 transaction to their caller.
@@ -94,7 +99,13 @@ def item_from(row: Any, where: str) -> dict[str, Any]:
         raise BadEvalSet(f"{where}: `max_tokens` is a positive integer")
     if max_tokens is not None and max_tokens > MAX_TOKENS:
         raise BadEvalSet(f"{where}: `max_tokens` is at most {MAX_TOKENS}")
-    return {"messages": messages, "tools": tools, "reference": reference, "max_tokens": max_tokens}
+    rubric = row.get("rubric")
+    if rubric is not None and not (isinstance(rubric, str) and rubric.strip()):
+        raise BadEvalSet(f"{where}: `rubric` is a non-empty string")
+    item = {"messages": messages, "tools": tools, "reference": reference, "max_tokens": max_tokens}
+    if rubric is not None:  # absent, not null: the digest of every set made before stays the same
+        item["rubric"] = rubric
+    return item
 
 
 def read_items(lines: Iterable[bytes | str], source: str) -> list[dict[str, Any]]:
@@ -115,14 +126,18 @@ def read_items(lines: Iterable[bytes | str], source: str) -> list[dict[str, Any]
     return items
 
 
+JUDGE = "judge"  # the LLM-judge scorer: graded by a model (trainer/evals.py), not a function
+
+
 def scorer(spec: str) -> Scorer:
-    """The function a scorer spec names, imported; BadEvalSet if it cannot be."""
+    """The function a scorer spec names, imported; BadEvalSet if it cannot be (`judge` is not a
+    function: trainer/evals.py grades through the judge model)."""
     if spec == "exact":
         return exact
     kind, _, path = spec.partition(":")
     module_name, _, function_name = path.partition(":")
     if kind != "python" or not module_name or not function_name:
-        raise BadEvalSet(f"scorer {spec!r}: `exact` or `python:module:function`")
+        raise BadEvalSet(f"scorer {spec!r}: `exact`, `judge` or `python:module:function`")
     try:
         module = importlib.import_module(module_name)
     except ImportError as e:
@@ -142,6 +157,8 @@ def exact(answer: dict[str, Any], item: dict[str, Any]) -> float:
 
 def check(scorer_spec: str, items: list[dict[str, Any]]) -> None:
     """What the scorer needs of every item: `exact` a string reference (or a list of them)."""
+    if scorer_spec == JUDGE:
+        return  # a reference helps the judge; the rubric alone is enough
     scorer(scorer_spec)
     if scorer_spec != "exact":
         return

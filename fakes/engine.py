@@ -146,7 +146,7 @@ class FakeState:
     sampled: dict[tuple[int, ...], list[float]] = field(default_factory=dict)
     # The content of the next non-streamed chat answers, one each (token ids stay generated).
     replies: list[str] = field(default_factory=list)
-    # A request held to a JSON schema of `scores` (judge/ruler.py) gets scores that fit it, as
+    # A request held to a JSON schema of `scores` (core/ruler.py) gets scores that fit it, as
     # vLLM's guided decoding would give (bench/judge.py).
     judge_answers: bool = False
     store_responses: bool = False  # vLLM's VLLM_ENABLE_RESPONSES_API_STORE: ids it answered

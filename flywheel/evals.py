@@ -1,7 +1,7 @@
 """`flywheel eval add|list|remove`: a lineage's eval sets (core/evals.py), which each new version
 is asked before it serves (trainer/evals.py) and the promotion gate compares.
 
-    flywheel eval add NAME --lineage L --from items.jsonl [--scorer exact|python:mod:fn]
+    flywheel eval add NAME --lineage L --from items.jsonl [--scorer exact|judge|python:mod:fn]
     flywheel eval add NAME --lineage L --from export.jsonl --min-return 1   # good answers only
     flywheel eval list [--lineage L]
     flywheel eval remove NAME --lineage L
@@ -33,7 +33,8 @@ def arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--scorer",
         default="exact",
-        help="with add: `exact` (the answer is the reference) or `python:module:function`",
+        help="with add: `exact` (the answer is the reference), `judge` (an LLM judge grades "
+        "it: the trainer's FLYWHEEL_EVAL_JUDGE_*) or `python:module:function`",
     )
     parser.add_argument(
         "--min-return",

@@ -19,8 +19,8 @@ from sqlalchemy import text
 from sqlalchemy.orm import Session
 
 from core.export_kinds import MESSAGES_SQL
+from core.ruler import Call
 from core.tenants import Principal
-from judge.ruler import Call
 
 
 @dataclass(frozen=True)

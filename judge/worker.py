@@ -27,9 +27,9 @@ from typing import Any
 
 import aiohttp
 
-from core import database
+from core import database, ruler
 from core.tenants import Principal
-from judge import ruler, store
+from judge import store
 from judge.config import JudgeSettings
 
 log = logging.getLogger("flywheel.judge")

@@ -73,7 +73,7 @@ def test_the_packages_as_they_are_keep_every_contract(tmp_path: Path) -> None:
         ("flywheel/client/base.py", "import proxy.errors", "flywheel.client.base -> proxy.errors"),
         ("core/record.py", "import torch", "core.record -> torch"),
         ("judge/worker.py", "import trainer.data.store", "judge.worker -> trainer.data.store"),
-        ("judge/ruler.py", "import torch", "judge.ruler -> torch"),
+        ("core/ruler.py", "import torch", "core.ruler -> torch"),
         ("core/database.py", "import migrations", "core.database -> migrations"),
         ("core/record.py", "import fakes.vllm", "core.record -> fakes.vllm"),
         ("demo/stack.py", "from fakes import pg", "demo.stack -> fakes.pg"),

@@ -3,7 +3,13 @@ temperature 0, straight from vLLM under the adapter's own name (it is loaded, no
 alias's: the proxy could not route `policy@N` to a version Postgres does not have yet, and these
 calls are not traffic to record), scored, and compared with the current version's score on the
 same items. The current version's score is the one stored with it when it was asked the same
-set (same digest); otherwise it is asked now too.
+set (same digest, and for the `judge` scorer the same judge model); otherwise it is asked now too.
+
+The `judge` scorer grades each answer by asking the judge model (FLYWHEEL_EVAL_JUDGE_*, at
+temperature 0, core/ruler.py's `grading` prompt). A judge that cannot be reached, or refuses a
+call, leaves the set unscored this time (logged, left out of the gate), never scored 0: a
+candidate is not failed for its judge's outage. An answer of the judge's that is not the JSON
+asked for scores its item 0, counted among the scorer errors, as a python scorer's bug does.
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from core import evals
+from core import evals, ruler
+from core.vllm import VLLMError
 from trainer.config import TrainerSettings
 from trainer.vllm import Replicas
 
@@ -38,6 +45,7 @@ class Compared:
     candidate: Score
     current: Score
     current_version: int  # 0: the base model
+    judge: str | None = None  # the `judge` scorer's model (a stored score is reused only by it)
 
     @property
     def difference(self) -> float:
@@ -54,7 +62,7 @@ class Compared:
             "digest": self.digest,
             "current": round(self.current.score, 6),
             "current_version": self.current_version,
-        }
+        } | ({"judge": self.judge} if self.judge else {})
 
     @classmethod
     def from_stats(cls, name: str, stats: dict[str, Any]) -> Compared:
@@ -64,33 +72,111 @@ class Compared:
         candidate = Score(float(stats["score"]), items, errors, float(stats.get("seconds", 0.0)))
         current = Score(float(stats["current"]), items, 0, 0.0)
         version = int(stats.get("current_version", 0))
-        return cls(name, str(stats.get("digest", "")), candidate, current, version)
+        digest, judge = str(stats.get("digest", "")), stats.get("judge")
+        return cls(name, digest, candidate, current, version, judge)
 
 
 def ask(
     replicas: Replicas, model: str, eval_set: evals.EvalSet, settings: TrainerSettings
 ) -> Score:
-    """`model` (a vLLM model name) asked every item of the set, scored."""
+    """`model` (a vLLM model name) asked every item of the set, scored. BadEvalSet when the
+    set cannot be scored here (its scorer does not import, its judge is unset or unreachable)."""
     started = time.perf_counter()
-    score = evals.scorer(eval_set.scorer)  # BadEvalSet before anything is asked
+    judged = eval_set.scorer == evals.JUDGE
+    if judged:
+        judge_model(settings, eval_set.name)  # BadEvalSet before anything is asked
+    else:
+        score = evals.scorer(eval_set.scorer)
     bodies = [_body(model, item, settings.eval_max_tokens) for item in eval_set.items]
-    answers = replicas.ask(
+    replies = replicas.ask(
         bodies, concurrency=settings.eval_concurrency, timeout_s=settings.eval_timeout_s
     )
-    total, errors = 0.0, 0
-    for answer, item in zip(answers, eval_set.items, strict=True):
-        try:
-            got = float(score(dict(answer["choices"][0]["message"]), item))
-            if not math.isfinite(got):
-                raise ValueError(f"not a finite number: {got}")
-        except Exception as e:  # a scorer's bug scores the item 0, counted, on both sides
-            errors += 1
-            if errors == 1:
-                log.warning("eval set %s: the scorer failed on an item: %r", eval_set.name, e)
-            got = 0.0
-        total += got
+    answers = [dict(r["choices"][0]["message"]) for r in replies]
+    if judged:
+        scores = grade(answers, eval_set, settings)
+    else:
+        scores = [_scored(score, a, item) for a, item in zip(answers, eval_set.items, strict=True)]
+    errors = sum(isinstance(s, Exception) for s in scores)
+    if errors:  # a scorer's bug scores the item 0, counted, on both sides
+        first = next(s for s in scores if isinstance(s, Exception))
+        log.warning("eval set %s: %d items not scored (0), e.g. %r", eval_set.name, errors, first)
+    total = sum(s for s in scores if not isinstance(s, Exception))
     n = len(eval_set.items)
     return Score(total / n, n, errors, time.perf_counter() - started)
+
+
+def _scored(score: evals.Scorer, answer: dict[str, Any], item: dict[str, Any]) -> float | Exception:
+    try:
+        got = float(score(answer, item))
+    except Exception as e:
+        return e
+    return got if math.isfinite(got) else ValueError(f"not a finite number: {got}")
+
+
+def judge_model(settings: TrainerSettings, name: str) -> str:
+    """The `judge` scorer's model; BadEvalSet when none is set."""
+    if not settings.eval_judge_model:
+        raise evals.BadEvalSet(
+            f"eval set {name} is scored by `judge`: set FLYWHEEL_EVAL_JUDGE_MODEL (and "
+            "FLYWHEEL_EVAL_JUDGE_URL, unless the trainer's own vLLM is the judge)"
+        )
+    return settings.eval_judge_model
+
+
+def grade(
+    answers: list[dict[str, Any]], eval_set: evals.EvalSet, settings: TrainerSettings
+) -> list[float | Exception]:
+    """Each answer graded by the judge model, in order: a score in [0, 1], or the judge's
+    answer's fault (ruler.BadAnswer). BadEvalSet when the judge cannot be asked at all."""
+    model = judge_model(settings, eval_set.name)
+    key = settings.eval_judge_api_key
+    judge = Replicas(
+        [(settings.eval_judge_url or settings.vllm[0]).rstrip("/")],
+        key.get_secret_value() if key else None,
+    )
+    bodies = [
+        _judge_body(model, answer, item, settings)
+        for answer, item in zip(answers, eval_set.items, strict=True)
+    ]
+    try:
+        replies = judge.ask(
+            bodies, concurrency=settings.eval_concurrency, timeout_s=settings.eval_timeout_s
+        )
+    except (VLLMError, OSError, ValueError) as e:  # ValueError: a 200 that is not JSON
+        raise evals.BadEvalSet(f"its judge {model} could not be asked: {e}") from e
+    finally:
+        judge.close()
+    out: list[float | Exception] = []
+    for reply in replies:
+        try:
+            out.append(ruler.parse(reply["choices"][0]["message"].get("content"), 1)[0].score)
+        except (ruler.BadAnswer, KeyError, IndexError, TypeError) as e:
+            out.append(e)
+    return out
+
+
+def _judge_body(
+    model: str, answer: dict[str, Any], item: dict[str, Any], settings: TrainerSettings
+) -> dict[str, Any]:
+    messages = ruler.grading(
+        item["messages"],
+        answer,
+        rubric=item.get("rubric"),
+        reference=item.get("reference"),
+        max_chars=settings.eval_judge_max_chars,
+    )
+    body: dict[str, Any] = {
+        "model": model,
+        "messages": messages,
+        "temperature": 0.0,
+        "max_tokens": 512,
+    }
+    kind = settings.eval_judge_response_format
+    if (shape := ruler.response_format(kind, 1)) is not None:
+        body["response_format"] = shape
+    elif kind == "regex":
+        body["structured_outputs"] = {"regex": ruler.answer_regex(1)}
+    return body
 
 
 def compare(
@@ -112,12 +198,21 @@ def compare(
         except evals.BadEvalSet as e:  # its scorer does not import here: it cannot be scored
             log.error("eval set %s is not asked: %s", eval_set.name, e)
             continue
+        judge = settings.eval_judge_model if eval_set.scorer == evals.JUDGE else None
         kept = stored.get(eval_set.name)
-        if isinstance(kept, dict) and kept.get("digest") == eval_set.digest:
+        if (
+            isinstance(kept, dict)
+            and kept.get("digest") == eval_set.digest
+            and kept.get("judge") == judge
+        ):
             theirs = Score(float(kept["score"]), int(kept["items"]), 0, 0.0)
         else:
-            theirs = ask(replicas, current, eval_set, settings)
-        out.append(Compared(eval_set.name, eval_set.digest, mine, theirs, current_version))
+            try:
+                theirs = ask(replicas, current, eval_set, settings)
+            except evals.BadEvalSet as e:  # the judge went away between the two
+                log.error("eval set %s is not asked: %s", eval_set.name, e)
+                continue
+        out.append(Compared(eval_set.name, eval_set.digest, mine, theirs, current_version, judge))
     return out
 
 

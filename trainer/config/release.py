@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, SecretStr
 
 from core.settings import FlywheelSettings
 
@@ -116,6 +116,29 @@ class ReleaseSettings(FlywheelSettings):
     )
     eval_concurrency: int = Field(8, ge=1, description="Eval questions in flight at once.")
     eval_timeout_s: float = Field(120.0, gt=0, description="One eval answer's time limit.")
+    eval_judge_model: str | None = Field(
+        None,
+        description="The `judge` scorer's model: its name at eval_judge_url (unset: eval sets "
+        "scored by `judge` are not asked, with an error in the log).",
+    )
+    eval_judge_url: str | None = Field(
+        None,
+        description="The judge model's OpenAI-compatible server (without /v1: a vLLM, a LiteLLM "
+        "proxy, https://api.openai.com); unset: the trainer's first vLLM (its base model, or "
+        "an adapter it serves, as the judge).",
+    )
+    eval_judge_api_key: SecretStr | None = Field(
+        None, description="Its key (Authorization: Bearer), if it needs one."
+    )
+    eval_judge_response_format: Literal["json_schema", "json_object", "regex", "none"] = Field(
+        "json_schema",
+        description="How the grade is held to its JSON: a JSON schema (OpenAI, vLLM), JSON "
+        "mode, vLLM's structured outputs by `regex` (what a small local judge needs), or the "
+        "prompt alone.",
+    )
+    eval_judge_max_chars: int = Field(
+        8000, ge=200, description="An item's prompt and answer, cut in the middle past this."
+    )
 
     # --- the promotion gate (trainer/gate.py) ----------------------------------------------
     gate: Literal["off", "ope", "evals", "ope+evals"] = Field(

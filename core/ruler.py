@@ -1,7 +1,15 @@
-"""What the judge is asked and how its answer is read: a task's episodes side by side, each
-scored from 0 to 1 *relative to the others* against a rubric (OpenPipe's RULER: relative scores
-within a group are what GRPO's group advantages need, and a judge ranks far more reliably than it
-grades on an absolute scale). Pure functions; `judge/worker.py` makes the calls.
+"""What an LLM judge is asked and how its answer is read. Pure functions, for both of its uses:
+
+- Rewards (`flywheel judge`, judge/worker.py makes the calls): a task's episodes side by side,
+  each scored from 0 to 1 *relative to the others* against a rubric (OpenPipe's RULER: relative
+  scores within a group are what GRPO's group advantages need, and a judge ranks far more
+  reliably than it grades on an absolute scale).
+- Eval sets (the `judge` scorer, trainer/evals.py makes the calls): one answer to an eval item,
+  graded alone against the rubric and the item's reference answer if it has one (`grading`).
+  Absolute, so that a version's score can be set beside the current version's stored one.
+
+Both answers have one shape, `{"scores": [{"trajectory_id", "explanation", "score"}, ...]}`
+(`response_format`, `answer_regex`, `parse`): a grading is a ranking of one.
 """
 
 from __future__ import annotations
@@ -46,6 +54,18 @@ class BadAnswer(ValueError):
     """The judge's answer is not the JSON asked for (another attempt may do better)."""
 
 
+GRADING_RUBRIC = """\
+- 1 when the answer does what the question asks, correctly and completely; 0 when it is wrong,
+  refuses, or answers something else; in between for an answer partly right.
+- With a reference answer: the answer is right when it agrees with the reference in substance
+  (wording, order and format may differ unless the question asks for them)."""
+
+GRADING_SYSTEM = """\
+You grade one answer of an AI assistant to a question from an evaluation set, on its own, from 0 \
+to 1, following the rubric. Answer with JSON only: {"scores": [{"trajectory_id": "1", \
+"explanation": "...", "score": 0.0}]}; the explanation one or two sentences on why."""
+
+
 def rubric_for(task: str | None, rubrics: dict[str, str]) -> str:
     """The first rubric whose pattern matches the task (its public id), else the default."""
     for pattern, rubric in rubrics.items():
@@ -81,6 +101,30 @@ def prompt(rubric: str, episodes: list[list[Call]], max_chars: int) -> list[dict
     for i, calls in enumerate(episodes, 1):
         body.append(f'<trajectory id="{i}">\n{transcript(calls, max_chars)}\n</trajectory>')
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "\n\n".join(body)}]
+
+
+def grading(
+    messages: list[Any],
+    answer: dict[str, Any],
+    *,
+    rubric: str | None,
+    reference: Any,
+    max_chars: int,
+) -> list[dict[str, str]]:
+    """The judge's prompt for one eval item (`messages`, the prompt the model was asked) and the
+    model's `answer` (the assistant message: content, tool_calls); `reference` (a string or a
+    list of accepted ones) shown when the item has one."""
+    calls = [Call(None, messages, answer.get("content"), answer.get("tool_calls"))]
+    body = [f"<rubric>\n{rubric or GRADING_RUBRIC}\n</rubric>"]
+    if reference is not None:
+        accepted = reference if isinstance(reference, list) else [reference]
+        shown = "\n".join(r if isinstance(r, str) else orjson.dumps(r).decode() for r in accepted)
+        body.append(f"<reference>\n{shown}\n</reference>")
+    body.append(f'<trajectory id="1">\n{transcript(calls, max_chars)}\n</trajectory>')
+    return [
+        {"role": "system", "content": GRADING_SYSTEM},
+        {"role": "user", "content": "\n\n".join(body)},
+    ]
 
 
 def response_format(kind: str, n: int) -> dict[str, Any] | None:
