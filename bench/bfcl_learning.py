@@ -20,6 +20,10 @@ Arms (one run each; `--seed` sets the trainer's seed and the agent's question or
   same warm start (a `warm-grpo` run's warm-start adapter) on the same training part, for
   `--samples` samples: the sample-efficiency reference (training reward per sample).
 
+`--train-probe N` asks, with the held-out part, N fixed training-part questions at temperature 0
+(the same sample for every run): settings are compared on that probe and the training reward,
+never on the held-out part.
+
 Each run appends one JSON line to bench/bfcl_learning.jsonl (its curve, evaluations, costs) and a
 section to bench/bfcl_learning.md; `--report` tables every recorded run there and draws
 docs/img/bfcl_learning.png. Some of the model's own answers go to tests/data/bfcl_sampled.jsonl
@@ -31,6 +35,7 @@ docs/img/bfcl_learning.png. Some of the model's own answers go to tests/data/bfc
     .venv/bin/python -m bench.bfcl_learning --arm grpo-partial --seed 0 --minutes 60
     .venv/bin/python -m bench.bfcl_learning --arm warm-grpo --set FLYWHEEL_LEARNING_RATE=2e-4
     .venv/bin/python -m bench.bfcl_learning --arm warm-grpo --seed 0 --reuse-warm  # GRPO only
+    .venv/bin/python -m bench.bfcl_learning --arm warm-grpo --train-probe 60  # + training probe
     .venv/bin/python -m bench.bfcl_learning --arm trl --seed 0 --samples 1024
     .venv/bin/python -m bench.bfcl_learning --report
     .venv/bin/python -m bench.bfcl_learning --arm warm-grpo --smoke   # minutes, for the tests
@@ -77,6 +82,7 @@ PLOT = ROOT / "docs" / "img" / "bfcl_learning.png"
 HOME = ROOT / ".flywheel" / "bfcl-learning"
 MODEL = "smollm2-135m"
 QUESTIONS, SAMPLES = 4, 8  # a round: 4 training-part questions, 8 episodes each (GRPO groups)
+PROBE_SEED = 41  # the training-part probe's sample (`--train-probe`): one for every run
 
 
 @dataclass
@@ -118,10 +124,11 @@ def run_flywheel(args: argparse.Namespace) -> Run:
             seed=args.seed,
         )
         held_out = agent.held_out[: args.held_out] if args.held_out else agent.held_out
+        asked = Asked(held_out, probe(agent.train, args.train_probe))
         t0 = time.perf_counter()
         try:
             if args.arm == "base":
-                run.evaluations.append(_evaluation(agent.evaluate(0, held_out), 0.0, 0))
+                run.evaluations.append(_evaluate(agent, url, 0, asked, t0, 0))
                 _keep_answers(args, run.evaluations[-1], "base")
                 return run
             warm = args.arm in ("warm-grpo", "warm-rft")
@@ -129,11 +136,11 @@ def run_flywheel(args: argparse.Namespace) -> Run:
                 run.warm = reuse_warm(run, loop, home)
                 t0 -= run.warm["evaluation"]["wall_s"]  # its time counts in the wall time
             elif warm:
-                run.warm = warm_start(agent, url, t0, held_out, args)
+                run.warm = warm_start(agent, url, t0, asked, args)
                 _keep_answers(args, run.warm["evaluation"], "warm")
                 _keep_warm(run, args)
                 _save(run, home)
-            grpo(agent, run, url, t0, held_out, args, home)
+            grpo(agent, run, url, t0, asked, args, home)
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what was measured is still recorded
             run.notes.append(f"stopped early (interrupted) after {time.perf_counter() - t0:.0f} s")
         finally:
@@ -144,7 +151,7 @@ def run_flywheel(args: argparse.Namespace) -> Run:
 
 
 def warm_start(
-    agent: BfclAgent, url: str, t0: float, held_out: list[bfcl.Question], args: argparse.Namespace
+    agent: BfclAgent, url: str, t0: float, asked: Asked, args: argparse.Namespace
 ) -> dict[str, Any]:
     """Post the training part's demonstrations, wait until every one is trained (no traffic
     meanwhile), ask the held-out part of the version that ends the warm start."""
@@ -156,7 +163,7 @@ def warm_start(
     seconds = time.perf_counter() - t0
     steps = _steps(url, "sft")
     print(f"warm start: {posted} demonstrations, {steps} supervised steps, {seconds:.0f} s")
-    evaluation = _evaluate(agent, url, version, held_out, t0, 0)
+    evaluation = _evaluate(agent, url, version, asked, t0, 0)
     return {
         "demonstrations": posted,
         "steps": steps,
@@ -199,13 +206,13 @@ def grpo(
     run: Run,
     url: str,
     t0: float,
-    held_out: list[bfcl.Question],
+    asked: Asked,
     args: argparse.Namespace,
     home: Path,
 ) -> None:
     """Rounds of the agent's traffic until `--minutes` or `--samples`; the held-out part asked
     every `--eval-every` versions and once more at the end."""
-    samples, asked = 0, _current(url)
+    samples, last = 0, _current(url)
     deadline = t0 + args.minutes * 60
     while time.perf_counter() < deadline and samples < args.samples:
         answers = agent.round(questions=QUESTIONS, samples=SAMPLES)
@@ -225,31 +232,48 @@ def grpo(
         while _waiting(url) > QUESTIONS * SAMPLES and time.perf_counter() < deadline:
             time.sleep(1)
         version = _current(url)
-        if version - asked >= args.eval_every:
-            run.evaluations.append(_evaluate(agent, url, version, held_out, t0, samples))
-            asked = version
+        if version - last >= args.eval_every:
+            run.evaluations.append(_evaluate(agent, url, version, asked, t0, samples))
+            last = version
         _save(run, home)
     version = _current(url)
     if not run.evaluations or run.evaluations[-1]["version"] != version:
-        run.evaluations.append(_evaluate(agent, url, version, held_out, t0, samples))
+        run.evaluations.append(_evaluate(agent, url, version, asked, t0, samples))
+
+
+@dataclass(frozen=True)
+class Asked:
+    """What each evaluation asks at temperature 0: the held-out part (what the run reports;
+    never used to choose settings), and the training-part probe (`--train-probe`: a fixed sample
+    of training questions, the same for every run and seed, what settings may be chosen on)."""
+
+    held_out: list[bfcl.Question]
+    probe: list[bfcl.Question]
+
+
+def probe(train: list[bfcl.Question], n: int) -> list[bfcl.Question]:
+    return random.Random(PROBE_SEED).sample(train, min(n, len(train))) if n else []
 
 
 def _evaluate(
     agent: BfclAgent,
     url: str,
     version: int,
-    held_out: list[bfcl.Question],
+    asked: Asked,
     t0: float,
     samples: int,
 ) -> dict[str, Any]:
     with _held(url, version):
-        asked = agent.evaluate(version, held_out)
-    evaluation = _evaluation(asked, time.perf_counter() - t0, samples)
-    print(
-        f"held-out v{version}: {evaluation['accuracy']:.3f} valid, "
-        f"{evaluation['parsable']:.3f} parsable",
-        flush=True,
-    )
+        held_out = agent.evaluate(version, asked.held_out)
+        probed = agent.evaluate(version, asked.probe) if asked.probe else None
+    evaluation = _evaluation(held_out, time.perf_counter() - t0, samples)
+    line = f"held-out v{version}: {evaluation['accuracy']:.3f} valid, "
+    line += f"{evaluation['parsable']:.3f} parsable"
+    if probed is not None:
+        evaluation["probe"] = {"accuracy": probed.accuracy, "parsable": probed.parsable,
+                               "questions": probed.questions}  # fmt: skip
+        line += f"; training probe {probed.accuracy:.3f} valid ({probed.questions} questions)"
+    print(line, flush=True)
     return evaluation
 
 
@@ -609,9 +633,11 @@ def summary(run: dict[str, Any]) -> list[str]:
             f"{e['parsable']:.3f} parsable"
         )
     for e in run["evaluations"]:
+        probed = e.get("probe")
         lines.append(
             f"- held-out v{e['version']} after {e['samples']} samples, {e['wall_s']:.0f} s: "
             f"{e['accuracy']:.3f} valid, {e['parsable']:.3f} parsable ({e['questions']} questions)"
+            + (f"; training probe {probed['accuracy']:.3f} valid" if probed else "")
         )
     if run["rounds"]:
         first, last = run["rounds"][0], run["rounds"][-1]
@@ -738,6 +764,13 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=10, help="versions between held-out asks")
     parser.add_argument("--held-out", type=int, default=0, help="ask only the first N (0: all)")
     parser.add_argument("--demonstrations", type=int, default=0, help="post only N (0: all)")
+    parser.add_argument(
+        "--train-probe",
+        type=int,
+        default=0,
+        help="with each held-out ask, N fixed training-part questions at temperature 0: the "
+        "measure settings may be chosen on (the held-out part never is)",
+    )
     parser.add_argument(
         "--reuse-warm",
         action="store_true",

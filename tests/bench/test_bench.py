@@ -388,7 +388,10 @@ def test_bfcl_learning_records_a_killed_run_and_reports_every_run(tmp_path: Path
                 }
                 for i in (1, 2)
             ],
-            "evaluations": [evaluation(57, final, 4441.0, 672)],
+            "evaluations": [
+                evaluation(57, final, 4441.0, 672)
+                | {"probe": {"accuracy": 0.65, "parsable": 1.0, "questions": 60}}
+            ],
             "warm": {
                 "demonstrations": 289,
                 "steps": 37,
@@ -414,6 +417,7 @@ def test_bfcl_learning_records_a_killed_run_and_reports_every_run(tmp_path: Path
     assert [r["seed"] for r in recorded] == [0, 1, 0]
     assert "killed before its end" in recorded[0]["notes"][0]
     assert "- held-out v57 after 672 samples, 4441 s: 0.495 valid" in report.read_text()
+    assert "questions); training probe 0.650 valid" in report.read_text()
     out = _bench("bench.bfcl_learning", "--report", *paths).stdout
     assert "| warm start alone | 2 | 0.425 ± 0.035 | 0.970 | 0 | 1509 |" in out
     assert "| warm start + GRPO | 2 | 0.450 ± 0.064 | 0.970 | 672 | 4441 |" in out
