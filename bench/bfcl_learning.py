@@ -112,7 +112,10 @@ def run_flywheel(args: argparse.Namespace) -> Run:
     if args.arm == "warm-rft":
         env["FLYWHEEL_DEMONSTRATIONS"] = "mix"  # supervised steps on successes between GRPO's
     task = dataclasses.replace(TASKS["bfcl"], trainer_env=env)
-    run = Run(args.arm, args.seed, time.strftime("%Y-%m-%d %H:%M"), env, overrides=dict(args.set))
+    overrides = dict(args.set)
+    if args.temperature != TEMPERATURE:  # the agent's, not the trainer's: a row of its own
+        overrides["temperature"] = str(args.temperature)
+    run = Run(args.arm, args.seed, time.strftime("%Y-%m-%d %H:%M"), env, overrides=overrides)
     home = Path(tempfile.mkdtemp(prefix=f"{args.arm}-{args.seed}-", dir=_mkdir(HOME)))
     run.notes.append(f"home (logs, adapters): {home}")
     with learning_loop(home, model_dir, task, args.database_url) as (url, loop):
@@ -122,6 +125,7 @@ def run_flywheel(args: argparse.Namespace) -> Run:
             loop.proxy_url,
             reward="partial" if args.arm == "grpo-partial" else "binary",
             seed=args.seed,
+            temperature=args.temperature,
         )
         held_out = agent.held_out[: args.held_out] if args.held_out else agent.held_out
         asked = Asked(held_out, probe(agent.train, args.train_probe))
@@ -764,6 +768,12 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=10, help="versions between held-out asks")
     parser.add_argument("--held-out", type=int, default=0, help="ask only the first N (0: all)")
     parser.add_argument("--demonstrations", type=int, default=0, help="post only N (0: all)")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=TEMPERATURE,
+        help="the agent's sampling temperature in the training rounds (held-out asks: 0)",
+    )
     parser.add_argument(
         "--train-probe",
         type=int,
