@@ -129,7 +129,10 @@ def grade(
     """Each answer graded by the judge model, in order: a score in [0, 1], or the judge's
     answer's fault (ruler.BadAnswer). BadEvalSet when the judge cannot be asked at all."""
     model = judge_model(settings, eval_set.name)
+    # The trainer's own vLLM as the judge (no URL set) takes the key the trainer has for it.
     key = settings.eval_judge_api_key
+    if key is None and not settings.eval_judge_url:
+        key = settings.vllm_api_key
     judge = Replicas(
         [(settings.eval_judge_url or settings.vllm[0]).rstrip("/")],
         key.get_secret_value() if key else None,

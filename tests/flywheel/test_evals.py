@@ -390,3 +390,24 @@ def test_the_judge_scorer_on_vllm_cpu_held_to_its_answer_by_a_regex(
         replicas.close()
     assert scored.items == 3 and scored.scorer_errors == 0, scored
     assert 0 <= scored.score <= 1
+
+
+def test_the_trainers_own_vllm_as_the_judge_takes_the_trainers_key(tmp_path: Path) -> None:
+    """FLYWHEEL_EVAL_JUDGE_URL unset: the judge is the trainer's first vLLM, asked with the key
+    the trainer has for it (FLYWHEEL_VLLM_API_KEY) unless the judge has its own."""
+    items = evals.read_items(['{"prompt": "2+2?", "reference": "4"}'], "s")
+    eval_set = evals.EvalSet(1, "policy", "graded", "judge", items, "d", "test")
+    with FakeVLLM() as vllm:
+        for own_key, sent in ((None, "Bearer sk-vllm"), ("sk-judge", "Bearer sk-judge")):
+            settings = TrainerSettings(
+                model=build_demo_model(TEST_HOME / "models" / "demo"),
+                vllm=[vllm.url],
+                vllm_api_key="sk-vllm",
+                adapters_dir=tmp_path,
+                home=tmp_path,
+                eval_judge_model="demo",
+                eval_judge_api_key=own_key,
+            )
+            vllm.replies = [judged(0.25)]
+            assert trainer_evals.grade([{"content": "4"}], eval_set, settings) == [0.25]
+            assert vllm.requests[-1]["headers"]["Authorization"] == sent

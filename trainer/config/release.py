@@ -128,7 +128,9 @@ class ReleaseSettings(FlywheelSettings):
         "an adapter it serves, as the judge).",
     )
     eval_judge_api_key: SecretStr | None = Field(
-        None, description="Its key (Authorization: Bearer), if it needs one."
+        None,
+        description="Its key (Authorization: Bearer), if it needs one; unset with no URL: the "
+        "trainer's FLYWHEEL_VLLM_API_KEY.",
     )
     eval_judge_response_format: Literal["json_schema", "json_object", "regex", "none"] = Field(
         "json_schema",
