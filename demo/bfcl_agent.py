@@ -100,8 +100,11 @@ class BfclAgent:
             for r in self._flywheel.demonstrations(items[start : start + 500])
         )
 
-    def round(self, *, questions: int = 4, samples: int = 8) -> list[Answer]:
-        chosen = self._rng.sample(self.train, questions)
+    def round(
+        self, *, questions: int = 4, samples: int = 8, pool: Sequence[Question] | None = None
+    ) -> list[Answer]:
+        """`questions` drawn from `pool` (default: the training part), `samples` episodes each."""
+        chosen = self._rng.sample(list(self.train if pool is None else pool), questions)
         jobs = [q for q in chosen for _ in range(samples)]
         return list(self._pool.map(self.episode, jobs))
 
