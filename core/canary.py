@@ -18,6 +18,13 @@ only at looks (both arms at min_episodes * 2**k episodes), at level alpha / 2**(
     promote    the candidate is not worse by the margin: p(cand - base > -margin)  < level
 Neither: wait for the next look, up to `max_s`, then the rule's `fallback`.
 
+A *hold* is a canary on no episode (`fraction` 0, `Rule.held`): the promotion gate's fallback for
+a version it cannot decide yet (trainer/gate.py). The candidate is loaded, no alias serves it, and
+the trainer's gate decides it again on the traffic logged meanwhile (trainer/canary_watch.py):
+pass promotes it (or opens a canary on it, when canaries are on), fail retires it; up to `max_s`,
+then the rule's `fallback`. Everything else (the trainer pausing, retention keeping the
+candidate, a hand on the policy superseding it) is a canary's.
+
 Moving the current version by hand (`policy.make_current`) closes the lineage's open canary as
 `superseded`.
 """
@@ -41,12 +48,19 @@ Action = Literal["promote", "rollback"]
 
 @dataclass(frozen=True)
 class Rule:
-    fraction: float  # of the lineage's episodes the candidate serves
+    fraction: float  # of the lineage's episodes the candidate serves (0: a hold)
     min_episodes: int = 30  # rewarded episodes on each arm at the first look
     alpha: float = 0.05  # each one-sided test's level, over all looks together
     margin: float = 0.02  # reward the candidate may lose and still be promoted
     max_s: float = 900.0  # then the fallback decides
     fallback: Action = "promote"
+
+    @property
+    def held(self) -> bool:
+        """A hold (the promotion gate's `hold` fallback, trainer/gate.py): the candidate is
+        loaded but serves no episode, and the gate decides it again on the traffic logged
+        meanwhile, not the candidate's own rewards."""
+        return self.fraction == 0
 
 
 @dataclass(frozen=True)
@@ -60,6 +74,12 @@ class Canary:
     rule: Rule
     opened_at: datetime
     age_s: float  # by the database's clock, when read
+
+    def serving(self) -> str:
+        """What it serves, for logs and `flywheel status`."""
+        if self.rule.held:
+            return f"{self.candidate_name} held by the gate (serves no episode)"
+        return f"{self.candidate_name} on {self.fraction:.0%} of episodes"
 
 
 class ArmEpisode(NamedTuple):
@@ -88,8 +108,8 @@ class Evidence:
 @dataclass(frozen=True)
 class Decision:
     action: Action
-    reason: str  # worse | not_worse | timeout
-    evidence: Evidence
+    reason: str  # worse | not_worse | timeout; a hold's: the gate's verdict
+    evidence: Evidence | None  # a hold has none: nobody was served its candidate
 
 
 def in_canary(episode_id: str, candidate: int, fraction: float) -> bool:

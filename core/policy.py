@@ -11,7 +11,8 @@ sequence for all lineages, so `N` names one adapter everywhere (`<lineage>-vN`).
     publish  (trainer)  save policy-vN/ -> load_everywhere -> one transaction: the batch trained,
                         N inserted and made current, NOTIFY. With a canary rule, N is inserted
                         as a candidate instead: it serves a fraction of the lineage's episodes
-                        until `decide_canary` promotes it or retires it (core/canary.py)
+                        (a hold: none) until `decide_canary` promotes it or retires it
+                        (core/canary.py)
     activate (rollback) load_everywhere -> make_current; POST /admin/adapters/N/activate on the
                         proxy and `flywheel adapters activate N` both call `rollout.activate`
     pin                 activate, and hold the lineage there: publish raises Pinned (the trainer
@@ -157,8 +158,9 @@ def publish(
     rejected: bool = False,
 ) -> None:
     """Record a new version as its lineage's current one (named `<lineage>-v<version>`); every
-    proxy's alias follows when this commits. With `canary_rule` (fraction > 0) it becomes the
-    lineage's canary candidate instead, the current version staying as it is. `rejected` (the
+    proxy's alias follows when this commits. With `canary_rule` it becomes the lineage's canary
+    candidate instead, the current version staying as it is (a hold, `fraction` 0: served to no
+    episode until the gate decides it). `rejected` (the
     trainer's promotion gate, trainer/gate.py): recorded retired, never served, the current
     version staying as it is.
 
@@ -176,7 +178,7 @@ def publish(
     now = session.scalar(select(AdapterVersion.version).where(*mine))
     if now != parent:
         raise PolicyMoved(parent, now, lineage)
-    candidate = not rejected and canary_rule is not None and canary_rule.fraction > 0
+    candidate = not rejected and canary_rule is not None
     if candidate and canary.opened(session=session, lineage=lineage):
         raise CanaryOpen(f"lineage {lineage} has a canary open already")
     serves = not candidate and not rejected  # at once, in place of the current version
@@ -205,15 +207,30 @@ def publish(
     session.execute(text(f"NOTIFY {POLICY_CHANNEL}"))
 
 
-def decide_canary(decided: canary.Canary, decision: canary.Decision, *, session: Session) -> bool:
-    """Carry out a canary's decision: promote makes the candidate current, rollback retires it
-    (the trainer then unloads and deletes it). False when the canary was closed meanwhile."""
+def decide_canary(
+    decided: canary.Canary,
+    decision: canary.Decision,
+    *,
+    session: Session,
+    then: canary.Rule | None = None,
+) -> bool:
+    """Carry out a canary's decision: promote makes the candidate current (or, with `then`, a
+    hold's candidate opens a canary on that rule instead), rollback retires it (the trainer then
+    unloads and deletes it). False when the canary was closed meanwhile."""
     _lock(session)
     if not canary.close(
         decided, decision.action, decision.reason, decision.evidence, session=session
     ):
         return False
-    if decision.action == "promote":
+    if decision.action == "promote" and then is not None:
+        canary.open_canary(
+            session=session,
+            lineage=decided.lineage,
+            candidate=decided.candidate,
+            baseline=decided.baseline,
+            rule=then,
+        )
+    elif decision.action == "promote":
         _move(decided.candidate, decided.lineage, session=session)
     else:
         session.execute(
@@ -223,6 +240,14 @@ def decide_canary(decided: canary.Canary, decision: canary.Decision, *, session:
         )
     session.execute(text(f"NOTIFY {POLICY_CHANNEL}"))
     return True
+
+
+def restat(version: int, stats: dict[str, Any], *, session: Session) -> None:
+    """Merge `stats` into a version's (a held version's gate, decided again)."""
+    row = session.get(AdapterVersion, version)
+    if row is None:
+        raise UnknownVersion(f"no adapter version {version}")
+    row.stats = {**(row.stats or {}), **stats}
 
 
 def make_current(

@@ -65,12 +65,7 @@ def _list(args: argparse.Namespace, url: str) -> None:
     for lineage, versions in sorted(by_lineage.items()):
         current = next((a.name for a in versions if a.is_current), "the base model")
         test = tests.get(lineage)
-        under_test = (
-            f"; canary {test.candidate_name} on {test.fraction:.0%} of episodes for "
-            f"{test.age_s:.0f}s"
-            if test
-            else ""
-        )
+        under_test = f"; canary {test.serving()} for {test.age_s:.0f}s" if test else ""
         pin = held.get(lineage)
         pinned = (
             f"; pinned since {pin.pinned_at:%Y-%m-%d %H:%M}"
@@ -103,6 +98,8 @@ def _canaries(args: argparse.Namespace, url: str) -> None:
 def _canary_line(row: Any) -> str:
     """One canary: when, which versions, what was decided and on what evidence."""
     head = f"{row.opened_at:%Y-%m-%d %H:%M:%S} {row.lineage}: v{row.candidate} vs v{row.baseline}"
+    if row.decided_at is None and row.fraction == 0:
+        return f"{head}: held by the gate, served to no one, open"
     if row.decided_at is None:
         return f"{head} on {row.fraction:.0%} of episodes, open"
     took = (row.decided_at - row.opened_at).total_seconds()

@@ -88,7 +88,13 @@ def collect(sessions: Sessions, *, steps: int = 5) -> Status:
                 current=current,
                 pinned=pin.version if pin else None,
                 pin_note=pin.note if pin else None,
-                canary=f"v{test.candidate} at {test.rule.fraction:.0%}" if test else None,
+                canary=(
+                    f"v{test.candidate} held by the gate"
+                    if test and test.rule.held
+                    else f"v{test.candidate} at {test.rule.fraction:.0%}"
+                    if test
+                    else None
+                ),
                 queue=int(queue.get(name, 0)),
                 last_step=max(mine, key=lambda a: a.version, default=None),
                 demonstrations=demonstrations.get(name, (0, 0)),

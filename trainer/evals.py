@@ -191,32 +191,38 @@ def compare(
     current_version: int,
     current_stats: dict[str, Any] | None,
     settings: TrainerSettings,
+    candidate_stats: dict[str, Any] | None = None,
 ) -> list[Compared]:
-    """Each set asked of `candidate`, beside `current`'s stored or fresh score on it."""
-    stored = (current_stats or {}).get("evals") or {}
+    """Each set asked of `candidate`, beside `current`'s score on it: each side's stored one
+    (in its version's stats, for the same set and judge) or asked now."""
     out = []
     for eval_set in eval_sets:
+        judge = settings.eval_judge_model if eval_set.scorer == evals.JUDGE else None
         try:
-            mine = ask(replicas, candidate, eval_set, settings)
-        except evals.BadEvalSet as e:  # its scorer does not import here: it cannot be scored
+            mine = _stored(candidate_stats, eval_set, judge) or ask(
+                replicas, candidate, eval_set, settings
+            )
+            theirs = _stored(current_stats, eval_set, judge) or ask(
+                replicas, current, eval_set, settings
+            )
+        except evals.BadEvalSet as e:  # its scorer does not import here, the judge went away
             log.error("eval set %s is not asked: %s", eval_set.name, e)
             continue
-        judge = settings.eval_judge_model if eval_set.scorer == evals.JUDGE else None
-        kept = stored.get(eval_set.name)
-        if (
-            isinstance(kept, dict)
-            and kept.get("digest") == eval_set.digest
-            and kept.get("judge") == judge
-        ):
-            theirs = Score(float(kept["score"]), int(kept["items"]), 0, 0.0)
-        else:
-            try:
-                theirs = ask(replicas, current, eval_set, settings)
-            except evals.BadEvalSet as e:  # the judge went away between the two
-                log.error("eval set %s is not asked: %s", eval_set.name, e)
-                continue
         out.append(Compared(eval_set.name, eval_set.digest, mine, theirs, current_version, judge))
     return out
+
+
+def _stored(
+    stats: dict[str, Any] | None, eval_set: evals.EvalSet, judge: str | None
+) -> Score | None:
+    """A version's own score on `eval_set`, kept in its stats (`Compared.stats`) when it was
+    asked the same set (digest) with the same judge."""
+    kept = ((stats or {}).get("evals") or {}).get(eval_set.name)
+    if not isinstance(kept, dict) or kept.get("digest") != eval_set.digest:
+        return None
+    if kept.get("judge") != judge:
+        return None
+    return Score(float(kept["score"]), int(kept["items"]), int(kept.get("scorer_errors", 0)), 0.0)
 
 
 def line(compared: list[Compared]) -> str:

@@ -21,9 +21,9 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from core import policy
+from core import canary, policy
 from core.database import Sessions
-from trainer import faults, metrics, report
+from trainer import faults, gate, metrics, report
 from trainer.canary_watch import CanaryWatch
 from trainer.config import TrainerSettings
 from trainer.data import demonstrations, store
@@ -57,7 +57,9 @@ class Trainer:
         self.lineage = settings.lineage
         self.metrics = metrics.LineageMetrics(self.lineage)
         self.housekeeper = Housekeeper(settings, sessions, vllm)
-        self.canary = CanaryWatch(settings, sessions, self.metrics, self.housekeeper)
+        self.canary = CanaryWatch(
+            settings, sessions, self.metrics, self.housekeeper, rejudge=self._rejudge
+        )
         self.pin = PinWatch(self.lineage, sessions, self.metrics)
         with sessions.begin() as session:
             current = policy.current(session=session, lineage=self.lineage)
@@ -311,6 +313,31 @@ class Trainer:
             gc.collect()
             self.engine = self.make_engine(path)
         self.parent = version
+
+    def _rejudge(self, held: canary.Canary) -> gate.Verdict | None:
+        """A held version's gate asked again (trainer/canary_watch.py): the engine follows the
+        current version (the hold's baseline), takes the held version's weights for the
+        estimate, and is put back. None: it could not be asked (logged; asked again later)."""
+        with self.sessions.begin() as session:
+            adapter = policy.get(held.candidate, session=session)
+        if adapter is None or not Path(adapter.path).exists():
+            where = adapter.path if adapter else "no row"
+            return gate.Verdict("fail", f"its adapter is gone ({where})")
+        self._follow(None if held.baseline == policy.BASE_VERSION else held.baseline)
+        before = self.engine.snapshot()
+        try:
+            self.engine.load_adapter(Path(adapter.path))
+            judgement = self.gatekeeper.rejudge(
+                self.engine, before, adapter, self.parent, self.sampling_defaults
+            )
+        except faults.INFRASTRUCTURE as e:  # Postgres or vLLM away: the hold waits
+            log.warning("%s: the held %s is not judged yet: %s", self.lineage, adapter.name, e)
+            return None
+        finally:
+            self.engine.restore(before)
+        with self.sessions.begin() as session:
+            policy.restat(held.candidate, judgement.stats(), session=session)
+        return judgement.verdict
 
     def _publish(self, step: Step, before: Snapshot) -> bool:
         try:

@@ -3,7 +3,8 @@ estimate on logged traffic (FLYWHEEL_OPE, trainer/candidate.py), its eval sets' 
 (FLYWHEEL_EVALS, trainer/evals.py), and the promotion gate's verdict on them (FLYWHEEL_GATE,
 trainer/gate.py). The trainer's publish (trainer/loop.py) asks a lineage's `Gatekeeper` in
 order: `estimate` (before anything is saved or loaded), `ask` (the version loaded in vLLM,
-served by no alias yet), `decide`; and tells it what was `published`.
+served by no alias yet), `decide`; and tells it what was `published`. A version held by the
+gate (FLYWHEEL_GATE_FALLBACK=hold) is judged again by `rejudge` (trainer/canary_watch.py).
 
 Only a lone trainer process estimates and gates for now (not under torchrun / accelerate).
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 from core import policy
 from core.database import Sessions
@@ -133,11 +135,35 @@ class Gatekeeper:
         with self.sessions.begin() as session:
             return eval_sets_of(session=session, lineage=self.lineage)
 
+    def rejudge(
+        self,
+        engine: Engine,
+        before: Snapshot,
+        held: policy.Adapter,
+        baseline: int | None,
+        sampling_defaults: dict[str, float],
+    ) -> Judgement:
+        """A held version (the engine at its weights, `before` the current version's) judged
+        again on the traffic logged since: its estimate made anew, its eval sets' stored scores
+        reused (a set added meanwhile is asked: it is loaded), the gate's verdict."""
+        judgement = self.estimate(engine, before, baseline, sampling_defaults)
+        eval_sets = self.eval_sets(judgement)
+        if eval_sets:
+            self.ask(judgement, eval_sets, held.name, baseline, candidate_stats=held.stats)
+        self.decide(judgement, processes=engine.world.size)
+        return judgement
+
     def ask(
-        self, judgement: Judgement, eval_sets: list[EvalSet], name: str, parent: int | None
+        self,
+        judgement: Judgement,
+        eval_sets: list[EvalSet],
+        name: str,
+        parent: int | None,
+        candidate_stats: dict[str, Any] | None = None,
     ) -> None:
-        """The loaded new version `name` asked the eval sets, beside the current version's
-        scores. vLLM failing to answer raises (faults.INFRASTRUCTURE)."""
+        """The loaded new version `name` asked the eval sets (a score in `candidate_stats` for
+        the same set and judge is reused), beside the current version's scores. vLLM failing to
+        answer raises (faults.INFRASTRUCTURE)."""
         current = parent if parent is not None else policy.BASE_VERSION
         with self.sessions.begin() as session:
             adapter = policy.get(current, session=session) if parent is not None else None
@@ -148,6 +174,7 @@ class Gatekeeper:
             current=adapter.name if adapter else self.vllm.base_model(),
             current_version=current,
             current_stats=adapter.stats if adapter else None,
+            candidate_stats=candidate_stats,
             settings=self.settings,
         )
         for c in judgement.compared:

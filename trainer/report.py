@@ -65,7 +65,9 @@ def report_step(
         swap_s * 1000,
         skipped,
     )
-    if canary_rule is not None:
+    if canary_rule is not None and canary_rule.held:
+        log.info("%s v%d is held: served to no one until the gate decides it", m.lineage, version)
+    elif canary_rule is not None:
         log.info(
             "%s v%d is a canary: %.0f%% of the lineage's episodes until the reward decides",
             m.lineage,

@@ -117,7 +117,7 @@ class PolicyAlias:
                 log.info(
                     "lineage %s canary: %s",
                     lineage,
-                    f"{now_open.candidate_name} for {now_open.fraction:.0%} of episodes"
+                    now_open.serving()
                     if now_open
                     else "closed",
                 )

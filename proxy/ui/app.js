@@ -137,7 +137,9 @@ async function overview() {
   const cards = h("div", { class: "cards" },
     lineages.map(l => card(`current · ${l.lineage}`, l.version ? `v${l.version}` : "base model",
       l.pinned ? `pinned ${ago(l.pinned.since)}${l.pinned.note ? `: ${l.pinned.note}` : ""}`
-        : open[l.lineage] ? `canary: v${open[l.lineage].candidate} on ${Math.round(open[l.lineage].fraction * 100)}% of episodes`
+        : open[l.lineage] ? (open[l.lineage].fraction
+          ? `canary: v${open[l.lineage].candidate} on ${Math.round(open[l.lineage].fraction * 100)}% of episodes`
+          : `held: v${open[l.lineage].candidate}, served to no one until the gate decides`)
           : l.since ? `since ${ago(l.since)}` : "no adapter yet")),
     card("calls", fmt(calls), `${fmt(lastRate, 2)}/s in the last ${data.bucket_s} s · ${fmt(failed)} failed`),
     card("episodes", fmt(episodes), `${fmt(rewarded)} rewarded`),
@@ -209,7 +211,7 @@ function canaryTable(rows) {
     { label: "opened", cell: c => ago(c.opened_at) },
     { label: "decision", cell: c => (c.action
       ? h("span", { class: `pill ${c.action === "promote" ? "good" : c.action === "rollback" ? "bad" : ""}` }, c.action)
-      : h("span", { class: "pill warn" }, `open · ${Math.round(c.fraction * 100)}%`)) },
+      : h("span", { class: "pill warn" }, c.fraction ? `open · ${Math.round(c.fraction * 100)}%` : "held by the gate")) },
     { label: "episodes (cand. / base)", num: true, cell: c => (c.evidence ? `${fmt(c.evidence.candidate_episodes)} / ${fmt(c.evidence.baseline_episodes)}` : "—") },
     { label: "mean (cand. / base)", num: true, cell: c => (c.evidence ? `${fmt(c.evidence.candidate_mean)} / ${fmt(c.evidence.baseline_mean)}` : "—") },
     { label: "why", cell: c => c.reason || "" },

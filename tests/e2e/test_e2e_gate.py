@@ -7,6 +7,10 @@ new version its lineage's eval sets through vLLM before it serves.
         learning rate moves the greedy answers away from them: fail, unloaded from vLLM again,
         retired, never served, and the trainer goes on from v1's weights
     v3  a set any answer passes: pass, served by the proxy
+
+and the `hold` fallback (`test_a_version_the_gate_cannot_decide_is_held_until_it_can`): a version
+with no eval set to decide on is held (loaded, served to no one, training paused) until a set
+arrives that passes it, and a held version a set fails is retired without ever being served.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from core import evals, policy
+from core import canary, evals, policy
 from core.database import Sessions
 from demo.tiny_model import build_demo_model
 from tests.conftest import TEST_HOME, RunningProxy
@@ -106,6 +110,97 @@ def test_the_gate_passes_fails_and_cannot_decide_on_real_vllm(
     finally:
         trainer.release_claims()
         replicas.close()
+
+
+def test_a_version_the_gate_cannot_decide_is_held_until_it_can(
+    real_proxy: RunningProxy, vllm_url: str, sessions: Sessions, tmp_path: Path
+) -> None:
+    settings = TrainerSettings(
+        model=build_demo_model(TEST_HOME / "models" / "demo"),
+        vllm=[vllm_url],
+        adapters_dir=tmp_path / "adapters",
+        home=tmp_path,
+        database_url=real_proxy.database_url,
+        min_episodes=4,
+        metrics_port=0,
+        learning_rate=5e-2,
+        retire_grace_s=0,
+        gate="evals",
+        gate_eval_margin=0.1,
+        gate_fallback="hold",
+        gate_hold_check_s=0.001,
+    )
+    with sessions.begin() as session:  # no eval set: nothing can decide
+        for s in evals.sets(session=session, lineage="policy"):
+            evals.remove(session=session, lineage="policy", name=s.name)
+        before = policy.current(session=session)
+    serving = str(before.version) if before else "0"
+    replicas = Replicas(settings.vllm, None)
+    trainer = Trainer(settings, sessions, replicas)
+    try:
+        episodes(real_proxy, "h-a")
+        assert trainer.step()  # published, held
+        held = opened(sessions)
+        assert held is not None and held.rule.held
+        v = held.candidate
+        assert current_version(sessions) == (before.version if before else None)
+        assert held_version(sessions, v).stats["gate"]["outcome"] == "inconclusive"
+        assert held_version(sessions, v).name in replicas.loaded(vllm_url)  # loaded, not served
+        assert episodes(real_proxy, "h-b") == serving
+        assert not trainer.step()  # still no set: held, nothing trained meanwhile
+        assert opened(sessions) is not None
+        real_proxy.wait_rows(  # all 8 recorded, and still waiting
+            "SELECT id FROM transition WHERE starts_with(episode_id, 'h-b-') AND trained_version IS NULL",
+            8,
+        )
+
+        add_set(sessions, "any-answer", "python:tests.e2e.test_e2e_gate:anything", PROMPTS, PROMPTS)
+        assert not trainer.canary.holds()  # asked again: pass, promoted
+        assert current_version(sessions) == v and opened(sessions) is None
+        assert held_version(sessions, v).stats["gate"]["outcome"] == "pass"
+        for i in range(50):  # the proxy's alias follows the promotion's NOTIFY
+            if episodes(real_proxy, f"h-c{i}", n=1) == str(v):
+                break
+        else:
+            raise AssertionError(f"the proxy never served v{v}")
+
+        with sessions.begin() as session:
+            evals.remove(session=session, lineage="policy", name="any-answer")
+        assert trainer.step()  # trained from v on the waiting episodes: held again
+        again = opened(sessions)
+        assert again is not None and again.rule.held and again.baseline == v
+        w = held_version(sessions, again.candidate)
+        like_v = greedy(vllm_url, held_version(sessions, v).name, PROMPTS)
+        add_set(sessions, "like-v", "exact", like_v, PROMPTS)
+        assert not trainer.canary.holds()  # asked again: worse than v on the set, retired
+        w = held_version(sessions, w.version)
+        assert w.retired_at is not None and w.stats is not None, w
+        assert w.stats["gate"]["outcome"] == "fail", w.stats["gate"]
+        assert current_version(sessions) == v
+        assert w.name not in replicas.loaded(vllm_url)  # never served, unloaded again
+        served = "SELECT count(*) FROM transition WHERE policy_version = %s"
+        assert real_proxy.query(served, w.version) == [(0,)]
+    finally:
+        with sessions.begin() as session:
+            evals.remove(session=session, lineage="policy", name="like-v")
+        trainer.release_claims()
+        replicas.close()
+
+
+def opened(sessions: Sessions) -> canary.Canary | None:
+    with sessions.begin() as session:
+        return canary.opened(session=session).get("policy")
+
+
+def held_version(sessions: Sessions, version: int) -> Any:
+    with sessions.begin() as session:
+        return policy.get(version, session=session)
+
+
+def current_version(sessions: Sessions) -> int | None:
+    with sessions.begin() as session:
+        adapter = policy.current(session=session)
+    return adapter.version if adapter else None
 
 
 def anything(answer: dict[str, Any], item: dict[str, Any]) -> float:

@@ -88,6 +88,16 @@ class TrainerSettings(
             fallback=self.canary_fallback,
         )
 
+    @property
+    def gate_hold_rule(self) -> canary.Rule:
+        """The hold an undecided version is put on with gate_fallback=hold (core/canary.py: a
+        canary on no episode, decided by the gate again)."""
+        return canary.Rule(
+            fraction=0.0,
+            max_s=self.gate_hold_max_s,
+            fallback="promote" if self.gate_hold_timeout == "publish" else "rollback",
+        )
+
     @model_validator(mode="after")
     def _check_combinations(self) -> TrainerSettings:
         if self.lora_rank not in VLLM_LORA_RANKS:

@@ -169,12 +169,32 @@ class ReleaseSettings(FlywheelSettings):
         description="A version whose mean importance weight on the logged episodes is under this "
         "puts its probability where nothing was logged: it fails.",
     )
-    gate_fallback: Literal["publish", "canary", "reject"] = Field(
+    gate_fallback: Literal["publish", "canary", "hold", "reject"] = Field(
         "publish",
         description="What an inconclusive gate does (too few logged episodes yet, an interval "
         "across -margin, no eval sets): publish as without a gate (a canary, if canaries are on), "
         "open a canary whatever canary_fraction says (on gate_canary_fraction if it is 0; the "
-        "other canary_* settings decide it), or reject.",
+        "other canary_* settings decide it), hold it (loaded, served to no one, the gate asked "
+        "again every gate_hold_check_s on the traffic logged meanwhile, training paused), or "
+        "reject.",
+    )
+    gate_hold_check_s: float = Field(
+        60.0,
+        gt=0,
+        description="With gate_fallback=hold: how often the held version's gate is asked again "
+        "(each time one forward pass per logged call of the window, as at its publish).",
+    )
+    gate_hold_max_s: float = Field(
+        3600.0,
+        gt=0,
+        description="With gate_fallback=hold: undecided after this long, gate_hold_timeout "
+        "decides.",
+    )
+    gate_hold_timeout: Literal["reject", "publish"] = Field(
+        "reject",
+        description="What a hold still undecided after gate_hold_max_s does: reject (only what "
+        "the gate passed ships) or publish (as without a gate: current, or a canary if canaries "
+        "are on).",
     )
     gate_canary_fraction: float = Field(
         0.1,
