@@ -79,6 +79,9 @@ class Version:
     both: str = ""  # the gate's on both (ope+evals)
     train_s: float | None = None  # the step's
     swap_s: float | None = None  # loading it into vLLM
+    # From a reward to this version serving: the median over the transitions it trained of its
+    # publish's time less their credit's (the reward that made each trainable)
+    reward_to_serving_s: float | None = None
 
     @property
     def estimate(self) -> float | None:
@@ -308,6 +311,14 @@ def _versions(url: str) -> list[Version]:
         rows = conn.execute(
             "SELECT version, stats FROM adapter_version WHERE lineage = 'policy' ORDER BY version"
         ).fetchall()
+        waited: dict[int, Any] = dict(
+            conn.execute(
+                "SELECT t.trained_version, percentile_cont(0.5) WITHIN GROUP "
+                "(ORDER BY extract(epoch FROM a.created_at - t.credited_at)) "
+                "FROM transition t JOIN adapter_version a ON a.version = t.trained_version "
+                "WHERE a.lineage = 'policy' GROUP BY 1"
+            ).fetchall()
+        )
     out = []
     for version, stats in rows:
         stats = stats or {}
@@ -320,9 +331,14 @@ def _versions(url: str) -> list[Version]:
                     train_s=stats.get("train_s"),
                     swap_s=stats.get("swap_s"),
                     evals=(stats.get("evals") or {}).get("sums"),
+                    reward_to_serving_s=_float(waited.get(version)),
                 )
             )
     return out
+
+
+def _float(value: Any) -> float | None:
+    return None if value is None else float(value)
 
 
 def _measure(vllm_url: str, v: Version, n: int, *, name: str | None = None) -> Version:
@@ -435,6 +451,18 @@ def report(result: Result, path: Path = RESULTS) -> list[str]:
             f"questions at temperature 0 through vLLM): median {_median(eval_s):.2f} s (max "
             f"{max(eval_s):.2f}) against a step plus its swap of median {_median(step_s):.2f} s."
         )
+    waited = [v for v in result.versions if v.reward_to_serving_s is not None]
+    if waited:
+        total = [float(v.reward_to_serving_s or 0) for v in waited]
+        gate_s = [_gate_s(v) for v in waited]
+        added = [g / max(t - g, 1e-9) for g, t in zip(gate_s, total, strict=True)]
+        lines.append(
+            f"From a reward to the version that learned from it serving (median over its "
+            f"transitions, then over {len(waited)} versions): {_median(total):.1f} s, of which "
+            f"the estimate and the eval set (made before it served) {_median(gate_s):.2f} s: "
+            f"they add {_median(added):.0%} to the time without them (median; max "
+            f"{max(added):.0%}; goal <= 10 %)."
+        )
     normal = [v for v in result.versions if v.verdict]
     for kind, label in (("verdict", "ope"), ("eval_verdict", "evals"), ("both", "ope+evals")):
         judged = [v for v in normal if getattr(v, kind)]
@@ -482,6 +510,12 @@ def report(result: Result, path: Path = RESULTS) -> list[str]:
     )
 
     return lines
+
+
+def _gate_s(v: Version) -> float:
+    """What the gate's witnesses cost this version before it served: the estimate and the eval
+    set (the current version's side of the estimate included)."""
+    return float(v.ope.get("seconds", 0.0)) + float((v.evals or {}).get("seconds", 0.0))
 
 
 def _eval_cell(v: Version) -> str:

@@ -549,7 +549,9 @@ def test_promotion_gate_report_judges_each_version_three_ways(tmp_path: Path) ->
 
     run = {
         "versions": [
-            version(2, ope(0.6, 0.55, 0.65, 0.02, 0.15), scored(0.7, 0.68)),
+            version(
+                2, ope(0.6, 0.55, 0.65, 0.02, 0.15), scored(0.7, 0.68), reward_to_serving_s=20.9
+            ),
             version(3, ope(0.6, 0.55, 0.65, 0.02, 0.15), scored(0.5, 0.7)),  # the eval fails it
         ],
         "corrupted": [
@@ -584,3 +586,5 @@ def test_promotion_gate_report_judges_each_version_three_ways(tmp_path: Path) ->
     assert "FLYWHEEL_GATE=ope+evals would have given them" in text
     assert "blocked before serving: ope 1 of 1, evals 1 of 1, both 1 of 1" in text
     assert "The eval set's cost per version (50 questions" in text
+    # v2: 0.4 s of estimate and 1.5 s of eval set in 20.9 s from reward to serving: 10 % added
+    assert "(made before it served) 1.90 s: they add 10% to the time without them" in text
