@@ -117,9 +117,7 @@ class PolicyAlias:
                 log.info(
                     "lineage %s canary: %s",
                     lineage,
-                    now_open.serving()
-                    if now_open
-                    else "closed",
+                    now_open.serving() if now_open else "closed",
                 )
         self.canaries = canaries
         self._absent.clear()

@@ -150,7 +150,8 @@ def test_a_version_the_gate_cannot_decide_is_held_until_it_can(
         assert not trainer.step()  # still no set: held, nothing trained meanwhile
         assert opened(sessions) is not None
         real_proxy.wait_rows(  # all 8 recorded, and still waiting
-            "SELECT id FROM transition WHERE starts_with(episode_id, 'h-b-') AND trained_version IS NULL",
+            "SELECT id FROM transition "
+            "WHERE starts_with(episode_id, 'h-b-') AND trained_version IS NULL",
             8,
         )
 

@@ -16,8 +16,8 @@ import pytest
 from core import canary, policy
 from core.database import Sessions
 from demo.tiny_model import build_demo_model
-from flywheel import adapters, status
 from fakes.vllm import FakeVLLM
+from flywheel import adapters, status
 from tests.conftest import TEST_HOME, RunningProxy
 from tests.core import test_lineages as lineages
 from trainer.canary_watch import CanaryWatch
