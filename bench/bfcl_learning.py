@@ -826,7 +826,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     train.set(
         xlabel="samples",
         ylabel="training reward (valid share, 5-round mean)",
-        title="Training part, sampled at temperature 1",
+        title="Training part, sampled (temperature 1 unless the label says)",
     )
     for ax in (held, train):
         ax.grid(True, alpha=0.3)

@@ -22,7 +22,8 @@ sequence for all lineages, so `N` names one adapter everywhere (`<lineage>-vN`).
                         -> `add_current`: N inserted and made current in one transaction;
                         `flywheel adapters import DIR` calls `rollout.import_adapter`. The
                         lineage's trainer takes its weights over at its next publish (PolicyMoved)
-    retire   (trainer)  mark_retired (under the lock) -> unload_everywhere -> delete the directory
+    retire   (trainer)  core/retirement.py `mark_retired` (under the lock) -> unload_everywhere
+                        -> delete the directory
 
 Whoever moves `is_current` or retires a version holds Lock.PUBLISH (core/locks.py) for that
 transaction; a move NOTIFYs POLICY_CHANNEL, which every proxy's alias follows at once.
@@ -48,7 +49,6 @@ from core import canary, locks, pins
 from core.locks import Lock
 from core.naming import DEFAULT_LINEAGE, adapter_name
 from core.tables import AdapterVersion
-from core.tables import Canary as CanaryRow
 
 BASE_VERSION = 0  # the policy before any training: the base model itself
 MAX_VERSION = 2**31 - 1  # versions are int4 columns (adapter_version, transition.policy_version)
@@ -345,28 +345,3 @@ def _move(version: int | None, lineage: str, *, session: Session) -> None:
         session.execute(
             update(AdapterVersion).where(AdapterVersion.version == version).values(is_current=True)
         )
-
-
-def mark_retired(*, session: Session, lineage: str, keep: int) -> None:
-    """Retire every version of `lineage` but its newest `keep`, its current one and an open
-    canary's candidate (they stay loadable). The other lineages are not touched."""
-    _lock(session)
-    newest = (
-        select(AdapterVersion.version)
-        .where(AdapterVersion.lineage == lineage)
-        .order_by(AdapterVersion.version.desc())
-        .limit(keep)
-    )
-    session.execute(
-        update(AdapterVersion)
-        .where(
-            AdapterVersion.lineage == lineage,
-            AdapterVersion.retired_at.is_(None),
-            AdapterVersion.is_current.is_(False),
-            AdapterVersion.version.not_in(newest.scalar_subquery()),
-            AdapterVersion.version.not_in(
-                select(CanaryRow.candidate).where(CanaryRow.decided_at.is_(None))
-            ),
-        )
-        .values(retired_at=func.now())
-    )

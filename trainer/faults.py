@@ -79,6 +79,16 @@ class Claims:
         except OUTAGE_ERRORS as e:
             log.warning("%d claims go back once Postgres answers: %s", len(ids), e)
 
+    def release_all(self) -> None:
+        """At shutdown: whatever the trainer still holds goes back to the queue at once, not
+        after the lease (and it does not count as an attempt, unless its batch failed the
+        step)."""
+        self.release_held()
+        with self.sessions.begin() as session:
+            n = store.release_all(session=session, trainer_id=self.trainer_id)
+        if n:
+            log.info("gave back %d claimed transitions", n)
+
     def release_held(self) -> None:
         """Raises OUTAGE_ERRORS while Postgres does not answer."""
         while self.held:

@@ -14,7 +14,7 @@ import time
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from core import policy
+from core import policy, retirement
 from core.database import Sessions
 from core.vllm import VLLMError
 from trainer.config import TrainerSettings
@@ -75,7 +75,7 @@ class Housekeeper:
         `retire_grace_s` later (calls routed to a version just before it was retired may still
         be queued in vLLM), unloaded everywhere, then deleted."""
         with self.sessions.begin() as session:
-            policy.mark_retired(
+            retirement.mark_retired(
                 session=session, lineage=self.lineage, keep=self.settings.retain_versions
             )
             retired = [

@@ -315,29 +315,9 @@ class Trainer:
         self.parent = version
 
     def _rejudge(self, held: canary.Canary) -> gate.Verdict | None:
-        """A held version's gate asked again (trainer/canary_watch.py): the engine follows the
-        current version (the hold's baseline), takes the held version's weights for the
-        estimate, and is put back. None: it could not be asked (logged; asked again later)."""
-        with self.sessions.begin() as session:
-            adapter = policy.get(held.candidate, session=session)
-        if adapter is None or not Path(adapter.path).exists():
-            where = adapter.path if adapter else "no row"
-            return gate.Verdict("fail", f"its adapter is gone ({where})")
+        """A held version's gate asked again (canary_watch.py), from the current version."""
         self._follow(None if held.baseline == policy.BASE_VERSION else held.baseline)
-        before = self.engine.snapshot()
-        try:
-            self.engine.load_adapter(Path(adapter.path))
-            judgement = self.gatekeeper.rejudge(
-                self.engine, before, adapter, self.parent, self.sampling_defaults
-            )
-        except faults.INFRASTRUCTURE as e:  # Postgres or vLLM away: the hold waits
-            log.warning("%s: the held %s is not judged yet: %s", self.lineage, adapter.name, e)
-            return None
-        finally:
-            self.engine.restore(before)
-        with self.sessions.begin() as session:
-            policy.restat(held.candidate, judgement.stats(), session=session)
-        return judgement.verdict
+        return self.gatekeeper.rejudge(self.engine, held, self.sampling_defaults)
 
     def _publish(self, step: Step, before: Snapshot) -> bool:
         try:
@@ -367,10 +347,4 @@ class Trainer:
         self.housekeeper.reconcile()
 
     def release_claims(self) -> None:
-        """At shutdown: whatever we still hold goes back to the queue at once, not after the
-        lease (and it does not count as an attempt, unless its batch failed the step)."""
-        self.claims.release_held()
-        with self.sessions.begin() as session:
-            n = store.release_all(session=session, trainer_id=self.settings.trainer_id)
-        if n:
-            log.info("gave back %d claimed transitions", n)
+        self.claims.release_all()

@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from core import policy
+from core import canary, policy
 from core.database import Sessions
 from core.evals import EvalSet
 from core.evals import sets as eval_sets_of
-from trainer import candidate, evals, gate
+from trainer import candidate, evals, faults, gate
 from trainer.config import TrainerSettings
 from trainer.data import logged
 from trainer.evals import Compared
@@ -136,22 +137,34 @@ class Gatekeeper:
             return eval_sets_of(session=session, lineage=self.lineage)
 
     def rejudge(
-        self,
-        engine: Engine,
-        before: Snapshot,
-        held: policy.Adapter,
-        baseline: int | None,
-        sampling_defaults: dict[str, float],
-    ) -> Judgement:
-        """A held version (the engine at its weights, `before` the current version's) judged
-        again on the traffic logged since: its estimate made anew, its eval sets' stored scores
-        reused (a set added meanwhile is asked: it is loaded), the gate's verdict."""
-        judgement = self.estimate(engine, before, baseline, sampling_defaults)
-        eval_sets = self.eval_sets(judgement)
-        if eval_sets:
-            self.ask(judgement, eval_sets, held.name, baseline, candidate_stats=held.stats)
-        self.decide(judgement, processes=engine.world.size)
-        return judgement
+        self, engine: Engine, held: canary.Canary, sampling_defaults: dict[str, float]
+    ) -> gate.Verdict | None:
+        """A held version judged again on the traffic logged since (the engine at the current
+        version's weights, the hold's baseline): the held weights loaded for a new estimate
+        and put back, its eval sets' stored scores reused (a set added meanwhile is asked: it
+        is loaded), its stats updated, the gate's verdict. None: it could not be asked now."""
+        with self.sessions.begin() as session:
+            adapter = policy.get(held.candidate, session=session)
+        if adapter is None or not Path(adapter.path).exists():
+            where = adapter.path if adapter else "no row"
+            return gate.Verdict("fail", f"its adapter is gone ({where})")
+        baseline = None if held.baseline == policy.BASE_VERSION else held.baseline
+        before = engine.snapshot()
+        try:
+            engine.load_adapter(Path(adapter.path))
+            judgement = self.estimate(engine, before, baseline, sampling_defaults)
+            eval_sets = self.eval_sets(judgement)
+            if eval_sets:
+                self.ask(judgement, eval_sets, adapter.name, baseline, adapter.stats)
+            self.decide(judgement, processes=engine.world.size)
+        except faults.INFRASTRUCTURE as e:  # Postgres or vLLM away: the hold waits
+            log.warning("%s: the held %s is not judged yet: %s", self.lineage, adapter.name, e)
+            return None
+        finally:
+            engine.restore(before)
+        with self.sessions.begin() as session:
+            policy.restat(held.candidate, judgement.stats(), session=session)
+        return judgement.verdict
 
     def ask(
         self,

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from core import canary, naming, policy
+from core import canary, naming, policy, retirement
 from core.canary import Evidence, Rule
 from core.database import Sessions
 from core.stats import t_sf, welch
@@ -159,7 +159,7 @@ def test_a_candidate_is_not_current_until_promoted(
     with pytest.raises(policy.CanaryOpen):  # one at a time
         publish(sessions, fake_vllm, tmp_path, RULE)
     with sessions.begin() as session:
-        policy.mark_retired(session=session, lineage="policy", keep=1)  # spares the candidate
+        retirement.mark_retired(session=session, lineage="policy", keep=1)  # spares the candidate
         assert policy.get(v2, session=session).retired_at is None  # type: ignore[union-attr]
     evidence = Evidence(8, 8, 0.9, 0.5, 0, 0.025, (8, 8), 0.9, 0.01)
     with sessions.begin() as session:

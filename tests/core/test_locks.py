@@ -16,7 +16,7 @@ import psycopg
 import pytest
 from sqlalchemy import text
 
-from core import canary, partitions, pins, policy
+from core import canary, partitions, pins, policy, retirement
 from core.database import Sessions
 from core.locks import Lock
 from proxy.config import ProxySettings
@@ -143,5 +143,5 @@ def test_a_maintenance_round_never_holds_up_the_policys_moves(sessions: Sessions
         assert policy.decide_canary(opened, decision, session=session)
     with sessions.begin() as session:
         session.execute(text(LOCK_TIMEOUT))
-        policy.mark_retired(session=session, lineage="policy", keep=1)
+        retirement.mark_retired(session=session, lineage="policy", keep=1)
     assert current(sessions) == 3

@@ -10,7 +10,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
-from core import naming, policy, rollout
+from core import naming, policy, retirement, rollout
 from core.database import Sessions
 from core.vllm import AdapterRejected, VLLMAdmin
 from fakes.vllm import FakeVLLM
@@ -60,7 +60,7 @@ def test_retiring_keeps_the_newest_and_the_current_one(sessions: Sessions) -> No
         publish(sessions, version)
     with sessions.begin() as session:
         policy.make_current(2, session=session)  # a rollback to an old version
-        policy.mark_retired(session=session, lineage="policy", keep=2)
+        retirement.mark_retired(session=session, lineage="policy", keep=2)
     with sessions() as session:
         retired = {a.version for a in policy.versions(session=session) if a.retired_at}
     assert retired == {1, 3}  # 4 and 5 are the newest two, 2 is current
@@ -83,7 +83,7 @@ def test_a_rollback_racing_a_retirement_never_points_at_a_retired_version(
         publish(sessions, version)
     retiring = sessions()
     retiring.begin()
-    policy.mark_retired(session=retiring, lineage="policy", keep=1)  # v1, v2; holds the lock
+    retirement.mark_retired(session=retiring, lineage="policy", keep=1)  # v1, v2; holds the lock
     outcome: dict[str, object] = {}
 
     def roll_back() -> None:
@@ -135,7 +135,7 @@ def test_each_lineage_has_its_own_current_version_rollback_and_retirement(
     with sessions.begin() as session:
         policy.make_current(1, session=session)  # the writer rolls back; the rewriter stays
         policy.make_current(None, session=session, lineage="rewriter")  # the base model
-        policy.mark_retired(session=session, lineage="writer", keep=1)
+        retirement.mark_retired(session=session, lineage="writer", keep=1)
     assert (current(sessions, "writer"), current(sessions, "rewriter")) == (1, None)
     with sessions() as session:
         retired = {a.name for a in policy.versions(session=session) if a.retired_at}
@@ -215,7 +215,7 @@ def test_no_adapter_name_is_ever_given_twice(sessions: Sessions) -> None:
     publish(sessions, first, lineage="acme.policy")
     with sessions.begin() as session:
         policy.make_current(None, session=session, lineage="acme.policy")
-        policy.mark_retired(session=session, lineage="acme.policy", keep=0)
+        retirement.mark_retired(session=session, lineage="acme.policy", keep=0)
     with sessions() as session:
         assert policy.get(first, session=session).retired_at is not None  # type: ignore[union-attr]
     later = [take() for _ in range(3)]
