@@ -79,7 +79,11 @@ class CanaryWatch:
             fmt(evidence.p_worse),
             fmt(evidence.p_not_worse),
         )
-        if decision.action == "promote":
+        return self._carried_out(test, decision.action)
+
+    def _carried_out(self, test: canary.Canary, action: canary.Action) -> bool:
+        """After a promotion or a rollback of `test`: the trainer goes on (False)."""
+        if action == "promote":
             self.metrics.current_version.set(test.candidate)
         else:
             self.housekeeper.retire_old_versions()  # the rolled-back candidate: unloaded, deleted
@@ -129,8 +133,4 @@ class CanaryWatch:
         )
         if then is not None:
             return True  # now a canary: the trainer still waits
-        if decision.action == "promote":
-            self.metrics.current_version.set(test.candidate)
-        else:
-            self.housekeeper.retire_old_versions()  # unloaded, deleted after the grace
-        return False
+        return self._carried_out(test, decision.action)

@@ -317,7 +317,7 @@ class Trainer:
     def _rejudge(self, held: canary.Canary) -> gate.Verdict | None:
         """A held version's gate asked again (canary_watch.py), from the current version."""
         self._follow(None if held.baseline == policy.BASE_VERSION else held.baseline)
-        return self.gatekeeper.rejudge(self.engine, held, self.sampling_defaults)
+        return self.gatekeeper.rejudge(self.engine, held, self.parent, self.sampling_defaults)
 
     def _publish(self, step: Step, before: Snapshot) -> bool:
         try:

@@ -137,18 +137,22 @@ class Gatekeeper:
             return eval_sets_of(session=session, lineage=self.lineage)
 
     def rejudge(
-        self, engine: Engine, held: canary.Canary, sampling_defaults: dict[str, float]
+        self,
+        engine: Engine,
+        held: canary.Canary,
+        baseline: int | None,
+        sampling_defaults: dict[str, float],
     ) -> gate.Verdict | None:
-        """A held version judged again on the traffic logged since (the engine at the current
-        version's weights, the hold's baseline): the held weights loaded for a new estimate
-        and put back, its eval sets' stored scores reused (a set added meanwhile is asked: it
-        is loaded), its stats updated, the gate's verdict. None: it could not be asked now."""
+        """A held version judged again on the traffic logged since (the engine at `baseline`'s
+        weights, the current version's; None: the base model): the held weights loaded for a
+        new estimate and put back, its eval sets' stored scores reused (a set added meanwhile is
+        asked: it is loaded), its stats updated, the gate's verdict. None: it could not be
+        asked now."""
         with self.sessions.begin() as session:
             adapter = policy.get(held.candidate, session=session)
         if adapter is None or not Path(adapter.path).exists():
             where = adapter.path if adapter else "no row"
             return gate.Verdict("fail", f"its adapter is gone ({where})")
-        baseline = None if held.baseline == policy.BASE_VERSION else held.baseline
         before = engine.snapshot()
         try:
             engine.load_adapter(Path(adapter.path))

