@@ -25,6 +25,7 @@ from tests.trainer.learner.test_microbatch import (
 )
 from trainer.learner.distributed import World, base_held, end, join, shard
 from trainer.learner.engine import Engine
+from trainer.learner.scoring import Completion
 
 
 def main() -> None:
@@ -75,6 +76,15 @@ def main() -> None:
         {"grads": grads, "loss": stats.loss, "plain": plain, "loss_type": loss_types[-1]},
         out / f"second-rank{world.rank}.pt",
     )
+    # the promotion gate's scoring (forward passes without gradient), rank 0 alone saving the
+    # adapter, then a step: FSDP2's units must be alike on the ranks again (`reshard`)
+    fill(second)
+    batch = samples(second, stale=True)
+    scores = second.score([Completion(s.prompt_ids, s.completion_ids, s.sampling) for s in batch])
+    if world.leader:
+        second.save_adapter(out / "saved")
+    grads, _ = gradient_of_one_step(second, shard(batch, world))
+    torch.save({"scores": scores, "grads": grads}, out / f"scored-rank{world.rank}.pt")
     end()  # leaves the group, skips the interpreter's finalization (trainer/learner/distributed.py)
 
 

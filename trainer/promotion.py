@@ -6,7 +6,8 @@ order: `estimate` (before anything is saved or loaded), `ask` (the version loade
 served by no alias yet), `decide`; and tells it what was `published`. A version held by the
 gate (FLYWHEEL_GATE_FALLBACK=hold) is judged again by `rejudge` (trainer/canary_watch.py).
 
-Only a lone trainer process estimates and gates for now (not under torchrun / accelerate).
+Under torchrun / accelerate launch the engine is rank 0's `Led` (trainer/learner/ranks.py): the
+estimate's forward passes are dealt out to every rank, and the rest is rank 0's alone.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from trainer import candidate, evals, faults, gate
 from trainer.config import TrainerSettings
 from trainer.data import logged
 from trainer.evals import Compared
-from trainer.learner.engine import AtWeights, Engine, Snapshot
+from trainer.learner.engine import Engine, Snapshot
 from trainer.metrics import LineageMetrics
 from trainer.vllm import Replicas
 
@@ -90,9 +91,6 @@ class Gatekeeper:
         judgement = Judgement()
         if not s.estimates:
             return judgement
-        if engine.world.size > 1:
-            log.warning("ope: not estimated under several processes (not built yet)")
-            return judgement
         current = parent if parent is not None else policy.BASE_VERSION
         with self.sessions.begin() as session:
             calls = logged.window(
@@ -107,7 +105,7 @@ class Gatekeeper:
         try:
             judgement.judged = candidate.evaluate(
                 engine,
-                AtWeights(engine, before),
+                engine.at(before),
                 calls,
                 s,
                 current_version=current,
@@ -160,7 +158,7 @@ class Gatekeeper:
             eval_sets = self.eval_sets(judgement)
             if eval_sets:
                 self.ask(judgement, eval_sets, adapter.name, baseline, adapter.stats)
-            self.decide(judgement, processes=engine.world.size)
+            self.decide(judgement)
         except faults.INFRASTRUCTURE as e:  # Postgres or vLLM away: the hold waits
             log.warning("%s: the held %s is not judged yet: %s", self.lineage, adapter.name, e)
             return None
@@ -199,10 +197,10 @@ class Gatekeeper:
         if judgement.compared:
             log.info("%s: %s", self.lineage, evals.line(judgement.compared))
 
-    def decide(self, judgement: Judgement, *, processes: int) -> gate.Verdict | None:
-        """The promotion gate's verdict (None: no gate, or several processes)."""
+    def decide(self, judgement: Judgement) -> gate.Verdict | None:
+        """The promotion gate's verdict (None: no gate)."""
         s = self.settings
-        if s.gate == "off" or processes > 1:
+        if s.gate == "off":
             return None
         verdicts = [judgement.estimated] if judgement.estimated is not None else []
         if "evals" in s.gate:

@@ -80,7 +80,7 @@ class Publisher:
                 self._unload(name)
                 shutil.rmtree(final, ignore_errors=True)
                 raise
-        verdict = keeper.decide(judgement, processes=engine.world.size)
+        verdict = keeper.decide(judgement)
         rejected = judgement.rejected(s.gate_fallback)
         # A canary, if canaries are on; an undecided version with the canary fallback opens one
         # whatever they say (real rewards decide what the gate could not), with the hold

@@ -137,6 +137,19 @@ def shard_base(model: torch.nn.Module, world: World) -> None:
     log.info("the base model sharded over %d ranks (FSDP2)", world.size)
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Every FSDP2 unit's weights back to this rank's shard. A forward pass without gradient (the
+    promotion gate's scoring) leaves the root unit's weights gathered (FSDP2 frees a root's only
+    after the backward pass), and rank 0 alone saving the adapter then reshards its own: the
+    next step's forward on the ranks gathered different units and gloo failed ("Received data
+    size doesn't match expected size")."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+
+
 def base_held(model: torch.nn.Module) -> tuple[int, int]:
     """How many of the base model's weights this rank holds, of how many (sharded: its part)."""
     from torch.distributed.tensor import DTensor

@@ -42,6 +42,7 @@ from trainer.learner.distributed import (
     broadcast_parameters,
     everyone,
     gather_correction,
+    reshard,
     shard_base,
 )
 from trainer.learner.grpo import grpo_trainer
@@ -246,8 +247,20 @@ class Engine:
         its call's sampling settings (trainer/learner/scoring.py): no gradient, no state changed."""
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         device = self.trainer.accelerator.device
-        share = self.trainer.settings.shares_prompts
-        return completion_logprobs(self._use(), rows, pad_id=pad, device=device, share=share)
+        settings = self.trainer.settings
+        model = self._use()
+        try:
+            return completion_logprobs(
+                model, rows, pad_id=pad, device=device, share=settings.shares_prompts
+            )
+        finally:
+            if settings.shard_base:  # each rank's units as a step leaves them
+                reshard(model)
+
+    def at(self, weights: Snapshot) -> AtWeights:
+        """A scorer under `weights` (the current version's, while the engine holds a
+        candidate's): the off-policy estimate's other side."""
+        return AtWeights(self, weights)
 
     def snapshot(self) -> Snapshot:
         """The trainable weights and optimizer state, to undo a step that could not be published."""

@@ -5,11 +5,12 @@ exactly as one process does (`trainer/turns.py`): it alone reads and writes Post
 leases, SIGTERM's release, the compare-and-set publish), talks to vLLM, serves metrics and saves
 adapters. Its engines are `Led`: each call that changes an engine's state (build, step, snapshot,
 restore, load) is first sent to the followers, which make the same call on their own copy
-(`follow`), so every rank holds the same adapters and optimizer state. A step deals the claimed
-batch out (`trainer/distributed.shard`): each rank backpropagates its shard and the gradients are
-averaged (the same step one process would take: tests/trainer/learner/test_distributed.py), so rank
-0's adapter,
-which it saves and publishes, is every rank's. One version is published per step, by rank 0.
+(`follow`), so every rank holds the same adapters and optimizer state. The promotion gate's
+off-policy estimate deals its forward passes out the same way (`Led.score`, `Led.at`). A step
+deals the claimed batch out (`trainer/distributed.shard`): each rank backpropagates its shard and
+the gradients are averaged (the same step one process would take:
+tests/trainer/learner/test_distributed.py), so rank 0's adapter, which it saves and publishes, is
+every rank's. One version is published per step, by rank 0.
 
 A rank that dies breaks the process group: rank 0's next collective raises, which becomes
 `RanksLost`; the trainer stops as on SIGTERM (its claims go back at once, nothing is published)
@@ -31,21 +32,26 @@ from __future__ import annotations
 import contextlib
 import logging
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch.distributed as dist
 
 from trainer.config import TrainerSettings
 from trainer.data.batch import ModelLimits, Sample
-from trainer.learner.distributed import World, shard
-from trainer.learner.engine import Engine, Snapshot, StepStats
+from trainer.learner.distributed import Row, World, shard
+from trainer.learner.engine import AtWeights, Engine, Snapshot, StepStats
+from trainer.learner.scoring import Completion
 from trainer.learner.sft import Demo, SftStats
 
 T = TypeVar("T")
 
 log = logging.getLogger("flywheel.trainer")
+
+
+class Scorer(Protocol):
+    def score(self, rows: Sequence[Completion]) -> list[float]: ...
 
 
 class RanksLost(BaseException):
@@ -71,6 +77,7 @@ class Led:
     def __init__(self, engine: Engine, world: World, failures: Path) -> None:
         self.engine, self.world, self.failures = engine, world, failures
         self.key = engine.adapter
+        self._last: Snapshot | None = None  # the followers' snapshot (each keeps its last)
 
     @classmethod
     def build(
@@ -106,40 +113,80 @@ class Led:
         return self.engine.tokenizer
 
     def step(self, samples: list[Sample]) -> StepStats:
-        return self._dealt("step", samples, self.engine.step)
+        return self._dealt("step", self._shards(samples), self.engine.step)
 
     def sft_step(self, demos: list[Demo]) -> SftStats:
-        return self._dealt("sft_step", demos, self.engine.sft_step)
+        return self._dealt("sft_step", self._shards(demos), self.engine.sft_step)
 
-    def _dealt(self, command: str, rows: list[Any], step: Callable[[Any], T]) -> T:
-        """A step with its rows dealt out to every rank (the followers make the same call)."""
-        token = uuid.uuid4().hex  # where a follower whose step raises says so
-        _send((command, self.key, token))
-        shards = [shard(rows, World(r, self.world.size)) for r in range(self.world.size)]
+    def _shards(self, rows: list[Row]) -> list[list[Row]]:
+        return [shard(rows, World(r, self.world.size)) for r in range(self.world.size)]
+
+    def score(self, rows: Sequence[Completion]) -> list[float]:
+        """Each row's log-probability under the weights now (the off-policy estimate's forward
+        passes), the rows dealt out to every rank: a sharded base needs every rank in each
+        forward pass, and a replicated one shares the work."""
+        return self._scored(rows, None)
+
+    def at(self, weights: Snapshot) -> Scorer:
+        """A scorer under `weights`, which must be the last snapshot taken: each follower keeps
+        only its last one (trainer/promotion.py's estimate is made against the `before` of the
+        step or of the re-judging, nothing snapshotted since)."""
+        if weights is not self._last:
+            raise ValueError("the followers hold only the last snapshot rank 0 took")
+        return _At(self, weights)
+
+    def _scored(self, rows: Sequence[Completion], weights: Snapshot | None) -> list[float]:
+        if not rows:
+            return []
+        size = self.world.size
+        dealt = [list(rows[r::size]) for r in range(size)]
+        each = len(dealt[0])  # the same count on every rank: a sharded base's passes must match
+        padded = [mine + [rows[0]] * (each - len(mine)) for mine in dealt]
+        local: Scorer = self.engine if weights is None else AtWeights(self.engine, weights)
+
+        def score(mine: list[Completion]) -> list[list[float]]:
+            gathered: list[Any] = [None] * size
+            dist.gather_object(local.score(mine), gathered, dst=0)
+            return gathered
+
+        gathered = self._dealt("score", padded, score, weights is not None)
+        out = [0.0] * len(rows)
+        for r, scores in enumerate(gathered):
+            for k, value in enumerate(scores[: len(dealt[r])]):
+                out[r + k * size] = value
+        return out
+
+    def _dealt(self, command: str, shards: list[Any], work: Callable[[Any], T], *extra: Any) -> T:
+        """Work on rows dealt out to every rank, one shard each (the followers make the same
+        call on theirs)."""
+        token = uuid.uuid4().hex  # where a follower whose work raises says so
+        _send((command, self.key, token, *extra))
         mine: list[Any] = [None]
+        what = "the estimate's scoring" if command == "score" else "the step"
         try:
             dist.scatter_object_list(mine, shards, src=0)
-            return step(mine[0])
-        except BaseException as e:  # the step did not finish on every rank
+            return work(mine[0])
+        except BaseException as e:  # the work did not finish on every rank
             lost = isinstance(e, dist.DistBackendError) or (
                 isinstance(e, RuntimeError) and "peer" in str(e)
             )
             if isinstance(e, Exception) and not lost:
-                raise StepFailed(f"the step failed on rank 0 ({e!r})") from e
+                raise StepFailed(f"{what} failed on rank 0 ({e!r})") from e
             # A follower gone: its step may have raised (it said so before exiting; the launcher
             # may have stopped this rank first), or it died (killed, out of memory on the host).
             said = self.failures / token
             if said.exists():
                 reason = said.read_text()
                 said.unlink()
-                raise StepFailed(f"the step failed on another rank ({reason})") from e
+                raise StepFailed(f"{what} failed on another rank ({reason})") from e
             if lost:
                 raise RanksLost(f"a rank is gone mid-step ({e})") from e
             raise
 
     def snapshot(self) -> Snapshot:
         _send(("snapshot", self.key))
-        return self.engine.snapshot()
+        self._last = self.engine.snapshot()
+        return self._last
 
     def restore(self, snapshot: Snapshot) -> None:
         _send(("restore", self.key))  # each rank restores its own copy of the same snapshot
@@ -151,6 +198,16 @@ class Led:
 
     def save_adapter(self, out_dir: Path) -> None:
         self.engine.save_adapter(out_dir)  # the same weights on every rank: rank 0 writes
+
+
+class _At:
+    """Rank 0's scorer under the followers' last snapshot (`Led.at`)."""
+
+    def __init__(self, led: Led, weights: Snapshot) -> None:
+        self.led, self.weights = led, weights
+
+    def score(self, rows: Sequence[Completion]) -> list[float]:
+        return self.led._scored(rows, self.weights)
 
 
 def led(
@@ -184,12 +241,17 @@ def follow(settings: TrainerSettings) -> None:
             engines[adapter] = engine
             continue
         key = args[0]
-        if command in ("step", "sft_step"):
+        if command in ("step", "sft_step", "score"):
             mine: list[Any] = [None]
             dist.scatter_object_list(mine, None, src=0)
             try:
-                getattr(engines[key], command)(mine[0])
-            except Exception as e:  # the batch broke the step here: rank 0 charges it
+                if command == "score":  # at the last snapshot's weights, or at the weights now
+                    own = engines[key]
+                    local = AtWeights(own, snapshots[key]) if args[2] else own
+                    dist.gather_object(local.score(mine[0]), None, dst=0)
+                else:
+                    getattr(engines[key], command)(mine[0])
+            except Exception as e:  # the rows broke the work here: rank 0 says so
                 said = failures_dir(settings) / args[1]
                 said.parent.mkdir(parents=True, exist_ok=True)
                 said.write_text(f"rank {World.current().rank}: {e!r}")

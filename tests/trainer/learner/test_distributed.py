@@ -31,6 +31,7 @@ from trainer.data.batch import Sample
 from trainer.data.sampling import Sampling
 from trainer.learner.distributed import World, shard
 from trainer.learner.engine import Engine
+from trainer.learner.scoring import Completion
 
 ROOT = Path(__file__).resolve().parents[3]
 LOSS_TYPES = ["dapo", "grpo", "bnpo"]
@@ -176,6 +177,25 @@ def test_another_lineage_added_later_takes_one_processs_step(
         worst = max(float((rank["grads"][n] - grads[n]).abs().max()) for n in grads)
         assert worst <= 1e-5 * largest, (worst, largest)
         assert rank["loss"] == pytest.approx(stats.loss, rel=1e-5, abs=1e-7)
+
+
+def test_the_gates_scoring_is_one_processs_and_a_step_follows_it(
+    two_ranks: Ranks, tmp_path: Path
+) -> None:
+    """Forward passes without gradient (the promotion gate's off-policy scoring,
+    trainer/learner/ranks.py `Led.score`) on both ranks give one process's log-probabilities;
+    then rank 0 alone saves the adapter and the ranks take a step. A sharded base's forward
+    pass without gradient left the root unit's weights gathered and the save regathered rank
+    0's alone: the next step's collectives no longer matched (`reshard`)."""
+    ranks = [torch.load(two_ranks.out / f"scored-rank{r}.pt", weights_only=True) for r in (0, 1)]
+    alone = Engine(settings_for(tmp_path, loss_type=LOSS_TYPES[-1]))
+    second = alone.beside(alone.trainer.settings, "second", None)
+    fill(second)
+    batch = samples(second, stale=True)
+    scores = second.score([Completion(s.prompt_ids, s.completion_ids, s.sampling) for s in batch])
+    for rank in ranks:
+        assert rank["scores"] == pytest.approx(scores, rel=1e-5)
+        assert rank["grads"] and all(g.abs().max() > 0 for g in rank["grads"].values())
 
 
 def test_one_rank_alone_would_not_take_that_step(two_ranks: Ranks, tmp_path: Path) -> None:

@@ -1,7 +1,8 @@
 """`flywheel trainer` on 2 processes (torchrun, and accelerate launch with deploy/accelerate/
 ddp.yaml and fsdp2.yaml; gloo): rank 0 claims, steps with the other rank, publishes one version
-per step; a rank lost mid-step stops the trainer with every claim back and nothing published.
-Real Postgres, real TRL training, the proxy on the fake vLLM."""
+per step; a rank lost mid-step stops the trainer with every claim back and nothing published;
+the promotion gate's estimate is one process's. Real Postgres, real TRL training, the proxy on
+the fake vLLM."""
 
 from __future__ import annotations
 
@@ -21,9 +22,12 @@ from demo.vllm_server import free_port
 from fakes.vllm import FakeVLLM
 from tests.conftest import TEST_HOME, RunningProxy
 from tests.trainer.test_trainer_loop import play
-from trainer import turns
+from trainer import candidate, turns
 from trainer.config import TrainerSettings
+from trainer.data import logged
+from trainer.data.sampling import server_defaults
 from trainer.learner import distributed
+from trainer.learner.engine import Engine
 
 ROOT = Path(__file__).resolve().parents[3]
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -32,6 +36,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
 # what a user types (deploy/accelerate/*.yaml), here on CPUs (gloo; no GPU, so no NCCL)
 ACCELERATE = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "2"]
+FSDP2 = "accelerate-fsdp2"
 
 
 def launch(
@@ -142,6 +147,81 @@ def test_a_step_that_fails_on_any_rank_stops_the_group_and_charges_the_batch(
     rows = transitions(sessions)
     assert all(r.trained_version is None and r.claimed_by is None for r in rows)
     assert [r.train_attempts for r in rows] == [1, 1, 1, 1]
+
+
+def test_the_gates_estimate_on_two_processes_is_one_processs(
+    proxy: RunningProxy, fake_vllm: FakeVLLM, sessions: Sessions, tmp_path: Path
+) -> None:
+    """FLYWHEEL_GATE=ope under accelerate launch with FSDP2, the base sharded (every forward
+    pass needs both ranks): each new version's off-policy estimate is made with its forward
+    passes dealt out to both ranks (trainer/learner/ranks.py `Led.score`, and `Led.at` for the
+    calls an older version served), the gate decides, and the figures are the ones one process
+    makes from the same adapters and window, to float rounding (a rank scoring under the wrong
+    weights moved them by 1e-4). The fake vLLM's logprobs are not the model's: every
+    transition is let through the off-policy mask, and no weight is 1."""
+    play(proxy, tasks=4, episodes_per_task=8)
+    ope = {"ope": "log", "ope_holdout": 0.3, "ope_min_ess": 1.0, "ope_resamples": 20}
+    ope |= {"gate_min_weight": 1e-6, "off_policy_bound": 1e6, "off_policy_veto": 0.0}
+    flags = ["--gate", "ope", *(x for k, v in ope.items() for x in (f"--{k}", str(v)))]
+    flags = [f.replace("_", "-") if f.startswith("--") else f for f in flags]
+    first = launch(proxy, fake_vllm, tmp_path, "--max-steps", "1", *flags, launcher=FSDP2)
+    assert first.returncode == 0, first.stderr[-4000:]
+    assert "the base model sharded over 2 ranks (FSDP2)" in first.stderr
+    v1, window = published(sessions, version=1)
+    # started again from v1: v2's window holds held-out calls the base served, scored under
+    # v1's weights on both ranks
+    again = launch(proxy, fake_vllm, tmp_path, "--max-steps", "1", *flags, launcher=FSDP2)
+    assert again.returncode == 0, again.stderr[-4000:]
+    v2, window_2 = published(sessions, version=2)
+    assert v2.stats is not None and v2.stats["ope"]["rescored"] > 0
+
+    one = TrainerSettings(
+        model=build_demo_model(TEST_HOME / "models" / "demo"),
+        vllm=[fake_vllm.url],
+        adapters_dir=tmp_path / "one",
+        home=tmp_path / "one",
+        **ope,  # type: ignore[arg-type]
+    )
+    engine = Engine(one)
+    for version, parent, calls in ((v1, None, window), (v2, v1, window_2)):
+        engine.load_adapter(Path(parent.path) if parent else None)
+        weights = engine.snapshot()
+        engine.load_adapter(Path(version.path))
+        alone = candidate.evaluate(
+            engine,
+            engine.at(weights),
+            calls,
+            one,
+            current_version=parent.version if parent else policy.BASE_VERSION,
+            sampling_defaults=server_defaults(one.generation_config, one.model),
+            limits=engine.limits,
+        ).stats()
+        assert version.stats is not None and version.stats["gate"]["outcome"]
+        two = version.stats["ope"]
+        assert (alone["episodes"], alone["calls"]) == (two["episodes"], two["calls"]) != (0, 0)
+        assert two["candidate"]["mean_weight"] != pytest.approx(1.0, abs=1e-3)
+        for side in ("candidate", "current", "difference"):
+            for key in ("value", "low", "high", "mean_weight"):
+                assert alone[side][key] == pytest.approx(two[side][key], rel=1e-6, abs=1e-9), (
+                    side,
+                    key,
+                )
+
+
+def published(sessions: Sessions, *, version: int) -> tuple[Any, list[logged.LoggedCall]]:
+    """A published version, and the logged window its estimate was made on (its parent's: no
+    traffic came and no claim set a call aside since)."""
+    with sessions.begin() as session:
+        row = policy.get(version, session=session)
+        assert row is not None and row.retired_at is None, version
+        calls = logged.window(
+            session=session,
+            lineage="policy",
+            version=version - 1 if version > 1 else policy.BASE_VERSION,
+            tenants=[],
+            episodes=256,
+        )
+    return row, calls
 
 
 def test_an_fsdp2_config_shards_the_base_and_what_is_not_done_is_refused() -> None:
