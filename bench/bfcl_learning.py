@@ -24,6 +24,12 @@ Arms (one run each; `--seed` sets the trainer's seed and the agent's question or
 from the first only, and GRPO's rounds ask only the second, so that RL acts on questions the warm
 start never saw (its warm start is kept apart from the whole part's).
 
+`--gate N` puts the promotion gate (issue 42) in GRPO's way: after the warm start the lineage
+gets an eval set of N training-part questions (none of the probe's; `demo.bfcl.eval_item`, scored
+by BFCL's AST check), and FLYWHEEL_GATE=evals asks every new version it at temperature 0 before
+it serves: a version that scores under the current one by more than the gate's margin is retired
+unserved and training goes on from the current version.
+
 `--train-probe N` asks, with the held-out part, N fixed training-part questions at temperature 0
 (the same sample for every run): settings are compared on that probe and the training reward,
 never on the held-out part.
@@ -124,6 +130,9 @@ def run_flywheel(args: argparse.Namespace) -> Run:
         overrides["temperature"] = str(args.temperature)
     if args.split_demos:
         overrides["demonstrations"] = "first half"
+    if args.gate:
+        env["FLYWHEEL_GATE"] = "evals"
+        overrides["gate"] = f"evals on {args.gate} training questions"
     run = Run(args.arm, args.seed, time.strftime("%Y-%m-%d %H:%M"), env, overrides=overrides)
     home = Path(tempfile.mkdtemp(prefix=f"{args.arm}-{args.seed}-", dir=_mkdir(HOME)))
     run.notes.append(f"home (logs, adapters): {home}")
@@ -159,6 +168,8 @@ def run_flywheel(args: argparse.Namespace) -> Run:
                 _keep_answers(args, run.warm["evaluation"], "warm")
                 _keep_warm(run, args)
                 _save(run, home)
+            if args.gate:
+                gate_set(url, agent.train, asked.probe, args.gate, run)
             grpo(agent, run, url, t0, asked, args, home)
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what was measured is still recorded
             run.notes.append(f"stopped early (interrupted) after {time.perf_counter() - t0:.0f} s")
@@ -166,6 +177,8 @@ def run_flywheel(args: argparse.Namespace) -> Run:
             agent.close()
             peaks.stop()
             run.costs = costs(url, loop.vllm_url, peaks, time.perf_counter() - t0)
+            if args.gate:
+                run.costs["gate"] = _gated(url)
     return run
 
 
@@ -255,11 +268,41 @@ def grpo(
         version = _current(url)
         if version - last >= args.eval_every:
             run.evaluations.append(_evaluate(agent, url, version, asked, t0, samples))
+            if args.gate:
+                run.evaluations[-1]["gate"] = _gated(url)
             last = version
         _save(run, home)
     version = _current(url)
     if not run.evaluations or run.evaluations[-1]["version"] != version:
         run.evaluations.append(_evaluate(agent, url, version, asked, t0, samples))
+
+
+def gate_set(
+    url: str, train: list[bfcl.Question], probed: list[bfcl.Question], n: int, run: Run
+) -> None:
+    """`--gate N`: the lineage's eval set, every k-th training-part question the probe does not
+    ask (the probe stays a measure of the training part the gate never chose on). Added after
+    the warm start, whose supervised steps therefore met no eval set (inconclusive: published)."""
+    from core import evals
+
+    asked = {q.id for q in probed}
+    rest = [q for q in train if q.id not in asked]
+    chosen = rest[:: max(1, len(rest) // n)][:n]
+    engine, sessions = database.create_sessions(url)
+    try:
+        with sessions.begin() as session:
+            evals.add(
+                session=session,
+                lineage=naming.DEFAULT_LINEAGE,
+                name="bfcl-train",
+                scorer_spec="python:demo.bfcl:eval_score",
+                items=[bfcl.eval_item(q, MAX_TOKENS) for q in chosen],
+                source="bench.bfcl_learning --gate",
+            )
+    finally:
+        engine.dispose()
+    run.notes.append(f"gate: FLYWHEEL_GATE=evals on {len(chosen)} training questions")
+    print(f"gate: eval set of {len(chosen)} training questions added", flush=True)
 
 
 @dataclass(frozen=True)
@@ -539,6 +582,16 @@ def _steps(url: str, kind: str) -> int:
             "SELECT count(*) FROM adapter_version WHERE stats->>'kind' = %s", (kind,)
         ).fetchone()
     return int(row[0]) if row else 0
+
+
+def _gated(url: str) -> dict[str, int]:
+    """The gate's verdicts so far, by outcome (trainer/promotion.py keeps each in its stats)."""
+    with psycopg.connect(url) as conn:
+        rows = conn.execute(
+            "SELECT stats->'gate'->>'outcome', count(*) FROM adapter_version "
+            "WHERE stats ? 'gate' GROUP BY 1"
+        ).fetchall()
+    return {str(outcome): int(n) for outcome, n in rows}
 
 
 def _adapter_path(url: str, version: int) -> str | None:
@@ -878,6 +931,13 @@ def main() -> None:
         "--split-demos",
         action="store_true",
         help="demonstrations from one fixed half of the training part, GRPO on the other",
+    )
+    parser.add_argument(
+        "--gate",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the warm start, gate every version on an eval set of N training questions",
     )
     parser.add_argument("--record-answers", type=int, default=0, help="answers kept per batch")
     parser.add_argument("--threads", type=int, default=2, help="TRL's torch threads")
