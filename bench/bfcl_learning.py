@@ -286,8 +286,7 @@ def gate_set(
     from core import evals
 
     asked = {q.id for q in probed}
-    rest = [q for q in train if q.id not in asked]
-    chosen = rest[:: max(1, len(rest) // n)][:n]
+    chosen = bfcl.spread([q for q in train if q.id not in asked], n)
     engine, sessions = database.create_sessions(url)
     try:
         with sessions.begin() as session:

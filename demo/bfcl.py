@@ -168,6 +168,11 @@ def eval_item(q: Question, max_tokens: int = 128) -> dict[str, Any]:
     return {"messages": prompt(q), "tools": None, "reference": reference, "max_tokens": max_tokens}
 
 
+def spread(questions: list[Question], n: int) -> list[Question]:
+    """N of `questions` spread over them (every k-th): an eval set's sample."""
+    return questions[:: max(1, len(questions) // n)][:n]
+
+
 def eval_score(answer: dict[str, Any], item: dict[str, Any]) -> float:
     """The eval set's scorer (`flywheel eval add ... --scorer python:demo.bfcl:eval_score`): 1
     for a valid call by BFCL's AST check, else 0."""
@@ -188,7 +193,7 @@ def main() -> None:
     parser.add_argument("--category", default="simple_python")
     args = parser.parse_args()
     train, _ = split(load(args.category))
-    chosen = train[:: max(1, len(train) // args.questions)][: args.questions]
+    chosen = spread(train, args.questions)
     args.out.write_text("".join(json.dumps(eval_item(q)) + "\n" for q in chosen))
     print(
         f"{len(chosen)} training-part questions of {args.category} in {args.out}: flywheel eval "

@@ -18,20 +18,16 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 from trainer.config import TrainerSettings
 from trainer.data.batch import ModelLimits, unscorable
 from trainer.data.logged import LoggedCall
 from trainer.data.sampling import Sampling, SetAside, sampling_of
-from trainer.learner.scoring import Completion
+from trainer.learner.scoring import Completion, Scorer
 from trainer.ope import Comparison, Estimate, LoggedEpisode, Window, compare
 
 log = logging.getLogger("flywheel.trainer")
-
-
-class Scorer(Protocol):
-    def score(self, rows: list[Completion]) -> list[float]: ...
 
 
 @dataclass

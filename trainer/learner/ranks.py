@@ -34,7 +34,7 @@ import logging
 import uuid
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -42,16 +42,12 @@ from trainer.config import TrainerSettings
 from trainer.data.batch import ModelLimits, Sample
 from trainer.learner.distributed import Row, World, shard
 from trainer.learner.engine import AtWeights, Engine, Snapshot, StepStats
-from trainer.learner.scoring import Completion
+from trainer.learner.scoring import Completion, Scorer
 from trainer.learner.sft import Demo, SftStats
 
 T = TypeVar("T")
 
 log = logging.getLogger("flywheel.trainer")
-
-
-class Scorer(Protocol):
-    def score(self, rows: Sequence[Completion]) -> list[float]: ...
 
 
 class RanksLost(BaseException):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -25,6 +25,13 @@ class Completion:
     prompt_ids: Sequence[int]
     completion_ids: Sequence[int]
     sampling: Sampling
+
+
+class Scorer(Protocol):
+    """What scores completions under some weights: an engine, an engine at a snapshot's weights
+    (`AtWeights`), or rank 0 dealing the rows out to every rank (trainer/learner/ranks.py)."""
+
+    def score(self, rows: Sequence[Completion]) -> list[float]: ...
 
 
 def completion_logprobs(

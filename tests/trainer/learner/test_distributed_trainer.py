@@ -162,8 +162,8 @@ def test_the_gates_estimate_on_two_processes_is_one_processs(
     play(proxy, tasks=4, episodes_per_task=8)
     ope = {"ope": "log", "ope_holdout": 0.3, "ope_min_ess": 1.0, "ope_resamples": 20}
     ope |= {"gate_min_weight": 1e-6, "off_policy_bound": 1e6, "off_policy_veto": 0.0}
-    flags = ["--gate", "ope", *(x for k, v in ope.items() for x in (f"--{k}", str(v)))]
-    flags = [f.replace("_", "-") if f.startswith("--") else f for f in flags]
+    flags = ["--gate", "ope"]
+    flags += [x for k, v in ope.items() for x in (f"--{k.replace('_', '-')}", str(v))]
     first = launch(proxy, fake_vllm, tmp_path, "--max-steps", "1", *flags, launcher=FSDP2)
     assert first.returncode == 0, first.stderr[-4000:]
     assert "the base model sharded over 2 ranks (FSDP2)" in first.stderr
