@@ -2,8 +2,9 @@
 estimate on logged traffic (FLYWHEEL_OPE, trainer/candidate.py), its eval sets' scores
 (FLYWHEEL_EVALS, trainer/evals.py), and the promotion gate's verdict on them (FLYWHEEL_GATE,
 trainer/gate.py). The trainer's publish (trainer/loop.py) asks a lineage's `Gatekeeper` in
-order: `estimate` (before anything is saved or loaded), `ask` (the version loaded in vLLM,
-served by no alias yet), `decide`; and tells it what was `published`. A version held by the
+`estimate` (the trainer's forward passes) and `compare` (the version loaded in vLLM, served by
+no alias yet, asked its eval sets), at once (FLYWHEEL_GATE_OVERLAP) or in turn, then `decide`;
+and tells it what was `published`. A version held by the
 gate (FLYWHEEL_GATE_FALLBACK=hold) is judged again by `rejudge` (trainer/canary_watch.py).
 
 Under torchrun / accelerate launch the engine is rank 0's `Led` (trainer/learner/ranks.py): the
@@ -40,6 +41,7 @@ class Judgement:
     estimated: gate.Verdict | None = None  # the gate's verdict on it (None: it reads none)
     compared: list[Compared] = field(default_factory=list)  # its eval sets
     verdict: gate.Verdict | None = None  # the gate's (None: no gate)
+    seconds: float = 0.0  # the estimate and the asks as made, at once or in turn (wall)
 
     @property
     def failed_estimate(self) -> bool:
@@ -61,6 +63,8 @@ class Judgement:
             out["evals"] = {c.name: c.stats() for c in self.compared}
         if self.verdict is not None:
             out["gate"] = {"outcome": self.verdict.outcome, "reason": self.verdict.reason}
+        if self.judged or self.compared:
+            out["judged_s"] = round(self.seconds, 3)
         return out
 
 
@@ -128,7 +132,8 @@ class Gatekeeper:
 
     def eval_sets(self, judgement: Judgement) -> list[EvalSet]:
         """The lineage's eval sets, when they are to be asked (not of a version the estimate
-        failed already: it is never loaded)."""
+        failed already: it is never loaded; with FLYWHEEL_GATE_OVERLAP the estimate is made
+        while they are asked, and `judgement` is still empty)."""
         if not self.settings.asks_evals or judgement.failed_estimate:
             return []
         with self.sessions.begin() as session:
@@ -157,7 +162,7 @@ class Gatekeeper:
             judgement = self.estimate(engine, before, baseline, sampling_defaults)
             eval_sets = self.eval_sets(judgement)
             if eval_sets:
-                self.ask(judgement, eval_sets, adapter.name, baseline, adapter.stats)
+                judgement.compared = self.compare(eval_sets, adapter.name, baseline, adapter.stats)
             self.decide(judgement)
         except faults.INFRASTRUCTURE as e:  # Postgres or vLLM away: the hold waits
             log.warning("%s: the held %s is not judged yet: %s", self.lineage, adapter.name, e)
@@ -168,21 +173,21 @@ class Gatekeeper:
             policy.restat(held.candidate, judgement.stats(), session=session)
         return judgement.verdict
 
-    def ask(
+    def compare(
         self,
-        judgement: Judgement,
         eval_sets: list[EvalSet],
         name: str,
         parent: int | None,
         candidate_stats: dict[str, Any] | None = None,
-    ) -> None:
+    ) -> list[Compared]:
         """The loaded new version `name` asked the eval sets (a score in `candidate_stats` for
         the same set and judge is reused), beside the current version's scores. vLLM failing to
-        answer raises (faults.INFRASTRUCTURE)."""
+        answer raises (faults.INFRASTRUCTURE). It touches neither the engine nor the judgement:
+        the publisher runs it beside the estimate (FLYWHEEL_GATE_OVERLAP)."""
         current = parent if parent is not None else policy.BASE_VERSION
         with self.sessions.begin() as session:
             adapter = policy.get(current, session=session) if parent is not None else None
-        judgement.compared = evals.compare(
+        compared = evals.compare(
             self.vllm,
             eval_sets,
             candidate=name,
@@ -192,10 +197,11 @@ class Gatekeeper:
             candidate_stats=candidate_stats,
             settings=self.settings,
         )
-        for c in judgement.compared:
+        for c in compared:
             self.metrics.eval_scored(c.name, c.candidate.score, c.current.score)
-        if judgement.compared:
-            log.info("%s: %s", self.lineage, evals.line(judgement.compared))
+        if compared:
+            log.info("%s: %s", self.lineage, evals.line(compared))
+        return compared
 
     def decide(self, judgement: Judgement) -> gate.Verdict | None:
         """The promotion gate's verdict (None: no gate)."""

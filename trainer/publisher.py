@@ -10,18 +10,19 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from core import canary, naming, pins, policy
 from core.database import Sessions
 from core.vllm import VLLMError
-from trainer import faults
 from trainer.config import TrainerSettings
 from trainer.data import store
 from trainer.learner.engine import Engine, Snapshot
-from trainer.promotion import Gatekeeper
+from trainer.promotion import Gatekeeper, Judgement
 from trainer.vllm import Replicas
 
 log = logging.getLogger("flywheel.trainer")
@@ -61,7 +62,11 @@ class Publisher:
         current or under canary, or None (rejected by the gate, or lost to a race and
         abandoned). PolicyMoved: the weights are back at `before`, the batch still ours."""
         s, keeper = self.settings, self.gatekeeper
-        judgement = keeper.estimate(engine, before, parent, self.sampling_defaults)
+        overlap = s.gate_overlap and s.asks_evals
+        judgement, t0 = Judgement(), time.perf_counter()
+        if not overlap:  # a version the estimate fails is then never loaded
+            judgement = keeper.estimate(engine, before, parent, self.sampling_defaults)
+        estimated_s = time.perf_counter() - t0
         eval_sets = keeper.eval_sets(judgement)
         with self.sessions.begin() as session:
             version = policy.next_version(session=session)
@@ -74,12 +79,21 @@ class Publisher:
         swap_s: float | None = None
         if eval_sets:
             swap_s = self._load(name, final)  # held: loaded, but no alias names it yet
-            try:
-                keeper.ask(judgement, eval_sets, name, parent)
-            except faults.INFRASTRUCTURE:  # the step's caller gives the batch back
+        t0 = time.perf_counter()  # the save and the load are not the gate's
+        try:
+            # vLLM answers the eval sets while the trainer's device makes the estimate: the
+            # version waits for the slower of the two (the pool's exit waits for the asks).
+            with ThreadPoolExecutor(1, thread_name_prefix="evals") as pool:
+                asking = pool.submit(keeper.compare, eval_sets, name, parent) if eval_sets else None
+                if overlap:
+                    judgement = keeper.estimate(engine, before, parent, self.sampling_defaults)
+                judgement.compared = asking.result() if asking else []
+            judgement.seconds = estimated_s + time.perf_counter() - t0
+        except Exception:  # vLLM or Postgres away: the step's caller gives the batch back
+            if swap_s is not None:
                 self._unload(name)
-                shutil.rmtree(final, ignore_errors=True)
-                raise
+            shutil.rmtree(final, ignore_errors=True)
+            raise
         verdict = keeper.decide(judgement)
         rejected = judgement.rejected(s.gate_fallback)
         # A canary, if canaries are on; an undecided version with the canary fallback opens one

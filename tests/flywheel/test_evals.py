@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -411,3 +412,52 @@ def test_the_trainers_own_vllm_as_the_judge_takes_the_trainers_key(tmp_path: Pat
             vllm.replies = [judged(0.25)]
             assert trainer_evals.grade([{"content": "4"}], eval_set, settings) == [0.25]
             assert vllm.requests[-1]["headers"]["Authorization"] == sent
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "in-turn"])
+def test_the_eval_sets_are_asked_while_the_estimate_is_made(
+    proxy: RunningProxy,
+    fake_vllm: FakeVLLM,
+    make_trainer: Any,  # noqa: F811
+    sessions: Sessions,
+    monkeypatch: pytest.MonkeyPatch,
+    overlap: bool,
+) -> None:
+    """FLYWHEEL_GATE=ope+evals. With FLYWHEEL_GATE_OVERLAP (the default) vLLM answers the eval
+    sets while the trainer makes the off-policy estimate: the estimate sees the asks begin before
+    it ends, and a version the estimate fails has been loaded to be asked (never served). Off,
+    the estimate comes first and such a version is never loaded into vLLM at all."""
+    from trainer import gate
+    from trainer.promotion import Gatekeeper
+
+    asking = threading.Event()
+    seen: list[bool] = []
+    compare, estimate = Gatekeeper.compare, Gatekeeper.estimate
+
+    def compare_(self: Gatekeeper, *args: Any, **kwargs: Any) -> Any:
+        asking.set()
+        return compare(self, *args, **kwargs)
+
+    def estimate_(self: Gatekeeper, *args: Any, **kwargs: Any) -> Any:
+        seen.append(asking.wait(timeout=10 if overlap else 0.5))
+        return estimate(self, *args, **kwargs)
+
+    monkeypatch.setattr(Gatekeeper, "compare", compare_)
+    monkeypatch.setattr(Gatekeeper, "estimate", estimate_)
+    monkeypatch.setattr(gate, "decide", lambda *a, **k: gate.Verdict("fail", "estimated worse"))
+    add_set(sessions, "any-answer", "python:tests.flywheel.test_evals:length_scorer", ["x"] * 6)
+    trainer = make_trainer(gate="ope+evals", ope_holdout=0, gate_overlap=overlap)
+    play(proxy, agent="a")
+    assert not trainer.step()  # the estimate fails it
+    assert seen == [overlap]  # the asks had begun (overlap), or had not and never did
+    loads = [
+        r["body"]["lora_name"] for r in fake_vllm.requests if r["path"] == "/v1/load_lora_adapter"
+    ]
+    assert ("policy-v1" in loads) == overlap, loads
+    assert "policy-v1" not in fake_vllm.loras  # unloaded again, or never loaded
+    with sessions.begin() as session:
+        v1 = policy.get(1, session=session)
+    assert v1 is not None and v1.retired_at is not None and v1.stats is not None
+    assert v1.stats["gate"]["outcome"] == "fail"
+    assert ("evals" in v1.stats) == overlap  # asked beside the estimate: its scores are kept
+    assert v1.stats["judged_s"] > 0  # the witnesses' wall time, as made

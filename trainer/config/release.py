@@ -169,6 +169,13 @@ class ReleaseSettings(FlywheelSettings):
         description="A version whose mean importance weight on the logged episodes is under this "
         "puts its probability where nothing was logged: it fails.",
     )
+    gate_overlap: bool = Field(
+        True,
+        description="Ask the eval sets (vLLM's work) while the off-policy estimate is made (the "
+        "trainer's): a new version waits for the slower of the two instead of both. A version "
+        "the estimate fails has then been loaded and asked, though never served; false: the "
+        "estimate first, and such a version is never loaded.",
+    )
     gate_fallback: Literal["publish", "canary", "hold", "reject"] = Field(
         "publish",
         description="What an inconclusive gate does (too few logged episodes yet, an interval "
