@@ -104,6 +104,7 @@ class Gatekeeper:
                 tenants=s.tenants,
                 episodes=s.ope_episodes,
                 max_age_s=s.ope_max_age_s,
+                versions=s.ope_max_versions,
             )
         known = self._scored[1] if self._scored and self._scored[0] == current else None
         try:

@@ -87,6 +87,13 @@ class ReleaseSettings(FlywheelSettings):
         description="Logged episodes older than this (their newest call) are not estimated on: "
         "what the agents were asked then may no longer be what they are asked. 0: any age.",
     )
+    ope_max_versions: int = Field(
+        0,
+        ge=0,
+        description="Only episodes the current version and the N-1 versions before it served "
+        "are estimated on: the fewer versions a logged call is away from the candidate, the "
+        "less its weight carries (and clipping cuts). 0: any version.",
+    )
     ope_method: OpeMethod = Field(
         "dr",
         description="Weighted doubly robust with a per-task baseline, or per-decision "

@@ -37,11 +37,16 @@ class LoggedCall:
 # the lineage's calls held out (`ope_holdout`), or served by the current `version` and neither
 # trained, claimed nor set aside (a candidate trained on an episode would grade itself on it).
 _WINDOW = f"""
-WITH recent AS (
+WITH floor AS (  -- the oldest version whose episodes count (`versions` 0: any, -1)
+    SELECT CASE WHEN CAST(:versions AS int) = 0 THEN -1 ELSE coalesce(min(version), -1) END AS v
+    FROM (SELECT version FROM adapter_version WHERE lineage = :lineage AND version <= :version
+          ORDER BY version DESC LIMIT CAST(:versions AS int)) AS newest
+), recent AS (
     SELECT episode_id, max(requested_at) AS at FROM (
         SELECT episode_id, requested_at FROM transition
         WHERE lineage = :lineage AND status = 'ok'
           AND (skip_reason = 'ope_holdout' OR policy_version = :version)
+          AND coalesce(policy_version, 0) >= (SELECT v FROM floor)
           AND (CAST(:max_age_s AS float8) = 0
                OR requested_at > now() - make_interval(secs => CAST(:max_age_s AS float8)))
           AND (CAST(:tenants AS text[]) IS NULL
@@ -52,7 +57,8 @@ WITH recent AS (
     SELECT e.id, e.task_id, e.final_reward, r.at FROM recent r JOIN episode e ON e.id = r.episode_id
     WHERE e.final_reward IS NOT NULL AND NOT EXISTS (
         SELECT 1 FROM transition o WHERE o.episode_id = e.id AND o.lineage = :lineage
-          AND (o.status <> 'ok' OR o.skip_reason IS DISTINCT FROM 'ope_holdout' AND (
+          AND (o.status <> 'ok' OR coalesce(o.policy_version, 0) < (SELECT v FROM floor)
+               OR o.skip_reason IS DISTINCT FROM 'ope_holdout' AND (
                o.policy_version IS DISTINCT FROM :version OR o.trained_at IS NOT NULL
                OR o.skip_reason IS NOT NULL OR o.claim_expires_at > now())))
     ORDER BY r.at DESC LIMIT :episodes
@@ -78,10 +84,12 @@ def window(
     tenants: list[str],
     episodes: int,
     max_age_s: float = 0.0,
+    versions: int = 0,
 ) -> list[LoggedCall]:
     """Every call of up to `episodes` logged episodes to estimate a candidate on (`_WINDOW`);
     `version` is the lineage's current one; an episode whose newest call is older than
-    `max_age_s` is not (0: any age)."""
+    `max_age_s` is not (0: any age), nor one a call of which an older version served than the
+    current one and the `versions` - 1 before it (0: any version)."""
     rows = session.execute(
         text(_WINDOW),
         {
@@ -91,6 +99,7 @@ def window(
             "episodes": episodes,
             "scan": 8 * episodes,
             "max_age_s": max_age_s,
+            "versions": versions,
         },
     ).mappings()
     return [
