@@ -907,6 +907,7 @@ def report(args: argparse.Namespace) -> None:
                 "warm-grpo": "warm start + GRPO",
                 "warm-rft": "warm start + GRPO + its own successes (RFT)",
                 "base": "base model",
+                "trl": "TRL's GRPOTrainer (coupled) from the same warm start",
             }.get(arm, arm)
             walls = [r["costs"].get("wall_s", r["evaluations"][-1]["wall_s"]) for r in group]
             lines.append(_row(label + overrides, finals, walls))
