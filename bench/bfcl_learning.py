@@ -657,7 +657,7 @@ def run_trl(args: argparse.Namespace) -> Run:
     if args.temperature != TEMPERATURE:
         overrides["temperature"] = str(args.temperature)
     if args.split_demos:
-        overrides["split_demos"] = "true"
+        overrides["demonstrations"] = "first half"  # as the Flywheel arm labels it
     run = Run("trl", args.seed, time.strftime("%Y-%m-%d %H:%M"), env, overrides=overrides)
     run.notes.append(f"from the warm start {warm}")
     home = Path(tempfile.mkdtemp(prefix=f"trl-{args.seed}-", dir=_mkdir(HOME)))
