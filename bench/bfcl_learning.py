@@ -80,7 +80,7 @@ import psutil
 import psycopg
 
 from bench import trl_reference
-from bench.common import append_section, learning_loop, trainer_setting
+from bench.common import add_settings_argument, append_section, learning_loop
 from core import database, naming, pins, policy
 from demo import bfcl
 from demo.bfcl_agent import MAX_TOKENS, TEMPERATURE, Answer, BfclAgent, Evaluation
@@ -1025,14 +1025,7 @@ def main() -> None:
     parser.add_argument("--record-answers", type=int, default=0, help="answers kept per batch")
     parser.add_argument("--threads", type=int, default=2, help="TRL's torch threads")
     parser.add_argument("--database-url", help="Postgres (default: embedded)")
-    parser.add_argument(
-        "--set",
-        type=trainer_setting,
-        action="append",
-        default=[],
-        metavar="FLYWHEEL_X=V",
-        help="a trainer setting over the bfcl task's (demo/stack.py BFCL_TRAINER_ENV); recorded",
-    )
+    add_settings_argument(parser, "the bfcl task's (demo/stack.py BFCL_TRAINER_ENV)")
     parser.add_argument("--runs", type=Path, default=RUNS, help="the recorded runs (JSON Lines)")
     parser.add_argument("--results", type=Path, default=RESULTS, help="the Markdown report")
     parser.add_argument("--plot", type=Path, default=PLOT, help="the curves' PNG")

@@ -71,8 +71,20 @@ def quantile(values: list[float], q: float) -> float:
     return statistics.quantiles(values, n=1000, method="inclusive")[round(q * 1000) - 1]
 
 
-def trainer_setting(text: str) -> tuple[str, str]:
-    """`--set FLYWHEEL_X=V`: a trainer setting over a benchmark's own (argparse's `type`)."""
+def add_settings_argument(parser: argparse.ArgumentParser, over: str) -> None:
+    """`--set FLYWHEEL_X=V`, repeatable: trainer settings over the benchmark's own (`over`
+    says which), as (name, value) pairs in `args.set`."""
+    parser.add_argument(
+        "--set",
+        type=_trainer_setting,
+        action="append",
+        default=[],
+        metavar="FLYWHEEL_X=V",
+        help=f"a trainer setting over {over}; recorded",
+    )
+
+
+def _trainer_setting(text: str) -> tuple[str, str]:
     name, sep, value = text.partition("=")
     if not sep or not name.startswith("FLYWHEEL_"):
         raise argparse.ArgumentTypeError(f"expected FLYWHEEL_NAME=VALUE, got {text!r}")

@@ -46,7 +46,7 @@ import httpx
 import psycopg
 import torch
 
-from bench.common import append_section, learning_loop, load_adapter, trainer_setting
+from bench.common import add_settings_argument, append_section, learning_loop, load_adapter
 from core import database, evals, policy
 from demo.agent import MAX_TOKENS, TEMPERATURE, Agent, Episode, print_round
 from demo.calculator import QUESTIONS, build_calculator_model, messages, reward
@@ -558,14 +558,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="the calculator model (default: under --home)")
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--report-from", type=Path, help="report a saved run.json, run nothing")
-    parser.add_argument(
-        "--set",
-        type=trainer_setting,
-        action="append",
-        default=[],
-        metavar="FLYWHEEL_X=V",
-        help="a trainer setting over the benchmark's (e.g. FLYWHEEL_OPE_CLIP=100); recorded",
-    )
+    add_settings_argument(parser, "the benchmark's (e.g. FLYWHEEL_OPE_CLIP=100)")
     args = parser.parse_args()
     if args.report_from:
         print("\n".join(report(load(args.report_from), args.results)))
