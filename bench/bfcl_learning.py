@@ -17,8 +17,11 @@ Arms (one run each; `--seed` sets the trainer's seed and the agent's question or
   policy's own successes between the GRPO steps (`demonstrations=mix`).
 - `grpo-partial`: GRPO alone from the base model, rewarded with the partial credit.
 - `trl`: TRL's own GRPOTrainer (coupled: transformers generates, no vLLM, no proxy) from the
-  same warm start (a `warm-grpo` run's warm-start adapter) on the same training part, for
-  `--samples` samples: the sample-efficiency reference (training reward per sample).
+  same warm start (a `warm-grpo` run's kept warm-start adapter; `--split-demos`: the half's) on
+  the same questions in the same order as the Flywheel arm's agent asks them, until `--samples`
+  or `--minutes`: the sample-efficiency reference (training reward per sample). Its adapter is
+  kept every `--eval-every` steps and at the end, and asked the held-out part (and the probe)
+  after training.
 
 `--split-demos` splits the training part in two fixed halves (`demo_halves`): demonstrations come
 from the first only, and GRPO's rounds ask only the second, so that RL acts on questions the warm
@@ -47,6 +50,8 @@ docs/img/bfcl_learning.png. Some of the model's own answers go to tests/data/bfc
     .venv/bin/python -m bench.bfcl_learning --arm warm-grpo --seed 0 --reuse-warm  # GRPO only
     .venv/bin/python -m bench.bfcl_learning --arm warm-grpo --train-probe 60  # + training probe
     .venv/bin/python -m bench.bfcl_learning --arm trl --seed 0 --samples 1024
+    .venv/bin/python -m bench.bfcl_learning --arm trl --seed 0 --split-demos --temperature 0.7 \
+        --set FLYWHEEL_LEARNING_RATE=1e-4 --train-probe 100 --eval-every 13 --minutes 100
     .venv/bin/python -m bench.bfcl_learning --report
     .venv/bin/python -m bench.bfcl_learning --ask-training RUN_HOME/adapters/policy-v65
     .venv/bin/python -m bench.bfcl_learning --arm warm-grpo --smoke   # minutes, for the tests
