@@ -1,10 +1,10 @@
 """What a new version shows before it serves (issue 42, docs/promotion.md): its off-policy
 estimate on logged traffic (FLYWHEEL_OPE, trainer/candidate.py), its eval sets' scores
 (FLYWHEEL_EVALS, trainer/evals.py), and the promotion gate's verdict on them (FLYWHEEL_GATE,
-trainer/gate.py). The trainer's publish (trainer/loop.py) asks a lineage's `Gatekeeper` in
-`estimate` (the trainer's forward passes) and `compare` (the version loaded in vLLM, served by
-no alias yet, asked its eval sets), at once (FLYWHEEL_GATE_OVERLAP) or in turn, then `decide`;
-and tells it what was `published`. A version held by the
+trainer/gate.py). The trainer's publish (trainer/publisher.py) asks a lineage's `Gatekeeper`
+for its `estimate` (the trainer's forward passes) and its `compare` (the version loaded in vLLM,
+served by no alias yet, asked its eval sets), at once (FLYWHEEL_GATE_OVERLAP) or in turn, then
+to `decide`; and tells it what was `published`. A version held by the
 gate (FLYWHEEL_GATE_FALLBACK=hold) is judged again by `rejudge` (trainer/canary_watch.py).
 
 Under torchrun / accelerate launch the engine is rank 0's `Led` (trainer/learner/ranks.py): the
@@ -14,6 +14,7 @@ estimate's forward passes are dealt out to every rank, and the rest is rank 0's 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -160,10 +161,12 @@ class Gatekeeper:
         before = engine.snapshot()
         try:
             engine.load_adapter(Path(adapter.path))
+            started = time.perf_counter()
             judgement = self.estimate(engine, before, baseline, sampling_defaults)
             eval_sets = self.eval_sets(judgement)
             if eval_sets:
                 judgement.compared = self.compare(eval_sets, adapter.name, baseline, adapter.stats)
+            judgement.seconds = time.perf_counter() - started  # in turn: it serves no one yet
             self.decide(judgement)
         except faults.INFRASTRUCTURE as e:  # Postgres or vLLM away: the hold waits
             log.warning("%s: the held %s is not judged yet: %s", self.lineage, adapter.name, e)

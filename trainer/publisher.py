@@ -63,10 +63,10 @@ class Publisher:
         abandoned). PolicyMoved: the weights are back at `before`, the batch still ours."""
         s, keeper = self.settings, self.gatekeeper
         overlap = s.gate_overlap and s.asks_evals
-        judgement, t0 = Judgement(), time.perf_counter()
+        judgement, started = Judgement(), time.perf_counter()
         if not overlap:  # a version the estimate fails is then never loaded
             judgement = keeper.estimate(engine, before, parent, self.sampling_defaults)
-        estimated_s = time.perf_counter() - t0
+        judged_s = time.perf_counter() - started
         eval_sets = keeper.eval_sets(judgement)
         with self.sessions.begin() as session:
             version = policy.next_version(session=session)
@@ -79,7 +79,7 @@ class Publisher:
         swap_s: float | None = None
         if eval_sets:
             swap_s = self._load(name, final)  # held: loaded, but no alias names it yet
-        t0 = time.perf_counter()  # the save and the load are not the gate's
+        started = time.perf_counter()  # the save and the load are not the gate's
         try:
             # vLLM answers the eval sets while the trainer's device makes the estimate: the
             # version waits for the slower of the two (the pool's exit waits for the asks).
@@ -88,7 +88,7 @@ class Publisher:
                 if overlap:
                     judgement = keeper.estimate(engine, before, parent, self.sampling_defaults)
                 judgement.compared = asking.result() if asking else []
-            judgement.seconds = estimated_s + time.perf_counter() - t0
+            judgement.seconds = judged_s + time.perf_counter() - started
         except Exception:  # vLLM or Postgres away: the step's caller gives the batch back
             if swap_s is not None:
                 self._unload(name)
