@@ -342,15 +342,7 @@ def _evaluate(
     with _held(url, version):
         held_out = agent.evaluate(version, asked.held_out)
         probed = agent.evaluate(version, asked.probe) if asked.probe else None
-    evaluation = _evaluation(held_out, time.perf_counter() - t0, samples)
-    line = f"held-out v{version}: {evaluation['accuracy']:.3f} valid, "
-    line += f"{evaluation['parsable']:.3f} parsable"
-    if probed is not None:
-        evaluation["probe"] = {"accuracy": probed.accuracy, "parsable": probed.parsable,
-                               "questions": probed.questions}  # fmt: skip
-        line += f"; training probe {probed.accuracy:.3f} valid ({probed.questions} questions)"
-    print(line, flush=True)
-    return evaluation
+    return _evaluation(held_out, probed, time.perf_counter() - t0, samples)
 
 
 @contextlib.contextmanager
@@ -374,8 +366,11 @@ def _held(url: str, version: int) -> Iterator[None]:
         engine.dispose()
 
 
-def _evaluation(e: Evaluation, wall_s: float, samples: int) -> dict[str, Any]:
-    return {
+def _evaluation(
+    e: Evaluation, probed: Evaluation | None, wall_s: float, samples: int
+) -> dict[str, Any]:
+    """One held-out ask as a run records it (with the probe's, if asked), and printed."""
+    evaluation: dict[str, Any] = {
         "version": e.version,
         "accuracy": e.accuracy,
         "parsable": e.parsable,
@@ -384,6 +379,13 @@ def _evaluation(e: Evaluation, wall_s: float, samples: int) -> dict[str, Any]:
         "samples": samples,
         "answers": e.answers,
     }
+    line = f"held-out v{e.version}: {e.accuracy:.3f} valid, {e.parsable:.3f} parsable"
+    if probed is not None:
+        evaluation["probe"] = {"accuracy": probed.accuracy, "parsable": probed.parsable,
+                               "questions": probed.questions}  # fmt: skip
+        line += f"; training probe {probed.accuracy:.3f} valid ({probed.questions} questions)"
+    print(line, flush=True)
+    return evaluation
 
 
 def _round(answers: list[Answer], samples: int, wall_s: float) -> dict[str, Any]:
@@ -754,30 +756,21 @@ def _ask_kept(
     probed: list[bfcl.Question],
     batch: int,
 ) -> None:
-    """The TRL arm's kept adapters asked the held-out part (and the probe) at temperature 0."""
+    """The TRL arm's kept adapters asked the held-out part (and the probe) at temperature 0,
+    recorded as the Flywheel arm's versions are (`version`: the step)."""
+
+    def scored(step: int, questions: list[bfcl.Question], adapter: Path) -> Evaluation:
+        verdicts = ask(adapter, questions)
+        valid = statistics.fmean(v.valid for v in verdicts)
+        parsable = statistics.fmean(v.parsable for v in verdicts)
+        return Evaluation(step, valid, parsable, len(verdicts))
+
     with _served("trl-asks") as ask:
         for step, adapter in kept:
-            verdicts = ask(adapter, held_out)
-            evaluation: dict[str, Any] = {
-                "version": step,
-                "accuracy": statistics.fmean(v.valid for v in verdicts),
-                "parsable": statistics.fmean(v.parsable for v in verdicts),
-                "questions": len(verdicts),
-                "wall_s": next(r["wall_s"] for r in run.rounds if r["samples"] == step * batch),
-                "samples": step * batch,
-            }
-            line = f"held-out step {step}: {evaluation['accuracy']:.3f} valid, "
-            line += f"{evaluation['parsable']:.3f} parsable"
-            if probed:
-                on_probe = ask(adapter, probed)
-                evaluation["probe"] = {
-                    "accuracy": statistics.fmean(v.valid for v in on_probe),
-                    "parsable": statistics.fmean(v.parsable for v in on_probe),
-                    "questions": len(on_probe),
-                }
-                line += f"; training probe {evaluation['probe']['accuracy']:.3f} valid"
-            run.evaluations.append(evaluation)
-            print(line, flush=True)
+            wall_s = next(r["wall_s"] for r in run.rounds if r["samples"] == step * batch)
+            held = scored(step, held_out, adapter)
+            on_probe = scored(step, probed, adapter) if probed else None
+            run.evaluations.append(_evaluation(held, on_probe, wall_s, step * batch))
 
 
 # What shapes a warm start: a kept one is reused only by runs that agree on all of these.
