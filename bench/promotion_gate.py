@@ -431,6 +431,7 @@ def report(result: Result, path: Path = RESULTS) -> list[str]:
         f"measured reward: {covered} of {scored} (goal >= 80 %).",
         "The naive forecast (the candidate as good as its parent's measured reward): mean "
         f"absolute error {_f(_mean(naive))} over {len(naive)} versions.",
+        *_error_parts(result.versions, by_version),
     ]
     timed = [v for v in result.versions if v.train_s is not None and v.swap_s is not None]
     if timed:
@@ -511,6 +512,45 @@ def report(result: Result, path: Path = RESULTS) -> list[str]:
         path, "The promotion gate: estimates from logged traffic", "bench.promotion_gate", lines
     )
 
+    return lines
+
+
+def _error_parts(versions: list[Version], by_version: dict[int, Version]) -> list[str]:
+    """The estimate's error split in two: its level (the current version's estimate on the same
+    window against that version's measured reward: what the window says about the policy that
+    served it) and the difference (candidate less current, against the measured difference:
+    what the weights add). And the error noise alone would give: the interval's standard error
+    (its width over 2 x 1.645) and the measurement's, combined; their ratio's root mean square
+    is about 1 when the error is noise, well above when it is bias."""
+    level, difference, floor, z = [], [], [], []
+    for v in versions:
+        parent = by_version.get(v.parent) if v.parent is not None else None
+        current = (v.ope.get("current") or {}).get("value")
+        if v.estimate is None or v.measured is None or v.interval is None:
+            continue
+        low, high = v.interval
+        se = math.hypot((high - low) / (2 * 1.645), v.measured_se or 0.0)
+        floor.append(math.sqrt(2 / math.pi) * se)
+        z.append(((v.estimate - v.measured) / se) ** 2 if se > 0 else math.nan)
+        if parent is None or parent.measured is None or current is None:
+            continue
+        level.append(float(current) - parent.measured)
+        difference.append((v.estimate - float(current)) - (v.measured - parent.measured))
+    if not floor:
+        return []
+    lines = [
+        "The error's noise floor: an unbiased estimate with these intervals and measurements "
+        f"would miss by {_f(_mean(floor))} on average; the errors are "
+        f"{math.sqrt(sum(z) / len(z)):.2f} of their standard errors (root mean square; 1: noise)."
+    ]
+    if level:
+        lines.append(
+            "Where it comes from: the level (the current version's estimate on the same window "
+            f"against its measured reward) mean absolute error {_f(_mean([abs(e) for e in level]))}"
+            f", signed {_f(_mean(level), '+.3f')}; the difference (candidate less current, "
+            "against the measured difference) mean absolute error "
+            f"{_f(_mean([abs(e) for e in difference]))} over {len(level)} versions."
+        )
     return lines
 
 

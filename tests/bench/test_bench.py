@@ -588,3 +588,9 @@ def test_promotion_gate_report_judges_each_version_three_ways(tmp_path: Path) ->
     assert "The eval set's cost per version (50 questions" in text
     # v2: 0.4 s of estimate and 1.5 s of eval set in 20.9 s from reward to serving: 10 % added
     assert "(made before it served) 1.90 s: they add 10% to the time without them" in text
+    # v3 against v2: the window put the current version (v2, measured 0.6) at 0.5, and the
+    # candidate 0.1 above it where both measured 0.6: a level error of -0.1, a difference error
+    # of +0.1; the intervals' and measurements' standard errors (0.030 each) give 0.034
+    assert "would miss by 0.034 on average; the errors are 0.00 of" in text
+    assert "signed -0.100; the difference (candidate" in text
+    assert "measured difference) mean absolute error 0.100 over 1 versions" in text
