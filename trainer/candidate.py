@@ -189,6 +189,7 @@ def evaluate(
             min_ess=settings.ope_min_ess,
             resamples=settings.ope_resamples,
             level=settings.ope_level,
+            resample=settings.ope_resample,
             seed=settings.seed,
         )
         result.rescored = len(others)

@@ -14,10 +14,14 @@ step rewards) had the candidate served the episodes' tasks.
          of that task's other episodes) as the direct model: weighted residuals r_t - b_t plus the
          baseline carried by the weights before t (Thomas & Brunskill's weighted doubly robust)
 
-Every estimate is linear in how often each episode is counted, so a bootstrap of episodes is a
-matrix product: `resamples` draws, percentile interval at `level`, the candidate and the
-current version compared on the same draws (paired). Too little overlap (the effective sample
-size of the episodes' clipped weights under `min_ess`) refuses the estimate rather than guess.
+Every estimate is linear in how often each episode is counted, so a bootstrap is a matrix
+product: `resamples` draws, percentile interval at `level`, the candidate and the current version
+compared on the same draws (paired). `resample="episodes"` draws episodes; `"tasks"` draws tasks,
+each with all its episodes (a cluster bootstrap): where a window holds few tasks many times each
+(a GRPO group is one task asked G times), which tasks it happened to hold is most of what the
+estimate could have been otherwise, and drawing episodes leaves that out. Too little overlap
+(the effective sample size of the episodes' clipped weights under `min_ess`) refuses the
+estimate rather than guess.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import numpy as np
 import numpy.typing as npt
 
 from trainer.config import OpeMethod as Method
+from trainer.config import OpeResample as Resample
 
 Array = npt.NDArray[np.float64]
 
@@ -83,7 +88,9 @@ class Window:
             self.rewards[i, k - 1] += e.final
             self.mask[i, :k] = True
         to_come = np.cumsum(self.rewards[:, ::-1], axis=1)[:, ::-1] * self.mask  # sum_{k>=t}
-        self.baseline = _left_out_means(to_come, self.mask, [e.task for e in episodes])
+        tasks = [e.task for e in episodes]
+        self.baseline = _left_out_means(to_come, self.mask, tasks)
+        self.task_of = np.unique(np.array(tasks), return_inverse=True)[1].reshape(-1)
         self.logged = float(self.rewards.sum(axis=1).mean())
 
     def weights(self, log_ratios: Sequence[Sequence[float]], clip: float) -> Array:
@@ -110,10 +117,11 @@ def estimate(
     resamples: int = 1000,
     level: float = 0.9,
     seed: int = 0,
+    resample: Resample = "episodes",
 ) -> Estimate:
     """The episode reward the policy whose log-ratios these are would have earned."""
     rho = window.weights(log_ratios, clip)
-    counts = _counts(window.n, resamples, seed)
+    counts = _counts(window, resamples, seed, resample)
     return _estimate(window, rho, counts, method, min_ess, level)[0]
 
 
@@ -128,9 +136,10 @@ def compare(
     resamples: int = 1000,
     level: float = 0.9,
     seed: int = 0,
+    resample: Resample = "episodes",
 ) -> Comparison:
     """The candidate against the current version on the same logged episodes and resamples."""
-    counts = _counts(window.n, resamples, seed)
+    counts = _counts(window, resamples, seed, resample)
     rho_cand, rho_cur = window.weights(candidate, clip), window.weights(current, clip)
     cand, cand_draws = _estimate(window, rho_cand, counts, method, min_ess, level)
     cur, cur_draws = _estimate(window, rho_cur, counts, method, min_ess, level)
@@ -208,13 +217,15 @@ def _left_out_means(to_come: Array, mask: npt.NDArray[np.bool_], tasks: list[str
     return baseline
 
 
-def _counts(n: int, resamples: int, seed: int) -> Array:
-    """(resamples, n): how many times each episode is in each bootstrap draw."""
+def _counts(window: Window, resamples: int, seed: int, resample: Resample) -> Array:
+    """(resamples, n): how many times each episode is in each bootstrap draw: drawn itself, or
+    as often as its task is drawn (as many draws as the window has tasks)."""
     rng = np.random.default_rng(seed)
-    drawn = rng.integers(0, n, size=(resamples, n))
-    counts = np.zeros((resamples, n))
+    units = window.n if resample == "episodes" else int(window.task_of.max()) + 1
+    drawn = rng.integers(0, units, size=(resamples, units))
+    counts = np.zeros((resamples, units))
     np.add.at(counts, (np.arange(resamples)[:, None], drawn), 1.0)
-    return counts
+    return counts if resample == "episodes" else counts[:, window.task_of]
 
 
 def _interval(draws: Array, level: float) -> tuple[float, float]:

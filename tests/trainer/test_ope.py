@@ -120,6 +120,38 @@ def test_the_interval_covers_the_truth_about_as_often_as_its_level() -> None:
     assert covered >= 30, covered  # 0.9 nominal; 40 runs
 
 
+@pytest.mark.parametrize("method", ["wis", "dr"])
+def test_drawing_tasks_covers_a_window_of_few_tasks_asked_many_times(method: str) -> None:
+    # Traffic as GRPO's groups make it: each window holds 12 tasks of a large population, each
+    # asked 8 times, and tasks differ far more than their episodes do. Which 16 tasks a window
+    # happened to hold is most of its error; drawing episodes leaves that out of the interval.
+    rng = np.random.default_rng(5)
+    population, per_window, group, runs = 5000, 12, 8, 80
+    base = rng.uniform(0.05, 0.95, population)
+    p = np.clip(base[:, None] + rng.normal(0, 0.1, (population, ACTIONS)), 0, 1)
+    mu = softmax(rng.normal(0, 0.5, (population, ACTIONS)))
+    pi = softmax(np.log(mu) + 2.0 * p)
+    truth = float((pi * p).sum(axis=1).mean())
+    covered = {"episodes": 0, "tasks": 0}
+    for run in range(runs):
+        episodes, ratios = [], []
+        for x in rng.choice(population, per_window, replace=False):
+            for _ in range(group):
+                a = int(rng.choice(ACTIONS, p=mu[x]))
+                episodes.append(LoggedEpisode(f"t{x}", (0.0,), float(rng.random() < p[x, a])))
+                ratios.append([math.log(pi[x, a] / mu[x, a])])
+        window = Window(episodes)
+        for resample in covered:
+            got = estimate(
+                window, ratios, method=method, clip=50.0, resamples=300, min_ess=10,  # type: ignore[arg-type]
+                level=0.9, seed=run, resample=resample,  # type: ignore[arg-type]
+            )  # fmt: skip
+            assert got.low is not None and got.high is not None
+            covered[resample] += got.low <= truth <= got.high
+    assert covered["tasks"] >= 0.8 * runs, covered  # 0.9 nominal
+    assert covered["episodes"] <= 0.75 * runs, covered
+
+
 def test_the_doubly_robust_estimate_varies_less_when_tasks_differ_in_reward() -> None:
     # Rewards with a large per-task part (0, 1, 2, 3) and a small part the action decides; each
     # sample has the same task mix, so what varies is the weights: under WIS they move the

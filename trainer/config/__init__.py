@@ -21,10 +21,10 @@ from core.settings import DatabaseSettings
 from trainer import models
 from trainer.config.data import DataSettings
 from trainer.config.learning import LearningSettings, OffPolicyMask
-from trainer.config.release import OpeMethod, ReleaseSettings
+from trainer.config.release import OpeMethod, OpeResample, ReleaseSettings
 from trainer.config.where import WhereSettings
 
-__all__ = ["OffPolicyMask", "OpeMethod", "TrainerSettings"]
+__all__ = ["OffPolicyMask", "OpeMethod", "OpeResample", "TrainerSettings"]
 
 # vLLM accepts only these LoRA ranks (--max-lora-rank must be one of them, and >= ours).
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

@@ -13,6 +13,7 @@ from core.settings import FlywheelSettings
 # this module is imported by every process's CLI, and trainer/ope.py needs numpy, which the proxy
 # image does not have (the first container built from Dockerfile.proxy could not start).
 OpeMethod = Literal["wis", "dr"]
+OpeResample = Literal["episodes", "tasks"]
 
 
 class ReleaseSettings(FlywheelSettings):
@@ -110,6 +111,12 @@ class ReleaseSettings(FlywheelSettings):
         0.9, gt=0, lt=1, description="The bootstrap interval's (two-sided) coverage."
     )
     ope_resamples: int = Field(1000, ge=10, description="Bootstrap draws.")
+    ope_resample: OpeResample = Field(
+        "episodes",
+        description="What a bootstrap draw draws: episodes, or tasks with all their episodes "
+        "(honest intervals where the window holds few tasks many times each, as GRPO's "
+        "groups make it; wider).",
+    )
 
     # --- eval sets (trainer/evals.py, `flywheel eval add`) ----------------------------------
     evals: Literal["ask", "off"] = Field(
