@@ -251,7 +251,12 @@ class Engine:
         model = self._use()
         try:
             return completion_logprobs(
-                model, rows, pad_id=pad, device=device, share=settings.shares_prompts
+                model,
+                rows,
+                pad_id=pad,
+                device=device,
+                share=settings.shares_prompts,
+                pass_tokens=settings.micro_batch_tokens,
             )
         finally:
             if settings.shard_base:  # each rank's units as a step leaves them

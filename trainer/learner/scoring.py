@@ -34,6 +34,12 @@ class Scorer(Protocol):
     def score(self, rows: Sequence[Completion]) -> list[float]: ...
 
 
+# A pass's padded tokens (rows x longest prompt+completion) where `micro_batch_tokens` sets none:
+# its logits are at most this many tokens over the vocabulary, what 8 rows of 512 tokens made.
+PASS_TOKENS = 4096
+MIN_ROWS = 8  # never fewer rows a pass than before there was a budget, unless one is set
+
+
 def completion_logprobs(
     model: Any,
     rows: Sequence[Completion],
@@ -41,19 +47,51 @@ def completion_logprobs(
     pad_id: int,
     device: torch.device,
     share: bool,
-    rows_per_pass: int = 8,
+    pass_tokens: int = 0,
 ) -> list[float]:
-    """Each row's completion log-probability (summed over its tokens) under `model`."""
-    out: list[float] = []
+    """Each row's completion log-probability (summed over its tokens) under `model`, in passes
+    of rows of about one length (identical prompts together, for `share`), each at most
+    `pass_tokens` padded tokens (0: PASS_TOKENS, and at least MIN_ROWS rows): short calls go
+    many to a pass, which is most of what scoring a window of them costs."""
+    order = sorted(range(len(rows)), key=lambda i: _length(rows[i]))
+    out = [0.0] * len(rows)
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            for start in range(0, len(rows), rows_per_pass):
-                out += _pass(model, rows[start : start + rows_per_pass], pad_id, device, share)
+            for piece in _pieces(order, rows, pass_tokens):
+                for i, value in zip(
+                    piece,
+                    _pass(model, [rows[i] for i in piece], pad_id, device, share),
+                    strict=True,
+                ):
+                    out[i] = value
     finally:
         model.train(was_training)
     return out
+
+
+def _length(row: Completion) -> tuple[int, int, tuple[int, ...]]:
+    return len(row.prompt_ids) + len(row.completion_ids), len(row.prompt_ids), tuple(row.prompt_ids)
+
+
+def _pieces(order: list[int], rows: Sequence[Completion], budget: int) -> list[list[int]]:
+    """`order` (shortest first) cut where one more row would take the pass's padded tokens
+    (rows x (longest prompt + longest completion)) over the budget."""
+    least = 1 if budget > 0 else MIN_ROWS
+    budget = budget or PASS_TOKENS
+    pieces: list[list[int]] = []
+    piece: list[int] = []
+    prompt = completion = 0
+    for i in order:
+        p = max(prompt, len(rows[i].prompt_ids))
+        c = max(completion, len(rows[i].completion_ids))
+        if piece and len(piece) >= least and (len(piece) + 1) * (p + c) > budget:
+            pieces.append(piece)
+            piece, p, c = [], len(rows[i].prompt_ids), len(rows[i].completion_ids)
+        piece.append(i)
+        prompt, completion = p, c
+    return [*pieces, piece] if piece else pieces
 
 
 def _pass(
