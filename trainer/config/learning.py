@@ -55,7 +55,8 @@ class LearningSettings(FlywheelSettings):
         ge=0,
         description="Backpropagate each step's batch in pieces of at most this many padded "
         "tokens (rows x longest prompt+completion), adding up to the same gradient: the loss "
-        "pass's memory grows with tokens x vocabulary. 0: the whole batch in one pass.",
+        "pass's memory grows with tokens x vocabulary. 0: the whole batch in one pass. The "
+        "estimate's scoring passes (no gradient) keep to it too (0: 4,096 padded tokens).",
     )
     share_prompts: bool = Field(
         True,
