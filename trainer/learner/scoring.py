@@ -17,6 +17,7 @@ import torch
 
 from trainer.data.sampling import Sampling
 from trainer.learner.logprobs import processed_logprobs
+from trainer.learner.microbatch import cuts
 from trainer.learner.shared_prompts import completion_logits, padded
 
 
@@ -53,7 +54,7 @@ def completion_logprobs(
     of rows of about one length (identical prompts together, for `share`), each at most
     `pass_tokens` padded tokens (0: PASS_TOKENS, and at least MIN_ROWS rows): short calls go
     many to a pass, which is most of what scoring a window of them costs."""
-    order = sorted(range(len(rows)), key=lambda i: _length(rows[i]))
+    order = sorted(range(len(rows)), key=lambda i: _length(rows[i]), reverse=True)
     out = [0.0] * len(rows)
     was_training = model.training
     model.eval()
@@ -76,22 +77,16 @@ def _length(row: Completion) -> tuple[int, int, tuple[int, ...]]:
 
 
 def _pieces(order: list[int], rows: Sequence[Completion], budget: int) -> list[list[int]]:
-    """`order` (shortest first) cut where one more row would take the pass's padded tokens
-    (rows x (longest prompt + longest completion)) over the budget."""
-    least = 1 if budget > 0 else MIN_ROWS
-    budget = budget or PASS_TOKENS
-    pieces: list[list[int]] = []
-    piece: list[int] = []
-    prompt = completion = 0
-    for i in order:
-        p = max(prompt, len(rows[i].prompt_ids))
-        c = max(completion, len(rows[i].completion_ids))
-        if piece and len(piece) >= least and (len(piece) + 1) * (p + c) > budget:
-            pieces.append(piece)
-            piece, p, c = [], len(rows[i].prompt_ids), len(rows[i].completion_ids)
-        piece.append(i)
-        prompt, completion = p, c
-    return [*pieces, piece] if piece else pieces
+    """`order` cut as a training step's batch is (trainer/learner/microbatch.py `cuts`):
+    consecutive rows while a pass's padded tokens stay within the budget. 0: PASS_TOKENS, or
+    what MIN_ROWS of the longest prompt and completion take, if more."""
+    if not order:
+        return []
+    lengths = [(len(rows[i].prompt_ids), len(rows[i].completion_ids)) for i in order]
+    if budget <= 0:
+        longest = max(p for p, _ in lengths) + max(c for _, c in lengths)
+        budget = max(PASS_TOKENS, MIN_ROWS * longest)
+    return [order[s] for s in cuts([lengths], budget)]
 
 
 def _pass(

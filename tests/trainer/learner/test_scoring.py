@@ -54,7 +54,7 @@ def test_any_cut_into_passes_gives_each_row_its_own_logprob_in_order(share: bool
 
 def test_passes_keep_to_the_budget_and_take_short_rows_many_at_once() -> None:
     given = rows()
-    order = sorted(range(len(given)), key=lambda i: scoring._length(given[i]))
+    order = sorted(range(len(given)), key=lambda i: scoring._length(given[i]), reverse=True)
 
     def padded(piece: list[int]) -> int:
         return len(piece) * (
