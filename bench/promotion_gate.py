@@ -35,6 +35,7 @@ import argparse
 import dataclasses
 import json
 import math
+import statistics
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -391,6 +392,7 @@ def report(result: Result, path: Path = RESULTS) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     errors, naive, covered, scored = [], [], 0, 0
+    level = float(result.settings.get("FLYWHEEL_OPE_LEVEL", 0.9))
     refused = []
     for v in result.versions:
         o = v.ope
@@ -427,11 +429,11 @@ def report(result: Result, path: Path = RESULTS) -> list[str]:
         f"Mean absolute error of the estimate against the measured reward: {mae:.3f} "
         "(goal <= 0.05); the measurement's own standard error is about "
         f"{_f(_mean([v.measured_se for v in result.versions if v.measured_se is not None]))}.",
-        f"Interval ({result.settings.get('FLYWHEEL_OPE_LEVEL', '0.9')} two-sided) covers the "
+        f"Interval ({level:g} two-sided) covers the "
         f"measured reward: {covered} of {scored} (goal >= 80 %).",
         "The naive forecast (the candidate as good as its parent's measured reward): mean "
         f"absolute error {_f(_mean(naive))} over {len(naive)} versions.",
-        *_error_parts(result.versions, by_version),
+        *_error_parts(result.versions, by_version, level),
     ]
     timed = [v for v in result.versions if v.train_s is not None and v.swap_s is not None]
     if timed:
@@ -515,26 +517,30 @@ def report(result: Result, path: Path = RESULTS) -> list[str]:
     return lines
 
 
-def _error_parts(versions: list[Version], by_version: dict[int, Version]) -> list[str]:
+def _error_parts(
+    versions: list[Version], by_version: dict[int, Version], level: float
+) -> list[str]:
     """The estimate's error split in two: its level (the current version's estimate on the same
     window against that version's measured reward: what the window says about the policy that
     served it) and the difference (candidate less current, against the measured difference:
     what the weights add). And the error noise alone would give: the interval's standard error
-    (its width over 2 x 1.645) and the measurement's, combined; their ratio's root mean square
-    is about 1 when the error is noise, well above when it is bias."""
-    level, difference, floor, z = [], [], [], []
+    (its width over twice the normal quantile of its `level`: 1.645 at 0.9) and the
+    measurement's, combined; their ratio's root mean square is about 1 when the error is noise,
+    well above when it is bias."""
+    quantile = statistics.NormalDist().inv_cdf(0.5 + level / 2)
+    shift, difference, floor, z = [], [], [], []
     for v in versions:
         parent = by_version.get(v.parent) if v.parent is not None else None
         current = (v.ope.get("current") or {}).get("value")
         if v.estimate is None or v.measured is None or v.interval is None:
             continue
         low, high = v.interval
-        se = math.hypot((high - low) / (2 * 1.645), v.measured_se or 0.0)
+        se = math.hypot((high - low) / (2 * quantile), v.measured_se or 0.0)
         floor.append(math.sqrt(2 / math.pi) * se)
         z.append(((v.estimate - v.measured) / se) ** 2 if se > 0 else math.nan)
         if parent is None or parent.measured is None or current is None:
             continue
-        level.append(float(current) - parent.measured)
+        shift.append(float(current) - parent.measured)
         difference.append((v.estimate - float(current)) - (v.measured - parent.measured))
     if not floor:
         return []
@@ -543,13 +549,13 @@ def _error_parts(versions: list[Version], by_version: dict[int, Version]) -> lis
         f"would miss by {_f(_mean(floor))} on average; the errors are "
         f"{math.sqrt(sum(z) / len(z)):.2f} of their standard errors (root mean square; 1: noise)."
     ]
-    if level:
+    if shift:
         lines.append(
             "Where it comes from: the level (the current version's estimate on the same window "
-            f"against its measured reward) mean absolute error {_f(_mean([abs(e) for e in level]))}"
-            f", signed {_f(_mean(level), '+.3f')}; the difference (candidate less current, "
+            f"against its measured reward) mean absolute error {_f(_mean([abs(e) for e in shift]))}"
+            f", signed {_f(_mean(shift), '+.3f')}; the difference (candidate less current, "
             "against the measured difference) mean absolute error "
-            f"{_f(_mean([abs(e) for e in difference]))} over {len(level)} versions."
+            f"{_f(_mean([abs(e) for e in difference]))} over {len(shift)} versions."
         )
     return lines
 

@@ -123,7 +123,7 @@ def test_the_interval_covers_the_truth_about_as_often_as_its_level() -> None:
 @pytest.mark.parametrize("method", ["wis", "dr"])
 def test_drawing_tasks_covers_a_window_of_few_tasks_asked_many_times(method: str) -> None:
     # Traffic as GRPO's groups make it: each window holds 12 tasks of a large population, each
-    # asked 8 times, and tasks differ far more than their episodes do. Which 16 tasks a window
+    # asked 8 times, and tasks differ far more than their episodes do. Which 12 tasks a window
     # happened to hold is most of its error; drawing episodes leaves that out of the interval.
     rng = np.random.default_rng(5)
     population, per_window, group, runs = 5000, 12, 8, 80
