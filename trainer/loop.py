@@ -64,22 +64,15 @@ class Trainer:
         with sessions.begin() as session:
             current = policy.current(session=session, lineage=self.lineage)
         resume = Path(current.path) if current and Path(current.path).exists() else None
-        log.info(
-            "lineage %s: starting from %s",
-            self.lineage,
-            current.name if current else "the base model",
-        )
+        log.info("lineage %s: from %s", self.lineage, current.name if current else "the base model")
         self.engine = self.make_engine(resume)
         self.sampling_defaults = server_defaults(settings.generation_config, settings.model)
         self.stops = sft.stop_ids(self.engine.tokenizer, settings.model)
         # The version the engine's weights descend from: a publish succeeds only while it is
         # current (compare-and-set), so a rollback sticks and two trainers never fork the policy.
         self.parent = current.version if current else None
-        self.baseline = (
-            RunningBaseline(settings.baseline_momentum)
-            if settings.ungrouped == "baseline"
-            else None
-        )
+        baseline = settings.ungrouped == "baseline"
+        self.baseline = RunningBaseline(settings.baseline_momentum) if baseline else None
         self.steps = 0
         self.backoff = faults.Backoff(
             settings.backoff_s, settings.backoff_max_s, self.metrics.backoff
@@ -200,6 +193,7 @@ class Trainer:
             lineage = [a.version for a in policy.versions(session=session, lineage=self.lineage)]
         staleness = staleness_in(lineage, self.parent or policy.BASE_VERSION)
         before = self.engine.snapshot()
+        window = self.gatekeeper.prefetch(self.parent)  # read while the step trains
         try:  # only what fails here is the batch's fault
             batch = build_batch(
                 claimed,
@@ -242,6 +236,7 @@ class Trainer:
                 swap_s=swap_s,
                 canary_rule=rule,
             ),
+            window=window,
         )
         return self._publish(step, before)
 
@@ -250,6 +245,7 @@ class Trainer:
         publish (trainer/learner/sft.py)."""
         ids = [c.id for c in claimed]
         before = self.engine.snapshot()
+        window = self.gatekeeper.prefetch(self.parent)  # read while the step trains
         try:  # only what fails here is the batch's fault
             rendered = sft.render(claimed, self.engine.tokenizer, self.stops, self.engine.limits)
             demos = list(rendered.demos.values())
@@ -287,6 +283,7 @@ class Trainer:
                 swap_s=swap_s,
                 canary_rule=rule,
             ),
+            window=window,
         )
         return self._publish(step, before)
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ from core.evals import sets as eval_sets_of
 from trainer import candidate, evals, faults, gate
 from trainer.config import TrainerSettings
 from trainer.data import logged
+from trainer.data.logged import LoggedCall
 from trainer.evals import Compared
 from trainer.learner.engine import Engine, Snapshot
 from trainer.metrics import LineageMetrics
@@ -69,6 +71,14 @@ class Judgement:
         return out
 
 
+@dataclass(frozen=True)
+class Prefetched:
+    """The logged window an estimate from `current` will weigh, being read (`prefetch`)."""
+
+    current: int
+    calls: Future[list[LoggedCall]]
+
+
 class Gatekeeper:
     def __init__(
         self,
@@ -82,6 +92,19 @@ class Gatekeeper:
         # The current version's scores of logged calls, from its own estimate as the candidate
         # (candidate.Evaluated.scores): the next estimate asks the engine only for the others.
         self._scored: tuple[int, dict[str, float]] | None = None
+        self._reader: ThreadPoolExecutor | None = None  # prefetch's, made at its first use
+
+    def prefetch(self, parent: int | None) -> Prefetched | None:
+        """The window the estimate of a step from `parent` will weigh, read from Postgres on a
+        thread while the step trains, so that the new version does not wait for it (None: no
+        estimate is made). It is read after the step's batch was claimed, as it would be after
+        the step: the same episodes, less any rewarded meanwhile."""
+        if not self.settings.estimates:
+            return None
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="ope-window")
+        current = _version(parent)
+        return Prefetched(current, self._reader.submit(self._window, current))
 
     def estimate(
         self,
@@ -89,24 +112,20 @@ class Gatekeeper:
         before: Snapshot,
         parent: int | None,
         sampling_defaults: dict[str, float],
+        window: Prefetched | None = None,
     ) -> Judgement:
         """The engine's new weights estimated against `before`, the current version's (when
-        FLYWHEEL_OPE or the gate asks), and the gate's verdict on the estimate."""
+        FLYWHEEL_OPE or the gate asks), and the gate's verdict on the estimate. `window`: the
+        one `prefetch` read for it (otherwise it is read now). Postgres failing raises."""
         s = self.settings
         judgement = Judgement()
         if not s.estimates:
             return judgement
-        current = parent if parent is not None else policy.BASE_VERSION
-        with self.sessions.begin() as session:
-            calls = logged.window(
-                session=session,
-                lineage=self.lineage,
-                version=current,
-                tenants=s.tenants,
-                episodes=s.ope_episodes,
-                max_age_s=s.ope_max_age_s,
-                versions=s.ope_max_versions,
-            )
+        current = _version(parent)
+        if window is not None and window.current == current:
+            calls = window.calls.result()
+        else:
+            calls = self._window(current)
         known = self._scored[1] if self._scored and self._scored[0] == current else None
         try:
             judgement.judged = candidate.evaluate(
@@ -131,6 +150,19 @@ class Gatekeeper:
                 min_ess=s.ope_min_ess,
             )
         return judgement
+
+    def _window(self, current: int) -> list[LoggedCall]:
+        s = self.settings
+        with self.sessions.begin() as session:
+            return logged.window(
+                session=session,
+                lineage=self.lineage,
+                version=current,
+                tenants=s.tenants,
+                episodes=s.ope_episodes,
+                max_age_s=s.ope_max_age_s,
+                versions=s.ope_max_versions,
+            )
 
     def eval_sets(self, judgement: Judgement) -> list[EvalSet]:
         """The lineage's eval sets, when they are to be asked (not of a version the estimate
@@ -188,7 +220,7 @@ class Gatekeeper:
         the same set and judge is reused), beside the current version's scores. vLLM failing to
         answer raises (faults.INFRASTRUCTURE). It touches neither the engine nor the judgement:
         the publisher runs it beside the estimate (FLYWHEEL_GATE_OVERLAP)."""
-        current = parent if parent is not None else policy.BASE_VERSION
+        current = _version(parent)
         with self.sessions.begin() as session:
             adapter = policy.get(current, session=session) if parent is not None else None
         compared = evals.compare(
@@ -231,3 +263,7 @@ class Gatekeeper:
     def rejected(self, judgement: Judgement) -> None:
         assert judgement.verdict is not None
         self.metrics.gate_decided(judgement.verdict.outcome)
+
+
+def _version(parent: int | None) -> int:
+    return parent if parent is not None else policy.BASE_VERSION

@@ -12,17 +12,19 @@ import os
 import shutil
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 from core import canary, naming, pins, policy
 from core.database import Sessions
+from core.evals import EvalSet
 from core.vllm import VLLMError
 from trainer.config import TrainerSettings
 from trainer.data import store
+from trainer.evals import Compared
 from trainer.learner.engine import Engine, Snapshot
-from trainer.promotion import Gatekeeper, Judgement
+from trainer.promotion import Gatekeeper, Judgement, Prefetched
 from trainer.vllm import Replicas
 
 log = logging.getLogger("flywheel.trainer")
@@ -39,6 +41,7 @@ class Step:
     stats: Callable[[float], dict[str, object]]  # swap seconds -> adapter_version.stats
     # (version, swap seconds, the canary it opened or None) -> metrics and log line
     report: Callable[[int, float, canary.Rule | None], None]
+    window: Prefetched | None = None  # the estimate's logged window, read during the step
 
 
 class Publisher:
@@ -62,11 +65,11 @@ class Publisher:
         current or under canary, or None (rejected by the gate, or lost to a race and
         abandoned). PolicyMoved: the weights are back at `before`, the batch still ours."""
         s, keeper = self.settings, self.gatekeeper
-        overlap = s.gate_overlap and s.asks_evals
-        judgement, started = Judgement(), time.perf_counter()
-        if not overlap:  # a version the estimate fails is then never loaded
-            judgement = keeper.estimate(engine, before, parent, self.sampling_defaults)
-        judged_s = time.perf_counter() - started
+        judgement, in_turn_s = Judgement(), 0.0
+        if not s.gate_overlap:  # a version the estimate fails is then never loaded
+            started = time.perf_counter()
+            judgement = keeper.estimate(engine, before, parent, self.sampling_defaults, step.window)
+            in_turn_s = time.perf_counter() - started
         eval_sets = keeper.eval_sets(judgement)
         with self.sessions.begin() as session:
             version = policy.next_version(session=session)
@@ -76,21 +79,28 @@ class Publisher:
         engine.save_adapter(partial)
         os.rename(partial, final)  # vLLM never sees a half-written adapter
 
+        # At once (FLYWHEEL_GATE_OVERLAP): vLLM loads the version (held: no alias names it yet)
+        # and answers its eval sets while the trainer's device makes the estimate, so the
+        # version waits for the slower of the two, and the gate costs it only what the estimate
+        # takes beyond the load. In turn: the load and the asks after the estimate.
+        at_once = s.gate_overlap and s.estimates
         swap_s: float | None = None
-        if eval_sets:
-            swap_s = self._load(name, final)  # held: loaded, but no alias names it yet
-        started = time.perf_counter()  # the save and the load are not the gate's
+        ahead: Future[tuple[float, list[Compared]]] | None = None
+        started = time.perf_counter()
         try:
-            # vLLM answers the eval sets while the trainer's device makes the estimate: the
-            # version waits for the slower of the two (the pool's exit waits for the asks).
-            with ThreadPoolExecutor(1, thread_name_prefix="evals") as pool:
-                asking = pool.submit(keeper.compare, eval_sets, name, parent) if eval_sets else None
-                if overlap:
-                    judgement = keeper.estimate(engine, before, parent, self.sampling_defaults)
-                judgement.compared = asking.result() if asking else []
-            judgement.seconds = judged_s + time.perf_counter() - started
+            with ThreadPoolExecutor(1, thread_name_prefix="gate") as pool:
+                if eval_sets or at_once:
+                    ahead = pool.submit(self._load_and_ask, eval_sets, name, final, parent)
+                if at_once:
+                    judgement = keeper.estimate(
+                        engine, before, parent, self.sampling_defaults, step.window
+                    )
+                if ahead is not None:
+                    swap_s, judgement.compared = ahead.result()
+            waited = time.perf_counter() - started - (swap_s or 0.0)  # the load is not the gate's
+            judgement.seconds = in_turn_s + max(waited, 0.0)
         except Exception:  # vLLM or Postgres away: the step's caller gives the batch back
-            if swap_s is not None:
+            if ahead is not None and ahead.done() and ahead.exception() is None:
                 self._unload(name)
             shutil.rmtree(final, ignore_errors=True)
             raise
@@ -147,6 +157,19 @@ class Publisher:
         keeper.published(version, judgement, current=rule is None)
         step.report(version, swap_s, rule)
         return version
+
+    def _load_and_ask(
+        self, eval_sets: list[EvalSet], name: str, final: Path, parent: int | None
+    ) -> tuple[float, list[Compared]]:
+        """The new version loaded into every vLLM and asked its eval sets: the load's seconds and
+        the scores. Unloaded again if the asks fail."""
+        swap_s = self._load(name, final)
+        try:
+            compared = self.gatekeeper.compare(eval_sets, name, parent) if eval_sets else []
+        except Exception:
+            self._unload(name)
+            raise
+        return swap_s, compared
 
     def _load(self, name: str, final: Path) -> float:
         """Load the new version into every vLLM: the seconds it took."""

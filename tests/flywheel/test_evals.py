@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -415,41 +416,53 @@ def test_the_trainers_own_vllm_as_the_judge_takes_the_trainers_key(tmp_path: Pat
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "in-turn"])
-def test_the_eval_sets_are_asked_while_the_estimate_is_made(
+@pytest.mark.parametrize("witnesses", ["ope+evals", "ope"])
+def test_the_version_is_loaded_and_asked_while_the_estimate_is_made(
     proxy: RunningProxy,
     fake_vllm: FakeVLLM,
     make_trainer: Any,  # noqa: F811
     sessions: Sessions,
     monkeypatch: pytest.MonkeyPatch,
     overlap: bool,
+    witnesses: str,
 ) -> None:
-    """FLYWHEEL_GATE=ope+evals. With FLYWHEEL_GATE_OVERLAP (the default) vLLM answers the eval
-    sets while the trainer makes the off-policy estimate: the estimate sees the asks begin before
-    it ends, and a version the estimate fails has been loaded to be asked (never served). Off,
-    the estimate comes first and such a version is never loaded into vLLM at all."""
+    """With FLYWHEEL_GATE_OVERLAP (the default) vLLM loads the new version (under no alias) and
+    answers its eval sets while the trainer makes the off-policy estimate: the estimate sees the
+    load begin before it ends, and a version the estimate fails has been loaded (never served)
+    and asked. Off, the estimate comes first and such a version is never loaded at all. The
+    version's `judged_s` is the wait beyond its load."""
     from trainer import gate
     from trainer.promotion import Gatekeeper
+    from trainer.publisher import Publisher
 
-    asking = threading.Event()
+    loading, asked = threading.Event(), threading.Event()
     seen: list[bool] = []
-    compare, estimate = Gatekeeper.compare, Gatekeeper.estimate
+    load, compare, estimate = Publisher._load, Gatekeeper.compare, Gatekeeper.estimate
+
+    def load_(self: Publisher, *args: Any) -> float:
+        loading.set()
+        time.sleep(2)  # a slow load: none of it is the gate's
+        return load(self, *args) + 2
 
     def compare_(self: Gatekeeper, *args: Any, **kwargs: Any) -> Any:
-        asking.set()
+        asked.set()
         return compare(self, *args, **kwargs)
 
     def estimate_(self: Gatekeeper, *args: Any, **kwargs: Any) -> Any:
-        seen.append(asking.wait(timeout=10 if overlap else 0.5))
+        seen.append(loading.wait(timeout=10 if overlap else 0.5))
         return estimate(self, *args, **kwargs)
 
+    monkeypatch.setattr(Publisher, "_load", load_)
     monkeypatch.setattr(Gatekeeper, "compare", compare_)
     monkeypatch.setattr(Gatekeeper, "estimate", estimate_)
     monkeypatch.setattr(gate, "decide", lambda *a, **k: gate.Verdict("fail", "estimated worse"))
-    add_set(sessions, "any-answer", "python:tests.flywheel.test_evals:length_scorer", ["x"] * 6)
-    trainer = make_trainer(gate="ope+evals", ope_holdout=0, gate_overlap=overlap)
+    if witnesses == "ope+evals":  # otherwise the lineage has no eval set: the load alone
+        add_set(sessions, "any-answer", "python:tests.flywheel.test_evals:length_scorer", ["x"] * 6)
+    trainer = make_trainer(gate=witnesses, ope_holdout=0, gate_overlap=overlap)
     play(proxy, agent="a")
     assert not trainer.step()  # the estimate fails it
-    assert seen == [overlap]  # the asks had begun (overlap), or had not and never did
+    assert seen == [overlap]  # the load had begun (overlap), or had not and never did
+    assert asked.is_set() == (overlap and witnesses == "ope+evals")
     loads = [
         r["body"]["lora_name"] for r in fake_vllm.requests if r["path"] == "/v1/load_lora_adapter"
     ]
@@ -459,5 +472,5 @@ def test_the_eval_sets_are_asked_while_the_estimate_is_made(
         v1 = policy.get(1, session=session)
     assert v1 is not None and v1.retired_at is not None and v1.stats is not None
     assert v1.stats["gate"]["outcome"] == "fail"
-    assert ("evals" in v1.stats) == overlap  # asked beside the estimate: its scores are kept
-    assert v1.stats["judged_s"] > 0  # the witnesses' wall time, as made
+    assert ("evals" in v1.stats) == asked.is_set()  # asked beside the estimate: scores kept
+    assert v1.stats["judged_s"] < 2  # the witnesses' wall time, the load's left out

@@ -185,10 +185,11 @@ class ReleaseSettings(FlywheelSettings):
     )
     gate_overlap: bool = Field(
         True,
-        description="Ask the eval sets (vLLM's work) while the off-policy estimate is made (the "
-        "trainer's): a new version waits for the slower of the two instead of both. A version "
-        "the estimate fails has then been loaded and asked, though never served; false: the "
-        "estimate first, and such a version is never loaded.",
+        description="Load a new version into vLLM (under no alias) and ask its eval sets (vLLM's "
+        "work) while the off-policy estimate is made (the trainer's): it waits for the slower "
+        "of the two instead of both. A version the estimate fails has then been loaded and "
+        "asked, though never served; false: the estimate first, and such a version is never "
+        "loaded.",
     )
     gate_fallback: Literal["publish", "canary", "hold", "reject"] = Field(
         "publish",
