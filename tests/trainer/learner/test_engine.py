@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -135,3 +137,12 @@ def test_a_4bit_base_is_not_sharded(settings: TrainerSettings) -> None:
     TrainerSettings(**fields, shard_base=True)
     with pytest.raises(ValidationError, match="load_in_4bit and shard_base"):
         TrainerSettings(**fields, shard_base=True, load_in_4bit=True)
+
+
+def test_the_trainer_does_not_import_vllm() -> None:
+    """TRL imports vLLM with GRPOTrainer whenever it is installed, though the trainer never uses
+    TRL's vLLM integration (trainer/learner/grpo.py tells TRL it is not there): ~5 s and ~170 MB
+    in every trainer process, and every rank of one."""
+    check = "import sys, trainer.loop, trainer.learner.ranks; print('vllm' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr[-2000:]
