@@ -193,7 +193,6 @@ class Trainer:
             lineage = [a.version for a in policy.versions(session=session, lineage=self.lineage)]
         staleness = staleness_in(lineage, self.parent or policy.BASE_VERSION)
         before = self.engine.snapshot()
-        window = self.gatekeeper.prefetch(self.parent)  # read while the step trains
         try:  # only what fails here is the batch's fault
             batch = build_batch(
                 claimed,
@@ -236,7 +235,6 @@ class Trainer:
                 swap_s=swap_s,
                 canary_rule=rule,
             ),
-            window=window,
         )
         return self._publish(step, before)
 
@@ -245,7 +243,6 @@ class Trainer:
         publish (trainer/learner/sft.py)."""
         ids = [c.id for c in claimed]
         before = self.engine.snapshot()
-        window = self.gatekeeper.prefetch(self.parent)  # read while the step trains
         try:  # only what fails here is the batch's fault
             rendered = sft.render(claimed, self.engine.tokenizer, self.stops, self.engine.limits)
             demos = list(rendered.demos.values())
@@ -283,7 +280,6 @@ class Trainer:
                 swap_s=swap_s,
                 canary_rule=rule,
             ),
-            window=window,
         )
         return self._publish(step, before)
 

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -71,14 +70,6 @@ class Judgement:
         return out
 
 
-@dataclass(frozen=True)
-class Prefetched:
-    """The logged window an estimate from `current` will weigh, being read (`prefetch`)."""
-
-    current: int
-    calls: Future[list[LoggedCall]]
-
-
 class Gatekeeper:
     def __init__(
         self,
@@ -92,19 +83,6 @@ class Gatekeeper:
         # The current version's scores of logged calls, from its own estimate as the candidate
         # (candidate.Evaluated.scores): the next estimate asks the engine only for the others.
         self._scored: tuple[int, dict[str, float]] | None = None
-        self._reader: ThreadPoolExecutor | None = None  # prefetch's, made at its first use
-
-    def prefetch(self, parent: int | None) -> Prefetched | None:
-        """The window the estimate of a step from `parent` will weigh, read from Postgres on a
-        thread while the step trains, so that the new version does not wait for it (None: no
-        estimate is made). It is read after the step's batch was claimed, as it would be after
-        the step: the same episodes, less any rewarded meanwhile."""
-        if not self.settings.estimates:
-            return None
-        if self._reader is None:
-            self._reader = ThreadPoolExecutor(1, thread_name_prefix="ope-window")
-        current = _version(parent)
-        return Prefetched(current, self._reader.submit(self._window, current))
 
     def estimate(
         self,
@@ -112,20 +90,16 @@ class Gatekeeper:
         before: Snapshot,
         parent: int | None,
         sampling_defaults: dict[str, float],
-        window: Prefetched | None = None,
     ) -> Judgement:
         """The engine's new weights estimated against `before`, the current version's (when
-        FLYWHEEL_OPE or the gate asks), and the gate's verdict on the estimate. `window`: the
-        one `prefetch` read for it (otherwise it is read now). Postgres failing raises."""
+        FLYWHEEL_OPE or the gate asks), and the gate's verdict on the estimate. Postgres failing
+        raises."""
         s = self.settings
         judgement = Judgement()
         if not s.estimates:
             return judgement
         current = _version(parent)
-        if window is not None and window.current == current:
-            calls = window.calls.result()
-        else:
-            calls = self._window(current)
+        calls = self._window(current)
         known = self._scored[1] if self._scored and self._scored[0] == current else None
         try:
             judgement.judged = candidate.evaluate(

@@ -24,7 +24,7 @@ from trainer.config import TrainerSettings
 from trainer.data import store
 from trainer.evals import Compared
 from trainer.learner.engine import Engine, Snapshot
-from trainer.promotion import Gatekeeper, Judgement, Prefetched
+from trainer.promotion import Gatekeeper, Judgement
 from trainer.vllm import Replicas
 
 log = logging.getLogger("flywheel.trainer")
@@ -41,7 +41,6 @@ class Step:
     stats: Callable[[float], dict[str, object]]  # swap seconds -> adapter_version.stats
     # (version, swap seconds, the canary it opened or None) -> metrics and log line
     report: Callable[[int, float, canary.Rule | None], None]
-    window: Prefetched | None = None  # the estimate's logged window, read during the step
 
 
 class Publisher:
@@ -68,7 +67,7 @@ class Publisher:
         judgement, in_turn_s = Judgement(), 0.0
         if not s.gate_overlap:  # a version the estimate fails is then never loaded
             started = time.perf_counter()
-            judgement = keeper.estimate(engine, before, parent, self.sampling_defaults, step.window)
+            judgement = keeper.estimate(engine, before, parent, self.sampling_defaults)
             in_turn_s = time.perf_counter() - started
         eval_sets = keeper.eval_sets(judgement)
         with self.sessions.begin() as session:
@@ -92,9 +91,7 @@ class Publisher:
                 if eval_sets or at_once:
                     ahead = pool.submit(self._load_and_ask, eval_sets, name, final, parent)
                 if at_once:
-                    judgement = keeper.estimate(
-                        engine, before, parent, self.sampling_defaults, step.window
-                    )
+                    judgement = keeper.estimate(engine, before, parent, self.sampling_defaults)
                 if ahead is not None:
                     swap_s, judgement.compared = ahead.result()
             waited = time.perf_counter() - started - (swap_s or 0.0)  # the load is not the gate's

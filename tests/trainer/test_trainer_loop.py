@@ -826,43 +826,6 @@ def test_held_out_episodes_are_never_trained_and_each_version_is_estimated_on_th
     assert f"], {ope['episodes']} episodes)" in screen
 
 
-def test_the_estimates_window_is_read_while_the_step_trains(
-    proxy: RunningProxy, make_trainer: Any, sessions: Sessions, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The logged window a new version is estimated on is read from Postgres on a thread while
-    its step trains (trainer/promotion.py `prefetch`), once a step, and the estimate is made on
-    what was read: the version does not wait for the query after its step."""
-    from trainer import promotion
-
-    reading = threading.Event()
-    reads: list[str] = []
-    window = promotion.logged.window
-
-    def window_(**kwargs: Any) -> Any:
-        reads.append(threading.current_thread().name)
-        reading.set()
-        return window(**kwargs)
-
-    monkeypatch.setattr(promotion.logged, "window", window_)
-    play(proxy, tasks=4, episodes_per_task=8, agent="a")
-    trainer = make_trainer(ope="log", ope_holdout=0.3, ope_min_ess=1, ope_resamples=20)
-    step, seen = trainer.engine.step, []
-
-    def step_(*args: Any, **kwargs: Any) -> Any:
-        seen.append(reading.wait(timeout=10))  # the query is under way before the step ends
-        return step(*args, **kwargs)
-
-    monkeypatch.setattr(trainer.engine, "step", step_)
-    assert trainer.step()
-    assert seen == [True] and len(reads) == 1 and reads[0].startswith("ope-window"), reads
-    v1 = current(sessions)
-    assert v1 is not None and v1.stats is not None
-    held = {
-        f"a-t{t}-e{e}" for t in range(4) for e in range(8) if store.held_out(f"a-t{t}-e{e}", 0.3)
-    }
-    assert v1.stats["ope"]["episodes"] == len(held) > 0  # estimated on what was read
-
-
 def test_a_version_the_gate_fails_is_retired_unserved_and_training_goes_on_from_the_current(
     proxy: RunningProxy,
     fake_vllm: FakeVLLM,
