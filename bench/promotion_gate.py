@@ -45,7 +45,6 @@ from typing import Any
 
 import httpx
 import psycopg
-import torch
 
 from bench.common import add_settings_argument, append_section, learning_loop, load_adapter
 from core import database, evals, policy
@@ -57,7 +56,6 @@ from trainer import evals as asking
 from trainer.candidate import Evaluated
 from trainer.config import TrainerSettings
 from trainer.data import logged
-from trainer.learner.engine import AtWeights, Engine
 from trainer.vllm import Replicas
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -231,6 +229,10 @@ def _corrupted(
     """`count` corrupted copies of the current version, each estimated and gated with the
     trainer's own code on the window the trainer would use, then loaded into vLLM (for the
     measurement only) as `corrupted-N`."""
+    import torch  # here, not above: a report (`--report-from`) needs neither torch nor TRL
+
+    from trainer.learner.engine import AtWeights, Engine
+
     _, sessions = database.create_sessions(url)
     with sessions.begin() as session:
         current = policy.current(session=session)

@@ -191,6 +191,7 @@ def run_case(
     drain_s: float,
     database_url: str | None,
     model_dir: Path | None = None,
+    eval_samples: int = EVAL_SAMPLES,
 ) -> Run:
     model_dir = build_calculator_model(model_dir or HOME / "models" / "calculator")
     HOME.mkdir(parents=True, exist_ok=True)
@@ -220,16 +221,19 @@ def run_case(
             out.held_max = agent.held_max
         finally:
             agent.close()
-        _drain(url, drain_s)
+        _drain(url, drain_s, int(task.trainer_env["FLYWHEEL_MIN_EPISODES"]))
         out.wall_s = time.perf_counter() - started
         _tally(url, out)
         for name, agents in EVALS.items():
-            out.final[name] = evaluate(loop.vllm_url, out.final_version, seed, agents)
+            out.final[name] = evaluate(
+                loop.vllm_url, out.final_version, seed, agents, samples=eval_samples
+            )
     return out
 
 
-def _drain(url: str, seconds: float) -> None:
-    """Let the trainer take what it still can: until its queue stops shrinking for a while."""
+def _drain(url: str, seconds: float, min_episodes: int) -> None:
+    """Let the trainer take what it still can: until its queue stops shrinking for a while, or
+    for a few seconds once it is shorter than a batch (one call an episode here: never trained)."""
     deadline, last, still_since = time.monotonic() + seconds, -1, time.monotonic()
     while time.monotonic() < deadline:
         with psycopg.connect(database.libpq_url(url)) as conn:
@@ -240,7 +244,8 @@ def _drain(url: str, seconds: float) -> None:
         queued = int(row[0]) if row else 0
         if queued != last:
             last, still_since = queued, time.monotonic()
-        if queued == 0 or time.monotonic() - still_since > 20:
+        still = time.monotonic() - still_since
+        if queued == 0 or still > 20 or (queued < min_episodes and still > 3):
             return
         time.sleep(1)
 
@@ -270,16 +275,20 @@ def _tally(url: str, out: Run) -> None:
 
 
 def evaluate(
-    vllm_url: str, version: int, seed: int, agents: tuple[tuple[str, dict[str, Any]], ...]
+    vllm_url: str,
+    version: int,
+    seed: int,
+    agents: tuple[tuple[str, dict[str, Any]], ...],
+    samples: int = EVAL_SAMPLES,
 ) -> float:
     """The policy's mean reward on every question, sampled as `agents` sample (each question
-    EVAL_SAMPLES times, the agents' settings in turn), asked of vLLM directly: not recorded."""
+    `samples` times, the agents' settings in turn), asked of vLLM directly: not recorded."""
     model = f"policy-v{version}" if version else MODEL_NAME
     rng = random.Random(1000 + seed)
     jobs = [
         (q, agents[i % len(agents)][1], rng.randrange(2**31))
         for q in QUESTIONS
-        for i in range(EVAL_SAMPLES)
+        for i in range(samples)
     ]
     client = httpx.Client(base_url=vllm_url, timeout=120)
 
@@ -424,6 +433,12 @@ def main() -> None:
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--rounds", type=int, default=30)
     parser.add_argument("--drain-s", type=float, default=90.0)
+    parser.add_argument(
+        "--eval-samples",
+        type=int,
+        default=EVAL_SAMPLES,
+        help="samples of each question for the final policy's reward",
+    )
     parser.add_argument("--database-url", help="a Postgres server (default: embedded)")
     parser.add_argument("--results", type=Path, default=RESULTS)
     parser.add_argument("--plot", type=Path, default=PLOT)
@@ -449,7 +464,13 @@ def main() -> None:
         for name in args.cases.split(","):
             runs.append(
                 run_case(
-                    CASES[name], seed, args.rounds, args.drain_s, args.database_url, args.model
+                    CASES[name],
+                    seed,
+                    args.rounds,
+                    args.drain_s,
+                    args.database_url,
+                    args.model,
+                    args.eval_samples,
                 )
             )
             if args.json:  # after each run: a long benchmark keeps what it has

@@ -38,6 +38,8 @@ def test_mixed_sampling_and_late_rewards_are_trained(postgres_url: str, tmp_path
             "6",
             "--drain-s",
             "60",
+            "--eval-samples",  # the final policy's reward: asked, not asserted
+            "1",
             "--model",
             str(models.built("calculator")),
             "--database-url",

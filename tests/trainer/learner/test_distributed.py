@@ -37,7 +37,9 @@ ROOT = Path(__file__).resolve().parents[3]
 LOSS_TYPES = ["dapo", "grpo", "bnpo"]
 MICRO = 14  # tokens: pieces of 1-3 rows; alone, one rank would cut 3 and the other 2
 
-pytestmark = pytest.mark.timeout(900)
+# One worker runs them all: each mode's two ranks start once (a module fixture is built per
+# worker that runs any of its tests, ~30 s a build).
+pytestmark = [pytest.mark.timeout(900), pytest.mark.xdist_group("two-ranks")]
 
 
 class Ranks(NamedTuple):
