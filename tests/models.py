@@ -7,6 +7,7 @@ core the other tests leave idle. The builders hold a lock on their directory, so
 needs its model before the background build is done waits for it rather than building it again.
 
     python -m tests.models calculator sql calc-tools     # what conftest starts (niced)
+    python -m tests.models                               # all of them: make test, during lint
 """
 
 from __future__ import annotations
@@ -53,6 +54,6 @@ def built(name: str) -> Path:
 
 
 if __name__ == "__main__":
-    for name in sys.argv[1:]:
+    for name in sys.argv[1:] or BUILDERS:
         started = time.monotonic()
         print(f"{built(name)} ready after {time.monotonic() - started:.0f} s", flush=True)
