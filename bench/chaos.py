@@ -391,6 +391,10 @@ def run_in(
         traffic.stop()
         seconds = time.monotonic() - started
         t_lost, r_lost = lost(s.pg.url, traffic, extra)
+        if (t_lost or r_lost) and s.proxy is not None:  # kept: the next fault's proxy truncates it
+            kept = processes.WORK / "chaos" / f"{fault}-proxy.log"
+            shutil.copyfile(s.proxy.log_path, kept)
+            note += f"; the proxy's log kept in {kept}"
         return Outcome(
             fault,
             seconds,

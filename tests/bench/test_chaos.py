@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from fakes import processes
+
 pytestmark = pytest.mark.slow
 
 # (the 10k burst: test_rewards.py; the trainer killed mid-step: test_trainer_loop.py)
@@ -60,9 +62,15 @@ def test_faults_under_traffic_lose_nothing_acknowledged(tmp_path: Path) -> None:
         acknowledged, stored, lost = (int(c) for c in cells[2:5])
         rewards, rewards_stored, rewards_lost = (int(c) for c in cells[5:8])
         assert acknowledged > 0 and rewards > 0, cells
-        assert (lost, rewards_lost) == (0, 0), cells
-        assert (stored, rewards_stored) == (acknowledged, rewards), cells
+        assert (lost, rewards_lost) == (0, 0), " | ".join(cells) + _log_tail(fault)
+        assert (stored, rewards_stored) == (acknowledged, rewards), " | ".join(cells)
     # The killed trainer's claims were taken over, its half-published adapter cleared away, and
     # the versions still form one chain.
     note = rows["trainer-kill-publish"][9]
     assert not note.startswith("FAILED") and "half-published adapter unloaded" in note, note
+
+
+def _log_tail(fault: str) -> str:
+    """The end of the log bench.chaos keeps of a fault's proxy when something was lost."""
+    kept = processes.WORK / "chaos" / f"{fault}-proxy.log"
+    return "\n" + "\n".join(kept.read_text().splitlines()[-60:]) if kept.exists() else ""
