@@ -62,10 +62,11 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 
 @pytest.hookimpl(trylast=True)  # after -k and -m have deselected what will not run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Tests marked `models(...)` run last (under xdist: one after another on one worker), and
-    the models they train start building now in a background process (tests/models.py; niced
-    in a one-process run, where it takes the core the other tests leave idle): minutes of one
-    core each. A test that gets there first waits for its model (the builder's lock)."""
+    """Tests marked `models(...)` run last in one process (under xdist they are one group on one
+    worker, which xdist, largest first, starts at once), and the models they train start
+    building now in a background process (tests/models.py; niced in a one-process run, where it
+    takes the core the other tests leave idle; `make test` starts one before lint): minutes of
+    one core each. A test that gets there first waits for its model (the builder's lock)."""
     late = [item for item in items if item.get_closest_marker("models")]
     items[:] = [item for item in items if not item.get_closest_marker("models")] + late
     names = {name: None for item in late for name in item.get_closest_marker("models").args}  # type: ignore[union-attr]
