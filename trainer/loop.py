@@ -64,15 +64,22 @@ class Trainer:
         with sessions.begin() as session:
             current = policy.current(session=session, lineage=self.lineage)
         resume = Path(current.path) if current and Path(current.path).exists() else None
-        log.info("lineage %s: from %s", self.lineage, current.name if current else "the base model")
+        log.info(
+            "lineage %s: starting from %s",
+            self.lineage,
+            current.name if current else "the base model",
+        )
         self.engine = self.make_engine(resume)
         self.sampling_defaults = server_defaults(settings.generation_config, settings.model)
         self.stops = sft.stop_ids(self.engine.tokenizer, settings.model)
         # The version the engine's weights descend from: a publish succeeds only while it is
         # current (compare-and-set), so a rollback sticks and two trainers never fork the policy.
         self.parent = current.version if current else None
-        baseline = settings.ungrouped == "baseline"
-        self.baseline = RunningBaseline(settings.baseline_momentum) if baseline else None
+        self.baseline = (
+            RunningBaseline(settings.baseline_momentum)
+            if settings.ungrouped == "baseline"
+            else None
+        )
         self.steps = 0
         self.backoff = faults.Backoff(
             settings.backoff_s, settings.backoff_max_s, self.metrics.backoff

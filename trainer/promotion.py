@@ -26,7 +26,6 @@ from core.evals import sets as eval_sets_of
 from trainer import candidate, evals, faults, gate
 from trainer.config import TrainerSettings
 from trainer.data import logged
-from trainer.data.logged import LoggedCall
 from trainer.evals import Compared
 from trainer.learner.engine import Engine, Snapshot
 from trainer.metrics import LineageMetrics
@@ -92,14 +91,22 @@ class Gatekeeper:
         sampling_defaults: dict[str, float],
     ) -> Judgement:
         """The engine's new weights estimated against `before`, the current version's (when
-        FLYWHEEL_OPE or the gate asks), and the gate's verdict on the estimate. Postgres failing
-        raises."""
+        FLYWHEEL_OPE or the gate asks), and the gate's verdict on the estimate."""
         s = self.settings
         judgement = Judgement()
         if not s.estimates:
             return judgement
-        current = _version(parent)
-        calls = self._window(current)
+        current = parent if parent is not None else policy.BASE_VERSION
+        with self.sessions.begin() as session:
+            calls = logged.window(
+                session=session,
+                lineage=self.lineage,
+                version=current,
+                tenants=s.tenants,
+                episodes=s.ope_episodes,
+                max_age_s=s.ope_max_age_s,
+                versions=s.ope_max_versions,
+            )
         known = self._scored[1] if self._scored and self._scored[0] == current else None
         try:
             judgement.judged = candidate.evaluate(
@@ -124,19 +131,6 @@ class Gatekeeper:
                 min_ess=s.ope_min_ess,
             )
         return judgement
-
-    def _window(self, current: int) -> list[LoggedCall]:
-        s = self.settings
-        with self.sessions.begin() as session:
-            return logged.window(
-                session=session,
-                lineage=self.lineage,
-                version=current,
-                tenants=s.tenants,
-                episodes=s.ope_episodes,
-                max_age_s=s.ope_max_age_s,
-                versions=s.ope_max_versions,
-            )
 
     def eval_sets(self, judgement: Judgement) -> list[EvalSet]:
         """The lineage's eval sets, when they are to be asked (not of a version the estimate
@@ -194,7 +188,7 @@ class Gatekeeper:
         the same set and judge is reused), beside the current version's scores. vLLM failing to
         answer raises (faults.INFRASTRUCTURE). It touches neither the engine nor the judgement:
         the publisher runs it beside the estimate (FLYWHEEL_GATE_OVERLAP)."""
-        current = _version(parent)
+        current = parent if parent is not None else policy.BASE_VERSION
         with self.sessions.begin() as session:
             adapter = policy.get(current, session=session) if parent is not None else None
         compared = evals.compare(
@@ -237,7 +231,3 @@ class Gatekeeper:
     def rejected(self, judgement: Judgement) -> None:
         assert judgement.verdict is not None
         self.metrics.gate_decided(judgement.verdict.outcome)
-
-
-def _version(parent: int | None) -> int:
-    return parent if parent is not None else policy.BASE_VERSION
