@@ -27,7 +27,13 @@ class LearningSettings(FlywheelSettings):
     max_grad_norm: float = Field(1.0, gt=0, description="Gradients are clipped to this norm.")
     loss_type: str = Field("dapo", description="TRL GRPO loss_type (dapo, grpo, dr_grpo, bnpo).")
     epsilon: float = Field(0.2, gt=0, description="PPO clip range.")
-    beta: float = Field(0.0, ge=0, description="KL coefficient to the base model (0: no KL).")
+    beta: float = Field(0.0, ge=0, description="KL coefficient to kl_anchor's policy (0: no KL).")
+    kl_anchor: Literal["start", "base"] = Field(
+        "start",
+        description="The KL's reference (beta > 0): the policy GRPO started from, i.e. the "
+        "last weights no GRPO step made (a warm start's supervised steps, or a version "
+        "imported or rolled back to), or the base model (trainer/learner/anchor.py).",
+    )
     is_cap: float = Field(
         2.0,
         ge=1,

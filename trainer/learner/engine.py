@@ -20,20 +20,20 @@ import copy
 import json
 import random
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-from peft import PeftModel, get_peft_model, set_peft_model_state_dict
+from peft import set_peft_model_state_dict
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from trainer.config import TrainerSettings
 from trainer.data.batch import ModelLimits, Sample
+from trainer.learner.anchor import Anchor
 from trainer.learner.correction import Tally
 from trainer.learner.distributed import (
     World,
@@ -43,17 +43,17 @@ from trainer.learner.distributed import (
     everyone,
     gather_correction,
     reshard,
-    shard_base,
 )
 from trainer.learner.grpo import grpo_trainer
 from trainer.learner.microbatch import lengths, pieces, share
-from trainer.learner.model import base_model, lora
+from trainer.learner.model import adapted
 from trainer.learner.scoring import Completion, completion_logprobs
 from trainer.learner.sft import Demo, SftStats, backward, completion_tokens
 from trainer.learner.sft import lengths as sft_lengths
 
-# The trainable weights and both optimizers' states: what undoing a step needs.
-Snapshot = tuple[dict[str, torch.Tensor], tuple[dict[str, Any], dict[str, Any]]]
+# The trainable weights, both optimizers' states and the KL's anchor: what undoing a step needs.
+Weights = dict[str, torch.Tensor]
+Snapshot = tuple[Weights, tuple[dict[str, Any], dict[str, Any]], Weights | None]
 SFT_OPTIMIZER = "sft_optimizer.pt"  # beside a version's adapter, as optimizer.pt (GRPO's)
 
 
@@ -88,32 +88,7 @@ class Engine:
         self.adapter = adapter
         tokenizer = AutoTokenizer.from_pretrained(settings.model)
         bf16 = settings.dtype == "bfloat16" or settings.load_in_4bit
-        peft_config = None
-        model: Any
-        if base is not None:  # one more adapter on another engine's PeftModel
-            model = base
-            if adapter in model.peft_config:  # a rebuild (another LoRA configuration)
-                model.delete_adapter(adapter)
-            if resume_from is None:
-                model.add_adapter(adapter, lora(settings))
-            else:
-                model.load_adapter(resume_from, adapter_name=adapter, is_trainable=True)
-            model.set_adapter(adapter)  # only its weights train, so its optimizer has only them
-        else:
-            # sharded: rank 0 reads the weights and hands each rank its shard (`shard_base`)
-            model = base_model(
-                settings, bf16, meta=settings.shard_base and not World.current().leader
-            )
-            if resume_from is None:
-                peft_config = lora(settings)
-            else:
-                with warnings.catch_warnings():  # a meta model: rank 0 hands the weights over
-                    warnings.filterwarnings("ignore", message=".*to a meta parameter")
-                    model = PeftModel.from_pretrained(model, resume_from, is_trainable=True)
-            if settings.shard_base:  # FSDP2 over the ranks, around the adapter it leaves whole
-                if peft_config is not None:
-                    model, peft_config = get_peft_model(model, peft_config), None
-                shard_base(model, World.current())
+        model, peft_config = adapted(settings, bf16, resume_from, base, adapter)
         trainer = grpo_trainer(settings, model, tokenizer, peft_config, bf16=bf16)
         if resume_from is not None and (resume_from / "optimizer.pt").exists():
             state = torch.load(resume_from / "optimizer.pt", weights_only=True)
@@ -131,8 +106,14 @@ class Engine:
         # Under torchrun / accelerate launch: the ranks' adapters start equal, and their gradients
         # are averaged before each optimizer step (trainer/learner/distributed.py).
         self.world = World.current()
-        self._trained = [p for n, p in trainer.model.named_parameters() if self._own(n)]
+        own = {n: p for n, p in trainer.model.named_parameters() if self._own(n)}
+        self._trained = list(own.values())
         broadcast_parameters(self._trained, self.world)
+        # The KL's reference when it is not the base model (anchor.py); TRL reads `ref_model`.
+        self.anchor: Anchor | None = None
+        if settings.beta > 0 and settings.kl_anchor == "start":
+            self.anchor = trainer.ref_model = Anchor(own, adapter)
+            self.anchor.take(resume_from)
         # Supervised steps' own AdamW (trainer/learner/sft.py: its moments kept apart from GRPO's).
         self.sft_optimizer = torch.optim.AdamW(
             self._trained, lr=settings.sft_learning_rate, weight_decay=0.0
@@ -236,6 +217,8 @@ class Engine:
         self.trainer.accelerator.clip_grad_norm_(model.parameters(), settings.max_grad_norm)
         self.sft_optimizer.step()
         model.zero_grad(set_to_none=True)
+        if self.anchor is not None:  # GRPO from here is held near what the demonstrations taught
+            self.anchor.hold()
         return SftStats(loss=loss, tokens=tokens, seconds=time.perf_counter() - started)
 
     @property
@@ -271,10 +254,13 @@ class Engine:
         """The trainable weights and optimizer state, to undo a step that could not be published."""
         weights = {n: p.detach().clone() for n, p in self._use().named_parameters() if self._own(n)}
         optimizers = (self.trainer.optimizer.state_dict(), self.sft_optimizer.state_dict())
-        return weights, copy.deepcopy(optimizers)
+        anchor = self.anchor.weights if self.anchor is not None else None  # replaced, never changed
+        return weights, copy.deepcopy(optimizers), anchor
 
     def restore(self, snapshot: Snapshot) -> None:
-        weights, (optimizer_state, sft_state) = snapshot
+        weights, (optimizer_state, sft_state), anchor = snapshot
+        if self.anchor is not None and anchor is not None:
+            self.anchor.weights = anchor
         with torch.no_grad():
             for name, p in self._use().named_parameters():
                 if name in weights:
@@ -314,6 +300,8 @@ class Engine:
                 optimizer.load_state_dict(torch.load(saved, weights_only=True))
             else:
                 optimizer.state.clear()
+        if self.anchor is not None:
+            self.anchor.take(adapter_dir)
 
     def save_adapter(self, out_dir: Path) -> None:
         """adapter_config.json + adapter_model.safetensors (vLLM loads these); optimizer beside."""
@@ -324,6 +312,8 @@ class Engine:
             (out_dir / self.adapter).rmdir()
         torch.save(self.trainer.optimizer.state_dict(), out_dir / "optimizer.pt")
         torch.save(self.sft_optimizer.state_dict(), out_dir / SFT_OPTIMIZER)
+        if self.anchor is not None:
+            self.anchor.save(out_dir)  # a restart or a rollback to it holds the same anchor
 
 
 class AtWeights:

@@ -13,6 +13,7 @@ import torch
 from datasets import Dataset
 
 from trainer.config import TrainerSettings
+from trainer.learner.anchor import Anchor
 from trainer.learner.correction import Correction, correct
 from trainer.learner.logprobs import processed_logprobs
 from trainer.learner.shared_prompts import completion_logits
@@ -136,6 +137,11 @@ class TransitionGRPOTrainer(GRPOTrainer):
         `self._active`'s, in order. The logits are materialised, (rows, tokens, vocabulary) a
         chunk of `batch_size` rows at a time; rows with one prompt forward it once
         (trainer/learner/shared_prompts.py)."""
+        if isinstance(model, Anchor):  # the KL's reference under kl_anchor=start (anchor.py)
+            with model:
+                return self._get_per_token_logps_and_entropies(
+                    self.model, input_ids, attention_mask, logits_to_keep, batch_size
+                )
         batch_size = batch_size or input_ids.size(0)
         logps, entropies = [], []
         for start in range(0, input_ids.size(0), batch_size):
@@ -186,7 +192,7 @@ def grpo_trainer(
         num_iterations=settings.num_iterations,
         loss_type=settings.loss_type,
         epsilon=settings.epsilon,
-        beta=settings.beta,
+        beta=0.0,  # set below, or TRL makes its own reference ("ref": a resumed adapter's copy)
         vllm_importance_sampling_correction=True,
         vllm_importance_sampling_mode="token_truncate",
         vllm_importance_sampling_clip_max=settings.is_cap,
@@ -199,6 +205,9 @@ def grpo_trainer(
         processing_class=tokenizer,
         peft_config=peft_config,
     )
+    # The KL's reference: the base model (TRL turns the adapter off) unless the Engine gives
+    # `ref_model` its anchor (trainer/learner/anchor.py).
+    trainer.beta = settings.beta
     if settings.gradient_checkpointing:  # Trainer.train() would; we never call it
         trainer.model.gradient_checkpointing_enable({"use_reentrant": False})
     trainer.create_optimizer_and_scheduler(num_training_steps=1)  # constant LR
