@@ -394,7 +394,8 @@ def run_in(
         if (t_lost or r_lost) and s.proxy is not None:  # kept: the next fault's proxy truncates it
             kept = processes.WORK / "chaos" / f"{fault}-proxy.log"
             shutil.copyfile(s.proxy.log_path, kept)
-            note += f"; the proxy's log kept in {kept}"
+            post_mortem(s, kept.with_name(f"{fault}-post-mortem.txt"))
+            note += f"; the proxy's log kept in {kept}, what held it up beside it"
         return Outcome(
             fault,
             seconds,
@@ -405,6 +406,37 @@ def run_in(
             traffic.errors,
             note,
         )
+
+
+POST_MORTEM = {  # what tells a stuck journal replay's causes apart (a lock, a writer, an error)
+    "backends": "SELECT pid, state, wait_event_type, wait_event, pg_blocking_pids(pid), "
+    "backend_start, xact_start, state_change, left(query, 120) FROM pg_stat_activity "
+    "WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    "ungranted locks": "SELECT pid, locktype, mode, relation::regclass, transactionid "
+    "FROM pg_locks WHERE NOT granted",
+}
+
+
+def post_mortem(s: Stack, path: Path) -> None:
+    """After a loss: the server's backends and waiting locks, the proxy's journal metrics and
+    the journal's files, before the stack (and with it all of these) is torn down."""
+    lines: list[str] = []
+    try:
+        with psycopg.connect(s.pg.url, connect_timeout=5) as conn:
+            for title, sql in POST_MORTEM.items():
+                lines += [f"## {title}", *(repr(r) for r in conn.execute(sql).fetchall())]
+    except psycopg.Error as e:
+        lines.append(f"## Postgres: {e!r}")
+    try:
+        text = httpx.get(s.url + "/metrics", timeout=5).text
+        keep = ("flywheel_journal", "flywheel_database_up", "flywheel_transitions_")
+        lines += ["## metrics", *(m for m in text.splitlines() if m.startswith(keep))]
+    except httpx.HTTPError as e:
+        lines.append(f"## metrics: {e!r}")
+    journal = s.home / "journal"
+    files = sorted(p for p in journal.rglob("*") if p.is_file()) if journal.exists() else []
+    lines += ["## journal", *(f"{p.relative_to(journal)} {p.stat().st_size}" for p in files)]
+    path.write_text("\n".join(lines) + "\n")
 
 
 def inject(fault: str, s: Stack, outage_s: float, extra_rewards: set[str]) -> str:

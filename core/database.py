@@ -230,22 +230,46 @@ TCP_OPTIONS = {
 }
 
 
-def connect_args(url: str) -> dict[str, Any]:
-    """TCP_OPTIONS less those the URL's query sets itself (a user's choice wins)."""
+# The server's side of it: a backend whose client vanished mid-transaction (a partition that
+# began while the client held the turn) waits for the client as long as the kernel lets it
+# (~2 h), holding its row locks, and every later write to those rows (the journal's replay of the
+# same batch) waits behind it. Postgres's own keepalives find a client that is gone once the
+# network is back; a write transaction left idle longer than any of ours ever is, is ended.
+# Session settings, sent as libpq's `options` (a URL that sets `options` keeps its own).
+SERVER_OPTIONS = {
+    "tcp_keepalives_idle": 10,
+    "tcp_keepalives_interval": 5,
+    "tcp_keepalives_count": 3,
+}
+WRITE_IDLE_IN_TRANSACTION_S = 60  # the recorder's and the posts' pools (proxy/services.py)
+
+
+def connect_args(url: str, *, idle_in_transaction_s: float | None = None) -> dict[str, Any]:
+    """TCP_OPTIONS and SERVER_OPTIONS less those the URL's query sets itself (a user's choice
+    wins); `idle_in_transaction_s`: the server ends a transaction idle that long."""
     query = url.partition("?")[2]
     given = {part.split("=", 1)[0] for part in query.split("&") if part}
-    return {k: v for k, v in TCP_OPTIONS.items() if k not in given}
+    server: dict[str, Any] = dict(SERVER_OPTIONS)
+    if idle_in_transaction_s is not None:
+        server["idle_in_transaction_session_timeout"] = max(1, round(idle_in_transaction_s * 1000))
+    options = {"options": " ".join(f"-c {k}={v}" for k, v in server.items())}
+    return {k: v for k, v in (TCP_OPTIONS | options).items() if k not in given}
 
 
 def create_async_sessions(
-    url: str, *, pool_size: int = 10, statement_timeout_s: float | None = None
+    url: str,
+    *,
+    pool_size: int = 10,
+    statement_timeout_s: float | None = None,
+    idle_in_transaction_s: float | None = None,
 ) -> tuple[AsyncEngine, GatedSessions]:
     """The proxy's engine and sessions (dispose the engine at shutdown). With
     `statement_timeout_s`, every transaction begins with `SET LOCAL statement_timeout`: Postgres
-    cancels a statement running longer (SQLSTATE 57014, `query_canceled`)."""
+    cancels a statement running longer (SQLSTATE 57014, `query_canceled`). With
+    `idle_in_transaction_s`, Postgres ends a session idle that long inside a transaction."""
     engine = create_async_engine(
         sqlalchemy_url(url),
-        connect_args=connect_args(url),
+        connect_args=connect_args(url, idle_in_transaction_s=idle_in_transaction_s),
         pool_size=pool_size,
         max_overflow=pool_size,
         pool_pre_ping=True,

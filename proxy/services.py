@@ -115,11 +115,13 @@ async def running(settings: ProxySettings) -> AsyncIterator[Services]:
     engine, sessionmaker = database.create_async_sessions(
         url, statement_timeout_s=settings.read_timeout_s
     )
+    # A write transaction's backend orphaned by a partition is ended (core/database.py).
+    orphans_s = database.WRITE_IDLE_IN_TRANSACTION_S
     writer_engine, writer_sessions = database.create_async_sessions(
-        url, pool_size=settings.writer_pool_size
+        url, pool_size=settings.writer_pool_size, idle_in_transaction_s=orphans_s
     )
     reward_engine, reward_sessions = database.create_async_sessions(
-        url, pool_size=settings.reward_pool_size
+        url, pool_size=settings.reward_pool_size, idle_in_transaction_s=orphans_s
     )
     migrator = Migrator(url, sessionmaker, writer_sessions, retry_s=settings.journal_retry_s)
     await migrator.start()  # Postgres unreachable: serve on the journal, migrate when it answers

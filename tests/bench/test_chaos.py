@@ -71,6 +71,9 @@ def test_faults_under_traffic_lose_nothing_acknowledged(tmp_path: Path) -> None:
 
 
 def _log_tail(fault: str) -> str:
-    """The end of the log bench.chaos keeps of a fault's proxy when something was lost."""
+    """What bench.chaos keeps when something was lost: the end of the fault's proxy log and
+    the post-mortem (the server's backends and locks, the journal's metrics and files)."""
     kept = processes.WORK / "chaos" / f"{fault}-proxy.log"
-    return "\n" + "\n".join(kept.read_text().splitlines()[-60:]) if kept.exists() else ""
+    tail = "\n".join(kept.read_text().splitlines()[-60:]) if kept.exists() else ""
+    post = kept.with_name(f"{fault}-post-mortem.txt")
+    return "\n" + tail + ("\n" + post.read_text() if post.exists() else "")
