@@ -27,6 +27,11 @@ _LOSS = Gauge("flywheel_trainer_loss", "Loss of the last step.", ["lineage"])
 _CLIP_FRACTION = Gauge(
     "flywheel_trainer_clip_fraction", "PPO clip fraction of the last step.", ["lineage"]
 )
+_KL = Gauge(
+    "flywheel_trainer_kl",
+    "Mean per-token KL to the reference (FLYWHEEL_KL_ANCHOR) of the last step; beta > 0 only.",
+    ["lineage"],
+)
 _IS_RATIO = Gauge(
     "flywheel_trainer_is_ratio",
     "Importance-sampling ratio of the last step.",
@@ -139,6 +144,7 @@ class LineageMetrics:
         self.reward_mean = _REWARD_MEAN.labels(lineage)
         self.loss = _LOSS.labels(lineage)
         self.clip_fraction = _CLIP_FRACTION.labels(lineage)
+        self.kl = _KL.labels(lineage)
         self.staleness = _STALENESS.labels(lineage)
         self.queue = _QUEUE.labels(lineage)
         self.demonstrations_due = _DEMONSTRATIONS_DUE.labels(lineage)

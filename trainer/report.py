@@ -36,6 +36,8 @@ def report_step(
     m.reward_mean.set(batch.reward_mean)
     m.loss.set(stats.loss)
     m.clip_fraction.set(stats.clip_fraction)
+    if stats.kl is not None:
+        m.kl.set(stats.kl)
     for stat in ("mean", "min", "max"):
         m.is_ratio(stat, getattr(stats, f"is_ratio_{stat}"))
     if canary_rule is None:
@@ -48,7 +50,7 @@ def report_step(
         m.corrected(bucket, tally.tokens, tally.truncated, tally.rejected)
     skipped = ", ".join(f"{k} {v}" for k, v in sorted(batch.skip_counts.items())) or "none"
     log.info(
-        "%s step %d -> v%d | %d samples, reward %.3f | loss %.4f clip %.3f"
+        "%s step %d -> v%d | %d samples, reward %.3f | loss %.4f clip %.3f%s"
         " | IS weight %.3f, ratio [%.2g, %.2g] | %s | train %.2fs swap %.0fms | skipped: %s",
         m.lineage,
         step,
@@ -57,6 +59,7 @@ def report_step(
         batch.reward_mean,
         stats.loss,
         stats.clip_fraction,
+        f" kl {stats.kl:.4f}" if stats.kl is not None else "",
         stats.is_ratio_mean,
         stats.is_ratio_min,
         stats.is_ratio_max,
@@ -150,6 +153,7 @@ def stats_json(
         "reward_mean": batch.reward_mean,
         "loss": stats.loss,
         "clip_fraction": stats.clip_fraction,
+        "kl": stats.kl,  # to FLYWHEEL_KL_ANCHOR's policy (None: beta 0)
         "is_ratio": [stats.is_ratio_min, stats.is_ratio_mean, stats.is_ratio_max],
         "train_s": stats.seconds,
         "swap_s": swap_s,

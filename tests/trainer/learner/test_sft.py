@@ -140,6 +140,29 @@ def test_first_trains_the_demonstrations_before_any_grpo_step(
     assert proxy.query("SELECT count(*) FROM transition WHERE trained_version = 3") == [(8,)]
 
 
+@pytest.mark.parametrize("anchor", ["start", "base"])
+def test_grpo_after_a_warm_start_is_held_to_the_warm_start(
+    proxy: RunningProxy, make_trainer: Any, sessions: Sessions, anchor: str
+) -> None:
+    """FLYWHEEL_BETA > 0 (trainer/learner/anchor.py): the first GRPO step's KL is measured from
+    the policy the demonstrations made (zero: the policy is still it), not from the base model,
+    unless FLYWHEEL_KL_ANCHOR says base; the version keeps its anchor for a restart."""
+    play(proxy)
+    post(proxy, demonstrations(4))
+    trainer = make_trainer(sft_batch=4, beta=0.1, kl_anchor=anchor)
+    assert trainer.step() and trainer.step()
+    warm, grpo = versions(sessions)
+    assert (
+        warm.stats and warm.stats["kind"] == "sft" and grpo.stats and grpo.stats["kind"] == "grpo"
+    )
+    if anchor == "start":
+        assert grpo.stats["kl"] == pytest.approx(0.0, abs=1e-6)
+        assert (Path(grpo.path) / "anchor.safetensors").exists()
+    else:
+        assert grpo.stats["kl"] > 1e-5
+        assert not (Path(grpo.path) / "anchor.safetensors").exists()
+
+
 def test_mix_takes_a_step_of_each_kind_in_turn(
     proxy: RunningProxy, make_trainer: Any, sessions: Sessions
 ) -> None:
