@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from demo.tiny_model import build_demo_model
-from tests.conftest import TEST_HOME
 from tests.trainer.learner.test_engine import samples_for
+from tests.trainer.learner.test_microbatch import settings_for
 from trainer.config import TrainerSettings
 from trainer.learner.anchor import FILE
 from trainer.learner.engine import Engine
@@ -19,14 +18,7 @@ from trainer.learner.sft import Demo
 
 @pytest.fixture(scope="module")
 def settings(tmp_path_factory: pytest.TempPathFactory) -> TrainerSettings:
-    home = tmp_path_factory.mktemp("anchor")
-    return TrainerSettings(
-        model=build_demo_model(TEST_HOME / "models" / "demo"),
-        vllm=["http://127.0.0.1:9"],
-        adapters_dir=home / "adapters",
-        home=home,
-        learning_rate=5e-3,
-    )
+    return settings_for(tmp_path_factory.mktemp("anchor"))
 
 
 DEMOS = [Demo([1, 30, 31, 32], [100, 101, 102]), Demo([1, 40, 41], [110, 111, 2])]
