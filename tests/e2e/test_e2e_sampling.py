@@ -93,7 +93,11 @@ def test_recomputed_logprobs_equal_the_recorded_ones_for_every_sampling_setting(
         max_batch_transitions=10,  # the last step leaves episodes to evaluate v2 on
         ope="log",
         ope_holdout=0,  # v2 is estimated on v1's episodes no step claimed (held-out ones:
-        ope_min_ess=2,  # tests/trainer/test_trainer_loop.py)
+        # tests/trainer/test_trainer_loop.py). Any overlap at all is enough here (Kish's size
+        # is at least 1 when any weight is above 0): one step at this learning rate can leave
+        # one episode nearly all the weight (a size under 2 in CI, stop 58); refusing is
+        # tests/trainer/test_ope.py's subject.
+        ope_min_ess=0.5,
     )
     replicas = Replicas(settings.vllm, None)
     trainer = Trainer(settings, sessions, replicas)
