@@ -885,8 +885,9 @@ def report(args: argparse.Namespace) -> None:
     path: Path = args.runs
     runs = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     lines = [
-        "| arm | seeds | held-out valid | held-out parsable | samples | wall s |",
-        "|---|---|---|---|---|---|",
+        "| arm | seeds | held-out valid | held-out parsable | samples | wall s "
+        "| gain over its warm start | kept by the training probe |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     by_arm: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for run in runs:
@@ -908,7 +909,7 @@ def report(args: argparse.Namespace) -> None:
                 "trl": "TRL's GRPOTrainer (coupled) from the same warm start",
             }.get(arm, arm)
             walls = [r["costs"].get("wall_s", r["evaluations"][-1]["wall_s"]) for r in group]
-            lines.append(_row(label + overrides, finals, walls))
+            lines.append(_row(label + overrides, finals, walls, _gains(group), _kept(group)))
     append_section(
         args.results,
         "BFCL learning",
@@ -925,15 +926,52 @@ def _overrides(run: dict[str, Any]) -> str:
     return f" ({', '.join(f'{k}={v}' for k, v in sorted(pairs.items()))})" if pairs else ""
 
 
-def _row(label: str, evaluations: list[dict[str, Any]], walls: list[float]) -> str:
+def _gains(group: list[dict[str, Any]]) -> list[float]:
+    """Each run's last held-out score less its own warm start's (trained or reused): the
+    issue's goal is their mean over seeds."""
+    return [
+        r["evaluations"][-1]["accuracy"] - r["warm"]["evaluation"]["accuracy"]
+        for r in group
+        if r["evaluations"] and r.get("warm") and r["warm"].get("evaluation")
+    ]
+
+
+def _kept(group: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per run with a training probe (`--train-probe`), the held-out score of the version an
+    operator would have kept by it: the best probe score, the earliest of equals. The choice
+    reads only training questions, as the gate's eval set would; never the held-out part."""
+    kept = []
+    for r in group:
+        probed = [e for e in r["evaluations"] if e.get("probe")]
+        if probed:
+            kept.append(max(probed, key=lambda e: (e["probe"]["accuracy"], -e["samples"])))
+    return kept
+
+
+def _row(
+    label: str,
+    evaluations: list[dict[str, Any]],
+    walls: list[float],
+    gains: list[float] | None = None,
+    kept: list[dict[str, Any]] | None = None,
+) -> str:
     acc = [e["accuracy"] for e in evaluations]
     parse = [e["parsable"] for e in evaluations]
-    spread = f" ± {statistics.stdev(acc):.3f}" if len(acc) > 1 else ""
     samples = statistics.fmean(e["samples"] for e in evaluations)
     return (
-        f"| {label} | {len(acc)} | {statistics.fmean(acc):.3f}{spread} | "
-        f"{statistics.fmean(parse):.3f} | {samples:.0f} | {statistics.fmean(walls):.0f} |"
+        f"| {label} | {len(acc)} | {_mean(acc)} | "
+        f"{statistics.fmean(parse):.3f} | {samples:.0f} | {statistics.fmean(walls):.0f} | "
+        f"{_mean(gains or [], signed=True)} | "
+        f"{_mean([e['accuracy'] for e in kept or []])} |"
     )
+
+
+def _mean(values: list[float], signed: bool = False) -> str:
+    """The mean ± the standard deviation over runs; a dash for none."""
+    if not values:
+        return "–"
+    mean = f"{statistics.fmean(values):{'+' if signed else ''}.3f}"
+    return mean + (f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else "")
 
 
 def plot(runs: list[dict[str, Any]], path: Path) -> None:

@@ -389,8 +389,10 @@ def test_bfcl_learning_records_a_killed_run_and_reports_every_run(tmp_path: Path
                 for i in (1, 2)
             ],
             "evaluations": [
+                evaluation(47, final - 0.1, 3000.0, 352)  # the training probe's best: kept
+                | {"probe": {"accuracy": 0.7, "parsable": 1.0, "questions": 60}},
                 evaluation(57, final, 4441.0, 672)
-                | {"probe": {"accuracy": 0.65, "parsable": 1.0, "questions": 60}}
+                | {"probe": {"accuracy": 0.65, "parsable": 1.0, "questions": 60}},
             ],
             "warm": {
                 "demonstrations": 289,
@@ -420,7 +422,11 @@ def test_bfcl_learning_records_a_killed_run_and_reports_every_run(tmp_path: Path
     assert "questions); training probe 0.650 valid" in report.read_text()
     out = _bench("bench.bfcl_learning", "--report", *paths).stdout
     assert "| warm start alone | 2 | 0.425 ± 0.035 | 0.970 | 0 | 1509 |" in out
-    assert "| warm start + GRPO | 2 | 0.450 ± 0.064 | 0.970 | 672 | 4441 |" in out
+    # the last ask's mean, then the gain over each run's own warm start and the kept version's
+    assert (
+        "| warm start + GRPO | 2 | 0.450 ± 0.064 | 0.970 | 672 | 4441 "
+        "| +0.025 ± 0.028 | 0.350 ± 0.064 |" in out
+    )
     assert "| warm start + GRPO (FLYWHEEL_LEARNING_RATE=2e-4) | 1 | 0.600 |" in out
     assert out.strip() in report.read_text()
     assert curve.read_bytes().startswith(b"\x89PNG")
