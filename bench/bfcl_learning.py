@@ -37,6 +37,12 @@ unserved and training goes on from the current version.
 (the same sample for every run): settings are compared on that probe and the training reward,
 never on the held-out part.
 
+`--dev-part N` holds N training-part questions apart (`dev_part`: from the half GRPO asks with
+`--split-demos`): never demonstrated, never asked in a round, asked at temperature 0 with every
+held-out ask. A probe of questions the lineage trains on rises while it overfits them; the
+development part cannot, so it is what a version may be chosen on (`--report`'s "kept by the
+development part"), and with `--gate` it is the gate's eval set.
+
 Each run appends one JSON line to bench/bfcl_learning.jsonl (its curve, evaluations, costs) and a
 section to bench/bfcl_learning.md; `--report` tables every recorded run there and draws
 docs/img/bfcl_learning.png. Some of the model's own answers go to tests/data/bfcl_sampled.jsonl
@@ -102,6 +108,7 @@ MODEL = "smollm2-135m"
 QUESTIONS, SAMPLES = 4, 8  # a round: 4 training-part questions, 8 episodes each (GRPO groups)
 PROBE_SEED = 41  # the training-part probe's sample (`--train-probe`): one for every run
 HALVES_SEED = 4141  # `--split-demos`: which half of the training part gives demonstrations
+DEV_SEED = 4242  # `--dev-part`: which training questions are held apart
 
 
 @dataclass
@@ -136,9 +143,15 @@ def run_flywheel(args: argparse.Namespace) -> Run:
         overrides["temperature"] = str(args.temperature)
     if args.split_demos:
         overrides["demonstrations"] = "first half"
+    if args.dev_part:
+        overrides["development part"] = str(args.dev_part)
     if args.gate:
         env["FLYWHEEL_GATE"] = "evals"
-        overrides["gate"] = f"evals on {args.gate} training questions"
+        overrides["gate"] = (
+            "evals on the development part"
+            if args.dev_part
+            else f"evals on {args.gate} training questions"
+        )
     run = Run(args.arm, args.seed, time.strftime("%Y-%m-%d %H:%M"), env, overrides=overrides)
     home = Path(tempfile.mkdtemp(prefix=f"{args.arm}-{args.seed}-", dir=_mkdir(HOME)))
     run.notes.append(f"home (logs, adapters): {home}")
@@ -152,7 +165,8 @@ def run_flywheel(args: argparse.Namespace) -> Run:
             temperature=args.temperature,
         )
         held_out = agent.held_out[: args.held_out] if args.held_out else agent.held_out
-        asked = Asked(held_out, probe(agent.train, args.train_probe))
+        dev = dev_part(agent.train, args.dev_part, args.split_demos)
+        asked = Asked(held_out, probe(agent.train, args.train_probe), dev)
         t0 = time.perf_counter()
         try:
             if args.arm == "base":
@@ -166,6 +180,13 @@ def run_flywheel(args: argparse.Namespace) -> Run:
                     f"demonstrations from {len(demos)} training questions, GRPO on the other "
                     f"{len(rest)}"
                 )
+            if dev:
+                run.notes.append(f"development part: {len(dev)} training questions held apart")
+            if warm and args.reuse_warm and dev and not args.split_demos:
+                raise SystemExit(
+                    "--dev-part with --reuse-warm needs --split-demos: the whole "
+                    "part's kept warm start was trained on the development part"
+                )
             if warm and args.reuse_warm:
                 run.warm = reuse_warm(run, loop, home)
                 t0 -= run.warm["evaluation"]["wall_s"]  # its time counts in the wall time
@@ -174,7 +195,9 @@ def run_flywheel(args: argparse.Namespace) -> Run:
                 _keep_answers(args, run.warm["evaluation"], "warm")
                 _keep_warm(run, args)
                 _save(run, home)
-            if args.gate:
+            if args.gate and dev:
+                gate_set(url, dev, [], len(dev), run)
+            elif args.gate:
                 gate_set(url, agent.train, asked.probe, args.gate, run)
             grpo(agent, run, url, t0, asked, args, home)
         except KeyboardInterrupt:  # Ctrl-C or SIGTERM: what was measured is still recorded
@@ -194,6 +217,7 @@ def warm_start(
     """Post the training part's demonstrations, wait until every one is trained (no traffic
     meanwhile), ask the held-out part of the version that ends the warm start."""
     questions = demo_halves(agent.train)[0] if args.split_demos else agent.train
+    questions = [q for q in questions if q not in asked.dev]  # held apart: never demonstrated
     questions = questions[: args.demonstrations] if args.demonstrations else questions
     posted = agent.post_demonstrations(questions)
     while _due(url) > 0:
@@ -253,6 +277,7 @@ def grpo(
     every `--eval-every` versions and once more at the end."""
     samples, last = 0, _current(url)
     pool = demo_halves(agent.train)[1] if args.split_demos else agent.train
+    pool = [q for q in pool if q not in asked.dev]  # held apart: never asked in a round
     deadline = t0 + args.minutes * 60
     while time.perf_counter() < deadline and samples < args.samples:
         answers = agent.round(questions=QUESTIONS, samples=SAMPLES, pool=pool)
@@ -318,10 +343,19 @@ class Asked:
 
     held_out: list[bfcl.Question]
     probe: list[bfcl.Question]
+    dev: list[bfcl.Question] = field(default_factory=list)  # `--dev-part`: never trained on
 
 
 def probe(train: list[bfcl.Question], n: int) -> list[bfcl.Question]:
     return random.Random(PROBE_SEED).sample(train, min(n, len(train))) if n else []
+
+
+def dev_part(train: list[bfcl.Question], n: int, split: bool) -> list[bfcl.Question]:
+    """`--dev-part N`: N training questions neither demonstrated nor asked in a round, the same
+    for every seed; from GRPO's half with `--split-demos` (the warm start's half stays whole,
+    so a split run's kept warm start serves with or without a development part)."""
+    source = demo_halves(train)[1] if split else train
+    return random.Random(DEV_SEED).sample(source, min(n, len(source))) if n else []
 
 
 def demo_halves(train: list[bfcl.Question]) -> tuple[list[bfcl.Question], list[bfcl.Question]]:
@@ -342,7 +376,8 @@ def _evaluate(
     with _held(url, version):
         held_out = agent.evaluate(version, asked.held_out)
         probed = agent.evaluate(version, asked.probe) if asked.probe else None
-    return _evaluation(held_out, probed, time.perf_counter() - t0, samples)
+        dev = agent.evaluate(version, asked.dev) if asked.dev else None
+    return _evaluation(held_out, probed, time.perf_counter() - t0, samples, dev)
 
 
 @contextlib.contextmanager
@@ -367,7 +402,11 @@ def _held(url: str, version: int) -> Iterator[None]:
 
 
 def _evaluation(
-    e: Evaluation, probed: Evaluation | None, wall_s: float, samples: int
+    e: Evaluation,
+    probed: Evaluation | None,
+    wall_s: float,
+    samples: int,
+    dev: Evaluation | None = None,
 ) -> dict[str, Any]:
     """One held-out ask as a run records it (with the probe's, if asked), and printed."""
     evaluation: dict[str, Any] = {
@@ -384,6 +423,10 @@ def _evaluation(
         evaluation["probe"] = {"accuracy": probed.accuracy, "parsable": probed.parsable,
                                "questions": probed.questions}  # fmt: skip
         line += f"; training probe {probed.accuracy:.3f} valid ({probed.questions} questions)"
+    if dev is not None:
+        evaluation["dev"] = {"accuracy": dev.accuracy, "parsable": dev.parsable,
+                             "questions": dev.questions}  # fmt: skip
+        line += f"; development part {dev.accuracy:.3f} valid ({dev.questions} questions)"
     print(line, flush=True)
     return evaluation
 
@@ -867,6 +910,7 @@ def summary(run: dict[str, Any]) -> list[str]:
             f"- held-out v{e['version']} after {e['samples']} samples, {e['wall_s']:.0f} s: "
             f"{e['accuracy']:.3f} valid, {e['parsable']:.3f} parsable ({e['questions']} questions)"
             + (f"; training probe {probed['accuracy']:.3f} valid" if probed else "")
+            + (f"; development part {e['dev']['accuracy']:.3f} valid" if e.get("dev") else "")
         )
     if run["rounds"]:
         first, last = run["rounds"][0], run["rounds"][-1]
@@ -886,8 +930,9 @@ def report(args: argparse.Namespace) -> None:
     runs = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     lines = [
         "| arm | seeds | held-out valid | held-out parsable | samples | wall s "
-        "| gain over its warm start | kept by the training probe |",
-        "|---|---|---|---|---|---|---|---|",
+        "| gain over its warm start | kept by the training probe "
+        "| kept by the development part |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     by_arm: dict[tuple[str, str], list[dict[str, Any]]] = {}
     for run in runs:
@@ -909,7 +954,8 @@ def report(args: argparse.Namespace) -> None:
                 "trl": "TRL's GRPOTrainer (coupled) from the same warm start",
             }.get(arm, arm)
             walls = [r["costs"].get("wall_s", r["evaluations"][-1]["wall_s"]) for r in group]
-            lines.append(_row(label + overrides, finals, walls, _gains(group), _kept(group)))
+            kept = {"probe": _kept(group, "probe"), "dev": _kept(group, "dev")}
+            lines.append(_row(label + overrides, finals, walls, _gains(group), kept))
     append_section(
         args.results,
         "BFCL learning",
@@ -936,15 +982,17 @@ def _gains(group: list[dict[str, Any]]) -> list[float]:
     ]
 
 
-def _kept(group: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per run with a training probe (`--train-probe`), the held-out score of the version an
-    operator would have kept by it: the best probe score, the earliest of equals. The choice
-    reads only training questions, as the gate's eval set would; never the held-out part."""
+def _kept(group: list[dict[str, Any]], by: str) -> list[dict[str, Any]]:
+    """Per run with a training probe (`by="probe"`, `--train-probe`) or a development part
+    (`"dev"`, `--dev-part`), the version an operator would have kept by it: the best score, the
+    earliest of equals. The choice reads only training questions, as the gate's eval set would;
+    never the held-out part. The warm start counts when it was asked them too."""
     kept = []
     for r in group:
-        probed = [e for e in r["evaluations"] if e.get("probe")]
-        if probed:
-            kept.append(max(probed, key=lambda e: (e["probe"]["accuracy"], -e["samples"])))
+        warm = [r["warm"]["evaluation"]] if r.get("warm") else []
+        asked = [e for e in warm + r["evaluations"] if e.get(by)]
+        if asked:
+            kept.append(max(asked, key=lambda e: (e[by]["accuracy"], -e["samples"])))
     return kept
 
 
@@ -953,7 +1001,7 @@ def _row(
     evaluations: list[dict[str, Any]],
     walls: list[float],
     gains: list[float] | None = None,
-    kept: list[dict[str, Any]] | None = None,
+    kept: dict[str, list[dict[str, Any]]] | None = None,
 ) -> str:
     acc = [e["accuracy"] for e in evaluations]
     parse = [e["parsable"] for e in evaluations]
@@ -962,7 +1010,10 @@ def _row(
         f"| {label} | {len(acc)} | {_mean(acc)} | "
         f"{statistics.fmean(parse):.3f} | {samples:.0f} | {statistics.fmean(walls):.0f} | "
         f"{_mean(gains or [], signed=True)} | "
-        f"{_mean([e['accuracy'] for e in kept or []])} |"
+        + " | ".join(
+            _mean([e["accuracy"] for e in (kept or {}).get(by, [])]) for by in ("probe", "dev")
+        )
+        + " |"
     )
 
 
@@ -1040,6 +1091,14 @@ def main() -> None:
         default=0,
         help="with each held-out ask, N fixed training-part questions at temperature 0: the "
         "measure settings may be chosen on (the held-out part never is)",
+    )
+    parser.add_argument(
+        "--dev-part",
+        type=int,
+        default=0,
+        metavar="N",
+        help="hold N training questions apart (from GRPO's half with --split-demos), asked with "
+        "every held-out ask: what a version may be chosen on; with --gate, its eval set",
     )
     parser.add_argument(
         "--reuse-warm",

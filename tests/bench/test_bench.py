@@ -371,7 +371,7 @@ def test_bfcl_learning_records_a_killed_run_and_reports_every_run(tmp_path: Path
             "samples": samples,
         }
 
-    def run(seed: int, warm: float, final: float) -> dict[str, Any]:
+    def run(seed: int, warm: float, final: float, warm_dev: float) -> dict[str, Any]:
         return {
             "arm": "warm-grpo",
             "seed": seed,
@@ -390,16 +390,20 @@ def test_bfcl_learning_records_a_killed_run_and_reports_every_run(tmp_path: Path
             ],
             "evaluations": [
                 evaluation(47, final - 0.1, 3000.0, 352)  # the training probe's best: kept
-                | {"probe": {"accuracy": 0.7, "parsable": 1.0, "questions": 60}},
-                evaluation(57, final, 4441.0, 672)
-                | {"probe": {"accuracy": 0.65, "parsable": 1.0, "questions": 60}},
+                | {"probe": {"accuracy": 0.7, "parsable": 1.0, "questions": 60}}
+                | {"dev": {"accuracy": 0.5, "parsable": 1.0, "questions": 40}},
+                evaluation(57, final, 4441.0, 672)  # the development part's, unless the warm's
+                | {"probe": {"accuracy": 0.65, "parsable": 1.0, "questions": 60}}
+                | {"dev": {"accuracy": 0.55, "parsable": 1.0, "questions": 40}},
             ],
             "warm": {
                 "demonstrations": 289,
                 "steps": 37,
                 "seconds": 1509.0,
                 "version": 37,
-                "evaluation": evaluation(37, warm, 1509.0, 0),
+                "evaluation": evaluation(37, warm, 1509.0, 0)
+                | {"probe": {"accuracy": 0.6, "parsable": 1.0, "questions": 60}}
+                | {"dev": {"accuracy": warm_dev, "parsable": 1.0, "questions": 40}},
                 "adapter": None,
             },
             "costs": {},
@@ -409,25 +413,30 @@ def test_bfcl_learning_records_a_killed_run_and_reports_every_run(tmp_path: Path
     runs, report, curve = tmp_path / "runs.jsonl", tmp_path / "report.md", tmp_path / "c.png"
     paths = ("--runs", str(runs), "--results", str(report), "--plot", str(curve))
     lr = {"FLYWHEEL_LEARNING_RATE": "2e-4"}  # a run with --set: a row of its own
-    for i, (seed, warm, final, overrides) in enumerate(
-        ((0, 0.45, 0.495, {}), (1, 0.40, 0.405, {}), (0, 0.45, 0.6, lr))
+    for i, (seed, warm, final, warm_dev, overrides) in enumerate(
+        ((0, 0.45, 0.495, 0.3, {}), (1, 0.40, 0.405, 0.3, {}), (0, 0.45, 0.6, 0.6, lr))
     ):
         saved = tmp_path / f"run{i}.json"
-        saved.write_text(json.dumps(run(seed, warm, final) | {"overrides": overrides}))
+        saved.write_text(json.dumps(run(seed, warm, final, warm_dev) | {"overrides": overrides}))
         _bench("bench.bfcl_learning", "--record-from", str(saved), *paths)
     recorded = [json.loads(line) for line in runs.read_text().splitlines()]
     assert [r["seed"] for r in recorded] == [0, 1, 0]
     assert "killed before its end" in recorded[0]["notes"][0]
     assert "- held-out v57 after 672 samples, 4441 s: 0.495 valid" in report.read_text()
-    assert "questions); training probe 0.650 valid" in report.read_text()
+    assert "questions); training probe 0.650 valid; development part 0.550" in report.read_text()
     out = _bench("bench.bfcl_learning", "--report", *paths).stdout
     assert "| warm start alone | 2 | 0.425 ± 0.035 | 0.970 | 0 | 1509 |" in out
-    # the last ask's mean, then the gain over each run's own warm start and the kept version's
+    # the last ask's mean, then the gain over each run's own warm start and the held-out score
+    # of the version kept by the training probe (v47), by the development part (v57)
     assert (
         "| warm start + GRPO | 2 | 0.450 ± 0.064 | 0.970 | 672 | 4441 "
-        "| +0.025 ± 0.028 | 0.350 ± 0.064 |" in out
+        "| +0.025 ± 0.028 | 0.350 ± 0.064 | 0.450 ± 0.064 |" in out
     )
-    assert "| warm start + GRPO (FLYWHEEL_LEARNING_RATE=2e-4) | 1 | 0.600 |" in out
+    # ... and the warm start, when its development part score is the best
+    assert (
+        "| warm start + GRPO (FLYWHEEL_LEARNING_RATE=2e-4) | 1 | 0.600 | 0.970 | 672 | 4441 "
+        "| +0.150 | 0.500 | 0.450 |" in out
+    )
     assert out.strip() in report.read_text()
     assert curve.read_bytes().startswith(b"\x89PNG")
 
