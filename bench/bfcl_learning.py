@@ -312,7 +312,8 @@ def gate_set(
     url: str, train: list[bfcl.Question], probed: list[bfcl.Question], n: int, run: Run
 ) -> None:
     """`--gate N`: the lineage's eval set, every k-th training-part question the probe does not
-    ask (the probe stays a measure of the training part the gate never chose on). Added after
+    ask (the probe stays a measure of the training part the gate never chose on); with
+    `--dev-part`, `train` is the development part and the eval set all of it. Added after
     the warm start, whose supervised steps therefore met no eval set (inconclusive: published)."""
     from core import evals
 
