@@ -182,11 +182,6 @@ def run_flywheel(args: argparse.Namespace) -> Run:
                 )
             if dev:
                 run.notes.append(f"development part: {len(dev)} training questions held apart")
-            if warm and args.reuse_warm and dev and not args.split_demos:
-                raise SystemExit(
-                    "--dev-part with --reuse-warm needs --split-demos: the whole "
-                    "part's kept warm start was trained on the development part"
-                )
             if warm and args.reuse_warm:
                 run.warm = reuse_warm(run, loop, home)
                 t0 -= run.warm["evaluation"]["wall_s"]  # its time counts in the wall time
@@ -420,14 +415,11 @@ def _evaluation(
         "answers": e.answers,
     }
     line = f"held-out v{e.version}: {e.accuracy:.3f} valid, {e.parsable:.3f} parsable"
-    if probed is not None:
-        evaluation["probe"] = {"accuracy": probed.accuracy, "parsable": probed.parsable,
-                               "questions": probed.questions}  # fmt: skip
-        line += f"; training probe {probed.accuracy:.3f} valid ({probed.questions} questions)"
-    if dev is not None:
-        evaluation["dev"] = {"accuracy": dev.accuracy, "parsable": dev.parsable,
-                             "questions": dev.questions}  # fmt: skip
-        line += f"; development part {dev.accuracy:.3f} valid ({dev.questions} questions)"
+    for key, name, asked in (("probe", "training probe", probed), ("dev", "development part", dev)):
+        if asked is not None:
+            evaluation[key] = {"accuracy": asked.accuracy, "parsable": asked.parsable,
+                               "questions": asked.questions}  # fmt: skip
+            line += f"; {name} {asked.accuracy:.3f} valid ({asked.questions} questions)"
     print(line, flush=True)
     return evaluation
 
@@ -1155,6 +1147,11 @@ def main() -> None:
         return
     if args.arm is None:
         parser.error("give --arm (or --report)")
+    if args.dev_part and args.reuse_warm and not args.split_demos:
+        parser.error(
+            "--dev-part with --reuse-warm needs --split-demos: the whole part's kept warm start "
+            "was trained on the development part"
+        )
     if args.smoke:
         args.held_out, args.demonstrations, args.samples, args.eval_every = (
             8,

@@ -88,7 +88,7 @@ def aborted(vllm_url: str) -> int:
             # the client's leaving reached vLLM, and there was nothing left to abort. And a long
             # story: on CI's loaded machine the proxy's loop once stalled while vLLM wrote all of
             # 400 tokens, relayed in one go after the client had left (asyncio warned of ~90
-            # writes to the closed socket); the stream ended "ok" and nothing was aborted.
+            # writes to the closed socket), and nothing was left to abort.
             {
                 "messages": [{"role": "user", "content": "Tell a story."}],
                 "max_tokens": STORY,
