@@ -281,7 +281,8 @@ def grpo(
         line = run.rounds[-1]
         print(
             f"round {len(run.rounds):3d}  {samples:5d} samples  valid {line['valid']:.2f}  "
-            f"partial {line['partial']:.2f}  v{line['versions']}  {line['wall_s']:6.0f} s",
+            f"partial {line['partial']:.2f}  flat {line['flat']}/{QUESTIONS}  "
+            f"v{line['versions']}  {line['wall_s']:6.0f} s",
             flush=True,
         )
         _keep_answers(args, {"answers": answers}, "grpo")
@@ -435,8 +436,17 @@ def _round(answers: list[Answer], samples: int, wall_s: float) -> dict[str, Any]
         "valid": statistics.fmean(a.valid for a in answers),
         "parsable": statistics.fmean(a.parsable for a in answers),
         "partial": statistics.fmean(a.partial for a in answers),
+        # Questions whose samples all earned the same reward: GRPO groups with no advantage.
+        "flat": sum(max(r) - min(r) <= 1e-9 for r in _rewards_by_question(answers).values()),
         "versions": f"{versions[0]}-{versions[-1]}" if versions else "?",
     }
+
+
+def _rewards_by_question(answers: list[Answer]) -> dict[str, list[float]]:
+    by: dict[str, list[float]] = {}
+    for a in answers:
+        by.setdefault(a.question, []).append(a.reward)
+    return by
 
 
 def _keep_answers(args: argparse.Namespace, evaluation: dict[str, Any], source: str) -> None:
@@ -911,6 +921,12 @@ def summary(run: dict[str, Any]) -> list[str]:
             f"- training reward (valid share) first round {first['valid']:.2f}, last round "
             f"{last['valid']:.2f}; {last['samples']} samples in {last['wall_s']:.0f} s"
         )
+        flat = [r["flat"] for r in run["rounds"] if "flat" in r]  # (recorded since 2026-11-30)
+        if flat:
+            lines.append(
+                f"- groups with no signal (every sample the same reward): {sum(flat)} of "
+                f"{QUESTIONS * len(flat)} ({sum(flat) / (QUESTIONS * len(flat)):.0%})"
+            )
     if run["costs"]:
         lines.append(f"- costs: `{json.dumps(run['costs'])}`")
     lines += [f"- {n}" for n in run["notes"]]

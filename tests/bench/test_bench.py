@@ -356,6 +356,18 @@ def test_tool_learning_report_and_plot(tmp_path: Path) -> None:
     assert curve.stat().st_size > 0
 
 
+def test_a_bfcl_round_counts_the_questions_whose_samples_all_earned_the_same() -> None:
+    from bench.bfcl_learning import _round
+    from demo.bfcl_agent import Answer
+
+    def answer(question: str, reward: float) -> Answer:
+        return Answer(question, "[f()]", reward == 1.0, True, reward, reward, "3")
+
+    answers = [answer("a", 1.0)] * 3 + [answer("b", 0.0)] * 3 + [answer("c", r) for r in (0, 1, 1)]
+    assert _round(answers, 9, 1.0)["flat"] == 2
+    assert _round([answer("c", r) for r in (0.5, 0.5, 0.25)], 3, 1.0)["flat"] == 0
+
+
 @pytest.mark.slow
 def test_bfcl_learning_records_a_killed_run_and_reports_every_run(tmp_path: Path) -> None:
     """bench/bfcl_learning.py's record and report from runs as its loop saves them (the loop
@@ -384,6 +396,7 @@ def test_bfcl_learning_records_a_killed_run_and_reports_every_run(tmp_path: Path
                     "valid": 0.4,
                     "parsable": 0.9,
                     "partial": 0.8,
+                    "flat": i,
                     "versions": f"{36 + i}-{37 + i}",
                 }
                 for i in (1, 2)
@@ -424,6 +437,9 @@ def test_bfcl_learning_records_a_killed_run_and_reports_every_run(tmp_path: Path
     assert "killed before its end" in recorded[0]["notes"][0]
     assert "- held-out v57 after 672 samples, 4441 s: 0.495 valid" in report.read_text()
     assert "questions); training probe 0.650 valid; development part 0.550" in report.read_text()
+    assert "- groups with no signal (every sample the same reward): 3 of 8 (38%)" in (
+        report.read_text()
+    )
     out = _bench("bench.bfcl_learning", "--report", *paths).stdout
     assert "| warm start alone | 2 | 0.425 ± 0.035 | 0.970 | 0 | 1509 |" in out
     # the last ask's mean, then the gain over each run's own warm start and the held-out score
