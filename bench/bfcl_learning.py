@@ -94,7 +94,7 @@ from bench import trl_reference
 from bench.common import add_settings_argument, append_section, learning_loop
 from core import database, naming, pins, policy
 from demo import bfcl
-from demo.bfcl_agent import MAX_TOKENS, TEMPERATURE, Answer, BfclAgent, Evaluation
+from demo.bfcl_agent import MAX_TOKENS, TEMPERATURE, Answer, BfclAgent, Evaluation, flat_groups
 from demo.bfcl_check import Verdict
 from demo.stack import BFCL_TRAINER_ENV, TASKS
 
@@ -436,17 +436,9 @@ def _round(answers: list[Answer], samples: int, wall_s: float) -> dict[str, Any]
         "valid": statistics.fmean(a.valid for a in answers),
         "parsable": statistics.fmean(a.parsable for a in answers),
         "partial": statistics.fmean(a.partial for a in answers),
-        # Questions whose samples all earned the same reward: GRPO groups with no advantage.
-        "flat": sum(max(r) - min(r) <= 1e-9 for r in _rewards_by_question(answers).values()),
+        "flat": flat_groups(answers),
         "versions": f"{versions[0]}-{versions[-1]}" if versions else "?",
     }
-
-
-def _rewards_by_question(answers: list[Answer]) -> dict[str, list[float]]:
-    by: dict[str, list[float]] = {}
-    for a in answers:
-        by.setdefault(a.question, []).append(a.reward)
-    return by
 
 
 def _keep_answers(args: argparse.Namespace, evaluation: dict[str, Any], source: str) -> None:

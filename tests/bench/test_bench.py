@@ -356,18 +356,6 @@ def test_tool_learning_report_and_plot(tmp_path: Path) -> None:
     assert curve.stat().st_size > 0
 
 
-def test_a_bfcl_round_counts_the_questions_whose_samples_all_earned_the_same() -> None:
-    from bench.bfcl_learning import _round
-    from demo.bfcl_agent import Answer
-
-    def answer(question: str, reward: float) -> Answer:
-        return Answer(question, "[f()]", reward == 1.0, True, reward, reward, "3")
-
-    answers = [answer("a", 1.0)] * 3 + [answer("b", 0.0)] * 3 + [answer("c", r) for r in (0, 1, 1)]
-    assert _round(answers, 9, 1.0)["flat"] == 2
-    assert _round([answer("c", r) for r in (0.5, 0.5, 0.25)], 3, 1.0)["flat"] == 0
-
-
 @pytest.mark.slow
 def test_bfcl_learning_records_a_killed_run_and_reports_every_run(tmp_path: Path) -> None:
     """bench/bfcl_learning.py's record and report from runs as its loop saves them (the loop
