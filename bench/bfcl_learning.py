@@ -94,9 +94,10 @@ from bench import trl_reference
 from bench.common import add_settings_argument, append_section, learning_loop
 from core import database, naming, pins, policy
 from demo import bfcl
-from demo.bfcl_agent import MAX_TOKENS, TEMPERATURE, Answer, BfclAgent, Evaluation, flat_groups
+from demo.bfcl_agent import MAX_TOKENS, TEMPERATURE, Answer, BfclAgent, Evaluation
 from demo.bfcl_check import Verdict
 from demo.stack import BFCL_TRAINER_ENV, TASKS
+from trainer.data.advantages import Scored, flat_groups
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).with_suffix(".md")
@@ -436,9 +437,20 @@ def _round(answers: list[Answer], samples: int, wall_s: float) -> dict[str, Any]
         "valid": statistics.fmean(a.valid for a in answers),
         "parsable": statistics.fmean(a.parsable for a in answers),
         "partial": statistics.fmean(a.partial for a in answers),
-        "flat": flat_groups(answers),
+        "flat": _flat(answers),
         "versions": f"{versions[0]}-{versions[-1]}" if versions else "?",
     }
+
+
+def _flat(answers: list[Answer]) -> int:
+    """The round's questions whose samples all earned one reward: the GRPO groups with no
+    advantage, by the trainer's own rule (what FLYWHEEL_FLAT_GROUPS=skip sets aside)."""
+    scored = [
+        Scored(str(i), a.episode_id or str(i), a.question, None, a.reward)
+        for i, a in enumerate(answers)
+    ]
+    flat = flat_groups(scored)
+    return len({s.task_id for s in scored if s.transition_id in flat})
 
 
 def _keep_answers(args: argparse.Namespace, evaluation: dict[str, Any], source: str) -> None:
@@ -915,9 +927,10 @@ def summary(run: dict[str, Any]) -> list[str]:
         )
         flat = [r["flat"] for r in run["rounds"] if "flat" in r]  # (recorded since 2026-11-30)
         if flat:
+            groups = QUESTIONS * len(flat)
             lines.append(
                 f"- groups with no signal (every sample the same reward): {sum(flat)} of "
-                f"{QUESTIONS * len(flat)} ({sum(flat) / (QUESTIONS * len(flat)):.0%})"
+                f"{groups} ({sum(flat) / groups:.0%})"
             )
     if run["costs"]:
         lines.append(f"- costs: `{json.dumps(run['costs'])}`")

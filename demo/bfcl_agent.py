@@ -47,15 +47,6 @@ class Answer:
     episode_id: str = ""
 
 
-def flat_groups(answers: Sequence[Answer]) -> int:
-    """The questions whose samples all earned the same reward: GRPO groups with no advantage
-    (what FLYWHEEL_FLAT_GROUPS=skip sets aside)."""
-    by: dict[str, list[float]] = {}
-    for a in answers:
-        by.setdefault(a.question, []).append(a.reward)
-    return sum(max(r) - min(r) <= 1e-9 for r in by.values())
-
-
 @dataclass(frozen=True)
 class Evaluation:
     version: int  # the policy version asked (policy@N; 0: the base model)

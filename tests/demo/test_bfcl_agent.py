@@ -9,7 +9,7 @@ from pathlib import Path
 
 from core import evals
 from demo import bfcl
-from demo.bfcl_agent import AGENT, Answer, BfclAgent, every_tenth, flat_groups
+from demo.bfcl_agent import AGENT, Answer, BfclAgent, every_tenth
 from tests.conftest import RunningProxy
 
 CHAT = {"model": "policy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
@@ -74,12 +74,3 @@ def test_an_evaluation_reports_its_progress(proxy: RunningProxy) -> None:
     assert [line.split()[1] for line in lines] == [f"{n}/20" for n in range(2, 21, 2)]
     assert lines[-1].startswith("  held-out 20/20 answered: ")
     assert f"{round(result.accuracy * 20)} valid" in lines[-1]
-
-
-def test_a_round_counts_the_questions_whose_samples_all_earned_the_same() -> None:
-    def answer(question: str, reward: float) -> Answer:
-        return Answer(question, "[f()]", reward == 1.0, True, reward, reward, "3")
-
-    answers = [answer("a", 1.0)] * 3 + [answer("b", 0.0)] * 3 + [answer("c", r) for r in (0, 1, 1)]
-    assert flat_groups(answers) == 2
-    assert flat_groups([answer("c", r) for r in (0.5, 0.5, 0.25)]) == 0
