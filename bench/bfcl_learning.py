@@ -1045,22 +1045,27 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (held, train) = plt.subplots(1, 2, figsize=(12, 4.2))
-    for run in runs:
+    # One legend under both panels, a colour per run in both: 17 runs' labels inside the axes
+    # hid the curves.
+    rows = (len(runs) + 1) // 2
+    fig, (held, train) = plt.subplots(1, 2, figsize=(13, 4.2 + 0.22 * rows))
+    colours = [plt.get_cmap("tab20")(i) for i in range(20)]
+    for i, run in enumerate(runs):
         label = f"{run['arm']}{_overrides(run)} s{run['seed']}"
+        style = {"color": colours[i % len(colours)], "linestyle": ("-", "--", ":")[i // 20 % 3]}
         points = ([run["warm"]["evaluation"]] if run.get("warm") else []) + run["evaluations"]
-        if points:
-            held.plot(
-                [p["wall_s"] / 60 for p in points],
-                [p["accuracy"] for p in points],
-                marker="o",
-                label=label,
-            )
+        held.plot(
+            [p["wall_s"] / 60 for p in points],
+            [p["accuracy"] for p in points],
+            marker="o" if points else None,
+            label=label,
+            **style,
+        )
         if run["rounds"]:
             train.plot(
                 [r["samples"] for r in run["rounds"]],
                 _smooth([r["valid"] for r in run["rounds"]]),
-                label=label,
+                **style,
             )
     held.set(
         xlabel="wall minutes",
@@ -1074,10 +1079,11 @@ def plot(runs: list[dict[str, Any]], path: Path) -> None:
     )
     for ax in (held, train):
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+    legend_share = 0.22 * rows / (4.2 + 0.22 * rows)
+    fig.legend(loc="lower center", ncol=2, fontsize=7, frameon=False)
+    fig.tight_layout(rect=(0, legend_share, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
 
 
 def _smooth(values: list[float], width: int = 5) -> list[float]:
