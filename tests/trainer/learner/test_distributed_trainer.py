@@ -200,9 +200,11 @@ def test_the_gates_estimate_on_two_processes_is_one_processs(
         two = version.stats["ope"]
         assert (alone["episodes"], alone["calls"]) == (two["episodes"], two["calls"]) != (0, 0)
         assert two["candidate"]["mean_weight"] != pytest.approx(1.0, abs=1e-3)
+        # Float rounding of values about 2.5e-3: sharded sums round differently (a few 1e-9),
+        # and the difference of two such values (about 3e-5) keeps their absolute error.
         for side in ("candidate", "current", "difference"):
             for key in ("value", "low", "high", "mean_weight"):
-                assert alone[side][key] == pytest.approx(two[side][key], rel=1e-6, abs=1e-9), (
+                assert alone[side][key] == pytest.approx(two[side][key], rel=1e-5, abs=1e-7), (
                     side,
                     key,
                 )
