@@ -25,6 +25,19 @@ from demo.bfcl_check import decode, score
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLED = ROOT / "tests" / "data" / "bfcl_sampled.jsonl"
 CATEGORY = "simple_python"
+# Every verdict `multiple`'s near-misses draw from the official checker, at least 20 times each.
+MULTIPLE_KINDS = (
+    "valid",
+    "ast_decoder:decoder_failed",
+    "multiple_function_checker:wrong_count",
+    "simple_function_checker:wrong_func_name",  # a declared function, not the one asked for
+    "simple_function_checker:missing_required",
+    "simple_function_checker:unexpected_param",
+    "type_error:simple",
+    "value_error:string",
+    "value_error:others",
+    "value_error:list/tuple",
+)
 
 
 def official(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -47,8 +60,11 @@ def near_misses(q: bfcl.Question, rng: random.Random) -> Iterator[str]:
     """Answers around the question's correct one, each changing one thing (a few, two)."""
     right = bfcl.demonstration(q)
     ((name, params),) = decode(right)[0].items()
-    declared = q.functions[0]["parameters"]["properties"]
-    required = q.functions[0]["parameters"]["required"]
+    function = next(f for f in q.functions if f["name"] == name)
+    declared = function["parameters"]["properties"]
+    required = function["parameters"]["required"]
+    for other in [f["name"] for f in q.functions if f["name"] != name][:1]:
+        yield render(other, params)  # `multiple`: a declared function, not the one asked for
     yield right
     yield right[1:-1]  # no brackets
     yield f"```\n{right}\n```"
@@ -133,31 +149,35 @@ def _source(key: str, value: Any, changed: str) -> str:
     return f"dict(a={value!r})"
 
 
-def corpus() -> list[dict[str, Any]]:
-    questions = {q.id: q for q in bfcl.load(CATEGORY)}
+def corpus(category: str = CATEGORY) -> list[dict[str, Any]]:
+    questions = {q.id: q for q in bfcl.load(category)}
     rng = random.Random(41)
     items = [{"id": q.id, "text": text} for q in questions.values() for text in near_misses(q, rng)]
-    if SAMPLED.exists():
+    if SAMPLED.exists() and category == CATEGORY:  # (the recorded answers are simple_python's)
         items += [json.loads(line) for line in SAMPLED.read_text().splitlines() if line.strip()]
     for item in items:
         q = questions[item["id"]]
-        item |= {"functions": q.functions, "possible": q.possible, "category": CATEGORY}
+        item |= {"functions": q.functions, "possible": q.possible, "category": category}
     return items
+
+
+def _disagreements(items: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[Any]:
+    disagree = []
+    for item, their in zip(items, theirs, strict=True):
+        ours = score(item["text"], item["functions"], item["possible"], item["category"])
+        mine = {"valid": ours.valid, "parsable": ours.parsable, "error_type": ours.error_type}
+        if mine != their:
+            disagree.append((item["id"], item["text"], mine, their))
+    return disagree
 
 
 def test_our_verdicts_are_the_official_ones_on_every_answer() -> None:
     items = corpus()
     theirs = official(items)
     assert len(theirs) == len(items) >= 2000
-    disagree = []
-    outcomes: Counter[str] = Counter()
-    for item, their in zip(items, theirs, strict=True):
-        ours = score(item["text"], item["functions"], item["possible"], item["category"])
-        mine = {"valid": ours.valid, "parsable": ours.parsable, "error_type": ours.error_type}
-        outcomes[their["error_type"] or "valid"] += 1
-        if mine != their:
-            disagree.append((item["id"], item["text"], mine, their))
+    disagree = _disagreements(items, theirs)
     assert not disagree, f"{len(disagree)} of {len(items)} disagree, e.g. {disagree[:3]}"
+    outcomes = Counter(their["error_type"] or "valid" for their in theirs)
     # Not a corpus of one kind: every verdict the checker can give on simple questions shows up.
     for kind in (
         "valid",
@@ -177,6 +197,19 @@ def test_our_verdicts_are_the_official_ones_on_every_answer() -> None:
     if SAMPLED.exists():
         assert len(sampled) >= 100
         assert {bool(t["valid"]) for t in sampled} == {True, False}
+
+
+def test_our_verdicts_are_the_official_ones_on_multiple() -> None:
+    """`multiple` (one right call among a few declared functions) goes through the checkers'
+    other branch: the questions a training pool could add to simple_python's (issue 41)."""
+    items = corpus("multiple")
+    theirs = official(items)
+    assert len(theirs) == len(items) >= 2000
+    disagree = _disagreements(items, theirs)
+    assert not disagree, f"{len(disagree)} of {len(items)} disagree, e.g. {disagree[:3]}"
+    outcomes = Counter(their["error_type"] or "valid" for their in theirs)
+    for kind in MULTIPLE_KINDS:
+        assert outcomes[kind] >= 20, (kind, outcomes)
 
 
 def test_our_prompt_is_bfcls() -> None:
