@@ -25,12 +25,12 @@ from demo.bfcl_check import decode, score
 ROOT = Path(__file__).resolve().parents[2]
 SAMPLED = ROOT / "tests" / "data" / "bfcl_sampled.jsonl"
 CATEGORY = "simple_python"
-# Every verdict `multiple`'s near-misses draw from the official checker, at least 20 times each.
-MULTIPLE_KINDS = (
+# Not a corpus of one kind: every verdict the official checker gives a category's answers shows
+# up, each at least so many times (the category's own wrong_count among them).
+VERDICTS = (
     "valid",
     "ast_decoder:decoder_failed",
-    "multiple_function_checker:wrong_count",
-    "simple_function_checker:wrong_func_name",  # a declared function, not the one asked for
+    "simple_function_checker:wrong_func_name",  # in `multiple`: a declared function, not the one
     "simple_function_checker:missing_required",
     "simple_function_checker:unexpected_param",
     "type_error:simple",
@@ -161,39 +161,31 @@ def corpus(category: str = CATEGORY) -> list[dict[str, Any]]:
     return items
 
 
-def _disagreements(items: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> list[Any]:
+def cross_checked(
+    category: str, wrong_count: str, least: int
+) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """The category's corpus through both checkers: the same verdict on every answer, and every
+    kind of verdict `least` times or more. Each answer with its official verdict."""
+    items = corpus(category)
+    theirs = official(items)
+    assert len(theirs) == len(items) >= 2000
     disagree = []
     for item, their in zip(items, theirs, strict=True):
         ours = score(item["text"], item["functions"], item["possible"], item["category"])
         mine = {"valid": ours.valid, "parsable": ours.parsable, "error_type": ours.error_type}
         if mine != their:
             disagree.append((item["id"], item["text"], mine, their))
-    return disagree
+    assert not disagree, f"{len(disagree)} of {len(items)} disagree, e.g. {disagree[:3]}"
+    outcomes = Counter(their["error_type"] or "valid" for their in theirs)
+    for kind in (*VERDICTS, wrong_count):
+        assert outcomes[kind] >= least, (kind, outcomes)
+    return list(zip(items, theirs, strict=True))
 
 
 def test_our_verdicts_are_the_official_ones_on_every_answer() -> None:
-    items = corpus()
-    theirs = official(items)
-    assert len(theirs) == len(items) >= 2000
-    disagree = _disagreements(items, theirs)
-    assert not disagree, f"{len(disagree)} of {len(items)} disagree, e.g. {disagree[:3]}"
-    outcomes = Counter(their["error_type"] or "valid" for their in theirs)
-    # Not a corpus of one kind: every verdict the checker can give on simple questions shows up.
-    for kind in (
-        "valid",
-        "ast_decoder:decoder_failed",
-        "simple_function_checker:wrong_count",
-        "simple_function_checker:wrong_func_name",
-        "simple_function_checker:missing_required",
-        "simple_function_checker:unexpected_param",
-        "type_error:simple",
-        "value_error:string",
-        "value_error:others",
-        "value_error:list/tuple",
-    ):
-        assert outcomes[kind] >= 50, (kind, outcomes)
+    checked = cross_checked(CATEGORY, "simple_function_checker:wrong_count", least=50)
     # The model's own answers (bench/bfcl_learning.py --record-answers), right and wrong alike.
-    sampled = [their for item, their in zip(items, theirs, strict=True) if "source" in item]
+    sampled = [their for item, their in checked if "source" in item]
     if SAMPLED.exists():
         assert len(sampled) >= 100
         assert {bool(t["valid"]) for t in sampled} == {True, False}
@@ -202,14 +194,7 @@ def test_our_verdicts_are_the_official_ones_on_every_answer() -> None:
 def test_our_verdicts_are_the_official_ones_on_multiple() -> None:
     """`multiple` (one right call among a few declared functions) goes through the checkers'
     other branch: the questions a training pool could add to simple_python's (issue 41)."""
-    items = corpus("multiple")
-    theirs = official(items)
-    assert len(theirs) == len(items) >= 2000
-    disagree = _disagreements(items, theirs)
-    assert not disagree, f"{len(disagree)} of {len(items)} disagree, e.g. {disagree[:3]}"
-    outcomes = Counter(their["error_type"] or "valid" for their in theirs)
-    for kind in MULTIPLE_KINDS:
-        assert outcomes[kind] >= 20, (kind, outcomes)
+    cross_checked("multiple", "multiple_function_checker:wrong_count", least=20)
 
 
 def test_our_prompt_is_bfcls() -> None:
