@@ -35,7 +35,7 @@ PROMPTS = [f"q{i} what is {i} plus {i + 1}" for i in range(8)]
 
 
 def episodes(proxy: RunningProxy, prefix: str, n: int = 8) -> str:
-    """n rewarded episodes through the proxy; the version that served the last one."""
+    """n rewarded episodes through the proxy, all credited; the version that served the last."""
     served = ""
     with proxy.client() as c:
         for e in range(n):
@@ -54,6 +54,10 @@ def episodes(proxy: RunningProxy, prefix: str, n: int = 8) -> str:
             served = r.headers["x-policy-version"]
             reward = float((e // 2) % 2)  # mixed within each task: a GRPO signal
             c.post("/v1/rewards", json={"episode_id": episode, "reward": reward})
+    credited = (  # the writer is asynchronous: a step taken sooner may claim a flat few
+        "SELECT 1 FROM transition WHERE starts_with(episode_id, %s) AND credited_at IS NOT NULL"
+    )
+    assert len(proxy.wait_rows(credited, n, f"{prefix}-")) >= n
     return served
 
 
