@@ -27,6 +27,11 @@ Arms (one run each; `--seed` sets the trainer's seed and the agent's question or
 from the first only, and GRPO's rounds ask only the second, so that RL acts on questions the warm
 start never saw (its warm start is kept apart from the whole part's).
 
+`--pool-also multiple` adds BFCL's `multiple` category (one right call among 2-4 declared
+functions) to the questions GRPO's rounds ask: its whole training part under the same fixed
+split rule (`grpo_pool`), never demonstrated. The held-out part and the probe stay
+simple_python's, so a run with it compares with one without on the same yardstick.
+
 `--gate N` puts the promotion gate (issue 42) in GRPO's way: after the warm start the lineage
 gets an eval set of N training-part questions (none of the probe's; `demo.bfcl.eval_item`, scored
 by BFCL's AST check), and FLYWHEEL_GATE=evals asks every new version it at temperature 0 before
@@ -58,6 +63,8 @@ docs/img/bfcl_learning.png. Some of the model's own answers go to tests/data/bfc
     .venv/bin/python -m bench.bfcl_learning --arm trl --seed 0 --samples 1024
     .venv/bin/python -m bench.bfcl_learning --arm trl --seed 0 --split-demos --temperature 0.7 \
         --set FLYWHEEL_LEARNING_RATE=1e-4 --train-probe 100 --eval-every 13 --minutes 100
+    .venv/bin/python -m bench.bfcl_learning --arm warm-grpo --seed 0 --split-demos --reuse-warm \
+        --pool-also multiple --set FLYWHEEL_FLAT_GROUPS=skip   # 304 GRPO questions, not 145
     .venv/bin/python -m bench.bfcl_learning --report
     .venv/bin/python -m bench.bfcl_learning --ask-training RUN_HOME/adapters/policy-v65
     .venv/bin/python -m bench.bfcl_learning --arm warm-grpo --smoke   # minutes, for the tests
@@ -81,7 +88,7 @@ import threading
 import time
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -108,6 +115,9 @@ HOME = ROOT / ".flywheel" / "bfcl-learning"
 MODEL = "smollm2-135m"
 QUESTIONS, SAMPLES = 4, 8  # a round: 4 training-part questions, 8 episodes each (GRPO groups)
 PROBE_SEED = 41  # the training-part probe's sample (`--train-probe`): one for every run
+# Categories whose training part `--pool-also` may add: our checker gives bfcl_eval's verdict
+# on their near-misses (tests/demo/test_bfcl_check.py).
+POOL_CATEGORIES = ("multiple",)
 HALVES_SEED = 4141  # `--split-demos`: which half of the training part gives demonstrations
 DEV_SEED = 4242  # `--dev-part`: which training questions are held apart
 
@@ -139,11 +149,7 @@ def run_flywheel(args: argparse.Namespace) -> Run:
     if args.arm == "warm-rft":
         env["FLYWHEEL_DEMONSTRATIONS"] = "mix"  # supervised steps on successes between GRPO's
     task = dataclasses.replace(TASKS["bfcl"], trainer_env=env)
-    overrides = dict(args.set)
-    if args.temperature != TEMPERATURE:  # the agent's, not the trainer's: a row of its own
-        overrides["temperature"] = str(args.temperature)
-    if args.split_demos:
-        overrides["demonstrations"] = "first half"
+    overrides = arm_overrides(args)
     if args.dev_part:
         overrides["development part"] = str(args.dev_part)
     if args.gate:
@@ -272,8 +278,7 @@ def grpo(
     """Rounds of the agent's traffic until `--minutes` or `--samples`; the held-out part asked
     every `--eval-every` versions and once more at the end."""
     samples, last = 0, _current(url)
-    pool = demo_halves(agent.train)[1] if args.split_demos else agent.train
-    pool = [q for q in pool if q not in asked.dev]  # held apart: never asked in a round
+    pool = grpo_pool(agent.train, args, asked.dev)
     deadline = t0 + args.minutes * 60
     while time.perf_counter() < deadline and samples < args.samples:
         answers = agent.round(questions=QUESTIONS, samples=SAMPLES, pool=pool)
@@ -354,6 +359,32 @@ def dev_part(train: list[bfcl.Question], n: int, split: bool) -> list[bfcl.Quest
     so a split run's kept warm start serves with or without a development part)."""
     source = demo_halves(train)[1] if split else train
     return random.Random(DEV_SEED).sample(source, min(n, len(source))) if n else []
+
+
+def arm_overrides(args: argparse.Namespace) -> dict[str, str]:
+    """What makes a run of either arm a row of its own: the `--set` settings, the agent's
+    temperature (not the trainer's), where demonstrations and GRPO's questions come from."""
+    overrides = dict(args.set)
+    if args.temperature != TEMPERATURE:
+        overrides["temperature"] = str(args.temperature)
+    if args.split_demos:
+        overrides["demonstrations"] = "first half"
+    if args.pool_also:
+        overrides["GRPO pool also"] = " ".join(args.pool_also)
+    return overrides
+
+
+def grpo_pool(
+    train: list[bfcl.Question], args: argparse.Namespace, dev: Sequence[bfcl.Question] = ()
+) -> list[bfcl.Question]:
+    """The questions GRPO's rounds draw from: the training part (with `--split-demos` its second
+    half) less the development part, and every `--pool-also` category's whole training part,
+    split by the same fixed rule and never demonstrated; the held-out part stays simple_python's."""
+    pool = demo_halves(train)[1] if args.split_demos else list(train)
+    pool = [q for q in pool if q not in dev]  # held apart: never asked in a round
+    for category in args.pool_also:
+        pool += bfcl.split(bfcl.load(category))[0]
+    return pool
 
 
 def demo_halves(train: list[bfcl.Question]) -> tuple[list[bfcl.Question], list[bfcl.Question]]:
@@ -710,19 +741,15 @@ def run_trl(args: argparse.Namespace) -> Run:
     env = dict(BFCL_TRAINER_ENV) | dict(args.set)  # the Flywheel arm's settings, overrides too
 
     torch.set_num_threads(args.threads)
-    overrides = dict(args.set)
-    if args.temperature != TEMPERATURE:
-        overrides["temperature"] = str(args.temperature)
-    if args.split_demos:
-        overrides["demonstrations"] = "first half"  # as the Flywheel arm labels it
+    overrides = arm_overrides(args)
     run = Run("trl", args.seed, time.strftime("%Y-%m-%d %H:%M"), env, overrides=overrides)
     run.notes.append(f"from the warm start {warm}")
     home = Path(tempfile.mkdtemp(prefix=f"trl-{args.seed}-", dir=_mkdir(HOME)))
     run.notes.append(f"home (adapters): {home}")
     batch = QUESTIONS * SAMPLES
     train, held_out = bfcl.split(bfcl.load())
-    pool = demo_halves(train)[1] if args.split_demos else train
-    by_id = {q.id: q for q in train}
+    pool = grpo_pool(train, args)
+    by_id = {q.id: q for q in pool}
     rng = random.Random(args.seed)  # BfclAgent.round's draw: rng.sample(pool, QUESTIONS)
     steps = min(args.samples, 10**6) // batch
     order = [q for _ in range(steps + 1) for q in rng.sample(pool, QUESTIONS)]
@@ -1129,6 +1156,14 @@ def main() -> None:
         "--split-demos",
         action="store_true",
         help="demonstrations from one fixed half of the training part, GRPO on the other",
+    )
+    parser.add_argument(
+        "--pool-also",
+        action="append",
+        default=[],
+        choices=POOL_CATEGORIES,
+        help="GRPO's rounds also ask this BFCL category's training part (never demonstrated; "
+        "the held-out part stays simple_python's); repeatable",
     )
     parser.add_argument(
         "--gate",

@@ -169,7 +169,8 @@ TASKS = {
         {},
         BFCL_TRAINER_ENV,
         model="smollm2-135m",
-        max_model_len=1024,  # prompts up to 640 tokens, answers up to 128
+        # prompts up to 640 tokens (simple_python), 1,097 (multiple: bench --pool-also); answers 128
+        max_model_len=1280,
         max_lora_rank=16,
     ),
 }
