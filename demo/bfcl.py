@@ -144,14 +144,19 @@ def demonstration(q: Question) -> str:
 
 
 def _chosen(values: list[Any]) -> Any:
-    """The first accepted value; a dict in BFCL's answers holds accepted values per key."""
-    value = next(v for v in values if v != "")
+    """The first accepted value; a dict in BFCL's answers holds accepted values per key. A
+    required parameter whose only accepted value is "" (a few live questions) gets ""."""
+    value = next((v for v in values if v != ""), "")
     return _resolved(value)
 
 
 def _resolved(value: Any) -> Any:
     if isinstance(value, dict):
-        return {k: _chosen(v) for k, v in value.items() if "" not in v}
+        return {  # (a few live answers give a nested dict's values bare, not as lists)
+            k: _chosen(v) if isinstance(v, list) else v
+            for k, v in value.items()
+            if not isinstance(v, list) or "" not in v
+        }
     if isinstance(value, list):
         return [_resolved(v) for v in value]
     return value

@@ -197,6 +197,36 @@ def test_our_verdicts_are_the_official_ones_on_multiple() -> None:
     cross_checked("multiple", "multiple_function_checker:wrong_count", least=20)
 
 
+# Python single-turn categories, and the questions whose possible answers nothing can satisfy
+# (a required parameter with no accepted value, one accepted only when absent): the official
+# checker rejects their demonstrations too.
+PYTHON_CATEGORIES = (
+    "simple_python", "multiple", "parallel", "parallel_multiple",
+    "live_simple", "live_multiple", "live_parallel", "live_parallel_multiple",
+)  # fmt: skip
+UNANSWERABLE = {
+    "live_simple_106-63-0", "live_simple_112-68-0",
+    "live_multiple_862-181-3", "live_multiple_964-207-0",
+}  # fmt: skip
+
+
+def test_a_demonstration_is_a_valid_answer_to_every_answerable_question() -> None:
+    """What a warm start trains on (`bfcl.demonstration`, built from the possible answers) is
+    valid by both checkers on all 2,347 questions of the Python categories but BFCL's four
+    unanswerable ones, including answers of "" and nested dicts given bare."""
+    items = [
+        {"id": q.id, "text": bfcl.demonstration(q), "functions": q.functions,
+         "possible": q.possible, "category": category}
+        for category in PYTHON_CATEGORIES
+        for q in bfcl.load(category)
+    ]  # fmt: skip
+    theirs = official(items)
+    assert len(theirs) == len(items) >= 2300
+    for item, their in zip(items, theirs, strict=True):
+        ours = score(item["text"], item["functions"], item["possible"], item["category"])
+        assert ours.valid == their["valid"] == (item["id"] not in UNANSWERABLE), (item, their)
+
+
 def test_our_prompt_is_bfcls() -> None:
     questions = bfcl.load(CATEGORY)
     entries = [
