@@ -28,8 +28,8 @@ from the first only, and GRPO's rounds ask only the second, so that RL acts on q
 start never saw (its warm start is kept apart from the whole part's).
 
 `--pool-also multiple` adds BFCL's `multiple` category (one right call among 2-4 declared
-functions) to the questions GRPO's rounds ask: its whole training part under the same fixed
-split rule (`grpo_pool`), never demonstrated. The held-out part and the probe stay
+functions) to the questions GRPO's rounds ask (`live_simple`, users' own functions, too): its
+whole training part under the same fixed split rule (`grpo_pool`), never demonstrated. The held-out part and the probe stay
 simple_python's, so a run with it compares with one without on the same yardstick.
 
 `--gate N` puts the promotion gate (issue 42) in GRPO's way: after the warm start the lineage
@@ -117,7 +117,7 @@ QUESTIONS, SAMPLES = 4, 8  # a round: 4 training-part questions, 8 episodes each
 PROBE_SEED = 41  # the training-part probe's sample (`--train-probe`): one for every run
 # Categories whose training part `--pool-also` may add: our checker gives bfcl_eval's verdict
 # on their near-misses (tests/demo/test_bfcl_check.py).
-POOL_CATEGORIES = ("multiple",)
+POOL_CATEGORIES = ("multiple", "live_simple")
 HALVES_SEED = 4141  # `--split-demos`: which half of the training part gives demonstrations
 DEV_SEED = 4242  # `--dev-part`: which training questions are held apart
 

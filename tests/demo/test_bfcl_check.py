@@ -191,10 +191,20 @@ def test_our_verdicts_are_the_official_ones_on_every_answer() -> None:
         assert {bool(t["valid"]) for t in sampled} == {True, False}
 
 
-def test_our_verdicts_are_the_official_ones_on_multiple() -> None:
-    """`multiple` (one right call among a few declared functions) goes through the checkers'
-    other branch: the questions a training pool could add to simple_python's (issue 41)."""
-    cross_checked("multiple", "multiple_function_checker:wrong_count", least=20)
+@pytest.mark.parametrize(
+    ("category", "wrong_count"),
+    [
+        ("multiple", "multiple_function_checker:wrong_count"),  # the checkers' other branch
+        ("live_simple", "simple_function_checker:wrong_count"),  # users' own functions
+    ],
+)
+def test_our_verdicts_are_the_official_ones_on_the_categories_a_pool_adds(
+    category: str, wrong_count: str
+) -> None:
+    """`multiple` (one right call among a few declared functions) and `live_simple` (questions
+    users asked of their own functions): what a training pool may add to simple_python's
+    (bench/bfcl_learning.py --pool-also, issue 41)."""
+    cross_checked(category, wrong_count, least=20)
 
 
 # Python single-turn categories, and the questions whose possible answers nothing can satisfy
