@@ -29,8 +29,9 @@ start never saw (its warm start is kept apart from the whole part's).
 
 `--pool-also multiple` adds BFCL's `multiple` category (one right call among 2-4 declared
 functions) to the questions GRPO's rounds ask (`live_simple`, users' own functions, too): its
-whole training part under the same fixed split rule (`grpo_pool`), never demonstrated. The held-out part and the probe stay
-simple_python's, so a run with it compares with one without on the same yardstick.
+whole training part under the same fixed split rule (`grpo_pool`), never demonstrated. The
+held-out part and the probe stay simple_python's, so a run with it compares with one without on
+the same yardstick.
 
 `--gate N` puts the promotion gate (issue 42) in GRPO's way: after the warm start the lineage
 gets an eval set of N training-part questions (none of the probe's; `demo.bfcl.eval_item`, scored
