@@ -174,7 +174,8 @@ def run_flywheel(args: argparse.Namespace) -> Run:
         )
         held_out = agent.held_out[: args.held_out] if args.held_out else agent.held_out
         dev = dev_part(agent.train, args.dev_part, args.split_demos)
-        asked = Asked(held_out, probe(agent.train, args.train_probe), dev)
+        also = [q for c in args.pool_also for q in bfcl.split(bfcl.load(c))[1]]
+        asked = Asked(held_out, probe(agent.train, args.train_probe), dev, also)
         t0 = time.perf_counter()
         try:
             if args.arm == "base":
@@ -193,6 +194,10 @@ def run_flywheel(args: argparse.Namespace) -> Run:
             if warm and args.reuse_warm:
                 run.warm = reuse_warm(run, loop, home)
                 t0 -= run.warm["evaluation"]["wall_s"]  # its time counts in the wall time
+                if also:  # the kept warm start was never asked the added categories
+                    run.warm["evaluation"]["also"] = _scores(
+                        agent.evaluate(run.warm["version"], also)
+                    )
             elif warm:
                 run.warm = warm_start(agent, url, t0, asked, args)
                 _keep_answers(args, run.warm["evaluation"], "warm")
@@ -348,6 +353,7 @@ class Asked:
     held_out: list[bfcl.Question]
     probe: list[bfcl.Question]
     dev: list[bfcl.Question] = field(default_factory=list)  # `--dev-part`: never trained on
+    also: list[bfcl.Question] = field(default_factory=list)  # `--pool-also`'s held-out parts
 
 
 def probe(train: list[bfcl.Question], n: int) -> list[bfcl.Question]:
@@ -407,7 +413,8 @@ def _evaluate(
         held_out = agent.evaluate(version, asked.held_out)
         probed = agent.evaluate(version, asked.probe) if asked.probe else None
         dev = agent.evaluate(version, asked.dev) if asked.dev else None
-    return _evaluation(held_out, probed, time.perf_counter() - t0, samples, dev)
+        also = agent.evaluate(version, asked.also) if asked.also else None
+    return _evaluation(held_out, probed, time.perf_counter() - t0, samples, dev, also)
 
 
 @contextlib.contextmanager
@@ -437,8 +444,10 @@ def _evaluation(
     wall_s: float,
     samples: int,
     dev: Evaluation | None = None,
+    also: Evaluation | None = None,
 ) -> dict[str, Any]:
-    """One held-out ask as a run records it (with the probe's, if asked), and printed."""
+    """One held-out ask as a run records it (with the probe's, the development part's and the
+    added categories' held-out parts', where asked), and printed."""
     evaluation: dict[str, Any] = {
         "version": e.version,
         "accuracy": e.accuracy,
@@ -449,13 +458,24 @@ def _evaluation(
         "answers": e.answers,
     }
     line = f"held-out v{e.version}: {e.accuracy:.3f} valid, {e.parsable:.3f} parsable"
-    for key, name, asked in (("probe", "training probe", probed), ("dev", "development part", dev)):
+    for key, asked in (("probe", probed), ("dev", dev), ("also", also)):
         if asked is not None:
-            evaluation[key] = {"accuracy": asked.accuracy, "parsable": asked.parsable,
-                               "questions": asked.questions}  # fmt: skip
-            line += f"; {name} {asked.accuracy:.3f} valid ({asked.questions} questions)"
+            evaluation[key] = _scores(asked)
+            line += f"; {PARTS[key]} {asked.accuracy:.3f} valid ({asked.questions} questions)"
     print(line, flush=True)
     return evaluation
+
+
+# What each evaluation's other parts are called where a run is printed and reported.
+PARTS = {
+    "probe": "training probe",
+    "dev": "development part",
+    "also": "held-out of the --pool-also categories",
+}
+
+
+def _scores(e: Evaluation) -> dict[str, Any]:
+    return {"accuracy": e.accuracy, "parsable": e.parsable, "questions": e.questions}
 
 
 def _round(answers: list[Answer], samples: int, wall_s: float) -> dict[str, Any]:
@@ -929,6 +949,11 @@ def record(run: Run, args: argparse.Namespace) -> None:
     append_section(args.results, "BFCL learning", "bench.bfcl_learning", summary(data))
 
 
+def _parts(e: dict[str, Any]) -> str:
+    """An evaluation's other parts, as its summary line ends."""
+    return "".join(f"; {PARTS[k]} {e[k]['accuracy']:.3f} valid" for k in PARTS if e.get(k))
+
+
 def summary(run: dict[str, Any]) -> list[str]:
     lines = [f"**{run['arm']}**, seed {run['seed']} ({run['started']})\n"]
     if run.get("warm"):
@@ -937,15 +962,13 @@ def summary(run: dict[str, Any]) -> list[str]:
         lines.append(
             f"- warm start: {w['demonstrations']} demonstrations, {w['steps']} supervised steps, "
             f"{w['seconds']:.0f} s -> v{w['version']}: held-out {e['accuracy']:.3f} valid, "
-            f"{e['parsable']:.3f} parsable"
+            f"{e['parsable']:.3f} parsable" + _parts(e)
         )
     for e in run["evaluations"]:
-        probed = e.get("probe")
         lines.append(
             f"- held-out v{e['version']} after {e['samples']} samples, {e['wall_s']:.0f} s: "
             f"{e['accuracy']:.3f} valid, {e['parsable']:.3f} parsable ({e['questions']} questions)"
-            + (f"; training probe {probed['accuracy']:.3f} valid" if probed else "")
-            + (f"; development part {e['dev']['accuracy']:.3f} valid" if e.get("dev") else "")
+            + _parts(e)
         )
     if run["rounds"]:
         first, last = run["rounds"][0], run["rounds"][-1]
