@@ -483,7 +483,7 @@ def _round(answers: list[Answer], samples: int, wall_s: float) -> dict[str, Any]
     failed = [a.failed for a in answers if a.failed]
     if failed:
         raise RuntimeError(f"{len(failed)} of the round's calls failed, e.g. {failed[0]}")
-    return {
+    line = {
         "samples": samples,
         "wall_s": round(wall_s, 1),
         "valid": statistics.fmean(a.valid for a in answers),
@@ -492,6 +492,12 @@ def _round(answers: list[Answer], samples: int, wall_s: float) -> dict[str, Any]
         "flat": _flat(answers),
         "versions": f"{versions[0]}-{versions[-1]}" if versions else "?",
     }
+    by_category: dict[str, list[bool]] = {}
+    for a in answers:  # BFCL's ids: the category, "_", the number
+        by_category.setdefault(a.question.rsplit("_", 1)[0], []).append(a.valid)
+    if len(by_category) > 1:  # --pool-also: each category's training reward apart
+        line["valid_by_category"] = {c: statistics.fmean(v) for c, v in by_category.items()}
+    return line
 
 
 def _flat(answers: list[Answer]) -> int:
