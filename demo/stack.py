@@ -169,8 +169,7 @@ TASKS = {
         {},
         BFCL_TRAINER_ENV,
         model="smollm2-135m",
-        # prompts up to 640 tokens (simple_python), 1,097 (multiple: bench --pool-also); answers 128
-        max_model_len=1280,
+        max_model_len=1280,  # prompts: simple_python's up to 640 tokens, multiple's 1,097
         max_lora_rank=16,
     ),
 }
