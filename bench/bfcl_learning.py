@@ -195,9 +195,9 @@ def run_flywheel(args: argparse.Namespace) -> Run:
                 run.warm = reuse_warm(run, loop, home)
                 t0 -= run.warm["evaluation"]["wall_s"]  # its time counts in the wall time
                 if also:  # the kept warm start was never asked the added categories
-                    run.warm["evaluation"]["also"] = _scores(
-                        agent.evaluate(run.warm["version"], also)
-                    )
+                    imported = _current(url)  # (a version number of this run's)
+                    with _held(url, imported):
+                        run.warm["evaluation"]["also"] = _scores(agent.evaluate(imported, also))
             elif warm:
                 run.warm = warm_start(agent, url, t0, asked, args)
                 _keep_answers(args, run.warm["evaluation"], "warm")
