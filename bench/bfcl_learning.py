@@ -492,11 +492,12 @@ def _round(answers: list[Answer], samples: int, wall_s: float) -> dict[str, Any]
         "flat": _flat(answers),
         "versions": f"{versions[0]}-{versions[-1]}" if versions else "?",
     }
-    by_category: dict[str, list[bool]] = {}
+    counts: dict[str, list[int]] = {}  # category -> [valid answers, samples]
     for a in answers:  # BFCL's ids: the category, "_", the number
-        by_category.setdefault(a.question.rsplit("_", 1)[0], []).append(a.valid)
-    if len(by_category) > 1:  # --pool-also: each category's training reward apart
-        line["valid_by_category"] = {c: statistics.fmean(v) for c, v in by_category.items()}
+        count = counts.setdefault(a.question.rsplit("_", 1)[0], [0, 0])
+        count[0] += a.valid
+        count[1] += 1
+    line["valid_by_category"] = counts  # --pool-also: each category's training reward apart
     return line
 
 
@@ -989,10 +990,32 @@ def summary(run: dict[str, Any]) -> list[str]:
                 f"- groups with no signal (every sample the same reward): {sum(flat)} of "
                 f"{groups} ({sum(flat) / groups:.0%})"
             )
+        lines += _by_category(run["rounds"])
     if run["costs"]:
         lines.append(f"- costs: `{json.dumps(run['costs'])}`")
     lines += [f"- {n}" for n in run["notes"]]
     return [*lines, ""]
+
+
+def _by_category(rounds: list[dict[str, Any]], block: int = 25) -> list[str]:
+    """A --pool-also run's training reward per category over its first and last `block`
+    rounds (valid answers over samples: a round's 4 questions split between categories)."""
+    categories = sorted({c for r in rounds for c in r.get("valid_by_category", {})})
+    if len(categories) < 2:  # (recorded since 2026-12-01)
+        return []
+    lines = []
+    for category in categories:
+        ends = []
+        for part in (rounds[:block], rounds[-block:]):
+            valid, samples = (
+                sum(r.get("valid_by_category", {}).get(category, [0, 0])[i] for r in part)
+                for i in (0, 1)
+            )
+            ends.append(f"{valid / samples:.2f} ({samples} samples)" if samples else "-")
+        lines.append(
+            f"- training reward on {category}: first {block} rounds {ends[0]}, last {ends[1]}"
+        )
+    return lines
 
 
 def report(args: argparse.Namespace) -> None:
