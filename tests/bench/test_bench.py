@@ -386,6 +386,8 @@ def test_bfcl_learning_records_a_killed_run_and_reports_every_run(tmp_path: Path
                     "partial": 0.8,
                     "flat": i,
                     "versions": f"{36 + i}-{37 + i}",
+                    # --pool-also's rounds: valid answers and samples per category
+                    "valid_by_category": {"simple_python": [10, 24], "multiple": [i, 8]},
                 }
                 for i in (1, 2)
             ],
@@ -427,6 +429,10 @@ def test_bfcl_learning_records_a_killed_run_and_reports_every_run(tmp_path: Path
     assert "questions); training probe 0.650 valid; development part 0.550" in report.read_text()
     assert "- groups with no signal (every sample the same reward): 3 of 8 (38%)" in (
         report.read_text()
+    )
+    assert (  # both rounds are the first 25 and the last 25
+        "- training reward on multiple: first 25 rounds 0.19 (16 samples), last 0.19 (16 samples)"
+        in report.read_text()
     )
     out = _bench("bench.bfcl_learning", "--report", *paths).stdout
     assert "| warm start alone | 2 | 0.425 ± 0.035 | 0.970 | 0 | 1509 |" in out
