@@ -1007,10 +1007,8 @@ def _by_category(rounds: list[dict[str, Any]], block: int = 25) -> list[str]:
     for category in categories:
         ends = []
         for part in (rounds[:block], rounds[-block:]):
-            valid, samples = (
-                sum(r.get("valid_by_category", {}).get(category, [0, 0])[i] for r in part)
-                for i in (0, 1)
-            )
+            counts = [r.get("valid_by_category", {}).get(category, [0, 0]) for r in part]
+            valid, samples = sum(c[0] for c in counts), sum(c[1] for c in counts)
             ends.append(f"{valid / samples:.2f} ({samples} samples)" if samples else "-")
         lines.append(
             f"- training reward on {category}: first {block} rounds {ends[0]}, last {ends[1]}"
