@@ -21,8 +21,12 @@ every normal version's verdict is computed as the gate would have given it, from
 With `--eval-items N` (50; 0: none) the lineage has an eval set, "sums": N of the questions
 with their sums as references (the exact scorer), which the trainer asks each new version at
 temperature 0 before it serves (FLYWHEEL_EVALS=ask, trainer/evals.py); the corrupted candidates
-are asked it too. Every version then has three verdicts: the estimate's (FLYWHEEL_GATE=ope), the
-eval set's (`evals`) and both together (`ope+evals`).
+are asked it too. Every version then has four verdicts: the estimate's (FLYWHEEL_GATE=ope), the
+eval set's (`evals`), both together (`ope+evals`), and the estimate's where it decided, else the
+eval set's (`ope+evals` with FLYWHEEL_GATE_EVALS=undecided). A run with that gate on (`--set
+FLYWHEEL_GATE=ope+evals --set FLYWHEEL_GATE_EVALS=undecided --set FLYWHEEL_EVALS=off`) asks the
+eval set only of the versions the estimate left undecided, and its reward-to-serving figure is
+that gate's cost.
 Appends to bench/promotion_gate.md; the run is saved as JSON beside its files (`run.json`),
 and `--report-from run.json` reports a saved run again (its normal versions judged anew).
 
@@ -76,6 +80,7 @@ class Version:
     evals: dict[str, Any] | None = None  # stats["evals"]["sums"]: score, current, seconds
     eval_verdict: str = ""  # the gate's on the eval set
     both: str = ""  # the gate's on both (ope+evals)
+    settled: str = ""  # the estimate's, else the eval set's (FLYWHEEL_GATE_EVALS=undecided)
     train_s: float | None = None  # the step's
     swap_s: float | None = None  # loading it into vLLM
     # From a reward to this version serving: the median over the transitions it trained of its
@@ -201,13 +206,19 @@ def _eval_margin(settings: dict[str, str]) -> float:
 
 
 def _judged_on_evals(v: Version, estimated: gate.Verdict, settings: dict[str, str]) -> Version:
-    """The eval set's verdict and both verdicts together, from the version's eval score."""
+    """The eval set's verdict and both verdicts together, from the version's eval score. A
+    version without one (FLYWHEEL_GATE_EVALS=undecided asks none where the estimate decided): the
+    estimate's verdict settles it, if it decided."""
     if v.evals is None:
-        return v
+        decided = estimated.outcome != "inconclusive"
+        return dataclasses.replace(v, settled=estimated.outcome if decided else "")
     compared = asking.Compared.from_stats("sums", v.evals)
     on_evals = gate.from_evals([compared], margin=_eval_margin(settings))
     both = gate.combine([estimated, on_evals])
-    return dataclasses.replace(v, eval_verdict=on_evals.outcome, both=both.outcome)
+    settled = gate.settle(estimated, on_evals)
+    return dataclasses.replace(
+        v, eval_verdict=on_evals.outcome, both=both.outcome, settled=settled.outcome
+    )
 
 
 def _verdict(v: Version, settings: dict[str, str]) -> Version:
@@ -390,7 +401,7 @@ def report(result: Result, path: Path = RESULTS) -> list[str]:
         "",
         "| version | episodes (calls rescored) | ess | mean weight | estimate [interval] "
         "| current's estimate | measured (se) | current's measured | error | in interval "
-        "| eval (current's) | gate: ope / evals / both |",
+        "| eval (current's) | gate: ope / evals / both / estimate-else-evals |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     errors, naive, covered, scored = [], [], 0, 0
@@ -471,10 +482,15 @@ def report(result: Result, path: Path = RESULTS) -> list[str]:
             f"{max(added):.0%}; goal <= 10 %)."
         )
     normal = [v for v in result.versions if v.verdict]
-    for kind, label in (("verdict", "ope"), ("eval_verdict", "evals"), ("both", "ope+evals")):
+    for kind, label in (
+        ("verdict", "ope"),
+        ("eval_verdict", "evals"),
+        ("both", "ope+evals"),
+        ("settled", "ope+evals FLYWHEEL_GATE_EVALS=undecided"),
+    ):
         judged = [v for v in normal if getattr(v, kind)]
-        if not judged:
-            continue
+        if not judged or (kind == "settled" and not any(v.evals for v in normal)):
+            continue  # (without an eval set, what the estimate left undecided stays so)
         lines.append(
             f"Gate verdicts on the normal versions as FLYWHEEL_GATE={label} would have given "
             f"them (margin {_gate_settings(result.settings)['margin']:g}, eval margin "
@@ -492,7 +508,7 @@ def report(result: Result, path: Path = RESULTS) -> list[str]:
             "gated with the trainer's code on the window it would use, then asked directly:",
             "",
             "| candidate | mean weight | ess | estimate | measured | eval (current's) "
-            "| gate: ope / evals / both | why (ope) |",
+            "| gate: ope / evals / both / estimate-else-evals | why (ope) |",
             "|---|---|---|---|---|---|---|---|",
         ]
         for v in result.corrupted:
@@ -505,7 +521,12 @@ def report(result: Result, path: Path = RESULTS) -> list[str]:
         n = len(result.corrupted)
         blocked = {
             label: sum(getattr(v, kind) == "fail" for v in result.corrupted)
-            for kind, label in (("verdict", "ope"), ("eval_verdict", "evals"), ("both", "both"))
+            for kind, label in (
+                ("verdict", "ope"),
+                ("eval_verdict", "evals"),
+                ("both", "both"),
+                ("settled", "the estimate, else the eval set"),
+            )
         }
         lines.append(
             "\nCorrupted candidates blocked before serving: "
@@ -577,7 +598,7 @@ def _eval_cell(v: Version) -> str:
 
 
 def _verdicts(v: Version) -> str:
-    return " / ".join(x or "-" for x in (v.verdict, v.eval_verdict, v.both))
+    return " / ".join(x or "-" for x in (v.verdict, v.eval_verdict, v.both, v.settled))
 
 
 def _median(values: list[float]) -> float:

@@ -17,6 +17,10 @@ The estimate (`decide`):
 
 The eval sets (`from_evals`): fail when the version scores under the current version's by more
 than `gate_eval_margin` on any set; pass otherwise; inconclusive when the lineage has none.
+
+Both (`combine`, FLYWHEEL_GATE_EVALS=always): each must pass. Or the estimate first
+(`settle`, FLYWHEEL_GATE_EVALS=undecided): its pass or fail stands, and only where it cannot
+decide are the eval sets asked, and they decide.
 """
 
 from __future__ import annotations
@@ -97,3 +101,10 @@ def combine(verdicts: list[Verdict]) -> Verdict:
         if said:
             return Verdict(outcome, " | ".join(said))
     return Verdict("pass", " | ".join(v.reason for v in verdicts))
+
+
+def settle(estimated: Verdict, on_evals: Verdict) -> Verdict:
+    """The estimate decides; where it cannot, the eval sets do (inconclusive again without any)."""
+    if estimated.outcome != "inconclusive":
+        return estimated
+    return Verdict(on_evals.outcome, f"{estimated.reason} | {on_evals.reason}")

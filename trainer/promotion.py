@@ -49,6 +49,10 @@ class Judgement:
         return self.estimated is not None and self.estimated.outcome == "fail"
 
     @property
+    def estimate_undecided(self) -> bool:
+        return self.estimated is not None and self.estimated.outcome == "inconclusive"
+
+    @property
     def undecided(self) -> bool:
         return self.verdict is not None and self.verdict.outcome == "inconclusive"
 
@@ -135,8 +139,12 @@ class Gatekeeper:
     def eval_sets(self, judgement: Judgement) -> list[EvalSet]:
         """The lineage's eval sets, when they are to be asked (not of a version the estimate
         failed already: it is never loaded; with FLYWHEEL_GATE_OVERLAP the estimate is made
-        while they are asked, and `judgement` is still empty)."""
-        if not self.settings.asks_evals or judgement.failed_estimate:
+        while they are asked, and `judgement` is still empty; with FLYWHEEL_GATE_EVALS=undecided
+        only once the estimate could not decide)."""
+        s = self.settings
+        if not s.asks_evals or judgement.failed_estimate:
+            return []
+        if s.gate_settles_on_evals and not judgement.estimate_undecided:
             return []
         with self.sessions.begin() as session:
             return eval_sets_of(session=session, lineage=self.lineage)
@@ -215,7 +223,10 @@ class Gatekeeper:
         verdicts = [judgement.estimated] if judgement.estimated is not None else []
         if "evals" in s.gate:
             verdicts.append(gate.from_evals(judgement.compared, margin=s.gate_eval_margin))
-        judgement.verdict = gate.combine(verdicts)
+        if s.gate_settles_on_evals and len(verdicts) == 2:
+            judgement.verdict = gate.settle(*verdicts)
+        else:
+            judgement.verdict = gate.combine(verdicts)
         log.info(
             "%s: gate %s: %s", self.lineage, judgement.verdict.outcome, judgement.verdict.reason
         )

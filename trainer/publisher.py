@@ -94,10 +94,19 @@ class Publisher:
                     judgement = keeper.estimate(engine, before, parent, self.sampling_defaults)
                 if ahead is not None:
                     swap_s, judgement.compared = ahead.result()
+            # FLYWHEEL_GATE_EVALS=undecided: the eval sets only now, if the estimate could not
+            # decide (in turn, `eval_sets` already knew, and `ahead` asked them)
+            late = keeper.eval_sets(judgement) if s.gate_settles_on_evals and at_once else []
+            if late:
+                if swap_s is None:
+                    swap_s = self._load(name, final)
+                judgement.compared = keeper.compare(late, name, parent)
             waited = time.perf_counter() - started - (swap_s or 0.0)  # the load is not the gate's
             judgement.seconds = in_turn_s + max(waited, 0.0)
         except Exception:  # vLLM or Postgres away: the step's caller gives the batch back
-            if ahead is not None and ahead.done() and ahead.exception() is None:
+            if swap_s is not None or (
+                ahead is not None and ahead.done() and ahead.exception() is None
+            ):
                 self._unload(name)
             shutil.rmtree(final, ignore_errors=True)
             raise

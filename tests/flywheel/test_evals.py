@@ -474,3 +474,51 @@ def test_the_version_is_loaded_and_asked_while_the_estimate_is_made(
     assert v1.stats["gate"]["outcome"] == "fail"
     assert ("evals" in v1.stats) == asked.is_set()  # asked beside the estimate: scores kept
     assert v1.stats["judged_s"] < 2  # the witnesses' wall time, the load's left out
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "in-turn"])
+@pytest.mark.parametrize("estimated", ["pass", "fail", "inconclusive"])
+def test_with_gate_evals_undecided_only_what_the_estimate_cannot_decide_is_asked(
+    proxy: RunningProxy,
+    fake_vllm: FakeVLLM,
+    make_trainer: Any,  # noqa: F811
+    sessions: Sessions,
+    monkeypatch: pytest.MonkeyPatch,
+    overlap: bool,
+    estimated: str,
+) -> None:
+    """FLYWHEEL_GATE=ope+evals, FLYWHEEL_GATE_EVALS=undecided: the estimate's pass publishes the
+    version and its fail retires it, its eval sets never asked; a version the estimate cannot
+    decide is asked them (after the estimate, at once or in turn), and they decide it."""
+    from trainer import gate
+
+    verdict = gate.Verdict(estimated, f"estimated {estimated}")  # type: ignore[arg-type]
+    monkeypatch.setattr(gate, "decide", lambda *a, **k: verdict)
+    add_set(sessions, "any-answer", "python:tests.flywheel.test_evals:length_scorer", ["x"] * 6)
+    trainer = make_trainer(
+        gate="ope+evals", gate_evals="undecided", ope_holdout=0, gate_overlap=overlap
+    )
+    play(proxy, agent="a")
+    assert bool(trainer.step()) == (estimated != "fail")
+    with sessions.begin() as session:
+        v1 = policy.get(1, session=session)
+    assert v1 is not None and v1.stats is not None
+    asked = [r for r in fake_vllm.requests if r.get("body", {}).get("model") == "policy-v1"]
+    assert bool(asked) == ("evals" in v1.stats) == (estimated == "inconclusive")
+    assert v1.stats["gate"]["outcome"] == ("fail" if estimated == "fail" else "pass")
+    if estimated == "inconclusive":  # the eval set decided: 1.0 against the base model's 1.0
+        assert v1.stats["gate"]["reason"].startswith("estimated inconclusive | eval any-answer")
+        assert v1.stats["evals"]["any-answer"]["score"] == 1.0
+    assert ("policy-v1" in fake_vllm.loras) == (estimated != "fail")
+
+
+def test_gate_evals_undecided_needs_both_witnesses(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="needs gate=ope\\+evals, not ope"):
+        TrainerSettings(
+            model=build_demo_model(TEST_HOME / "models" / "demo"),
+            vllm=["http://127.0.0.1:1"],
+            adapters_dir=tmp_path,
+            home=tmp_path,
+            gate="ope",
+            gate_evals="undecided",
+        )

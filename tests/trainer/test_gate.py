@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from trainer.candidate import Evaluated
 from trainer.evals import Compared, Score
-from trainer.gate import Verdict, combine, decide, from_evals
+from trainer.gate import Verdict, combine, decide, from_evals, settle
 from trainer.ope import Comparison, Estimate
 
 SETTINGS = {"margin": 0.05, "min_weight": 0.1, "min_ess": 30.0}
@@ -98,3 +98,14 @@ def test_each_witness_must_pass() -> None:
     assert combine([ok, ok]).outcome == "pass"
     assert combine([ok, unsure]) == Verdict("inconclusive", "b")
     assert combine([unsure, bad, ok]) == Verdict("fail", "c")
+
+
+def test_the_estimate_settles_what_it_can_and_the_eval_sets_the_rest() -> None:
+    """FLYWHEEL_GATE_EVALS=undecided: the estimate's pass or fail stands whatever the eval sets
+    would say; an estimate that cannot decide leaves the decision to them."""
+    ok, unsure, bad = Verdict("pass", "a"), Verdict("inconclusive", "b"), Verdict("fail", "c")
+    assert settle(ok, bad) == ok and settle(bad, ok) == bad
+    assert settle(unsure, ok) == Verdict("pass", "b | a")
+    assert settle(unsure, bad) == Verdict("fail", "b | c")
+    none = from_evals([], margin=0.02)  # the lineage has no eval sets: still undecided
+    assert settle(unsure, none).outcome == "inconclusive"

@@ -45,6 +45,12 @@ class TrainerSettings(
         return self.evals != "off" or "evals" in self.gate
 
     @property
+    def gate_settles_on_evals(self) -> bool:
+        """FLYWHEEL_GATE_EVALS=undecided: the eval sets asked only where the estimate cannot
+        decide, and deciding there."""
+        return self.gate == "ope+evals" and self.gate_evals == "undecided"
+
+    @property
     def shares_prompts(self) -> bool:
         """`share_prompts`, where it can work (not under checkpointing or FSDP2)."""
         return self.share_prompts and not self.gradient_checkpointing and not self.shard_base
@@ -110,6 +116,11 @@ class TrainerSettings(
             raise ValueError(
                 "load_in_4bit and shard_base do not go together: FSDP2 would turn the 4-bit "
                 "weights into plain ones; shard a bfloat16 base, or quantise it on one device"
+            )
+        if self.gate_evals == "undecided" and self.gate != "ope+evals":
+            raise ValueError(
+                "gate_evals=undecided asks the eval sets where the estimate cannot decide: it "
+                f"needs gate=ope+evals, not {self.gate}"
             )
         if self.load_in_4bit and importlib.util.find_spec("bitsandbytes") is None:
             raise ValueError("load_in_4bit needs bitsandbytes: pip install bitsandbytes")

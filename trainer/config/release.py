@@ -164,6 +164,14 @@ class ReleaseSettings(FlywheelSettings):
         "(`evals`: asked whatever `evals` says) or both (each must pass): a version that fails is "
         "recorded, retired and never served; training goes on from the current version.",
     )
+    gate_evals: Literal["always", "undecided"] = Field(
+        "always",
+        description="With gate=ope+evals: ask every new version its eval sets, each witness to "
+        "pass (`always`), or only a version the estimate cannot decide (too few logged episodes "
+        "yet, an interval across -margin), whose eval sets then decide it (`undecided`): the "
+        "estimate's cost on most versions, the eval sets' only where the traffic cannot say yet "
+        "(no other version is asked them, whatever `evals` says).",
+    )
     gate_margin: float = Field(
         0.05,
         ge=0,
