@@ -141,6 +141,7 @@ def run(
             agent.close()
         wall_s = time.monotonic() - started
         versions = [_verdict(v, settings) for v in _versions(url)]
+        _load_rejected(url, loop.vllm_url)
         began = time.monotonic()
         measured = [_measure(loop.vllm_url, v, measure) for v in versions]
         bad = _corrupted(url, loop.vllm_url, model, run_home, settings, corrupted, noise)
@@ -351,6 +352,18 @@ def _versions(url: str) -> list[Version]:
                 )
             )
     return out
+
+
+def _load_rejected(url: str, vllm_url: str) -> None:
+    """Versions a gate run (`--set FLYWHEEL_GATE=...`) rejected were unloaded: loaded again, under
+    their own names, to be measured like the rest."""
+    with psycopg.connect(database.libpq_url(url)) as conn:
+        rows = conn.execute(
+            "SELECT version, path FROM adapter_version WHERE lineage = 'policy' "
+            "AND stats->'gate'->>'outcome' = 'fail'"
+        ).fetchall()
+    for version, path in rows:
+        load_adapter(vllm_url, f"policy-v{version}", path)
 
 
 def _float(value: Any) -> float | None:
