@@ -490,6 +490,7 @@ def _round(answers: list[Answer], samples: int, wall_s: float) -> dict[str, Any]
         "parsable": statistics.fmean(a.parsable for a in answers),
         "partial": statistics.fmean(a.partial for a in answers),
         "flat": _flat(answers),
+        "flat_unsolved": _flat(answers, unsolved=True),
         "versions": f"{versions[0]}-{versions[-1]}" if versions else "?",
     }
     counts: dict[str, list[int]] = {}  # category -> [valid answers, samples]
@@ -501,15 +502,20 @@ def _round(answers: list[Answer], samples: int, wall_s: float) -> dict[str, Any]
     return line
 
 
-def _flat(answers: list[Answer]) -> int:
+def _flat(answers: list[Answer], *, unsolved: bool = False) -> int:
     """The round's questions whose samples all earned one reward: the GRPO groups with no
-    advantage, by the trainer's own rule (what FLYWHEEL_FLAT_GROUPS=skip sets aside)."""
+    advantage, by the trainer's own rule (what FLYWHEEL_FLAT_GROUPS=skip sets aside). `unsolved`:
+    of them, those no sample answered validly (too hard for the policy now, where the others
+    are learned already)."""
     scored = [
         Scored(str(i), a.episode_id or str(i), a.question, None, a.reward)
         for i, a in enumerate(answers)
     ]
     flat = flat_groups(scored)
-    return len({s.task_id for s in scored if s.transition_id in flat})
+    questions = {s.task_id for s in scored if s.transition_id in flat}
+    if unsolved:
+        questions -= {a.question for a in answers if a.valid}
+    return len(questions)
 
 
 def _keep_answers(args: argparse.Namespace, evaluation: dict[str, Any], source: str) -> None:
@@ -986,9 +992,11 @@ def summary(run: dict[str, Any]) -> list[str]:
         flat = [r["flat"] for r in run["rounds"] if "flat" in r]  # (recorded since 2026-11-30)
         if flat:
             groups = QUESTIONS * len(flat)
+            unsolved = [r["flat_unsolved"] for r in run["rounds"] if "flat_unsolved" in r]
             lines.append(
                 f"- groups with no signal (every sample the same reward): {sum(flat)} of "
                 f"{groups} ({sum(flat) / groups:.0%})"
+                + (f"; every sample invalid in {sum(unsolved)}" if unsolved else "")
             )
         lines += _by_category(run["rounds"])
     if run["costs"]:

@@ -385,6 +385,7 @@ def test_bfcl_learning_records_a_killed_run_and_reports_every_run(tmp_path: Path
                     "parsable": 0.9,
                     "partial": 0.8,
                     "flat": i,
+                    "flat_unsolved": i - 1,
                     "versions": f"{36 + i}-{37 + i}",
                     # --pool-also's rounds: valid answers and samples per category
                     "valid_by_category": {"simple_python": [10, 24], "multiple": [i, 8]},
@@ -427,8 +428,9 @@ def test_bfcl_learning_records_a_killed_run_and_reports_every_run(tmp_path: Path
     assert "killed before its end" in recorded[0]["notes"][0]
     assert "- held-out v57 after 672 samples, 4441 s: 0.495 valid" in report.read_text()
     assert "questions); training probe 0.650 valid; development part 0.550" in report.read_text()
-    assert "- groups with no signal (every sample the same reward): 3 of 8 (38%)" in (
-        report.read_text()
+    assert (
+        "- groups with no signal (every sample the same reward): 3 of 8 (38%); every sample "
+        "invalid in 1" in report.read_text()
     )
     assert (  # both rounds are the first 25 and the last 25
         "- training reward on multiple: first 25 rounds 0.19 (16 samples), last 0.19 (16 samples)"
