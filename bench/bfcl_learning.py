@@ -117,8 +117,10 @@ MODEL = "smollm2-135m"
 QUESTIONS, SAMPLES = 4, 8  # a round: 4 training-part questions, 8 episodes each (GRPO groups)
 PROBE_SEED = 41  # the training-part probe's sample (`--train-probe`): one for every run
 # Categories whose training part `--pool-also` may add: our checker gives bfcl_eval's verdict
-# on their near-misses (tests/demo/test_bfcl_check.py).
-POOL_CATEGORIES = ("multiple", "live_simple")
+# on their near-misses (tests/demo/test_bfcl_check.py). Of each, only the questions whose
+# prompt and answer fit the bfcl task's context (`category_parts`): live_multiple's functions
+# run to 6,938 tokens, and 673 of its 1,053 prompts do not fit.
+POOL_CATEGORIES = ("multiple", "live_simple", "live_multiple")
 HALVES_SEED = 4141  # `--split-demos`: which half of the training part gives demonstrations
 DEV_SEED = 4242  # `--dev-part`: which training questions are held apart
 
@@ -174,7 +176,7 @@ def run_flywheel(args: argparse.Namespace) -> Run:
         )
         held_out = agent.held_out[: args.held_out] if args.held_out else agent.held_out
         dev = dev_part(agent.train, args.dev_part, args.split_demos)
-        also = [q for c in args.pool_also for q in bfcl.split(bfcl.load(c))[1]]
+        also = [q for c in args.pool_also for q in category_parts(c)[1]]
         asked = Asked(held_out, probe(agent.train, args.train_probe), dev, also)
         t0 = time.perf_counter()
         try:
@@ -390,8 +392,30 @@ def grpo_pool(
     pool = demo_halves(train)[1] if args.split_demos else list(train)
     pool = [q for q in pool if q not in dev]  # held apart: never asked in a round
     for category in args.pool_also:
-        pool += bfcl.split(bfcl.load(category))[0]
+        pool += category_parts(category)[0]
     return pool
+
+
+def category_parts(category: str) -> tuple[list[bfcl.Question], list[bfcl.Question]]:
+    """A `--pool-also` category's (training, held-out) parts by the fixed split rule, each less
+    the questions whose prompt (SmolLM2's chat template) and longest answer do not fit the bfcl
+    task's max_model_len. (Of live_simple's, one held-out question does not, one no answer can
+    satisfy: runs before 2026-12-01 asked it, with vLLM cutting its answer short.)"""
+    from transformers import AutoTokenizer
+
+    from trainer.models import resolve
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve(MODEL, ROOT / ".flywheel"))
+    room = TASKS["bfcl"].max_model_len - MAX_TOKENS
+
+    def fits(q: bfcl.Question) -> bool:
+        text = tokenizer.apply_chat_template(
+            bfcl.prompt(q), add_generation_prompt=True, tokenize=False
+        )
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= room
+
+    train, held_out = bfcl.split(bfcl.load(category))
+    return [q for q in train if fits(q)], [q for q in held_out if fits(q)]
 
 
 def demo_halves(train: list[bfcl.Question]) -> tuple[list[bfcl.Question], list[bfcl.Question]]:

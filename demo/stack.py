@@ -169,7 +169,7 @@ TASKS = {
         {},
         BFCL_TRAINER_ENV,
         model="smollm2-135m",
-        max_model_len=1280,  # prompts: simple_python's up to 640 tokens, multiple's 1,097
+        max_model_len=1408,  # prompts: simple_python's up to 640 tokens, multiple's 1,236
         max_lora_rank=16,
     ),
 }

@@ -85,7 +85,7 @@ def near_misses(q: bfcl.Question, rng: random.Random) -> Iterator[str]:
     if optional:
         yield render(name, {**params, optional[0]: "something"})
     for key, value in params.items():
-        for other in _values(value, declared[key]["type"], rng):
+        for other in _values(value, rng):
             yield render(name, {**params, key: other})
         yield f"{name}({', '.join(f'{k}={_source(k, v, key)}' for k, v in params.items())})"
     keys = list(params)
@@ -93,11 +93,11 @@ def near_misses(q: bfcl.Question, rng: random.Random) -> Iterator[str]:
         a, b = rng.sample(keys, 2)
         changed = dict(params)
         for key in (a, b):
-            changed[key] = rng.choice(_values(params[key], declared[key]["type"], rng) or [None])
+            changed[key] = rng.choice(_values(params[key], rng) or [None])
         yield render(name, changed)
 
 
-def _values(value: Any, kind: str, rng: random.Random) -> list[Any]:
+def _values(value: Any, rng: random.Random) -> list[Any]:
     """Other values of about the same kind: some right after BFCL's normalisation, most wrong."""
     if isinstance(value, bool):
         return [not value, int(value), str(value)]
@@ -196,14 +196,15 @@ def test_our_verdicts_are_the_official_ones_on_every_answer() -> None:
     [
         ("multiple", "multiple_function_checker:wrong_count"),  # the checkers' other branch
         ("live_simple", "simple_function_checker:wrong_count"),  # users' own functions
+        ("live_multiple", "multiple_function_checker:wrong_count"),  # and among several
     ],
 )
 def test_our_verdicts_are_the_official_ones_on_the_categories_a_pool_adds(
     category: str, wrong_count: str
 ) -> None:
-    """`multiple` (one right call among a few declared functions) and `live_simple` (questions
-    users asked of their own functions): what a training pool may add to simple_python's
-    (bench/bfcl_learning.py --pool-also, issue 41)."""
+    """`multiple` (one right call among a few declared functions), `live_simple` (questions
+    users asked of their own functions) and `live_multiple` (the same among several): what a
+    training pool may add to simple_python's (bench/bfcl_learning.py --pool-also, issue 41)."""
     cross_checked(category, wrong_count, least=20)
 
 
