@@ -68,3 +68,45 @@ def _save(fig: Any, path: Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def estimates(
+    path: Path,
+    rows: Sequence[tuple[int, float | None, tuple[float, float] | None, float | None]],
+    corrupted: Sequence[float | None],
+    *,
+    title: str,
+) -> Path:
+    """Estimates against what was measured. `rows`: (version, estimate, its interval, measured
+    reward); `corrupted`: the measured reward of each candidate made bad on purpose. Left, by
+    version: each estimate with its interval and the measured reward (a version refused an
+    estimate has the measurement alone); right, estimate against measured, the diagonal exact."""
+    fig, (by_version, calibration) = plt.subplots(1, 2, figsize=(12, 4.2))
+    est = [(v, e, i) for v, e, i, _ in rows if e is not None and i is not None]
+    if est:
+        low = [e - i[0] for _, e, i in est]
+        high = [i[1] - e for _, e, i in est]
+        by_version.errorbar(
+            [v for v, _, _ in est], [e for _, e, _ in est], yerr=[low, high], fmt="o",
+            markersize=4, capsize=2, label="estimate (interval)",
+        )  # fmt: skip
+    measured = [(v, m) for v, _, _, m in rows if m is not None]
+    by_version.plot([v for v, _ in measured], [m for _, m in measured], "x", label="measured")
+    for i, m in enumerate(corrupted):
+        if m is not None:
+            x = (max(v for v, *_ in rows) if rows else 0) + 1 + i
+            by_version.plot([x], [m], "rv", label="corrupted candidates" if i == 0 else None)
+    by_version.set_xlabel("version")
+    by_version.set_ylabel("episode reward")
+    by_version.grid(True, alpha=0.3)
+    by_version.legend(fontsize=8)
+    pairs = [(e, m) for _, e, i, m in rows if e is not None and m is not None]
+    if pairs:
+        calibration.plot([m for _, m in pairs], [e for e, _ in pairs], "o", markersize=4)
+        ends = [min(min(p) for p in pairs), max(max(p) for p in pairs)]
+        calibration.plot(ends, ends, "--", color="grey", linewidth=1)
+    calibration.set_xlabel("measured reward (served to a stream the gate never saw)")
+    calibration.set_ylabel("estimate from logged traffic")
+    calibration.grid(True, alpha=0.3)
+    fig.suptitle(title, fontsize=10)
+    return _save(fig, path)

@@ -50,6 +50,7 @@ from typing import Any
 import httpx
 import psycopg
 
+from bench import plots
 from bench.common import add_settings_argument, append_section, learning_loop, load_adapter
 from core import database, evals, policy
 from demo.agent import MAX_TOKENS, TEMPERATURE, Agent, Episode, print_round
@@ -64,6 +65,7 @@ from trainer.vllm import Replicas
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = Path(__file__).with_suffix(".md")
+PLOT = ROOT / "docs" / "img" / "promotion_gate.png"
 HOME = ROOT / ".flywheel" / "promotion-gate"
 
 
@@ -402,7 +404,7 @@ def _f(value: float | None, spec: str = ".3f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def report(result: Result, path: Path = RESULTS) -> list[str]:
+def report(result: Result, path: Path = RESULTS, plot: Path | None = PLOT) -> list[str]:
     by_version = {v.version: v for v in result.versions}
     settings = ", ".join(f"{k}={v}" for k, v in result.settings.items())
     lines = [
@@ -549,6 +551,12 @@ def report(result: Result, path: Path = RESULTS) -> list[str]:
     append_section(
         path, "The promotion gate: estimates from logged traffic", "bench.promotion_gate", lines
     )
+    if plot is not None:
+        rows = [(v.version, v.estimate, v.interval, v.measured) for v in result.versions]
+        bad = [v.measured for v in result.corrupted]
+        title = "Each version estimated from logged traffic, then measured directly"
+        plots.estimates(plot, rows, bad, title=title)
+        lines.append(f"\nPlot: {plot}")
 
     return lines
 
@@ -639,11 +647,12 @@ def main() -> None:
     parser.add_argument("--home", type=Path, default=HOME, help="runs' files and the model")
     parser.add_argument("--model", type=Path, help="the calculator model (default: under --home)")
     parser.add_argument("--results", type=Path, default=RESULTS)
+    parser.add_argument("--plot", type=Path, default=PLOT, help="the estimates' PNG")
     parser.add_argument("--report-from", type=Path, help="report a saved run.json, run nothing")
     add_settings_argument(parser, "the benchmark's (e.g. FLYWHEEL_OPE_CLIP=100)")
     args = parser.parse_args()
     if args.report_from:
-        print("\n".join(report(load(args.report_from), args.results)))
+        print("\n".join(report(load(args.report_from), args.results, args.plot)))
         return
     settings = {
         "FLYWHEEL_OPE": "log",
@@ -663,7 +672,7 @@ def main() -> None:
         home=args.home,
         model_dir=args.model,
     )
-    print("\n".join(report(result, args.results)))
+    print("\n".join(report(result, args.results, args.plot)))
 
 
 if __name__ == "__main__":

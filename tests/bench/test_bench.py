@@ -609,11 +609,12 @@ def test_promotion_gate_report_judges_each_version_four_ways(tmp_path: Path) -> 
     saved.write_text(json.dumps(run))
     done = subprocess.run(
         [sys.executable, "-m", "bench.promotion_gate", "--report-from", str(saved),
-         "--results", str(results)],
+         "--results", str(results), "--plot", str(tmp_path / "gate.png")],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     text = results.read_text()
+    assert (tmp_path / "gate.png").stat().st_size > 10_000  # estimates against measurements
     assert "| 0.700 (0.680) | pass / pass / pass / pass |" in text
     assert "| 0.500 (0.700) | pass / fail / fail / pass |" in text
     assert "| 0.700 (0.700) | inconclusive / pass / inconclusive / pass |" in text
