@@ -76,6 +76,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import random
@@ -396,11 +397,13 @@ def grpo_pool(
     return pool
 
 
-def category_parts(category: str) -> tuple[list[bfcl.Question], list[bfcl.Question]]:
+@functools.cache
+def category_parts(category: str) -> tuple[tuple[bfcl.Question, ...], tuple[bfcl.Question, ...]]:
     """A `--pool-also` category's (training, held-out) parts by the fixed split rule, each less
     the questions whose prompt (SmolLM2's chat template) and longest answer do not fit the bfcl
     task's max_model_len. (Of live_simple's, one held-out question does not, one no answer can
-    satisfy: runs before 2026-12-01 asked it, with vLLM cutting its answer short.)"""
+    satisfy: runs before 2026-12-01 asked it, with vLLM cutting its answer short.) Made once a
+    category: the held-out asks and GRPO's pool both read it."""
     from transformers import AutoTokenizer
 
     from trainer.models import resolve
@@ -415,7 +418,7 @@ def category_parts(category: str) -> tuple[list[bfcl.Question], list[bfcl.Questi
         return len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= room
 
     train, held_out = bfcl.split(bfcl.load(category))
-    return [q for q in train if fits(q)], [q for q in held_out if fits(q)]
+    return tuple(q for q in train if fits(q)), tuple(q for q in held_out if fits(q))
 
 
 def demo_halves(train: list[bfcl.Question]) -> tuple[list[bfcl.Question], list[bfcl.Question]]:
@@ -513,8 +516,7 @@ def _round(answers: list[Answer], samples: int, wall_s: float) -> dict[str, Any]
         "valid": statistics.fmean(a.valid for a in answers),
         "parsable": statistics.fmean(a.parsable for a in answers),
         "partial": statistics.fmean(a.partial for a in answers),
-        "flat": _flat(answers),
-        "flat_unsolved": _flat(answers, unsolved=True),
+        **_flat(answers),
         "versions": f"{versions[0]}-{versions[-1]}" if versions else "?",
     }
     counts: dict[str, list[int]] = {}  # category -> [valid answers, samples]
@@ -526,20 +528,19 @@ def _round(answers: list[Answer], samples: int, wall_s: float) -> dict[str, Any]
     return line
 
 
-def _flat(answers: list[Answer], *, unsolved: bool = False) -> int:
-    """The round's questions whose samples all earned one reward: the GRPO groups with no
-    advantage, by the trainer's own rule (what FLYWHEEL_FLAT_GROUPS=skip sets aside). `unsolved`:
-    of them, those no sample answered validly (too hard for the policy now, where the others
-    are learned already)."""
+def _flat(answers: list[Answer]) -> dict[str, int]:
+    """`flat`: the round's questions whose samples all earned one reward, the GRPO groups with
+    no advantage, by the trainer's own rule (what FLYWHEEL_FLAT_GROUPS=skip sets aside);
+    `flat_unsolved`: of them, those no sample answered validly (too hard for the policy now,
+    where the others are learned already)."""
     scored = [
         Scored(str(i), a.episode_id or str(i), a.question, None, a.reward)
         for i, a in enumerate(answers)
     ]
     flat = flat_groups(scored)
     questions = {s.task_id for s in scored if s.transition_id in flat}
-    if unsolved:
-        questions -= {a.question for a in answers if a.valid}
-    return len(questions)
+    unsolved = questions - {a.question for a in answers if a.valid}
+    return {"flat": len(questions), "flat_unsolved": len(unsolved)}
 
 
 def _keep_answers(args: argparse.Namespace, evaluation: dict[str, Any], source: str) -> None:
