@@ -5,9 +5,8 @@ hot-swaps its adapter while the agents keep asking; the checker is trained by no
 the base model.
 
 This is the short run: on the same questions, the reward rises by a margin a two-sample test
-calls clear. The long run,
-and the comparison with one adapter shared by writer and rewriter, is `bench/sql_learning.py`
-(bench/sql_learning.md, docs/img/sql_learning.png).
+calls clear. The long run, and the comparison with one adapter shared by writer and rewriter, is
+`bench/sql_learning.py` (bench/sql_learning.md, docs/img/sql_learning.png).
 """
 
 from __future__ import annotations
