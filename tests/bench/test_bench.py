@@ -638,5 +638,8 @@ def test_promotion_gate_report_judges_each_version_four_ways(tmp_path: Path) -> 
     # candidate 0.1 above it where both measured 0.6: a level error of -0.1, a difference error
     # of +0.1; the intervals' and measurements' standard errors (0.030 each) give 0.034
     assert "would miss by 0.034 on average; the errors are 0.00 of" in text
+    # and an interval that covers the truth 90 % of the time covers such a measurement less:
+    # measured - estimate ~ N(0, 0.030² + 0.030²), inside ±0.05 with probability 0.76
+    assert "cover these noisy measurements in about 1.5 of 2 versions (76%; the true" in text
     assert "signed -0.100; the difference (candidate" in text
     assert "measured difference) mean absolute error 0.100 over 1 versions" in text
