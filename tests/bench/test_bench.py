@@ -357,6 +357,27 @@ def test_tool_learning_report_and_plot(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+def test_bfcl_multi_turn_measures_the_category_against_the_trainers_rate(tmp_path: Path) -> None:
+    """bench/bfcl_multi_turn.py on the packaged data and SmolLM2's tokenizer: the category's
+    size and split, the prompts that fit the context, and a group's training time from the last
+    warm-grpo run's token rate (a partial-credit run after it is not one)."""
+    runs, report = tmp_path / "runs.jsonl", tmp_path / "report.md"
+    costs = {"grpo_trained_tokens": 278_000, "grpo_train_s": 1000.0, "grpo_steps": 10}
+    recorded = [
+        {"arm": "warm-grpo", "seed": 3, "started": "2026-12-01 04:09", "costs": costs},
+        {"arm": "grpo-partial", "seed": 0, "started": "2026-12-01 06:00", "costs": {}},
+    ]
+    runs.write_text("".join(json.dumps(r) + "\n" for r in recorded))
+    run = _bench("bench.bfcl_multi_turn", "--runs", str(runs), "--results", str(report))
+    text = report.read_text()
+    assert "multi_turn_base: 200 questions (54 held out by the fixed split rule)" in text
+    assert "with 128 tokens to answer: 168 of 200" in text
+    assert "278 tokens/s in the last single-turn warm-grpo run (line 1: seed 3" in text
+    assert "100 s a GRPO step): one group of 8 multi-turn episodes would take at least" in text
+    assert "\n".join(text.splitlines()[-8:]) in run.stdout
+
+
+@pytest.mark.slow
 def test_bfcl_learning_records_a_killed_run_and_reports_every_run(tmp_path: Path) -> None:
     """bench/bfcl_learning.py's record and report from runs as its loop saves them (the loop
     itself is the benchmark's, minutes to hours; its path is tests/e2e/test_e2e_real_model.py's)."""
