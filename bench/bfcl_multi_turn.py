@@ -36,11 +36,13 @@ GROUP = 8  # samples a question, as the single-turn rounds ask
 ANSWER_TOKENS = 128  # room left for an answer, as the single-turn task leaves
 
 
-def questions(category: str = CATEGORY) -> list[dict[str, Any]]:
-    """Each question with `functions` filled in as BFCL does for a multi-turn entry (utils.py
-    `populate_test_cases_with_predefined_functions`) and its ground truth: per turn, the calls."""
+def questions(
+    docs: dict[str, list[dict[str, Any]]], category: str = CATEGORY
+) -> list[dict[str, Any]]:
+    """Each question with `functions` filled in from the classes' `docs` as BFCL does for a
+    multi-turn entry (utils.py `populate_test_cases_with_predefined_functions`) and its ground
+    truth: per turn, the calls."""
     folder = bfcl.data_dir()
-    docs = _class_docs(folder)
     answers = {
         a["id"]: a["ground_truth"]
         for a in _jsonl(folder / "possible_answer" / f"{bfcl.VERSION}_{category}.json")
@@ -54,7 +56,8 @@ def questions(category: str = CATEGORY) -> list[dict[str, Any]]:
     return entries
 
 
-def _class_docs(folder: Path) -> dict[str, list[dict[str, Any]]]:
+def class_docs(folder: Path) -> dict[str, list[dict[str, Any]]]:
+    """Each environment class's function docs, as BFCL ships them."""
     from bfcl_eval.constants.executable_backend_config import MULTI_TURN_FUNC_DOC_FILE_MAPPING
 
     return {c: _jsonl(folder / "multi_turn_func_doc" / f)
@@ -65,7 +68,12 @@ def _jsonl(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def measure(tokenizer: Any, context: int, entries: list[dict[str, Any]]) -> dict[str, Any]:
+def measure(
+    tokenizer: Any,
+    context: int,
+    entries: list[dict[str, Any]],
+    docs: dict[str, list[dict[str, Any]]],
+) -> dict[str, Any]:
     def tokens(text: str) -> int:
         return len(tokenizer(text, add_special_tokens=False)["input_ids"])
 
@@ -76,7 +84,6 @@ def measure(tokenizer: Any, context: int, entries: list[dict[str, Any]]) -> dict
                                                     tokenize=False))  # fmt: skip
 
     classes = sorted({c for q in entries for c in q["involved_classes"]})
-    docs = _class_docs(bfcl.data_dir())
     prompts = [first_prompt(q) for q in entries]
     calls = [sum(len(turn) for turn in q["ground_truth"]) for q in entries]
     turns = [len(q["question"]) for q in entries]
@@ -89,7 +96,7 @@ def measure(tokenizer: Any, context: int, entries: list[dict[str, Any]]) -> dict
     group_tokens = [GROUP * p * n for p, n in zip(prompts, least, strict=True)]
     return {
         "questions": len(entries),
-        "held_out": sum(bfcl.Question(q["id"], CATEGORY, [], [], []).held_out for q in entries),
+        "held_out": sum(bfcl.held_out(q["id"]) for q in entries),
         "class_doc_tokens": {c: tokens(json.dumps(docs[c], indent=4)) for c in classes},
         "prompt_tokens": _spread(prompts),
         "fit": len(fits),
@@ -174,7 +181,8 @@ def main() -> None:
 
     model = resolve("smollm2-135m", ROOT / ".flywheel")
     context = AutoConfig.from_pretrained(model).max_position_embeddings
-    m = measure(AutoTokenizer.from_pretrained(model), context, questions())
+    docs = class_docs(bfcl.data_dir())
+    m = measure(AutoTokenizer.from_pretrained(model), context, questions(docs), docs)
     lines = report(m, trainer_rate(args.runs) if args.runs.exists() else None)
     print("\n".join(lines))
     append_section(args.results, "BFCL multi_turn_base sizes", "bench.bfcl_multi_turn", lines)
